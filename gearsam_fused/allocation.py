@@ -1,0 +1,53 @@
+"""Radius allocation over blocks: the O(B) part of a step, shared by every backend.
+
+All inputs and outputs are float64 tensors of shape ``[B]`` on one device. Nothing here reads a value back to the
+host, so a step stays free of synchronisation on CUDA. Float64 is used because these vectors are tiny (one entry per
+block) and the EMA is carried across the whole run: rounding it to float32 every step would make a resumed or
+re-partitioned run drift for no speed gain.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _safe_ratio(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
+    """``num / den`` where ``den > 0``, else 0 (without ever dividing by zero, so no NaN enters a branch)."""
+    positive = den > 0
+    return torch.where(positive, num / torch.where(positive, den, torch.ones_like(den)), torch.zeros_like(num))
+
+
+def gear_allocate(
+    energy: torch.Tensor, ema: torch.Tensor, rho: float, beta: float, delta: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GEAR-SAM allocation (paper Eq. ema_energy, Prop. 1 and the stabilised direction).
+
+    Updates ``ema`` in place, then returns ``(scale, radius)``::
+
+        s_b   <- beta * s_b + (1 - beta) * e_b
+        r_b    = rho * s_b / ||s||_2            (all zero when s = 0)
+        scale_b = r_b / (sqrt(e_b) + delta)     so that eps_b = scale_b * g_b
+
+    ``sum_b r_b**2 == rho**2`` whenever ``s != 0`` and ``||eps|| <= rho`` always.
+    """
+    ema.mul_(beta).add_(energy, alpha=1.0 - beta)
+    radius = rho * _safe_ratio(ema, torch.linalg.vector_norm(ema))
+    scale = radius / (energy.sqrt() + delta)
+    return scale, radius
+
+
+def sam_allocate(energy: torch.Tensor, rho: float, delta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """SAM as a block allocation (paper Obs. 1): one global scale, and the radii it implies per block.
+
+    Returns ``(scale, radius)``::
+
+        scale_b  = rho / (sqrt(sum_j e_j) + delta)          the same for every block
+        r_b      = rho * sqrt(e_b) / sqrt(sum_j e_j)        (all zero when the gradient is zero)
+
+    ``scale`` is exactly what the common SAM implementation uses, so results match it; ``radius`` is telemetry.
+    """
+    total = energy.sum()
+    norm = total.sqrt()
+    scale = (rho / (norm + delta)).expand_as(energy).clone()
+    radius = rho * _safe_ratio(energy.sqrt(), norm)
+    return scale, radius

@@ -1,0 +1,60 @@
+"""The ``reference`` backend: one plain loop over parameter tensors, written straight from the paper's equations.
+
+It is the oracle every fused backend is tested against, so it favours obviousness over speed: energies are
+accumulated in float64 per tensor and per block, the perturbation ``eps = scale_b * T**2 * g`` is formed in the
+compute dtype (float32, or float64 for float64 parameters) and rounded once into the parameter, and the backup is a
+clone per tensor.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .base import Backend, checked_grad, compute_dtype
+
+
+class ReferenceBackend(Backend):
+    name = "reference"
+
+    def __init__(self, blocks: list[list[torch.Tensor]], device: torch.device):
+        super().__init__(blocks, device)
+        self._saved: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    @torch.no_grad()
+    def block_energy(self, adaptive: bool, eta: float) -> torch.Tensor:
+        energies = []
+        for params in self.blocks:
+            energy = torch.zeros((), dtype=torch.float64, device=self.device)
+            for p in params:
+                g = checked_grad(p)
+                if g is None:
+                    continue
+                v = g.double()
+                if adaptive:
+                    v = (p.double().abs() + eta) * v
+                energy = energy + v.square().sum().to(self.device)
+            energies.append(energy)
+        return torch.stack(energies)
+
+    @torch.no_grad()
+    def perturb_(self, scale: torch.Tensor, adaptive: bool, eta: float) -> None:
+        if self._saved:
+            raise RuntimeError("perturb_ called twice without restore_: the parameters already hold w + eps")
+        for b, params in enumerate(self.blocks):
+            for p in params:
+                g = checked_grad(p)
+                if g is None:
+                    continue
+                self._saved.append((p, p.detach().clone()))
+                dtype = compute_dtype(p)
+                w = p.to(dtype)
+                direction = g.to(dtype)
+                if adaptive:
+                    direction = (w.abs() + eta).square() * direction
+                p.copy_(w + direction * scale[b].to(device=p.device, dtype=dtype))
+
+    @torch.no_grad()
+    def restore_(self) -> None:
+        for p, saved in self._saved:
+            p.copy_(saved)
+        self._saved.clear()

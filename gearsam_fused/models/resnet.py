@@ -1,0 +1,74 @@
+"""ResNet with BasicBlocks: the CIFAR variant of the paper (3x3 stem, no max-pool) and the torchvision layout
+(7x7 stem + max-pool). Module names follow torchvision (``conv1, bn1, layer1..4, fc``)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .common import activation, conv3x3
+
+
+class BasicBlock(nn.Module):
+    def __init__(self, cin: int, cout: int, stride: int, act: str):
+        super().__init__()
+        self.conv1 = conv3x3(cin, cout, stride)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.conv2 = conv3x3(cout, cout)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.act = activation(act)
+        self.shortcut = nn.Sequential()
+        if stride != 1 or cin != cout:
+            self.shortcut = nn.Sequential(nn.Conv2d(cin, cout, 1, stride=stride, bias=False), nn.BatchNorm2d(cout))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.act(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        return self.act(out + self.shortcut(x))
+
+
+class ResNet(nn.Module):
+    """``blocks`` residual units per stage; stage ``i`` has ``width * 2**i`` channels and stride 2 from stage 2 on."""
+
+    def __init__(
+        self,
+        blocks: tuple[int, ...] = (2, 2, 2, 2),
+        width: int = 64,
+        num_classes: int = 10,
+        in_channels: int = 3,
+        act: str = "relu",
+        imagenet_stem: bool = False,
+    ):
+        super().__init__()
+        if imagenet_stem:
+            self.conv1 = nn.Conv2d(in_channels, width, 7, stride=2, padding=3, bias=False)
+        else:
+            self.conv1 = conv3x3(in_channels, width)
+        self.bn1 = nn.BatchNorm2d(width)
+        self.act = activation(act)
+        self.maxpool = nn.MaxPool2d(3, stride=2, padding=1) if imagenet_stem else nn.Identity()
+        cin = width
+        for i, count in enumerate(blocks):
+            cout = width * 2**i
+            units = [BasicBlock(cin if j == 0 else cout, cout, 2 if (i > 0 and j == 0) else 1, act) for j in range(count)]
+            self.add_module(f"layer{i + 1}", nn.Sequential(*units))
+            cin = cout
+        self.num_stages = len(blocks)
+        self.avgpool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(cin, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.maxpool(self.act(self.bn1(self.conv1(x))))
+        for i in range(self.num_stages):
+            x = getattr(self, f"layer{i + 1}")(x)
+        return self.fc(torch.flatten(self.avgpool(x), 1))
+
+
+def resnet18(num_classes: int = 10, width: int = 64, blocks: tuple[int, ...] = (2, 2, 2, 2), **kw) -> ResNet:
+    """CIFAR ResNet-18 (about 11.2M parameters at width 64, 62 tensors)."""
+    return ResNet(blocks, width, num_classes, **kw)
+
+
+def tv_resnet18(num_classes: int = 1000, width: int = 64, **kw) -> ResNet:
+    """ResNet-18 with torchvision's ImageNet stem and module names."""
+    return ResNet((2, 2, 2, 2), width, num_classes, imagenet_stem=True, **kw)

@@ -1,0 +1,305 @@
+"""torch.optim-style frontends: :class:`SAM` (and ASAM) and :class:`GEARSAM`.
+
+Both wrap a base optimizer exactly like the widely used ``SAM(params, base_optimizer, rho, adaptive, **kw)`` class:
+the caller computes the first gradient, ``first_step`` moves the weights to ``w + eps``, the caller computes the
+gradient there, and ``second_step`` restores ``w`` and lets the base optimizer step with that gradient.
+
+Per step, for blocks ``b`` of the partition and ``T = |w| + eta`` when ``adaptive`` (else ``T = 1``)::
+
+    e_b = sum_{p in b} ||T_p * g_p||^2
+    SAM:      eps_p = rho * T_p**2 * g_p / (sqrt(sum_b e_b) + delta)
+    GEAR-SAM: s_b <- beta * s_b + (1 - beta) * e_b
+              r_b  = rho * s_b / ||s||_2                (0 when s = 0)
+              eps_p = r_b * T_p**2 * g_p / (sqrt(e_b) + delta)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from numbers import Real
+
+import torch
+from torch import nn
+
+from .allocation import gear_allocate, sam_allocate
+from .backends import make_backend, resolve_backend_name
+from .partition import Block
+from .partition import partition as make_partition
+
+_STATE_KEY = "gearsam"
+
+
+def _check_real(name: str, value, *, low: float, low_inclusive: bool = True, high: float | None = None) -> float:
+    if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite real number, got {value!r}")
+    value = float(value)
+    too_low = value < low if low_inclusive else value <= low
+    if too_low or (high is not None and value >= high):
+        bounds = ("[" if low_inclusive else "(") + f"{low}, " + (f"{high})" if high is not None else "inf)")
+        raise ValueError(f"{name} must lie in {bounds}, got {value!r}")
+    return value
+
+
+class _SharpnessAware(torch.optim.Optimizer):
+    """Shared machinery; subclasses choose the allocation rule in :meth:`_allocate`."""
+
+    def __init__(
+        self,
+        params,
+        base_optimizer: Callable[..., torch.optim.Optimizer],
+        *,
+        rho: float,
+        adaptive: bool,
+        eta: float,
+        delta: float,
+        backend: str,
+        model: nn.Module | None,
+        partition,
+        base_kwargs: dict,
+    ):
+        _check_real("rho", rho, low=0.0)
+        self.eta = _check_real("eta", eta, low=0.0)
+        self.delta = _check_real("delta", delta, low=0.0, low_inclusive=False)
+        if not isinstance(adaptive, bool):
+            raise TypeError(f"adaptive must be a bool, got {adaptive!r}")
+        self.adaptive = adaptive
+        if isinstance(base_optimizer, torch.optim.Optimizer) or not callable(base_optimizer):
+            raise TypeError(
+                "base_optimizer must be an optimizer class (or factory) such as torch.optim.SGD, called as "
+                f"base_optimizer(param_groups, **kwargs); got {base_optimizer!r}"
+            )
+        if isinstance(params, nn.Module):
+            if model is not None and model is not params:
+                raise ValueError("params is an nn.Module and model is a different module; pass only one of them")
+            model = params
+            params = list(params.parameters())
+        elif model is not None and not isinstance(model, nn.Module):
+            raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+
+        super().__init__(params, dict(rho=rho, **base_kwargs))
+        self.base_optimizer = base_optimizer(self.param_groups, **base_kwargs)
+        self.param_groups = self.base_optimizer.param_groups
+        self.state = self.base_optimizer.state
+
+        optimized = [p for group in self.param_groups for p in group["params"]]
+        self.blocks: list[Block] = self._blocks(model, partition, optimized)
+        device = next(p for b in self.blocks for p in b.params).device
+        self.backend_name = resolve_backend_name(backend, device)
+        self._backend = make_backend(self.backend_name, [b.params for b in self.blocks], device)
+
+        zeros = torch.zeros(len(self.blocks), dtype=torch.float64, device=device)
+        self._ema = zeros.clone()
+        self._energy = zeros.clone()
+        self._radius = zeros.clone()
+        self._last_rho = float(rho)
+        self._perturbed = False
+
+    @staticmethod
+    def _blocks(model: nn.Module | None, strategy, optimized: list[torch.Tensor]) -> list[Block]:
+        """Partition, then keep only what this optimizer updates (a model may have parameters it does not own)."""
+        blocks = make_partition(model, strategy, params=optimized)
+        owned = {id(p) for p in optimized}
+        for block in blocks:
+            foreign = [n for n, p in zip(block.param_names, block.params) if id(p) not in owned]
+            if foreign and isinstance(strategy, Mapping):
+                raise ValueError(
+                    f"partition block {block.name!r} holds {foreign[0]!r}, which is not in the optimizer's params"
+                )
+            keep = [(n, p) for n, p in zip(block.param_names, block.params) if id(p) in owned]
+            block.param_names = [n for n, _ in keep]
+            block.params = [p for _, p in keep]
+        if not any(b.params for b in blocks):
+            raise ValueError("empty partition: none of the optimizer's parameters is trainable")
+        return blocks
+
+    def add_param_group(self, param_group: dict) -> None:
+        if hasattr(self, "base_optimizer"):
+            raise NotImplementedError(
+                f"{type(self).__name__} fixes its blocks at construction; pass every parameter group to the constructor"
+            )
+        super().add_param_group(param_group)
+
+    # ---------------------------------------------------------------- public API
+    @property
+    def block_names(self) -> list[str]:
+        return [b.name for b in self.blocks]
+
+    def _rho(self) -> float:
+        values = {group["rho"] for group in self.param_groups}
+        if len(values) != 1:
+            raise ValueError(
+                f"all param_groups must share one rho (the global radius that is split across blocks); got {sorted(values)}"
+            )
+        return _check_real("rho", values.pop(), low=0.0)
+
+    def _allocate(self, energy: torch.Tensor, rho: float) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def first_step(self, zero_grad: bool = False) -> None:
+        """Move every parameter with a gradient to ``w + eps`` (saving ``w``)."""
+        if self._perturbed:
+            raise RuntimeError("first_step() called twice: call second_step() to restore the weights first")
+        rho = self._rho()
+        energy = self._backend.block_energy(self.adaptive, self.eta)
+        scale, radius = self._allocate(energy, rho)
+        self._backend.perturb_(scale, self.adaptive, self.eta)
+        self._energy, self._radius, self._last_rho = energy, radius, rho
+        self._perturbed = True
+        if zero_grad:
+            self.zero_grad()
+
+    @torch.no_grad()
+    def second_step(self, zero_grad: bool = False) -> None:
+        """Restore ``w`` exactly and step the base optimizer with the gradient taken at ``w + eps``."""
+        if not self._perturbed:
+            raise RuntimeError("second_step() called without a preceding first_step()")
+        self._backend.restore_()
+        self._perturbed = False
+        self.base_optimizer.step()
+        self._opt_called = True  # tells torch LR schedulers that an optimizer step happened
+        if zero_grad:
+            self.zero_grad()
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], torch.Tensor] | None = None):
+        """One full step. The caller has already run the first backward; ``closure`` must zero nothing itself,
+        recompute the loss at the perturbed point and call ``backward()``. Returns the closure's loss."""
+        if closure is None:
+            raise RuntimeError(
+                f"{type(self).__name__}.step() needs a closure that recomputes the loss and its gradients "
+                "(or call first_step() and second_step() yourself)"
+            )
+        self.first_step(zero_grad=True)
+        with torch.enable_grad():
+            loss = closure()
+        self.second_step()
+        return loss
+
+    def block_stats(self) -> dict[str, torch.Tensor]:
+        """Telemetry of the last ``first_step`` as CPU float64 tensors of shape ``[B]`` (this call synchronises):
+        ``energy`` e_b, ``ema`` the allocation score s_b, ``radius`` rho_b, ``share`` rho_b**2 / rho**2."""
+        radius = self._radius.cpu()
+        share = radius.square() / self._last_rho**2 if self._last_rho > 0 else torch.zeros_like(radius)
+        return {"energy": self._energy.cpu(), "ema": self._score().cpu(), "radius": radius, "share": share}
+
+    def _score(self) -> torch.Tensor:
+        return self._ema
+
+    def state_dict(self) -> dict:
+        if self._perturbed:
+            raise RuntimeError("state_dict() between first_step() and second_step(): the weights hold w + eps")
+        state = self.base_optimizer.state_dict()
+        state[_STATE_KEY] = {
+            "rule": type(self).__name__,
+            "block_names": self.block_names,
+            "ema": self._ema.detach().cpu().clone(),
+            "energy": self._energy.detach().cpu().clone(),
+            "radius": self._radius.detach().cpu().clone(),
+            "last_rho": self._last_rho,
+        }
+        return state
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        state_dict = dict(state_dict)
+        ours = state_dict.pop(_STATE_KEY, None)
+        if ours is None:
+            raise ValueError(
+                f"state dict has no {_STATE_KEY!r} entry: it was not saved by {type(self).__name__}.state_dict()"
+            )
+        if ours["rule"] != type(self).__name__:
+            raise ValueError(f"state dict was saved by {ours['rule']}, cannot load it into {type(self).__name__}")
+        if list(ours["block_names"]) != self.block_names:
+            raise ValueError(
+                f"state dict blocks {list(ours['block_names'])} differ from this optimizer's blocks {self.block_names}"
+            )
+        self.base_optimizer.load_state_dict(state_dict)
+        self.param_groups = self.base_optimizer.param_groups
+        self.state = self.base_optimizer.state
+        for name in ("ema", "energy", "radius"):
+            getattr(self, "_" + name).copy_(ours[name])
+        self._last_rho = float(ours["last_rho"])
+        self._perturbed = False
+
+
+class SAM(_SharpnessAware):
+    """Sharpness-aware minimisation (Foret et al.) and, with ``adaptive=True``, ASAM (Kwon et al.).
+
+    ``eps = rho * T**2 * g / (||T * g|| + delta)`` with ``T = |w| + eta`` for ASAM and ``T = 1`` otherwise.
+
+    Args:
+        params: parameters, param-group dicts, or an ``nn.Module``.
+        base_optimizer: optimizer class, called as ``base_optimizer(param_groups, **base_kwargs)``.
+        rho: neighbourhood radius (kept in ``param_groups`` so it can be scheduled; all groups share it).
+        adaptive: ASAM's element-wise scaling by ``|w| + eta``.
+        eta: ASAM offset; 0 matches the common SAM implementation, the ASAM paper uses 0.01.
+        backend: ``"auto"`` or a name from :func:`gearsam_fused.available_backends`.
+        model, partition: only used to report SAM's implicit per-block radii in :meth:`block_stats`
+            (default: ``"coarse"`` when a model is known, else ``"global"``). The step does not depend on them.
+        delta: added to the gradient norm before dividing.
+    """
+
+    def __init__(
+        self,
+        params,
+        base_optimizer,
+        rho: float = 0.05,
+        adaptive: bool = False,
+        eta: float = 0.0,
+        backend: str = "auto",
+        *,
+        model: nn.Module | None = None,
+        partition=None,
+        delta: float = 1e-12,
+        **base_kwargs,
+    ):
+        if partition is None:
+            partition = "coarse" if isinstance(params, nn.Module) or model is not None else "global"
+        super().__init__(
+            params, base_optimizer, rho=rho, adaptive=adaptive, eta=eta, delta=delta, backend=backend,
+            model=model, partition=partition, base_kwargs=base_kwargs,
+        )  # fmt: skip
+
+    def _allocate(self, energy, rho):
+        return sam_allocate(energy, rho, self.delta)
+
+    def _score(self) -> torch.Tensor:
+        # SAM's implicit allocation score is the instantaneous block gradient norm (paper Eq. sam_block_radius).
+        return self._energy.sqrt()
+
+
+class GEARSAM(_SharpnessAware):
+    """GEAR-SAM: SAM whose radius is split across architecture blocks by an EMA of block gradient energy.
+
+    See the module docstring for the formulas. Args as :class:`SAM`, plus:
+        model: the network, needed (unless ``params`` is the module) by ``"coarse"``, ``"fine"`` and callables.
+        partition: a strategy accepted by :func:`gearsam_fused.partition`.
+        beta: EMA factor in [0, 1).
+        delta: stabiliser of the block direction ``g_b / (||g_b|| + delta)``; must be > 0.
+    """
+
+    def __init__(
+        self,
+        params,
+        base_optimizer,
+        *,
+        model: nn.Module | None = None,
+        partition="coarse",
+        rho: float = 0.05,
+        beta: float = 0.9,
+        delta: float = 1e-12,
+        adaptive: bool = False,
+        eta: float = 0.0,
+        backend: str = "auto",
+        **base_kwargs,
+    ):
+        self.beta = _check_real("beta", beta, low=0.0, high=1.0)
+        super().__init__(
+            params, base_optimizer, rho=rho, adaptive=adaptive, eta=eta, delta=delta, backend=backend,
+            model=model, partition=partition, base_kwargs=base_kwargs,
+        )  # fmt: skip
+
+    def _allocate(self, energy, rho):
+        return gear_allocate(energy, self._ema, rho, self.beta, self.delta)
+

@@ -1,0 +1,351 @@
+"""Architecture-aware partition of a model's trainable parameters into blocks.
+
+GEAR-SAM splits the SAM radius across blocks; which parameters share a block decides what the allocation can see.
+Everything here is pure Python over module structure: no tensor data is read or written.
+
+Strategies
+----------
+``"coarse"``  architecture-level functional blocks (paper default): the stem, each top-level stage, the head.
+``"fine"``    every residual unit / transformer block of a stage on its own; stem and head stay separate.
+``"tensor"``  one block per parameter tensor.
+``"global"``  one block holding everything (GEAR-SAM then equals SAM).
+callable      ``fn(name, param) -> block name``; blocks ordered by first appearance.
+mapping       ``{block name: [parameters]}``, taken as given.
+
+How ``"coarse"`` reads a model it has never seen
+------------------------------------------------
+A child module is *shallow* when all its trainable parameters sit on it or on its direct children (a Linear, a
+conv+BN pair, a PatchEmbed); otherwise it is *deep* (a residual stage, a transformer block). Walking the root's
+children in registration order:
+
+1. while exactly one deep child exists and it holds more than half the parameters, it is a wrapper: replace it by
+   its own children (a ``Wrapper(model=ResNet)``, a ViT's ``blocks`` list, EfficientNet's ``features``);
+2. every deep child becomes a block, named by its dotted path;
+3. maximal runs of consecutive shallow children merge into one block: the leading run is ``"stem"``, the trailing
+   run ``"classifier"``, a run in the middle is named by its members joined with ``"+"``, and a model with no deep
+   child at all is the single block ``"model"``;
+4. parameters registered directly on an expanded module (a ViT's ``cls_token``) join the run in front of them, or
+   the first block when nothing shallow precedes it.
+
+``"fine"`` then splits every coarse block that is a stage (a container whose parametered children are all
+containers: residual units, transformer blocks) into one block per unit, so ``layer1`` becomes
+``layer1.0, layer1.1`` while a BasicBlock or a transformer block, which holds layers directly, stays whole.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+STRATEGIES = ("coarse", "fine", "tensor", "global")
+
+
+@dataclass
+class Block:
+    """One allocation unit: a name and the parameters that share one radius."""
+
+    name: str
+    params: list[torch.nn.Parameter] = field(default_factory=list)
+    param_names: list[str] = field(default_factory=list)
+
+    @property
+    def numel(self) -> int:
+        return sum(p.numel() for p in self.params)
+
+    def __repr__(self) -> str:
+        return f"Block({self.name!r}, tensors={len(self.params)}, numel={self.numel})"
+
+
+def _trainable(params: Iterable[torch.Tensor], seen: set[int]) -> list[torch.Tensor]:
+    """Trainable parameters not yet claimed by an earlier block (tied weights go to their first owner)."""
+    out = []
+    for p in params:
+        if p.requires_grad and id(p) not in seen:
+            seen.add(id(p))
+            out.append(p)
+    return out
+
+
+def _has_trainable(module: nn.Module) -> bool:
+    return any(p.requires_grad for p in module.parameters())
+
+
+def _is_deep(module: nn.Module) -> bool:
+    """True when some trainable parameter lies two or more module levels below ``module``."""
+    return any(
+        any(_has_trainable(grandchild) for grandchild in child.children()) for child in module.children()
+    )
+
+
+def _numel(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters() if p.requires_grad)
+
+
+# A member of the sequence being segmented: (dotted name, module or None for direct parameters, deep?)
+_Member = tuple[str, "nn.Module | None", bool, list]
+
+
+def _members(prefix: str, module: nn.Module) -> list[_Member]:
+    """Children of ``module`` that hold trainable parameters, direct parameters first."""
+    members: list[_Member] = []
+    direct = [p for p in module.parameters(recurse=False) if p.requires_grad]
+    if direct:
+        names = [prefix + n for n, p in module.named_parameters(recurse=False) if p.requires_grad]
+        members.append((prefix.rstrip(".") or "<root>", None, False, list(zip(names, direct))))
+    for name, child in module.named_children():
+        if _has_trainable(child):
+            members.append((prefix + name, child, _is_deep(child), []))
+    return members
+
+
+def _expand_wrappers(members: list[_Member]) -> list[_Member]:
+    """Replace a lone deep member that holds most of the parameters by its own members, repeatedly."""
+    while True:
+        deep = [i for i, m in enumerate(members) if m[2]]
+        if len(deep) != 1:
+            return members
+        i = deep[0]
+        total = sum(_numel(m[1]) if m[1] is not None else sum(p.numel() for _, p in m[3]) for m in members)
+        if 2 * _numel(members[i][1]) <= total:
+            return members
+        name, module, _, _ = members[i]
+        members = members[:i] + _members(name + ".", module) + members[i + 1 :]
+
+
+def _named_params(member: _Member) -> list[tuple[str, torch.Tensor]]:
+    name, module, _, direct = member
+    if module is None:
+        return direct
+    return [(f"{name}.{n}", p) for n, p in module.named_parameters()]
+
+
+def _segment(prefix: str, members: list[_Member], seen: set[int]) -> list[Block]:
+    """Steps 2-4 of the coarse rule over an ordered member list."""
+    groups: list[tuple[list[_Member], bool]] = []  # (members, is_deep)
+    for m in members:
+        if m[2]:
+            groups.append(([m], True))
+        elif groups and not groups[-1][1]:
+            groups[-1][0].append(m)
+        else:
+            groups.append(([m], False))
+
+    # A run made only of direct parameters joins the block after it (the nearest real block).
+    merged: list[tuple[list[_Member], bool]] = []
+    pending: list[_Member] = []
+    for group, deep in groups:
+        if not deep and all(m[1] is None for m in group):
+            pending.extend(group)
+            continue
+        merged.append((pending + group, deep))
+        pending = []
+    if pending:
+        if merged:
+            merged[-1][0].extend(pending)
+        else:
+            merged.append((pending, False))
+
+    has_deep = any(deep for _, deep in merged)
+    blocks = []
+    for k, (group, deep) in enumerate(merged):
+        if not has_deep:
+            name = prefix + "model" if not prefix else prefix.rstrip(".")
+        elif deep:
+            name = next(m[0] for m in group if m[1] is not None)
+        elif k == 0:
+            name = prefix + "stem"
+        elif k == len(merged) - 1:
+            name = prefix + "classifier"
+        else:
+            name = "+".join(m[0] for m in group if m[1] is not None)
+        block = Block(name)
+        for m in group:
+            for pname, p in _named_params(m):
+                if p.requires_grad and id(p) not in seen:
+                    seen.add(id(p))
+                    block.params.append(p)
+                    block.param_names.append(pname)
+        if block.params:
+            blocks.append(block)
+    return blocks
+
+
+def _coarse(model: nn.Module) -> list[Block]:
+    return _segment("", _expand_wrappers(_members("", model)), set())
+
+
+def _is_unit_sequence(module: nn.Module) -> bool:
+    """True for a stage: no trainable parameter of its own, and every child holding parameters is itself a container
+    (a residual unit, a transformer block) rather than a layer such as a Linear or a norm."""
+    children = [c for c in module.children() if _has_trainable(c)]
+    return (
+        len(children) > 1
+        and not any(p.requires_grad for p in module.parameters(recurse=False))
+        and all(any(_has_trainable(g) for g in c.children()) for c in children)
+    )
+
+
+def _fine(model: nn.Module) -> list[Block]:
+    modules = dict(model.named_modules())
+    blocks: list[Block] = []
+    for block in _coarse(model):
+        module = modules.get(block.name)
+        if module is None or not _is_unit_sequence(module):
+            blocks.append(block)
+            continue
+        owned = {id(p) for p in block.params}
+        for child_name, child in module.named_children():
+            unit = Block(f"{block.name}.{child_name}")
+            for n, p in child.named_parameters():
+                if id(p) in owned:
+                    owned.discard(id(p))
+                    unit.params.append(p)
+                    unit.param_names.append(f"{unit.name}.{n}")
+            if unit.params:
+                blocks.append(unit)
+    return blocks
+
+
+def _by_callable(model: nn.Module, fn: Callable[[str, torch.Tensor], str]) -> list[Block]:
+    blocks: dict[str, Block] = {}
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        key = fn(name, p)
+        if not isinstance(key, str) or not key:
+            raise ValueError(
+                f"partition callable returned {key!r} for parameter {name!r}; it must return a non-empty block name"
+            )
+        block = blocks.setdefault(key, Block(key))
+        block.params.append(p)
+        block.param_names.append(name)
+    return list(blocks.values())
+
+
+def _param_names(model: nn.Module | None) -> dict[int, str]:
+    if model is None:
+        return {}
+    return {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+
+
+def _by_mapping(mapping: Mapping[str, Iterable[torch.Tensor]], model: nn.Module | None) -> list[Block]:
+    names = _param_names(model)
+    owner: dict[int, str] = {}
+    blocks = []
+    for key, params in mapping.items():
+        if isinstance(params, torch.Tensor):
+            raise TypeError(f"partition block {key!r} must map to a list of parameters, not a single tensor")
+        block = Block(str(key))
+        for p in params:
+            if not isinstance(p, torch.Tensor):
+                raise TypeError(f"partition block {key!r} holds a {type(p).__name__}, expected parameters")
+            label = names.get(id(p), f"tensor of shape {tuple(p.shape)}")
+            if id(p) in owner:
+                if owner[id(p)] == block.name:
+                    raise ValueError(f"parameter {label} appears twice in partition block {block.name!r}")
+                raise ValueError(
+                    f"parameter {label} is in two partition blocks: {owner[id(p)]!r} and {block.name!r}"
+                )
+            owner[id(p)] = block.name
+            if p.requires_grad:
+                block.params.append(p)
+                block.param_names.append(names.get(id(p), f"{block.name}[{len(block.params) - 1}]"))
+        blocks.append(block)
+    return blocks
+
+
+def partition(model: nn.Module | None, strategy="coarse", params: Iterable[torch.Tensor] | None = None) -> list[Block]:
+    """Split the trainable parameters of ``model`` (or of ``params``) into ordered, disjoint blocks.
+
+    Args:
+        model: the network; needed by ``"coarse"``, ``"fine"`` and callables, which read module and parameter names.
+        strategy: ``"coarse"``, ``"fine"``, ``"tensor"``, ``"global"``, a callable ``(name, param) -> block name``,
+            or a mapping ``{block name: [parameters]}``.
+        params: the parameters to cover when no model is given (``"tensor"``, ``"global"``); with a model, defaults
+            to the model's parameters.
+
+    Returns:
+        A list of :class:`Block`. Every trainable parameter is in exactly one block; frozen ones are left out.
+
+    Raises:
+        ValueError: unknown strategy, no trainable parameters, a parameter in two blocks, a trainable parameter in
+            none, or a strategy that needs a model without one.
+    """
+    if model is not None and not isinstance(model, nn.Module):
+        raise TypeError(f"partition() expects an nn.Module as model, got {type(model).__name__}")
+    if isinstance(strategy, str):
+        if strategy not in STRATEGIES:
+            raise ValueError(f"unknown partition strategy {strategy!r}; expected one of {STRATEGIES}, a callable or a mapping")
+        if strategy in ("coarse", "fine") and model is None:
+            raise ValueError(
+                f"partition strategy {strategy!r} reads module names and needs the model: pass model=... "
+                "(or the nn.Module itself as params), or use 'tensor', 'global', a mapping"
+            )
+    elif not callable(strategy) and not isinstance(strategy, Mapping):
+        raise ValueError(f"unknown partition strategy of type {type(strategy).__name__}; expected a name, callable or mapping")
+    elif callable(strategy) and not isinstance(strategy, Mapping) and model is None:
+        raise ValueError("a callable partition strategy receives parameter names and needs the model: pass model=...")
+
+    if params is None:
+        if model is None:
+            raise ValueError("partition() needs a model or params")
+        params = list(model.parameters())
+    else:
+        params = list(params)
+    names = _param_names(model)
+
+    if strategy == "coarse":
+        blocks = _coarse(model)
+    elif strategy == "fine":
+        blocks = _fine(model)
+    elif strategy in ("tensor", "global"):
+        seen: set[int] = set()
+        named = [(names.get(id(p), f"param{i}"), p) for i, p in enumerate(_trainable(params, seen))]
+        if strategy == "tensor":
+            blocks = [Block(n, [p], [n]) for n, p in named]
+        else:
+            blocks = [Block("global", [p for _, p in named], [n for n, _ in named])]
+    elif isinstance(strategy, Mapping):
+        blocks = _by_mapping(strategy, model)
+    else:
+        blocks = _by_callable(model, strategy)
+
+    _validate(blocks, params, names)
+    return blocks
+
+
+def _validate(blocks: list[Block], params: list[torch.Tensor], names: dict[int, str]) -> None:
+    if not blocks or not any(b.params for b in blocks):
+        raise ValueError("empty partition: no block holds a trainable parameter")
+    seen_names: set[str] = set()
+    owner: dict[int, str] = {}
+    for b in blocks:
+        if b.name in seen_names:
+            raise ValueError(f"two partition blocks are named {b.name!r}; block names must be unique")
+        seen_names.add(b.name)
+        for p in b.params:
+            if id(p) in owner:
+                raise ValueError(
+                    f"parameter {names.get(id(p), tuple(p.shape))} is in two partition blocks: "
+                    f"{owner[id(p)]!r} and {b.name!r}"
+                )
+            owner[id(p)] = b.name
+    for i, p in enumerate(params):
+        if p.requires_grad and id(p) not in owner:
+            raise ValueError(
+                f"trainable parameter {names.get(id(p), f'#{i} of shape {tuple(p.shape)}')} is in no partition block"
+            )
+
+
+def format_partition(blocks: list[Block]) -> str:
+    """A plain-text table of blocks: name, tensor count, parameter count, share of parameters."""
+    total = sum(b.numel for b in blocks) or 1
+    width = max([len("block")] + [len(b.name) for b in blocks])
+    lines = [f"{'block':<{width}}  {'tensors':>7}  {'params':>12}  {'%':>6}"]
+    for b in blocks:
+        lines.append(f"{b.name:<{width}}  {len(b.params):>7}  {b.numel:>12,}  {100.0 * b.numel / total:>6.2f}")
+    lines.append(f"{'total':<{width}}  {sum(len(b.params) for b in blocks):>7}  {total:>12,}  {100.0:>6.2f}")
+    return "\n".join(lines)

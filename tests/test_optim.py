@@ -1,0 +1,382 @@
+"""The reference backend against independent implementations, the paper's identities, resume, and bad input."""
+
+import copy
+import io
+import math
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import FP32_STEP_RTOL, FP64_STEP_RTOL, batches, flat, loss_fn, rel_err, sam_step, tiny_resnet
+from gearsam_fused import GEARSAM, SAM, available_backends
+from gearsam_fused.allocation import gear_allocate, sam_allocate
+
+SGD_KW = dict(lr=0.01, momentum=0.9, weight_decay=5e-4)
+STEPS = 25
+
+
+# ---------------------------------------------------------------------------------------------- SAM vs the peer
+@pytest.mark.parametrize("adaptive", [False, True], ids=["sam", "asam"])
+def test_sam_matches_pytorch_optimizer(twin, adaptive):
+    peer_module = pytest.importorskip("pytorch_optimizer")
+    ours_model, peer_model = twin
+    ours = SAM(ours_model.parameters(), torch.optim.SGD, rho=0.05, adaptive=adaptive, **SGD_KW)
+    peer = peer_module.SAM(peer_model.parameters(), torch.optim.SGD, rho=0.05, adaptive=adaptive, **SGD_KW)
+    start = flat(ours_model)
+    for xy in batches(STEPS):
+        sam_step(ours, ours_model, xy)
+        sam_step(peer, peer_model, xy)
+        assert rel_err(flat(ours_model), flat(peer_model)) <= FP32_STEP_RTOL
+    assert rel_err(flat(ours_model), start) > 1e-3  # the run really moved
+
+
+# ---------------------------------------------------------------- GEAR-SAM vs a float64 re-computation of Alg. 1
+def _paper_blocks(model):
+    """Coarse blocks of the tiny ResNet written out by hand (independent of gearsam_fused.partition)."""
+    prefixes = [("stem", ("conv1.", "bn1.")), ("layer1", ("layer1.",)), ("layer2", ("layer2.",)), ("classifier", ("fc.",))]
+    named = list(model.named_parameters())
+    return [[p for n, p in named if n.startswith(pre)] for _, pre in prefixes], [name for name, _ in prefixes]
+
+
+def _gear_sam_float64(model, data, rho, beta, delta, lr, momentum, weight_decay, adaptive, eta):
+    """Algorithm 1 with SGD (momentum, weight decay) over whole float64 vectors; yields the weights after each step."""
+    blocks, _ = _paper_blocks(model)
+    params = [p for b in blocks for p in b]
+    sizes = [sum(p.numel() for p in b) for b in blocks]
+    s = torch.zeros(len(blocks), dtype=torch.float64)
+    buf = None
+
+    def grad_at(w, xy):
+        torch.nn.utils.vector_to_parameters(w, params)
+        model.zero_grad()
+        loss_fn(model, xy).backward()
+        return torch.cat([p.grad.reshape(-1) for p in params])
+
+    w = torch.nn.utils.parameters_to_vector(params).detach().clone()
+    for xy in data:
+        g = grad_at(w, xy)
+        t = w.abs() + eta if adaptive else torch.ones_like(w)
+        e = torch.stack([((t * g) ** 2).sum() for t, g in zip(t.split(sizes), g.split(sizes))]) if adaptive else torch.stack(
+            [(gb**2).sum() for gb in g.split(sizes)]
+        )
+        s = beta * s + (1 - beta) * e
+        r = rho * s / torch.sqrt((s**2).sum()) if (s > 0).any() else torch.zeros_like(s)
+        eps = torch.cat([r[b] * (tb**2) * gb / (torch.sqrt(e[b]) + delta) for b, (tb, gb) in enumerate(zip(t.split(sizes), g.split(sizes)))])
+        G = grad_at(w + eps, xy)
+        d = G + weight_decay * w
+        buf = d.clone() if buf is None else momentum * buf + d
+        w = w - lr * buf
+        yield w
+
+
+@pytest.mark.parametrize("adaptive,eta", [(False, 0.0), (True, 0.01)], ids=["gear", "gear-asam"])
+def test_gearsam_reference_equals_float64_algorithm(adaptive, eta):
+    model = tiny_resnet(dtype=torch.float64)
+    twin = copy.deepcopy(model)
+    hp = dict(rho=0.1, beta=0.9, delta=1e-12)
+    opt = GEARSAM(model, torch.optim.SGD, backend="reference", adaptive=adaptive, eta=eta, **hp, **SGD_KW)
+    assert opt.block_names == _paper_blocks(twin)[1]
+    data = batches(STEPS, dtype=torch.float64)
+    expected = _gear_sam_float64(twin, data, **hp, **SGD_KW, adaptive=adaptive, eta=eta)
+    for xy, w in zip(data, expected):
+        sam_step(opt, model, xy)
+        assert rel_err(flat(model), w) <= FP64_STEP_RTOL
+
+
+# ---------------------------------------------------------------------------------------- paper identities
+def _perturbation(opt, model, xy):
+    """eps actually applied by first_step (then restored by second_step)."""
+    before = flat(model)
+    loss_fn(model, xy).backward()
+    opt.first_step(zero_grad=True)
+    eps = flat(model) - before
+    loss_fn(model, xy).backward()
+    opt.second_step(zero_grad=True)
+    return eps
+
+
+@pytest.mark.parametrize("cls", [SAM, GEARSAM])
+def test_budget_is_preserved_and_perturbation_within_radius(cls):
+    model = tiny_resnet()
+    opt = cls(model, torch.optim.SGD, rho=0.07, **SGD_KW)
+    assert len(opt.block_names) == 4
+    for xy in batches(5):
+        eps = _perturbation(opt, model, xy)
+        stats = opt.block_stats()
+        assert math.isclose(stats["radius"].square().sum().item(), 0.07**2, rel_tol=1e-12)  # Prop. 1 / Obs. 1
+        assert math.isclose(stats["share"].sum().item(), 1.0, rel_tol=1e-12)
+        assert (stats["radius"] > 0).all()
+        # ||eps|| <= rho, and equals it up to float32 rounding when delta is negligible
+        assert 0.07 * (1 - 1e-5) <= eps.norm().item() <= 0.07 * (1 + 1e-6)
+
+
+def test_zero_scores_mean_zero_perturbation():
+    model = tiny_resnet()
+    opt = GEARSAM(model, torch.optim.SGD, rho=0.05, **SGD_KW)
+    before = [p.detach().clone() for p in model.parameters()]
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.first_step()
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    stats = opt.block_stats()
+    assert torch.equal(stats["radius"], torch.zeros(4, dtype=torch.float64))
+    assert torch.equal(stats["ema"], torch.zeros(4, dtype=torch.float64))
+    opt.second_step()
+
+
+def test_block_with_zero_gradient_gets_no_perturbation_but_keeps_its_history():
+    model = tiny_resnet()
+    opt = GEARSAM(model, torch.optim.SGD, rho=0.05, **SGD_KW)
+    sam_step(opt, model, batches(1)[0])
+    xy = batches(1, seed=7)[0]
+    loss_fn(model, xy).backward()
+    for p in model.layer1.parameters():
+        p.grad.zero_()
+    layer1_before = [p.detach().clone() for p in model.layer1.parameters()]
+    opt.first_step()
+    assert all(torch.equal(a, p) for a, p in zip(layer1_before, model.layer1.parameters()))
+    stats = opt.block_stats()
+    assert stats["energy"][1] == 0 and stats["radius"][1] > 0  # the EMA still allots it a radius
+    opt.second_step()
+
+
+def test_global_partition_gearsam_is_sam():
+    a, b = tiny_resnet(), tiny_resnet()
+    sam = SAM(a.parameters(), torch.optim.SGD, rho=0.05, **SGD_KW)
+    gear = GEARSAM(b, torch.optim.SGD, partition="global", rho=0.05, beta=0.9, **SGD_KW)
+    for xy in batches(STEPS):
+        sam_step(sam, a, xy)
+        sam_step(gear, b, xy)
+        assert torch.equal(flat(a), flat(b))
+
+
+def test_radii_invariant_to_common_rescaling_of_scores():
+    g = torch.Generator().manual_seed(0)
+    energy = torch.rand(6, generator=g, dtype=torch.float64)
+    ema = torch.rand(6, generator=g, dtype=torch.float64)
+    _, radius = gear_allocate(energy, ema.clone(), rho=0.3, beta=0.8, delta=1e-12)
+    for c in (1e-8, 3.0, 1e6):
+        _, scaled = gear_allocate(c * energy, c * ema, rho=0.3, beta=0.8, delta=1e-12)
+        torch.testing.assert_close(scaled, radius, rtol=1e-14, atol=0)
+    _, sam_radius = sam_allocate(energy, 0.3, 1e-12)
+    _, sam_scaled = sam_allocate(1e4 * energy, 0.3, 1e-12)
+    torch.testing.assert_close(sam_scaled, sam_radius, rtol=1e-14, atol=0)
+
+
+def test_radii_invariant_to_loss_scaling_through_the_optimizer():
+    radii = []
+    for scale in (1.0, 1024.0):
+        model = tiny_resnet()
+        opt = GEARSAM(model, torch.optim.SGD, rho=0.05, **SGD_KW)
+        for xy in batches(3):
+            (scale * loss_fn(model, xy)).backward()
+            opt.first_step(zero_grad=True)
+            loss_fn(model, xy).backward()
+            opt.second_step(zero_grad=True)
+        radii.append(opt.block_stats()["radius"])
+    torch.testing.assert_close(radii[1], radii[0], rtol=1e-5, atol=0)
+
+
+def test_allocation_formulas():
+    energy = torch.tensor([4.0, 0.0, 9.0], dtype=torch.float64)
+    ema = torch.tensor([1.0, 2.0, 0.0], dtype=torch.float64)
+    scale, radius = gear_allocate(energy, ema, rho=2.0, beta=0.5, delta=1e-12)
+    torch.testing.assert_close(ema, torch.tensor([2.5, 1.0, 4.5], dtype=torch.float64))
+    expected_r = 2.0 * ema / ema.norm()
+    torch.testing.assert_close(radius, expected_r, rtol=1e-15, atol=0)
+    torch.testing.assert_close(scale, expected_r / (energy.sqrt() + 1e-12), rtol=1e-15, atol=0)
+    scale, radius = sam_allocate(energy, rho=2.0, delta=1e-12)
+    torch.testing.assert_close(scale, torch.full((3,), 2.0 / (13**0.5 + 1e-12), dtype=torch.float64))
+    torch.testing.assert_close(radius, 2.0 * energy.sqrt() / 13**0.5)
+    zero_scale, zero_radius = sam_allocate(torch.zeros(3, dtype=torch.float64), 2.0, 1e-12)
+    assert torch.equal(zero_radius, torch.zeros(3, dtype=torch.float64)) and torch.isfinite(zero_scale).all()
+
+
+# -------------------------------------------------------------------------------------- API behaviour
+def test_restore_is_bitwise_and_parameters_without_grad_are_untouched():
+    model = tiny_resnet()
+    opt = GEARSAM(model, torch.optim.SGD, rho=0.05, **SGD_KW)
+    before = [p.detach().clone() for p in model.parameters()]
+    loss_fn(model, batches(1)[0]).backward()
+    model.fc.bias.grad = None
+    opt.first_step()
+    assert torch.equal(model.fc.bias, before[-1])
+    assert not torch.equal(model.conv1.weight, before[0])
+    opt._backend.restore_()
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+
+
+def test_closure_step_equals_two_pass_step(twin):
+    a, b = twin
+    opt_a = GEARSAM(a, torch.optim.SGD, rho=0.05, **SGD_KW)
+    opt_b = GEARSAM(b, torch.optim.SGD, rho=0.05, **SGD_KW)
+    for xy in batches(5):
+        sam_step(opt_a, a, xy)
+
+        def closure():
+            loss = loss_fn(b, xy)
+            loss.backward()
+            return loss
+
+        loss_fn(b, xy).backward()
+        loss = opt_b.step(closure)
+        opt_b.zero_grad()
+        assert loss.ndim == 0 and torch.isfinite(loss)
+        assert torch.equal(flat(a), flat(b))
+
+
+def test_param_groups_are_shared_and_lr_scheduler_works_without_warnings():
+    model = tiny_resnet()
+    opt = GEARSAM(model, torch.optim.SGD, rho=0.05, **SGD_KW)
+    assert opt.param_groups is opt.base_optimizer.param_groups
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for xy in batches(4):
+            sam_step(opt, model, xy)
+            sched.step()
+    assert opt.base_optimizer.param_groups[0]["lr"] == pytest.approx(0.0025)
+
+
+def test_param_groups_dicts_and_module_params():
+    model = tiny_resnet()
+    groups = [{"params": model.fc.parameters(), "lr": 0.1}, {"params": [p for n, p in model.named_parameters() if not n.startswith("fc")]}]
+    opt = GEARSAM(groups, torch.optim.SGD, model=model, rho=0.05, lr=0.01)
+    assert opt.block_names == ["stem", "layer1", "layer2", "classifier"]
+    assert [g["lr"] for g in opt.param_groups] == [0.1, 0.01]
+    # a model with parameters the optimizer does not own: blocks keep only the owned ones
+    head_only = GEARSAM(model.fc.parameters(), torch.optim.SGD, model=model, lr=0.1)
+    assert [len(b.params) for b in head_only.blocks] == [0, 0, 0, 2]
+    sam_step(head_only, model, batches(1)[0])
+    assert head_only.block_stats()["share"][3] == pytest.approx(1.0)
+
+
+def test_state_dict_round_trip_continues_bitwise():
+    data = batches(12)
+    model = tiny_resnet()
+    opt = GEARSAM(model, torch.optim.SGD, rho=0.05, **SGD_KW)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=12)
+    for xy in data[:6]:
+        sam_step(opt, model, xy)
+        sched.step()
+    buffer = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict()}, buffer)
+    for xy in data[6:]:
+        sam_step(opt, model, xy)
+        sched.step()
+
+    buffer.seek(0)
+    saved = torch.load(buffer)
+    resumed = tiny_resnet(seed=123)
+    resumed.load_state_dict(saved["model"])
+    opt2 = GEARSAM(resumed, torch.optim.SGD, rho=0.05, **SGD_KW)
+    sched2 = torch.optim.lr_scheduler.CosineAnnealingLR(opt2, T_max=12)
+    opt2.load_state_dict(saved["opt"])
+    sched2.load_state_dict(saved["sched"])
+    assert torch.equal(opt2.block_stats()["ema"], saved["opt"]["gearsam"]["ema"])
+    for xy in data[6:]:
+        sam_step(opt2, resumed, xy)
+        sched2.step()
+    assert torch.equal(flat(resumed), flat(model))
+    assert torch.equal(opt2.block_stats()["ema"], opt.block_stats()["ema"])
+
+
+def test_backend_dispatch():
+    assert "reference" in available_backends()
+    opt = SAM(tiny_resnet().parameters(), torch.optim.SGD, lr=0.1)
+    assert opt.backend_name == "reference"
+
+
+# ------------------------------------------------------------------------------------------ bad input
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(rho=-0.1), r"rho must lie in \[0.0, inf\)"),
+        (dict(rho=float("nan")), "rho must be a finite real number"),
+        (dict(beta=1.0), r"beta must lie in \[0.0, 1.0\)"),
+        (dict(beta=-0.5), r"beta must lie in \[0.0, 1.0\)"),
+        (dict(delta=0.0), r"delta must lie in \(0.0, inf\)"),
+        (dict(delta=-1e-3), r"delta must lie in \(0.0, inf\)"),
+        (dict(eta=-0.01), r"eta must lie in \[0.0, inf\)"),
+        (dict(partition="layers"), "unknown partition strategy 'layers'"),
+        (dict(backend="cuda-magic"), "unknown backend 'cuda-magic'"),
+        (dict(backend="triton"), "backend 'triton' is not available"),
+    ],
+)
+def test_bad_hyperparameters_raise_value_error(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        GEARSAM(tiny_resnet(), torch.optim.SGD, lr=0.1, **kwargs)
+
+
+def test_partition_errors_through_the_optimizer():
+    model = tiny_resnet()
+    params = list(model.parameters())
+    with pytest.raises(ValueError, match="needs the model"):
+        GEARSAM(params, torch.optim.SGD, lr=0.1)
+    with pytest.raises(ValueError, match="two partition blocks"):
+        GEARSAM(params, torch.optim.SGD, partition={"a": params[:2], "b": params[1:]}, lr=0.1)
+    with pytest.raises(ValueError, match="fc.bias is in no partition block"):
+        GEARSAM(model, torch.optim.SGD, partition={"a": params[:-1]}, lr=0.1)
+    with pytest.raises(ValueError, match="empty partition"):
+        GEARSAM(params, torch.optim.SGD, partition={}, lr=0.1)
+    with pytest.raises(ValueError, match="not in the optimizer's params"):
+        GEARSAM(params[:-1], torch.optim.SGD, model=model, partition={"all": params}, lr=0.1)
+    assert GEARSAM(params, torch.optim.SGD, partition="tensor", lr=0.1).block_names[0] == "param0"
+
+
+def test_sparse_gradients_raise_type_error():
+    emb = nn.Embedding(10, 3, sparse=True)
+    opt = SAM(emb.parameters(), torch.optim.SGD, lr=0.1)
+    emb(torch.tensor([1, 2])).sum().backward()
+    with pytest.raises(TypeError, match="sparse gradients"):
+        opt.first_step()
+
+
+def test_misuse_raises_clear_errors():
+    model = tiny_resnet()
+    with pytest.raises(TypeError, match="optimizer class"):
+        SAM(model.parameters(), torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(ValueError, match="different module"):
+        GEARSAM(model, torch.optim.SGD, model=tiny_resnet(), lr=0.1)
+    with pytest.raises(TypeError, match="adaptive must be a bool"):
+        SAM(model.parameters(), torch.optim.SGD, adaptive="yes", lr=0.1)
+    opt = GEARSAM(model, torch.optim.SGD, lr=0.1)
+    with pytest.raises(RuntimeError, match="needs a closure"):
+        opt.step()
+    with pytest.raises(RuntimeError, match="without a preceding first_step"):
+        opt.second_step()
+    loss_fn(model, batches(1)[0]).backward()
+    opt.first_step()
+    with pytest.raises(RuntimeError, match="called twice"):
+        opt.first_step()
+    with pytest.raises(RuntimeError, match="between first_step"):
+        opt.state_dict()
+    opt.second_step()
+    with pytest.raises(NotImplementedError, match="every parameter group"):
+        opt.add_param_group({"params": [nn.Parameter(torch.zeros(1))]})
+    opt.param_groups[0]["rho"] = -1.0
+    with pytest.raises(ValueError, match="rho must lie"):
+        opt.first_step()
+
+
+def test_groups_must_share_rho():
+    model = tiny_resnet()
+    groups = [{"params": model.fc.parameters(), "rho": 0.1}, {"params": [p for n, p in model.named_parameters() if not n.startswith("fc")]}]
+    opt = GEARSAM(groups, torch.optim.SGD, model=model, rho=0.05, lr=0.1)
+    loss_fn(model, batches(1)[0]).backward()
+    with pytest.raises(ValueError, match="share one rho"):
+        opt.first_step()
+
+
+def test_load_state_dict_refuses_foreign_states():
+    model = tiny_resnet()
+    gear = GEARSAM(model, torch.optim.SGD, lr=0.1)
+    with pytest.raises(ValueError, match="no 'gearsam' entry"):
+        gear.load_state_dict(torch.optim.SGD(model.parameters(), lr=0.1).state_dict())
+    with pytest.raises(ValueError, match="saved by SAM"):
+        gear.load_state_dict(SAM(model, torch.optim.SGD, lr=0.1).state_dict())
+    per_tensor = GEARSAM(model, torch.optim.SGD, partition="tensor", lr=0.1)
+    with pytest.raises(ValueError, match="differ from this optimizer's blocks"):
+        per_tensor.load_state_dict(gear.state_dict())

@@ -1,0 +1,180 @@
+import pytest
+import torch
+from torch import nn
+
+from gearsam_fused import Block, format_partition, partition
+from gearsam_fused.models import MODELS, efficientnet_b0, pyramidnet110, resnet18, tv_resnet18, vit_b16, wrn28_10
+
+TINY = {
+    "resnet18": lambda: resnet18(width=4),
+    "tv_resnet18": lambda: tv_resnet18(width=4),
+    "wrn28_10": lambda: wrn28_10(depth=16, widen_factor=1),
+    "pyramidnet110": lambda: pyramidnet110(depth=20, alpha=12),
+    "efficientnet_b0": lambda: efficientnet_b0(width_mult=0.25, num_classes=10),
+    "vit_b16": lambda: vit_b16(img_size=32, patch_size=8, dim=32, depth=3, heads=2, num_classes=10),
+}
+
+
+def names(blocks):
+    return [b.name for b in blocks]
+
+
+def block_of(blocks, param_name):
+    return next(b.name for b in blocks if param_name in b.param_names)
+
+
+def test_tiny_table_covers_every_model():
+    assert set(TINY) == set(MODELS)
+
+
+@pytest.mark.parametrize("factory", [lambda: resnet18(width=4), lambda: tv_resnet18(width=4)])
+def test_resnet18_coarse_is_the_paper_split(factory):
+    blocks = partition(factory(), "coarse")
+    assert names(blocks) == ["stem", "layer1", "layer2", "layer3", "layer4", "classifier"]
+    assert blocks[0].param_names == ["conv1.weight", "bn1.weight", "bn1.bias"]
+    assert blocks[-1].param_names == ["fc.weight", "fc.bias"]
+    # a unit's normalisation parameters stay with its convolutions
+    assert block_of(blocks, "layer2.0.shortcut.1.weight") == "layer2"
+
+
+@pytest.mark.parametrize("name", ["wrn28_10", "pyramidnet110"])
+def test_three_stage_nets_coarse(name):
+    blocks = partition(TINY[name](), "coarse")
+    assert names(blocks) == ["stem", "layer1", "layer2", "layer3", "classifier"]
+    assert block_of(blocks, "fc.weight") == "classifier"
+
+
+def test_fine_splits_stages_into_units():
+    assert names(partition(resnet18(width=4), "fine")) == [
+        "stem", "layer1.0", "layer1.1", "layer2.0", "layer2.1", "layer3.0", "layer3.1", "layer4.0", "layer4.1",
+        "classifier",
+    ]  # fmt: skip
+    assert names(partition(TINY["wrn28_10"](), "fine")) == [
+        "stem", "layer1.0", "layer1.1", "layer2.0", "layer2.1", "layer3.0", "layer3.1", "classifier",
+    ]  # fmt: skip
+
+
+def test_vit_coarse_keeps_tokens_with_the_embedding():
+    blocks = partition(TINY["vit_b16"](), "coarse")
+    assert names(blocks) == ["stem", "blocks.0", "blocks.1", "blocks.2", "classifier"]
+    assert set(blocks[0].param_names) == {"cls_token", "pos_embed", "patch_embed.proj.weight", "patch_embed.proj.bias"}
+    assert set(blocks[-1].param_names) == {"norm.weight", "norm.bias", "head.weight", "head.bias"}
+    assert "blocks.1.norm1.weight" in blocks[2].param_names
+    # a transformer block is already a unit: fine leaves it whole
+    assert names(partition(TINY["vit_b16"](), "fine")) == names(blocks)
+
+
+def test_efficientnet_coarse_and_fine():
+    model = TINY["efficientnet_b0"]()
+    coarse = partition(model, "coarse")
+    assert names(coarse) == ["stem"] + [f"features.{i}" for i in range(1, 8)] + ["classifier"]
+    assert block_of(coarse, "features.8.1.weight") == "classifier"  # head conv's BN with the head
+    fine = names(partition(model, "fine"))
+    assert "features.2.0" in fine and "features.2.1" in fine and "features.1" in fine
+
+
+@pytest.mark.parametrize("strategy", ["coarse", "fine", "tensor", "global"])
+@pytest.mark.parametrize("model_name", sorted(TINY))
+def test_every_trainable_parameter_in_exactly_one_block(model_name, strategy):
+    model = TINY[model_name]()
+    blocks = partition(model, strategy)
+    ids = [id(p) for b in blocks for p in b.params]
+    assert len(ids) == len(set(ids))
+    assert set(ids) == {id(p) for p in model.parameters()}
+    named = dict(model.named_parameters())
+    for b in blocks:
+        assert all(named[n] is p for n, p in zip(b.param_names, b.params))
+
+
+def test_tensor_and_global():
+    model = resnet18(width=4)
+    tensor = partition(model, "tensor")
+    assert names(tensor) == [n for n, _ in model.named_parameters()]
+    (only,) = partition(model, "global")
+    assert only.name == "global" and len(only.params) == 62
+
+
+def test_frozen_parameters_are_left_out():
+    model = resnet18(width=4)
+    model.conv1.weight.requires_grad_(False)
+    for strategy in ("coarse", "fine", "tensor", "global"):
+        blocks = partition(model, strategy)
+        assert all(p is not model.conv1.weight for b in blocks for p in b.params)
+    assert partition(model, "coarse")[0].param_names == ["bn1.weight", "bn1.bias"]
+
+
+class Wrapper(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = resnet18(width=4)
+        self.temperature = nn.Parameter(torch.ones(()))
+
+
+def test_wrapper_is_opened_and_direct_parameter_joins_nearest_block():
+    blocks = partition(Wrapper(), "coarse")
+    assert names(blocks) == ["stem", "net.layer1", "net.layer2", "net.layer3", "net.layer4", "classifier"]
+    assert blocks[0].param_names[0] == "temperature"
+
+
+def test_plain_mlp_is_one_block():
+    mlp = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    (block,) = partition(mlp, "coarse")
+    assert block.name == "model" and block.param_names == ["0.weight", "0.bias", "2.weight", "2.bias"]
+
+
+def test_tied_weights_belong_to_their_first_owner():
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(10, 4)
+            self.body = nn.Sequential(nn.Sequential(nn.Linear(4, 4)), nn.Sequential(nn.Linear(4, 4)))
+            self.out = nn.Linear(4, 10, bias=False)
+            self.out.weight = self.embed.weight
+
+    model = Tied()
+    for strategy in ("coarse", "fine", "tensor", "global"):
+        blocks = partition(model, strategy)
+        owners = [b.name for b in blocks for p in b.params if p is model.embed.weight]
+        assert len(owners) == 1
+
+
+def test_callable_and_mapping_strategies():
+    model = resnet18(width=4)
+    blocks = partition(model, lambda name, p: "weights" if name.endswith("weight") else "biases")
+    assert names(blocks) == ["weights", "biases"]
+    mapping = {"head": list(model.fc.parameters()), "rest": [p for n, p in model.named_parameters() if not n.startswith("fc")]}
+    blocks = partition(model, mapping)
+    assert names(blocks) == ["head", "rest"] and blocks[0].param_names == ["fc.weight", "fc.bias"]
+
+
+def test_bad_partitions_raise_clear_errors():
+    model = resnet18(width=4)
+    params = list(model.parameters())
+    with pytest.raises(ValueError, match="unknown partition strategy 'blocky'"):
+        partition(model, "blocky")
+    with pytest.raises(ValueError, match="needs the model"):
+        partition(None, "coarse", params=params)
+    with pytest.raises(ValueError, match="two partition blocks"):
+        partition(model, {"a": params[:3], "b": params[2:]})
+    with pytest.raises(ValueError, match=r"trainable parameter fc\.bias is in no partition block"):
+        partition(model, {"a": params[:-1]})
+    with pytest.raises(ValueError, match="empty partition"):
+        partition(model, {})
+    with pytest.raises(ValueError, match="non-empty block name"):
+        partition(model, lambda name, p: None)
+    frozen = nn.Linear(2, 2).requires_grad_(False)
+    with pytest.raises(ValueError, match="empty partition"):
+        partition(frozen, "coarse")
+
+
+def test_format_partition_lists_blocks_and_shares():
+    text = format_partition(partition(resnet18(), "coarse"))
+    lines = text.splitlines()
+    assert lines[0].split() == ["block", "tensors", "params", "%"]
+    assert lines[5].split()[:3] == ["layer4", "15", "8,393,728"]
+    assert lines[-1].split() == ["total", "62", "11,173,962", "100.00"]
+
+
+def test_block_repr_and_numel():
+    b = Block("x", [nn.Parameter(torch.zeros(3, 4))], ["w"])
+    assert b.numel == 12 and "numel=12" in repr(b)
