@@ -59,8 +59,9 @@ class Block:
         return f"Block({self.name!r}, tensors={len(self.params)}, numel={self.numel})"
 
 
-def _trainable(params: Iterable[torch.Tensor], seen: set[int]) -> list[torch.Tensor]:
-    """Trainable parameters not yet claimed by an earlier block (tied weights go to their first owner)."""
+def _trainable(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    """Trainable parameters, each once (a tensor listed twice is kept at its first position)."""
+    seen: set[int] = set()
     out = []
     for p in params:
         if p.requires_grad and id(p) not in seen:
@@ -84,7 +85,8 @@ def _numel(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters() if p.requires_grad)
 
 
-# A member of the sequence being segmented: (dotted name, module or None for direct parameters, deep?)
+# A member of the sequence being segmented: (dotted name, module or None, deep?, [(name, param)] when the member
+# stands for parameters registered directly on a module)
 _Member = tuple[str, "nn.Module | None", bool, list]
 
 
@@ -94,7 +96,7 @@ def _members(prefix: str, module: nn.Module) -> list[_Member]:
     direct = [p for p in module.parameters(recurse=False) if p.requires_grad]
     if direct:
         names = [prefix + n for n, p in module.named_parameters(recurse=False) if p.requires_grad]
-        members.append((prefix.rstrip(".") or "<root>", None, False, list(zip(names, direct))))
+        members.append((prefix, None, False, list(zip(names, direct))))
     for name, child in module.named_children():
         if _has_trainable(child):
             members.append((prefix + name, child, _is_deep(child), []))
@@ -122,7 +124,7 @@ def _named_params(member: _Member) -> list[tuple[str, torch.Tensor]]:
     return [(f"{name}.{n}", p) for n, p in module.named_parameters()]
 
 
-def _segment(prefix: str, members: list[_Member], seen: set[int]) -> list[Block]:
+def _segment(members: list[_Member]) -> list[Block]:
     """Steps 2-4 of the coarse rule over an ordered member list."""
     groups: list[tuple[list[_Member], bool]] = []  # (members, is_deep)
     for m in members:
@@ -150,15 +152,16 @@ def _segment(prefix: str, members: list[_Member], seen: set[int]) -> list[Block]
 
     has_deep = any(deep for _, deep in merged)
     blocks = []
+    seen: set[int] = set()  # a tied weight goes to the first block that reaches it
     for k, (group, deep) in enumerate(merged):
         if not has_deep:
-            name = prefix + "model" if not prefix else prefix.rstrip(".")
+            name = "model"
         elif deep:
             name = next(m[0] for m in group if m[1] is not None)
         elif k == 0:
-            name = prefix + "stem"
+            name = "stem"
         elif k == len(merged) - 1:
-            name = prefix + "classifier"
+            name = "classifier"
         else:
             name = "+".join(m[0] for m in group if m[1] is not None)
         block = Block(name)
@@ -174,7 +177,7 @@ def _segment(prefix: str, members: list[_Member], seen: set[int]) -> list[Block]
 
 
 def _coarse(model: nn.Module) -> list[Block]:
-    return _segment("", _expand_wrappers(_members("", model)), set())
+    return _segment(_expand_wrappers(_members("", model)))
 
 
 def _is_unit_sequence(module: nn.Module) -> bool:
@@ -302,8 +305,7 @@ def partition(model: nn.Module | None, strategy="coarse", params: Iterable[torch
     elif strategy == "fine":
         blocks = _fine(model)
     elif strategy in ("tensor", "global"):
-        seen: set[int] = set()
-        named = [(names.get(id(p), f"param{i}"), p) for i, p in enumerate(_trainable(params, seen))]
+        named = [(names.get(id(p), f"param{i}"), p) for i, p in enumerate(_trainable(params))]
         if strategy == "tensor":
             blocks = [Block(n, [p], [n]) for n, p in named]
         else:
