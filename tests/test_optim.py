@@ -380,3 +380,24 @@ def test_load_state_dict_refuses_foreign_states():
     per_tensor = GEARSAM(model, torch.optim.SGD, partition="tensor", lr=0.1)
     with pytest.raises(ValueError, match="differ from this optimizer's blocks"):
         per_tensor.load_state_dict(gear.state_dict())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+def test_reference_precision_contract(dtype):
+    """Energies in float64 from the stored gradients; eps formed in float32 (float64 for float64) and rounded once."""
+    torch.manual_seed(0)
+    layers = nn.Sequential(nn.Linear(7, 5), nn.Tanh(), nn.Linear(5, 3)).to(dtype)
+    opt = GEARSAM(layers, torch.optim.SGD, partition="tensor", rho=0.1, lr=0.0)
+    layers(torch.randn(4, 7, dtype=dtype)).square().sum().backward()
+    weights = [p.detach().clone() for p in layers.parameters()]
+    grads = [p.grad.clone() for p in layers.parameters()]
+    opt.first_step()
+    stats = opt.block_stats()
+    torch.testing.assert_close(stats["energy"], torch.stack([g.double().square().sum() for g in grads]), rtol=1e-15, atol=0)
+    compute = torch.float64 if dtype == torch.float64 else torch.float32
+    scale = (stats["radius"] / (stats["energy"].sqrt() + 1e-12)).to(compute)
+    for b, (p, w, g) in enumerate(zip(layers.parameters(), weights, grads)):
+        assert p.dtype == dtype
+        assert torch.equal(p, (w.to(compute) + g.to(compute) * scale[b]).to(dtype))
+    opt.second_step()  # lr = 0: what remains is the restore, which must be exact in every dtype
+    assert all(torch.equal(p, w) for p, w in zip(layers.parameters(), weights))
