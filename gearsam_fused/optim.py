@@ -142,6 +142,9 @@ class _SharpnessAware(torch.optim.Optimizer):
         if self._perturbed:
             raise RuntimeError("first_step() called twice: call second_step() to restore the weights first")
         rho = self._rho()
+        # any() stops at the first gradient it finds, so a normal step pays O(1) here.
+        if not any(p.grad is not None for block in self.blocks for p in block.params):
+            raise RuntimeError("first_step() found no gradients: call loss.backward() before first_step()")
         energy = self._backend.block_energy(self.adaptive, self.eta)
         scale, radius = self._allocate(energy, rho)
         self._backend.perturb_(scale, self.adaptive, self.eta)

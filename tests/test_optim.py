@@ -343,6 +343,8 @@ def test_misuse_raises_clear_errors():
     with pytest.raises(TypeError, match="adaptive must be a bool"):
         SAM(model.parameters(), torch.optim.SGD, adaptive="yes", lr=0.1)
     opt = GEARSAM(model, torch.optim.SGD, lr=0.1)
+    with pytest.raises(RuntimeError, match="no gradients: call loss.backward"):
+        opt.first_step()
     with pytest.raises(RuntimeError, match="needs a closure"):
         opt.step()
     with pytest.raises(RuntimeError, match="without a preceding first_step"):
