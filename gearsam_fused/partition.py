@@ -236,7 +236,6 @@ def _param_names(model: nn.Module | None) -> dict[int, str]:
 
 def _by_mapping(mapping: Mapping[str, Iterable[torch.Tensor]], model: nn.Module | None) -> list[Block]:
     names = _param_names(model)
-    owner: dict[int, str] = {}
     blocks = []
     for key, params in mapping.items():
         if isinstance(params, torch.Tensor):
@@ -245,19 +244,11 @@ def _by_mapping(mapping: Mapping[str, Iterable[torch.Tensor]], model: nn.Module 
         for p in params:
             if not isinstance(p, torch.Tensor):
                 raise TypeError(f"partition block {key!r} holds a {type(p).__name__}, expected parameters")
-            label = names.get(id(p), f"tensor of shape {tuple(p.shape)}")
-            if id(p) in owner:
-                if owner[id(p)] == block.name:
-                    raise ValueError(f"parameter {label} appears twice in partition block {block.name!r}")
-                raise ValueError(
-                    f"parameter {label} is in two partition blocks: {owner[id(p)]!r} and {block.name!r}"
-                )
-            owner[id(p)] = block.name
             if p.requires_grad:
                 block.params.append(p)
                 block.param_names.append(names.get(id(p), f"{block.name}[{len(block.params) - 1}]"))
         blocks.append(block)
-    return blocks
+    return blocks  # disjointness is checked by _validate, like every other strategy's result
 
 
 def partition(model: nn.Module | None, strategy="coarse", params: Iterable[torch.Tensor] | None = None) -> list[Block]:
@@ -330,10 +321,10 @@ def _validate(blocks: list[Block], params: list[torch.Tensor], names: dict[int, 
         seen_names.add(b.name)
         for p in b.params:
             if id(p) in owner:
-                raise ValueError(
-                    f"parameter {names.get(id(p), tuple(p.shape))} is in two partition blocks: "
-                    f"{owner[id(p)]!r} and {b.name!r}"
-                )
+                label = names.get(id(p), f"of shape {tuple(p.shape)}")
+                if owner[id(p)] == b.name:
+                    raise ValueError(f"parameter {label} appears twice in partition block {b.name!r}")
+                raise ValueError(f"parameter {label} is in two partition blocks: {owner[id(p)]!r} and {b.name!r}")
             owner[id(p)] = b.name
     for i, p in enumerate(params):
         if p.requires_grad and id(p) not in owner:
