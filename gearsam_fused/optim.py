@@ -15,14 +15,12 @@ Per step, for blocks ``b`` of the partition and ``T = |w| + eta`` when ``adaptiv
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping
-from numbers import Real
 
 import torch
 from torch import nn
 
-from .allocation import gear_allocate, sam_allocate
+from ._checks import check_real
 from .backends import make_backend, resolve_backend_name
 from .partition import Block
 from .partition import partition as make_partition
@@ -30,19 +28,11 @@ from .partition import partition as make_partition
 _STATE_KEY = "gearsam"
 
 
-def _check_real(name: str, value, *, low: float, low_inclusive: bool = True, high: float | None = None) -> float:
-    if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite real number, got {value!r}")
-    value = float(value)
-    too_low = value < low if low_inclusive else value <= low
-    if too_low or (high is not None and value >= high):
-        bounds = ("[" if low_inclusive else "(") + f"{low}, " + (f"{high})" if high is not None else "inf)")
-        raise ValueError(f"{name} must lie in {bounds}, got {value!r}")
-    return value
-
-
 class _SharpnessAware(torch.optim.Optimizer):
-    """Shared machinery; subclasses choose the allocation rule in :meth:`_allocate`."""
+    """Shared machinery; subclasses choose the allocation rule (``_rule``, see ``Backend.allocate``)."""
+
+    _rule = ""
+    beta = 0.0  # EMA factor; only the "gear" rule reads it
 
     def __init__(
         self,
@@ -58,9 +48,9 @@ class _SharpnessAware(torch.optim.Optimizer):
         partition,
         base_kwargs: dict,
     ):
-        _check_real("rho", rho, low=0.0)
-        self.eta = _check_real("eta", eta, low=0.0)
-        self.delta = _check_real("delta", delta, low=0.0, low_inclusive=False)
+        check_real("rho", rho, low=0.0)
+        self.eta = check_real("eta", eta, low=0.0)
+        self.delta = check_real("delta", delta, low=0.0, low_inclusive=False)
         if not isinstance(adaptive, bool):
             raise TypeError(f"adaptive must be a bool, got {adaptive!r}")
         self.adaptive = adaptive
@@ -85,8 +75,8 @@ class _SharpnessAware(torch.optim.Optimizer):
         optimized = [p for group in self.param_groups for p in group["params"]]
         self.blocks: list[Block] = self._blocks(model, partition, optimized)
         device = next(p for b in self.blocks for p in b.params).device
-        self.backend_name = resolve_backend_name(backend, device)
-        self._backend = make_backend(self.backend_name, [b.params for b in self.blocks], device)
+        self.backend_name = resolve_backend_name(backend, {p.device for b in self.blocks for p in b.params})
+        self._backend = make_backend(self.backend_name, self.blocks, device)
 
         zeros = torch.zeros(len(self.blocks), dtype=torch.float64, device=device)
         self._ema = zeros.clone()
@@ -131,10 +121,7 @@ class _SharpnessAware(torch.optim.Optimizer):
             raise ValueError(
                 f"all param_groups must share one rho (the global radius that is split across blocks); got {sorted(values)}"
             )
-        return _check_real("rho", values.pop(), low=0.0)
-
-    def _allocate(self, energy: torch.Tensor, rho: float) -> tuple[torch.Tensor, torch.Tensor]:
-        raise NotImplementedError
+        return check_real("rho", values.pop(), low=0.0)
 
     @torch.no_grad()
     def first_step(self, zero_grad: bool = False) -> None:
@@ -146,7 +133,7 @@ class _SharpnessAware(torch.optim.Optimizer):
         if not any(p.grad is not None for block in self.blocks for p in block.params):
             raise RuntimeError("first_step() found no gradients: call loss.backward() before first_step()")
         energy = self._backend.block_energy(self.adaptive, self.eta)
-        scale, radius = self._allocate(energy, rho)
+        scale, radius = self._backend.allocate(self._rule, energy, self._ema, rho, self.beta, self.delta)
         self._backend.perturb_(scale, self.adaptive, self.eta)
         self._energy, self._radius, self._last_rho = energy, radius, rho
         self._perturbed = True
@@ -179,6 +166,22 @@ class _SharpnessAware(torch.optim.Optimizer):
             loss = closure()
         self.second_step()
         return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """As ``torch.optim.Optimizer.zero_grad``. With a fused backend, ``set_to_none=False`` zeroes each flat
+        gradient buffer in one operation and keeps the gradients as its views, so the next ``backward`` accumulates
+        straight into the buffer; ``set_to_none=True`` frees them, and the next ``first_step`` copies the fresh
+        gradients in (one extra pass over the gradients)."""
+        if set_to_none:
+            super().zero_grad(set_to_none=True)
+        else:
+            self._backend.zero_grad_()
+
+    def memory_overhead(self) -> dict[str, int]:
+        """Bytes the backend holds beyond the parameters and their gradients: ``backup`` (the saved weights),
+        ``padding`` (alignment in the flat buffers), ``tables`` (O(blocks + tiles) indices and partial sums) and
+        ``total``."""
+        return self._backend.memory_overhead()
 
     def block_stats(self) -> dict[str, torch.Tensor]:
         """Telemetry of the last ``first_step`` as CPU float64 tensors of shape ``[B]`` (this call synchronises):
@@ -243,6 +246,8 @@ class SAM(_SharpnessAware):
         delta: added to the gradient norm before dividing.
     """
 
+    _rule = "sam"
+
     def __init__(
         self,
         params,
@@ -264,9 +269,6 @@ class SAM(_SharpnessAware):
             model=model, partition=partition, base_kwargs=base_kwargs,
         )  # fmt: skip
 
-    def _allocate(self, energy, rho):
-        return sam_allocate(energy, rho, self.delta)
-
     def _score(self) -> torch.Tensor:
         # SAM's implicit allocation score is the instantaneous block gradient norm (paper Eq. sam_block_radius).
         return self._energy.sqrt()
@@ -281,6 +283,8 @@ class GEARSAM(_SharpnessAware):
         beta: EMA factor in [0, 1).
         delta: stabiliser of the block direction ``g_b / (||g_b|| + delta)``; must be > 0.
     """
+
+    _rule = "gear"
 
     def __init__(
         self,
@@ -297,12 +301,9 @@ class GEARSAM(_SharpnessAware):
         backend: str = "auto",
         **base_kwargs,
     ):
-        self.beta = _check_real("beta", beta, low=0.0, high=1.0)
+        self.beta = check_real("beta", beta, low=0.0, high=1.0)
         super().__init__(
             params, base_optimizer, rho=rho, adaptive=adaptive, eta=eta, delta=delta, backend=backend,
             model=model, partition=partition, base_kwargs=base_kwargs,
         )  # fmt: skip
-
-    def _allocate(self, energy, rho):
-        return gear_allocate(energy, self._ema, rho, self.beta, self.delta)
 

@@ -1,26 +1,65 @@
 import copy
+import os
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from gearsam_fused.models import ResNet
+CUDA = torch.cuda.is_available()
+if not CUDA:
+    # Triton kernels run on CPU tensors through the interpreter; it must be chosen before triton is imported.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from gearsam_fused.backends.triton_ops import interpreter_enabled, triton_installed  # noqa: E402
+from gearsam_fused.models import ResNet  # noqa: E402
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "cuda: needs a CUDA GPU (skipped without one)")
+
+
+def on_device(backend: str, device: str):
+    """A (backend, device) test case, skipped where it cannot run."""
+    marks = []
+    if device == "cuda":
+        marks += [pytest.mark.cuda, pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")]
+    if backend == "triton":
+        marks.append(pytest.mark.skipif(not triton_installed(), reason="triton is not installed"))
+        if device == "cpu":
+            marks.append(pytest.mark.skipif(not interpreter_enabled(), reason="triton on CPU needs TRITON_INTERPRET=1"))
+    return pytest.param(backend, device, marks=marks, id=f"{backend}-{device}")
+
+
+#: Every fused backend on every device.
+FUSED = [on_device(b, d) for d in ("cpu", "cuda") for b in ("torch", "triton")]
+#: Every backend on every device.
+ALL = [on_device(b, d) for d in ("cpu", "cuda") for b in ("reference", "torch", "triton")]
+
+
+class NoStep(torch.optim.Optimizer):
+    """A base optimizer that never changes anything: isolates what SAM itself does to the weights."""
+
+    def __init__(self, params, **kwargs):
+        super().__init__(params, kwargs)
+
+    def step(self, closure=None):
+        return None
+
 
 # Relative error allowed between whole parameter vectors, per step.
 FP32_STEP_RTOL = 1e-6
 FP64_STEP_RTOL = 1e-10
 
 
-def tiny_resnet(seed: int = 0, dtype: torch.dtype = torch.float32) -> ResNet:
+def tiny_resnet(seed: int = 0, dtype: torch.dtype = torch.float32, device: str = "cpu") -> ResNet:
     """Two-stage ResNet with SiLU: smooth, so trajectory comparisons measure the algorithm, not ReLU kinks."""
     torch.manual_seed(seed)
-    return ResNet(blocks=(1, 1), width=4, num_classes=3, act="silu").to(dtype)
+    return ResNet(blocks=(1, 1), width=4, num_classes=3, act="silu").to(device, dtype)
 
 
-def batches(n: int, dtype: torch.dtype = torch.float32, batch: int = 16, seed: int = 1):
+def batches(n: int, dtype: torch.dtype = torch.float32, batch: int = 16, seed: int = 1, device: str = "cpu"):
     g = torch.Generator().manual_seed(seed)
     return [
-        (torch.randn(batch, 3, 8, 8, generator=g).to(dtype), torch.randint(0, 3, (batch,), generator=g))
+        (torch.randn(batch, 3, 8, 8, generator=g).to(device, dtype), torch.randint(0, 3, (batch,), generator=g).to(device))
         for _ in range(n)
     ]
 

@@ -1,6 +1,25 @@
 """Triton kernels of the fused engine, installed as ``gearsam_fused.triton_kernels``.
 
-The fused flat-buffer kernels (block energy, allocation, perturb, restore) live here, one file per kernel family
-with its launcher and wrapper beside it. This version ships none yet: ``backend="triton"`` reports itself as
-unavailable, and nothing in this package imports triton.
+One file per kernel family, each holding the ``@triton.jit`` kernels and the launcher that checks its tensors and
+picks the grid. All of them work on the flat buffers of :mod:`gearsam_fused.flat`: a bucket is a whole number of
+``tile``-element tiles, each tile belongs to one block, ``tile_block[t]`` names it and ``block_tiles[b]:block_tiles[b+1]``
+is block ``b``'s tile range.
+
+================  ==========================================================  =====================
+launcher          computes                                                    launches
+================  ==========================================================  =====================
+block_energy      e_b = sum_{i in b} (T_i g_i)^2, deterministic               2 (tiles, then blocks)
+allocate          EMA update, radii and per-block scales (GEAR or SAM rule)   1 (one program)
+perturb\\_         backup = w;  w += scale[block] * T^2 g                      1
+restore\\_         w = backup, bit for bit                                     1
+================  ==========================================================  =====================
+
+Importing this package imports triton: set ``TRITON_INTERPRET=1`` before that to run the kernels on CPU tensors
+through Triton's interpreter.
 """
+
+from .allocation import allocate
+from .block_energy import block_energy
+from .perturb import perturb_, restore_
+
+__all__ = ["allocate", "block_energy", "perturb_", "restore_"]

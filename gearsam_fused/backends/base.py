@@ -1,20 +1,32 @@
-"""The contract every backend implements: four operations over an ordered list of parameter blocks.
+"""The contract every backend implements: a few operations over an ordered list of parameter blocks.
 
 The optimizer frontend owns the algorithm (which energies, which allocation rule, when to restore); a backend owns
-only how the tensor work is done. Between :meth:`perturb_` and :meth:`restore_` the parameters hold ``w + eps``.
+only how the tensor work is done. One step is::
+
+    energy = block_energy(adaptive, eta)                       # e_b, float64 [B]
+    scale, radius = allocate(rule, energy, ema, rho, beta, delta)
+    perturb_(scale, adaptive, eta)                             # parameters now hold w + eps
+    ...                                                        # the caller's second backward
+    restore_()                                                 # parameters hold w again, bit for bit
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..allocation import gear_allocate, sam_allocate
+from ..partition import Block
+
+#: Allocation rules understood by :meth:`Backend.allocate`.
+RULES = ("gear", "sam")
+
 
 class Backend:
-    """Base class. ``blocks[b]`` is the list of parameters of block ``b``; ``device`` receives the energies."""
+    """Base class. ``blocks`` is the optimizer's partition; ``device`` receives energies, EMA and radii."""
 
     name = "abstract"
 
-    def __init__(self, blocks: list[list[torch.Tensor]], device: torch.device):
+    def __init__(self, blocks: list[Block], device: torch.device):
         self.blocks = blocks
         self.device = device
 
@@ -23,24 +35,42 @@ class Backend:
         ``adaptive`` else 1. Parameters whose ``grad`` is None contribute nothing."""
         raise NotImplementedError
 
+    def allocate(self, rule: str, energy: torch.Tensor, ema: torch.Tensor, rho: float, beta: float, delta: float):
+        """``(scale, radius)``, float64 ``[B]``, by ``rule`` (see :mod:`gearsam_fused.allocation`); ``"gear"``
+        updates ``ema`` in place. Runs on the device without reading anything back to the host."""
+        if rule == "gear":
+            return gear_allocate(energy, ema, rho, beta, delta)
+        if rule == "sam":
+            return sam_allocate(energy, rho, delta)
+        raise ValueError(f"unknown allocation rule {rule!r}; expected one of {RULES}")
+
     def perturb_(self, scale: torch.Tensor, adaptive: bool, eta: float) -> None:
-        """Save every parameter that has a gradient, then ``p += scale[b] * T_p**2 * g_p`` in place."""
+        """Save the parameters, then ``p += scale[b] * T_p**2 * g_p`` in place for every parameter with a gradient
+        (using the gradients as :meth:`block_energy` last read them)."""
         raise NotImplementedError
 
     def restore_(self) -> None:
         """Put back, bit for bit, every parameter saved by the last :meth:`perturb_`."""
         raise NotImplementedError
 
+    @torch.no_grad()
+    def zero_grad_(self) -> None:
+        """Zero every existing gradient in place (``zero_grad(set_to_none=False)``)."""
+        grads = []
+        for block in self.blocks:
+            for p in block.params:
+                if p.grad is not None:
+                    if p.grad.grad_fn is not None:
+                        p.grad.detach_()
+                    else:
+                        p.grad.requires_grad_(False)
+                    grads.append(p.grad)
+        if grads:
+            torch._foreach_zero_(grads)
 
-def checked_grad(p: torch.Tensor) -> torch.Tensor | None:
-    """``p.grad``, refusing layouts the SAM step cannot handle."""
-    g = p.grad
-    if g is not None and g.layout != torch.strided:
-        raise TypeError(
-            f"SAM does not support sparse gradients (parameter of shape {tuple(p.shape)} has a {g.layout} grad); "
-            "use a dense embedding (sparse=False)"
-        )
-    return g
+    def memory_overhead(self) -> dict[str, int]:
+        """Bytes this backend holds (at its peak within a step) beyond the parameters and their gradients."""
+        raise NotImplementedError
 
 
 def compute_dtype(t: torch.Tensor) -> torch.dtype:

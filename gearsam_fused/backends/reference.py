@@ -10,25 +10,29 @@ from __future__ import annotations
 
 import torch
 
-from .base import Backend, checked_grad, compute_dtype
+from .._checks import check_dense_grad
+from .base import Backend, compute_dtype
 
 
 class ReferenceBackend(Backend):
     name = "reference"
 
-    def __init__(self, blocks: list[list[torch.Tensor]], device: torch.device):
+    def __init__(self, blocks, device: torch.device):
         super().__init__(blocks, device)
         self._saved: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def _with_grads(self, block):
+        for name, p in zip(block.param_names, block.params):
+            g = check_dense_grad(p.grad, repr(name))
+            if g is not None:
+                yield p, g
 
     @torch.no_grad()
     def block_energy(self, adaptive: bool, eta: float) -> torch.Tensor:
         energies = []
-        for params in self.blocks:
+        for block in self.blocks:
             energy = torch.zeros((), dtype=torch.float64, device=self.device)
-            for p in params:
-                g = checked_grad(p)
-                if g is None:
-                    continue
+            for p, g in self._with_grads(block):
                 v = g.double()
                 if adaptive:
                     v = (p.double().abs() + eta) * v
@@ -40,11 +44,8 @@ class ReferenceBackend(Backend):
     def perturb_(self, scale: torch.Tensor, adaptive: bool, eta: float) -> None:
         if self._saved:
             raise RuntimeError("perturb_ called twice without restore_: the parameters already hold w + eps")
-        for b, params in enumerate(self.blocks):
-            for p in params:
-                g = checked_grad(p)
-                if g is None:
-                    continue
+        for b, block in enumerate(self.blocks):
+            for p, g in self._with_grads(block):
                 self._saved.append((p, p.detach().clone()))
                 dtype = compute_dtype(p)
                 w = p.to(dtype)
@@ -58,3 +59,8 @@ class ReferenceBackend(Backend):
         for p, saved in self._saved:
             p.copy_(saved)
         self._saved.clear()
+
+    def memory_overhead(self) -> dict[str, int]:
+        # One clone per parameter that has a gradient, held from perturb_ to restore_; bounded by all of them.
+        backup = sum(p.nbytes for block in self.blocks for p in block.params)
+        return {"backup": backup, "padding": 0, "tables": 0, "total": backup}

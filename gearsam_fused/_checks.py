@@ -1,0 +1,30 @@
+"""Argument and tensor checks shared by the frontend and the backends, so each error is worded once."""
+
+from __future__ import annotations
+
+import math
+from numbers import Real
+
+import torch
+
+
+def check_real(name: str, value, *, low: float, low_inclusive: bool = True, high: float | None = None) -> float:
+    """``float(value)`` if it is a finite real in ``[low, high)`` (``(low, high)`` when not ``low_inclusive``)."""
+    if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite real number, got {value!r}")
+    value = float(value)
+    too_low = value < low if low_inclusive else value <= low
+    if too_low or (high is not None and value >= high):
+        bounds = ("[" if low_inclusive else "(") + f"{low}, " + (f"{high})" if high is not None else "inf)")
+        raise ValueError(f"{name} must lie in {bounds}, got {value!r}")
+    return value
+
+
+def check_dense_grad(grad: torch.Tensor | None, what: str) -> torch.Tensor | None:
+    """``grad`` unchanged, refusing layouts the SAM step cannot handle; ``what`` names the parameter."""
+    if grad is not None and grad.layout != torch.strided:
+        raise TypeError(
+            f"SAM does not support sparse gradients ({what} has a {grad.layout} grad); use a dense embedding "
+            "(sparse=False)"
+        )
+    return grad

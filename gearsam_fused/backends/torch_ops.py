@@ -1,0 +1,58 @@
+"""The ``torch`` backend: the fused step as a handful of vectorised torch operations per flat bucket.
+
+Portable (any device torch runs on) and exact to the same contract as the Triton kernels::
+
+    partial_t = sum_{i in tile t} (T_i g_i)^2          float64 accumulation of float32 (float64) products
+    e_b       = sum_{t in block b} partial_t           torch.segment_reduce over the block's tile range
+    backup    = w;   w <- w + scale[block(i)] * T_i^2 * g_i   in float32 (float64), rounded once
+    w         <- backup
+
+with ``T = |w| + eta`` for ASAM and 1 otherwise. The number of operations does not depend on how many tensors the
+model has; every reduction has a fixed order, so results are deterministic.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..flat import Bucket
+from .base import compute_dtype
+from .fused import FusedBackend
+
+
+class TorchBackend(FusedBackend):
+    name = "torch"
+
+    @staticmethod
+    def _tiles(flat: torch.Tensor, bucket: Bucket) -> torch.Tensor:
+        return flat.view(bucket.n_tiles, bucket.tile)
+
+    @torch.no_grad()
+    def _bucket_energy(self, bucket: Bucket, adaptive: bool, eta: float) -> torch.Tensor:
+        g = self._tiles(bucket.grad, bucket)
+        if adaptive:
+            dtype = compute_dtype(g)
+            g = self._tiles(bucket.param, bucket).abs().to(dtype).add_(eta).mul_(g)
+        # ||.||_2 squared rather than sum(square) so no squared copy of the buffer is materialised
+        torch.linalg.vector_norm(g, dim=1, dtype=torch.float64, out=bucket.partials)
+        return torch.segment_reduce(bucket.partials.square_(), "sum", lengths=bucket.tiles_per_block)
+
+    @torch.no_grad()
+    def _bucket_perturb(self, bucket: Bucket, scale: torch.Tensor, adaptive: bool, eta: float) -> None:
+        bucket.backup.copy_(bucket.param)
+        w = self._tiles(bucket.param, bucket)
+        g = self._tiles(bucket.grad, bucket)
+        dtype = compute_dtype(w)
+        tile_scale = scale[bucket.tile_block].to(dtype).unsqueeze(1)
+        if not adaptive and w.dtype == dtype:
+            w.addcmul_(g, tile_scale)
+            return
+        w_compute = w.to(dtype, copy=True)
+        direction = g.to(dtype)
+        if adaptive:
+            direction = w_compute.abs().add_(eta).square_().mul_(direction)
+        w.copy_(w_compute.addcmul_(direction, tile_scale))
+
+    @torch.no_grad()
+    def _bucket_restore(self, bucket: Bucket) -> None:
+        bucket.param.copy_(bucket.backup)

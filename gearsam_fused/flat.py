@@ -1,0 +1,205 @@
+"""Flat layout: each (device, dtype) bucket of parameters re-homed as views of one contiguous buffer.
+
+A bucket holds three buffers of the same length, ``param``, ``grad`` and ``backup``, laid out by block::
+
+    | block 0: w0 .. w1 .. w2 ..... | block 1: w3 .. w4 ... | block 2 (empty here) | block 3: ...
+      ^ tensor starts on multiples of ALIGN elements
+                                    ^ block starts on multiples of TILE elements
+
+* Every parameter's ``.data`` is a view of ``param`` with the parameter's own shape and strides, so the model, its
+  ``state_dict`` and the base optimizer see the same Parameter objects and values as before.
+* Every gradient is a view of ``grad`` at the same place, so ``backward`` accumulates straight into the flat buffer.
+* Blocks start on tile boundaries, so a kernel tile of ``TILE`` elements lies in exactly one block; the tables
+  ``tile_block`` (tile -> block) and ``block_tiles`` (block -> tile range) are built once and live on the device.
+* Padding is zero in ``param`` and ``grad`` and stays zero: a perturbation adds ``scale * 0`` there.
+
+Gradients stop being views when someone sets them to None (``zero_grad(set_to_none=True)``) or assigns a new tensor;
+parameters stop being views when someone assigns ``p.data``. :meth:`FlatLayout.sync` detects both before the buffers
+are read and puts the values back in place (re-homing the tensor), so a kernel never reads a stale buffer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ._checks import check_dense_grad
+from .partition import Block
+
+#: Tensor starts are multiples of this many elements (256 bytes in float32): aligned for vectorised access.
+ALIGN = 64
+#: Kernel tile in elements; block ranges are padded to a multiple of it. A power of two (Triton's ``tl.arange``).
+TILE = 2048
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def _dense_layout(name: str, p: torch.Tensor) -> None:
+    """Refuse parameters whose elements do not fill their memory span exactly once (they cannot be a flat slice)."""
+    dims = sorted((stride, size) for stride, size in zip(p.stride(), p.shape) if size != 1)
+    expected = 1
+    for stride, size in dims:
+        if stride != expected:
+            raise ValueError(
+                f"parameter {name!r} (shape {tuple(p.shape)}, strides {p.stride()}) overlaps itself or has gaps in "
+                "memory; fused backends need dense parameters (use .contiguous() before building the optimizer) "
+                "or backend='reference'"
+            )
+        expected *= size
+
+
+def _describe(device, dtype, shape, stride) -> str:
+    return f"{str(dtype).removeprefix('torch.')} {list(shape)} strides {list(stride)} on {device}"
+
+
+@dataclass
+class _Slot:
+    """One parameter's place in its bucket."""
+
+    name: str
+    param: torch.nn.Parameter
+    view: torch.Tensor  # the parameter's storage from now on
+    grad_view: torch.Tensor  # where its gradient lives
+    dirty: bool = False  # the grad region may hold values that are not the current p.grad
+
+    def owns_param(self) -> bool:
+        p = self.param
+        return p.data_ptr() == self.view.data_ptr() and p.stride() == self.view.stride()
+
+    def owns_grad(self, grad: torch.Tensor) -> bool:
+        return grad.data_ptr() == self.grad_view.data_ptr() and grad.stride() == self.grad_view.stride()
+
+
+class Bucket:
+    """The parameters of one (device, dtype), their flat buffers and the tile tables of their blocks."""
+
+    def __init__(self, device: torch.device, dtype: torch.dtype, members: list[tuple[int, str, torch.Tensor]],
+                 n_blocks: int, tile: int = TILE, align: int = ALIGN):  # fmt: skip
+        self.device, self.dtype, self.tile = device, dtype, tile
+        # members arrive in block order, so offsets come out in the same order as they do
+        per_block: dict[int, list[torch.Tensor]] = {}
+        for b, _, p in members:
+            per_block.setdefault(b, []).append(p)
+        offsets, tiles_per_block, cursor = [], [], 0
+        for b in range(n_blocks):
+            start = cursor
+            for p in per_block.get(b, ()):
+                cursor = _round_up(cursor, align)
+                offsets.append(cursor)
+                cursor += p.numel()
+            cursor = _round_up(cursor, tile)
+            tiles_per_block.append((cursor - start) // tile)
+        self.numel = cursor
+        self.n_tiles = cursor // tile
+        self.param = torch.zeros(cursor, dtype=dtype, device=device)
+        self.grad = torch.zeros(cursor, dtype=dtype, device=device)
+        self.backup = torch.empty(cursor, dtype=dtype, device=device)
+        counts = torch.tensor(tiles_per_block, dtype=torch.int64)
+        self.tiles_per_block = counts.to(device)
+        self.block_tiles = torch.cat([counts.new_zeros(1), counts.cumsum(0)]).to(device)
+        self.tile_block = torch.repeat_interleave(torch.arange(n_blocks, dtype=torch.int32), counts).to(device)
+        self.partials = torch.empty(self.n_tiles, dtype=torch.float64, device=device)  # per-tile energies
+
+        self.slots: list[_Slot] = []
+        with torch.no_grad():
+            for (_, name, p), offset in zip(members, offsets):
+                view = torch.as_strided(self.param, p.shape, p.stride(), offset)
+                grad_view = torch.as_strided(self.grad, p.shape, p.stride(), offset)
+                slot = _Slot(name, p, view, grad_view)
+                view.copy_(p.detach())
+                p.data = view
+                if check_dense_grad(p.grad, repr(name)) is not None:
+                    grad_view.copy_(p.grad)
+                    p.grad = grad_view
+                    slot.dirty = True
+                self.slots.append(slot)
+
+    @property
+    def padding(self) -> int:
+        return self.numel - sum(s.view.numel() for s in self.slots)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor the bucket allocated, by role."""
+        return {
+            "param": self.param, "grad": self.grad, "backup": self.backup, "partials": self.partials,
+            "tiles_per_block": self.tiles_per_block, "block_tiles": self.block_tiles, "tile_block": self.tile_block,
+        }  # fmt: skip
+
+
+class FlatLayout:
+    """Re-homes the parameters of ``blocks`` into per-(device, dtype) buckets; see the module docstring."""
+
+    def __init__(self, blocks: list[Block], tile: int = TILE, align: int = ALIGN):
+        if tile <= 0 or tile & (tile - 1):
+            raise ValueError(f"tile must be a power of two, got {tile}")
+        groups: dict[tuple[torch.device, torch.dtype], list[tuple[int, str, torch.Tensor]]] = {}
+        for b, block in enumerate(blocks):
+            for name, p in zip(block.param_names, block.params):
+                _dense_layout(name, p)
+                groups.setdefault((p.device, p.dtype), []).append((b, name, p))
+        self.n_blocks = len(blocks)
+        self.buckets = [Bucket(dev, dt, members, len(blocks), tile, align) for (dev, dt), members in groups.items()]
+
+    # ------------------------------------------------------------------ keeping the views honest
+    @torch.no_grad()
+    def sync(self) -> None:
+        """Make the flat buffers hold the current parameters and gradients.
+
+        A parameter whose ``.data`` was replaced is copied back in and re-homed (a change of device, dtype or shape is
+        refused). A gradient that is not a view of the buffer is copied in and re-homed; a region whose parameter now
+        has no gradient is zeroed, so it contributes nothing and that ``.grad`` stays None.
+        """
+        for bucket in self.buckets:
+            stale: list[torch.Tensor] = []
+            targets: list[torch.Tensor] = []
+            sources: list[torch.Tensor] = []
+            for slot in bucket.slots:
+                p = slot.param
+                if not slot.owns_param():
+                    now = (p.device, p.dtype, tuple(p.shape), p.stride())
+                    placed = (bucket.device, bucket.dtype, tuple(slot.view.shape), slot.view.stride())
+                    if now != placed:
+                        raise RuntimeError(
+                            f"parameter {slot.name!r} was replaced by a tensor of another device, dtype, shape or "
+                            f"memory layout ({_describe(*now)}, was {_describe(*placed)}) after the optimizer placed "
+                            "it; build the optimizer after moving, casting or converting the model"
+                        )
+                    slot.view.copy_(p.detach())
+                    p.data = slot.view
+                g = p.grad
+                if g is None:
+                    if slot.dirty:
+                        stale.append(slot.grad_view)
+                        slot.dirty = False
+                    continue
+                check_dense_grad(g, repr(slot.name))
+                if not slot.owns_grad(g):
+                    targets.append(slot.grad_view)
+                    sources.append(g.detach())
+                    p.grad = slot.grad_view
+                slot.dirty = True
+            if stale:
+                torch._foreach_zero_(stale)
+            if targets:
+                torch._foreach_copy_(targets, sources)
+
+    @torch.no_grad()
+    def zero_grads_(self) -> None:
+        """``zero_grad(set_to_none=False)``: one fill per bucket; gradients that exist become zeroed views."""
+        for bucket in self.buckets:
+            for slot in bucket.slots:
+                g = slot.param.grad
+                if g is not None and not slot.owns_grad(g):
+                    slot.param.grad = slot.grad_view
+                slot.dirty = False
+            bucket.grad.zero_()
+
+    def memory_overhead(self) -> dict[str, int]:
+        """Bytes allocated beyond the parameters and gradients themselves."""
+        backup = sum(b.backup.nbytes for b in self.buckets)
+        padding = sum(2 * b.padding * b.param.element_size() for b in self.buckets)
+        tables = sum(t.nbytes for b in self.buckets for k, t in b.tensors().items() if k not in ("param", "grad", "backup"))
+        return {"backup": backup, "padding": padding, "tables": tables, "total": backup + padding + tables}

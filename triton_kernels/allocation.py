@@ -1,0 +1,77 @@
+"""Radius allocation on the device: one program, float64, no host synchronisation.
+
+GEAR rule (``GEAR=True``)::
+
+    s_b    <- beta * s_b + (1 - beta) * e_b
+    r_b     = rho * (s_b / ||s||_2)                 0 for every b when s = 0
+    scale_b = r_b / (sqrt(e_b) + delta)
+
+SAM rule (``GEAR=False``), one global scale and the radii it implies::
+
+    scale_b = rho / (sqrt(sum_j e_j) + delta)
+    r_b     = rho * (sqrt(e_b) / sqrt(sum_j e_j))  0 for every b when e = 0
+
+The program walks the blocks twice in chunks: once for the norm, once to write ``s``, ``r`` and ``scale`` (the EMA is
+recomputed there rather than re-read, so no thread reads what another has just written).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import check_flat, check_same
+
+#: Blocks handled per loop iteration.
+_CHUNK = 1024
+
+
+@triton.jit
+def _allocate_kernel(energy_ptr, ema_ptr, scale_ptr, radius_ptr, n_blocks, rho: tl.float64, beta: tl.float64,
+                     delta: tl.float64, GEAR: tl.constexpr, CHUNK: tl.constexpr):  # fmt: skip
+    """See the module docstring for the formulas of both rules."""
+    acc = tl.zeros([CHUNK], dtype=tl.float64)
+    for start in range(0, n_blocks, CHUNK):
+        offsets = start + tl.arange(0, CHUNK)
+        mask = offsets < n_blocks
+        e = tl.load(energy_ptr + offsets, mask=mask, other=0.0)
+        if GEAR:
+            s = beta * tl.load(ema_ptr + offsets, mask=mask, other=0.0) + (1.0 - beta) * e
+            acc += s * s
+        else:
+            acc += e
+    norm = tl.sqrt(tl.sum(acc, axis=0))
+    safe_norm = tl.where(norm > 0, norm, 1.0)
+    for start in range(0, n_blocks, CHUNK):
+        offsets = start + tl.arange(0, CHUNK)
+        mask = offsets < n_blocks
+        e = tl.load(energy_ptr + offsets, mask=mask, other=0.0)
+        root = tl.sqrt(e)
+        if GEAR:
+            s = beta * tl.load(ema_ptr + offsets, mask=mask, other=0.0) + (1.0 - beta) * e
+            tl.store(ema_ptr + offsets, s, mask=mask)
+            radius = tl.where(norm > 0, rho * (s / safe_norm), 0.0)
+            scale = radius / (root + delta)
+        else:
+            radius = tl.where(norm > 0, rho * (root / safe_norm), 0.0)
+            scale = tl.zeros([CHUNK], dtype=tl.float64) + rho / (norm + delta)
+        tl.store(radius_ptr + offsets, radius, mask=mask)
+        tl.store(scale_ptr + offsets, scale, mask=mask)
+
+
+def allocate(energy: torch.Tensor, ema: torch.Tensor, *, rule: str, rho: float, beta: float,
+             delta: float) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """``(scale, radius)``, float64 ``[B]``; ``rule`` is ``"gear"`` (updates ``ema`` in place) or ``"sam"``."""
+    if rule not in ("gear", "sam"):
+        raise ValueError(f"unknown allocation rule {rule!r}; expected 'gear' or 'sam'")
+    check_flat("energy", energy, dtype=torch.float64)
+    check_same("ema", ema, "energy", energy)
+    scale = torch.empty_like(energy)
+    radius = torch.empty_like(energy)
+    n_blocks = energy.numel()
+    if n_blocks:
+        _allocate_kernel[(1,)](
+            energy, ema, scale, radius, n_blocks, rho, beta, delta, GEAR=rule == "gear", CHUNK=_CHUNK
+        )
+    return scale, radius

@@ -1,0 +1,66 @@
+"""Perturbation to ``w + eps`` and its exact undoing, over a flat bucket.
+
+    perturb_:  backup_i = w_i;   w_i <- w_i + scale[tile_block[tile(i)]] * T_i^2 * g_i
+               T_i = |w_i| + eta (ASAM) or 1; arithmetic in float32 (float64 for float64 buffers), rounded once
+    restore_:  w_i <- backup_i   (a copy of the stored bits: exact in every dtype)
+
+One program per tile; a tile lies inside one block, so it loads its block's scale once.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import check_flat, check_same, compute_type
+
+
+@triton.jit
+def _perturb_kernel(param_ptr, grad_ptr, backup_ptr, scale_ptr, tile_block_ptr, eta32: tl.float32, eta64: tl.float64,
+                    ADAPTIVE: tl.constexpr, TILE: tl.constexpr, COMPUTE: tl.constexpr):  # fmt: skip
+    """backup = w;  w <- w + scale[block] * T^2 * g with T = |w| + eta if ADAPTIVE else 1, in COMPUTE precision."""
+    tile = tl.program_id(0).to(tl.int64)
+    offsets = tile * TILE + tl.arange(0, TILE)
+    scale = tl.load(scale_ptr + tl.load(tile_block_ptr + tile)).to(COMPUTE)
+    stored = tl.load(param_ptr + offsets)
+    tl.store(backup_ptr + offsets, stored)
+    w = stored.to(COMPUTE)
+    direction = tl.load(grad_ptr + offsets).to(COMPUTE)
+    if ADAPTIVE:
+        t = tl.abs(w) + (eta64 if COMPUTE == tl.float64 else eta32)
+        direction = t * t * direction
+    tl.store(param_ptr + offsets, (w + direction * scale).to(stored.dtype))
+
+
+@triton.jit
+def _restore_kernel(param_ptr, backup_ptr, TILE: tl.constexpr):
+    """w = backup, element by element, without arithmetic."""
+    offsets = tl.program_id(0).to(tl.int64) * TILE + tl.arange(0, TILE)
+    tl.store(param_ptr + offsets, tl.load(backup_ptr + offsets))
+
+
+def perturb_(param: torch.Tensor, grad: torch.Tensor, backup: torch.Tensor, scale: torch.Tensor,
+             tile_block: torch.Tensor, *, tile: int, adaptive: bool, eta: float) -> None:  # fmt: skip
+    """In place on ``param`` (saving it to ``backup``); ``scale`` is float64 ``[B]``, ``tile_block`` int32 per tile."""
+    check_flat("param", param, tile)
+    check_same("grad", grad, "param", param)
+    check_same("backup", backup, "param", param)
+    check_flat("scale", scale, dtype=torch.float64)
+    check_flat("tile_block", tile_block, dtype=torch.int32)
+    n_tiles = param.numel() // tile
+    if tile_block.numel() != n_tiles:
+        raise ValueError(f"tile_block has {tile_block.numel()} entries for {n_tiles} tiles")
+    if n_tiles:
+        _perturb_kernel[(n_tiles,)](
+            param, grad, backup, scale, tile_block, eta, eta, ADAPTIVE=adaptive, TILE=tile, COMPUTE=compute_type(param.dtype)
+        )
+
+
+def restore_(param: torch.Tensor, backup: torch.Tensor, *, tile: int) -> None:
+    """``param`` takes back the bits saved in ``backup``."""
+    check_flat("param", param, tile)
+    check_same("backup", backup, "param", param)
+    n_tiles = param.numel() // tile
+    if n_tiles:
+        _restore_kernel[(n_tiles,)](param, backup, TILE=tile)
