@@ -14,12 +14,15 @@ perturb\\_         backup = w;  w += scale[block] * T^2 g                      1
 restore\\_         w = backup, bit for bit                                     1
 ================  ==========================================================  =====================
 
+Kernels that do arithmetic are launched with ``enable_fp_fusion=False``: no multiply-add is contracted into an FMA,
+so ``w + scale * g`` rounds exactly like the unfused formula of the reference backend, on every Triton version.
+
 Importing this package imports triton: set ``TRITON_INTERPRET=1`` before that to run the kernels on CPU tensors
 through Triton's interpreter.
 """
 
 from .allocation import allocate
-from .block_energy import block_energy
+from .energy import block_energy
 from .perturb import perturb_, restore_
 
 __all__ = ["allocate", "block_energy", "perturb_", "restore_"]

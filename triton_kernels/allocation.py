@@ -72,6 +72,7 @@ def allocate(energy: torch.Tensor, ema: torch.Tensor, *, rule: str, rho: float, 
     n_blocks = energy.numel()
     if n_blocks:
         _allocate_kernel[(1,)](
-            energy, ema, scale, radius, n_blocks, rho, beta, delta, GEAR=rule == "gear", CHUNK=_CHUNK
+            energy, ema, scale, radius, n_blocks, rho, beta, delta, GEAR=rule == "gear", CHUNK=_CHUNK,
+            enable_fp_fusion=False,
         )
     return scale, radius

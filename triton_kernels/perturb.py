@@ -17,6 +17,21 @@ from ._common import check_flat, check_same, compute_type
 
 
 @triton.jit
+def _round_to(x, DTYPE: tl.constexpr):
+    """x (float32 or float64) rounded to nearest-even in DTYPE.
+
+    float32 -> bfloat16 is done with integer arithmetic: Triton's interpreter truncates that cast, and this way CPU test
+    runs round exactly like the GPU (and like torch)."""
+    if DTYPE == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        rounded = tl.where(x != x, 0x7FC0, rounded)  # NaN stays a (quiet) NaN
+        return rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        return x.to(DTYPE)
+
+
+@triton.jit
 def _perturb_kernel(param_ptr, grad_ptr, backup_ptr, scale_ptr, tile_block_ptr, eta32: tl.float32, eta64: tl.float64,
                     ADAPTIVE: tl.constexpr, TILE: tl.constexpr, COMPUTE: tl.constexpr):  # fmt: skip
     """backup = w;  w <- w + scale[block] * T^2 * g with T = |w| + eta if ADAPTIVE else 1, in COMPUTE precision."""
@@ -30,7 +45,7 @@ def _perturb_kernel(param_ptr, grad_ptr, backup_ptr, scale_ptr, tile_block_ptr, 
     if ADAPTIVE:
         t = tl.abs(w) + (eta64 if COMPUTE == tl.float64 else eta32)
         direction = t * t * direction
-    tl.store(param_ptr + offsets, (w + direction * scale).to(stored.dtype))
+    tl.store(param_ptr + offsets, _round_to(w + direction * scale, stored.dtype))
 
 
 @triton.jit
@@ -53,7 +68,8 @@ def perturb_(param: torch.Tensor, grad: torch.Tensor, backup: torch.Tensor, scal
         raise ValueError(f"tile_block has {tile_block.numel()} entries for {n_tiles} tiles")
     if n_tiles:
         _perturb_kernel[(n_tiles,)](
-            param, grad, backup, scale, tile_block, eta, eta, ADAPTIVE=adaptive, TILE=tile, COMPUTE=compute_type(param.dtype)
+            param, grad, backup, scale, tile_block, eta, eta, ADAPTIVE=adaptive, TILE=tile, COMPUTE=compute_type(param.dtype),
+            enable_fp_fusion=False,
         )
 
 

@@ -4,11 +4,13 @@ Portable (any device torch runs on) and exact to the same contract as the Triton
 
     partial_t = sum_{i in tile t} (T_i g_i)^2          float64 accumulation of float32 (float64) products
     e_b       = sum_{t in block b} partial_t           torch.segment_reduce over the block's tile range
-    backup    = w;   w <- w + scale[block(i)] * T_i^2 * g_i   in float32 (float64), rounded once
+    backup    = w;   w <- w + scale[block(i)] * T_i^2 * g_i   in float32 (float64), one addcmul
     w         <- backup
 
 with ``T = |w| + eta`` for ASAM and 1 otherwise. The number of operations does not depend on how many tensors the
-model has; every reduction has a fixed order, so results are deterministic.
+model has; every reduction has a fixed order, so results are deterministic. ``addcmul`` may contract the multiply and
+add into one FMA, so ``w + eps`` can differ from the reference's separately rounded formula by one unit in the last
+place (the Triton backend matches it bit for bit).
 """
 
 from __future__ import annotations

@@ -1,0 +1,73 @@
+"""Compile every Triton kernel variant of ``gearsam_fused.triton_kernels`` for a CUDA architecture, without a GPU.
+
+    python tests/compile_kernels.py [capability]      # default 90 (Hopper)
+
+Prints one JSON object: for each variant, the length of its PTX and how many atomic instructions it contains.
+Run it in a process where TRITON_INTERPRET is unset (under the interpreter, kernels are not compilable objects).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from gearsam_fused.flat import TILE
+from gearsam_fused.triton_kernels import allocation, energy, perturb
+
+FLOATS = {"fp32": tl.float32, "bf16": tl.float32, "fp16": tl.float32, "fp64": tl.float64}  # storage -> compute
+
+
+def variants():
+    """(name, kernel, signature of runtime arguments, constexprs)."""
+    for storage, compute in FLOATS.items():
+        for adaptive in (False, True):
+            yield (
+                f"tile_energy[{storage},adaptive={adaptive}]",
+                energy._tile_energy_kernel,
+                {"grad_ptr": f"*{storage}", "param_ptr": f"*{storage}", "partial_ptr": "*fp64", "eta32": "fp32", "eta64": "fp64"},
+                {"ADAPTIVE": adaptive, "TILE": TILE, "ACC": compute},
+            )
+            yield (
+                f"perturb[{storage},adaptive={adaptive}]",
+                perturb._perturb_kernel,
+                {"param_ptr": f"*{storage}", "grad_ptr": f"*{storage}", "backup_ptr": f"*{storage}", "scale_ptr": "*fp64",
+                 "tile_block_ptr": "*i32", "eta32": "fp32", "eta64": "fp64"},
+                {"ADAPTIVE": adaptive, "TILE": TILE, "COMPUTE": compute},
+            )  # fmt: skip
+        yield f"restore[{storage}]", perturb._restore_kernel, {"param_ptr": f"*{storage}", "backup_ptr": f"*{storage}"}, {"TILE": TILE}
+    yield (
+        "block_sum",
+        energy._block_sum_kernel,
+        {"partial_ptr": "*fp64", "block_tiles_ptr": "*i64", "energy_ptr": "*fp64"},
+        {"CHUNK": energy._BLOCK_CHUNK},
+    )
+    for gear in (True, False):
+        yield (
+            f"allocate[gear={gear}]",
+            allocation._allocate_kernel,
+            {"energy_ptr": "*fp64", "ema_ptr": "*fp64", "scale_ptr": "*fp64", "radius_ptr": "*fp64", "n_blocks": "i32",
+             "rho": "fp64", "beta": "fp64", "delta": "fp64"},
+            {"GEAR": gear, "CHUNK": allocation._CHUNK},
+        )  # fmt: skip
+
+
+def compile_all(capability: int) -> dict:
+    target = GPUTarget("cuda", capability, 32)
+    report = {}
+    for name, kernel, signature, constexprs in variants():
+        source = ASTSource(fn=kernel, signature={**signature, **{k: "constexpr" for k in constexprs}}, constexprs=constexprs)
+        ptx = triton.compile(source, target=target, options={"enable_fp_fusion": False}).asm["ptx"]
+        report[name] = {
+            "ptx_lines": ptx.count("\n"),
+            "atomics": sum(line.strip().startswith(("atom.", "red.")) for line in ptx.splitlines()),
+        }
+    return report
+
+
+if __name__ == "__main__":
+    print(json.dumps(compile_all(int(sys.argv[1]) if len(sys.argv) > 1 else 90)))

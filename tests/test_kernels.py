@@ -1,0 +1,199 @@
+"""Each fused operation (block energy, allocation, perturb, restore) of the torch and triton backends against the
+reference backend, per dtype, over sizes and partitions that hit the edge cases of the flat layout."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import FUSED, on_device
+from gearsam_fused.allocation import gear_allocate, sam_allocate
+from gearsam_fused.backends import BACKENDS
+from gearsam_fused.backends.reference import ReferenceBackend
+from gearsam_fused.flat import TILE
+from gearsam_fused.partition import Block
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+
+#: Block energies: float32 accumulation (float64 for float64) against the reference's float64 sums.
+ENERGY_RTOL = {torch.float32: 1e-6, torch.bfloat16: 1e-6, torch.float16: 1e-6, torch.float64: 1e-13}
+
+
+def ulp_tolerance(dtype: torch.dtype) -> dict:
+    """One unit in the last place of the stored dtype, for values of order one: the most a contracted multiply-add
+    can move ``w + scale * g`` after rounding."""
+    eps = torch.finfo(dtype).eps
+    return dict(rtol=eps, atol=eps)
+
+
+# Each layout: blocks of parameter specs (shape, gradient kind). Sizes 1, 7, 4097 (= 2 * TILE + 1), exact tiles and
+# other non-multiples of the tile, empty blocks, all-zero gradients and parameters without a gradient.
+LAYOUTS = {
+    "one-block": [[((1,), "randn"), ((7,), "randn"), ((4097,), "randn"), ((3, 5, 7), "randn")]],
+    "edge-cases": [
+        [((1,), "randn"), ((7,), "randn"), ((4097,), "randn")],
+        [],  # empty block
+        [((300,), "zeros"), ((5, 1), "zeros")],  # gradient exactly zero
+        [((2049,), "none"), ((33,), "randn")],  # a parameter that got no gradient this step
+        [((TILE,), "randn")],  # exactly one tile
+        [((2, TILE + 3), "randn"), ((1,), "none")],
+    ],
+    "per-tensor": [[((n,), "randn")] for n in (1, 7, 64, 4097, 2 * TILE - 1)],
+}
+
+
+def make_blocks(layout: str, dtype: torch.dtype, device: str, seed: int = 0) -> list[Block]:
+    """Fresh parameters and gradients; the same arguments always give the same values."""
+    g = torch.Generator().manual_seed(seed)
+    blocks = []
+    for b, specs in enumerate(LAYOUTS[layout]):
+        block = Block(f"block{b}")
+        for i, (shape, grad) in enumerate(specs):
+            p = nn.Parameter(torch.randn(shape, generator=g).to(device, dtype))
+            values = torch.randn(shape, generator=g).to(device, dtype)
+            p.grad = {"randn": values, "zeros": torch.zeros_like(values), "none": None}[grad]
+            block.params.append(p)
+            block.param_names.append(f"block{b}.p{i}")
+        blocks.append(block)
+    return blocks
+
+
+def params_of(blocks):
+    return [p for b in blocks for p in b.params]
+
+
+def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    return a.dtype == b.dtype and torch.equal(a.detach().view(ints), b.detach().view(ints))
+
+
+@pytest.mark.parametrize("backend,device", FUSED)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("adaptive", [False, True], ids=["sam", "asam"])
+def test_block_energy_matches_reference(backend, device, layout, dtype, adaptive):
+    reference = ReferenceBackend(make_blocks(layout, dtype, device), torch.device(device))
+    fused = BACKENDS[backend](make_blocks(layout, dtype, device), torch.device(device))
+    expected = reference.block_energy(adaptive, eta=0.01)
+    energy = fused.block_energy(adaptive, eta=0.01)
+    assert energy.dtype == torch.float64 and energy.device.type == device
+    torch.testing.assert_close(energy, expected, rtol=ENERGY_RTOL[dtype], atol=0)
+    if layout == "edge-cases":
+        assert energy[1] == 0 and energy[2] == 0  # empty block, all-zero gradients
+
+
+@pytest.mark.parametrize("backend,device", FUSED)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("adaptive", [False, True], ids=["sam", "asam"])
+def test_perturb_matches_reference_and_restore_is_exact(backend, device, layout, dtype, adaptive):
+    reference_blocks, fused_blocks = make_blocks(layout, dtype, device), make_blocks(layout, dtype, device)
+    originals = [p.detach().clone() for p in params_of(fused_blocks)]
+    reference = ReferenceBackend(reference_blocks, torch.device(device))
+    fused = BACKENDS[backend](fused_blocks, torch.device(device))
+    scale = torch.linspace(0.5, 2.0, len(fused_blocks), dtype=torch.float64, device=device)
+
+    reference.block_energy(adaptive, 0.01)
+    fused.block_energy(adaptive, 0.01)  # the flow of a step: energies read the gradients first
+    reference.perturb_(scale, adaptive, 0.01)
+    fused.perturb_(scale, adaptive, 0.01)
+    # The Triton kernels round exactly like the reference's separate multiply and add (fusion is off); torch's
+    # addcmul may contract them into one FMA, which moves the result by at most one unit in the last place.
+    exact = backend == "triton"
+    for p, q, w in zip(params_of(fused_blocks), params_of(reference_blocks), originals):
+        if exact:
+            assert bitwise_equal(p, q)
+        else:
+            torch.testing.assert_close(p.detach(), q.detach(), **ulp_tolerance(dtype))
+        if q.grad is None or not q.grad.any():
+            assert torch.equal(p, w)  # no gradient, or a zero one: no perturbation
+        elif p.numel() > 1:
+            assert not torch.equal(p, w)
+    fused.restore_()
+    assert all(bitwise_equal(p, w) for p, w in zip(params_of(fused_blocks), originals))
+
+
+# ------------------------------------------------------------------------------------------- allocation
+def _allocation_cases():
+    g = torch.Generator().manual_seed(3)
+    many = torch.rand(3000, generator=g, dtype=torch.float64)  # more blocks than one loop iteration covers
+    mixed = torch.tensor([4.0, 0.0, 9.0, 1e-30, 2.5e6], dtype=torch.float64)
+    return {
+        "mixed": (mixed, torch.tensor([1.0, 2.0, 0.0, 0.0, 3.0], dtype=torch.float64)),
+        "first-step": (mixed, torch.zeros(5, dtype=torch.float64)),
+        "all-zero": (torch.zeros(4, dtype=torch.float64), torch.zeros(4, dtype=torch.float64)),
+        "one-block": (torch.tensor([0.3], dtype=torch.float64), torch.tensor([0.1], dtype=torch.float64)),
+        "3000-blocks": (many, torch.rand(3000, generator=g, dtype=torch.float64)),
+    }
+
+
+@pytest.mark.parametrize("backend,device", [c for c in FUSED if c.id.startswith("triton")])
+@pytest.mark.parametrize("case", list(_allocation_cases()))
+@pytest.mark.parametrize("rule", ["gear", "sam"])
+def test_allocate_kernel_matches_torch_allocation(backend, device, case, rule):
+    from gearsam_fused import triton_kernels
+
+    energy, ema = (t.to(device) for t in _allocation_cases()[case])
+    ema_kernel, ema_torch = ema.clone(), ema.clone()
+    scale, radius = triton_kernels.allocate(energy, ema_kernel, rule=rule, rho=0.3, beta=0.9, delta=1e-12)
+    if rule == "gear":
+        expected_scale, expected_radius = gear_allocate(energy, ema_torch, 0.3, 0.9, 1e-12)
+    else:
+        expected_scale, expected_radius = sam_allocate(energy, 0.3, 1e-12)
+    torch.testing.assert_close(ema_kernel, ema_torch, rtol=1e-15, atol=0)
+    torch.testing.assert_close(radius, expected_radius, rtol=1e-14, atol=0)
+    torch.testing.assert_close(scale, expected_scale, rtol=1e-14, atol=0)
+    assert torch.isfinite(scale).all()
+    if ema_kernel.any() if rule == "gear" else energy.any():
+        assert math.isclose(radius.square().sum().item(), 0.09, rel_tol=1e-13)  # sum_b r_b^2 = rho^2
+    else:
+        assert not radius.any()
+
+
+# ------------------------------------------------------------------------------------------- bad buffers
+@pytest.mark.parametrize("backend,device", [on_device("triton", "cpu")])
+def test_launchers_name_the_bad_buffer(backend, device):
+    from gearsam_fused import triton_kernels as k
+
+    flat = torch.zeros(2 * TILE)
+    tables = dict(block_tiles=torch.tensor([0, 2]), partials=torch.zeros(2, dtype=torch.float64))
+    with pytest.raises(ValueError, match="grad has 4095 elements, not a multiple of the tile"):
+        k.block_energy(torch.zeros(4095), torch.zeros(4095), **tables, tile=TILE, adaptive=False, eta=0.0)
+    with pytest.raises(ValueError, match="param .* must match grad"):
+        k.block_energy(flat, flat.double(), **tables, tile=TILE, adaptive=False, eta=0.0)
+    with pytest.raises(ValueError, match="partials has 1 entries for 2 tiles"):
+        k.block_energy(flat, flat, tables["block_tiles"], torch.zeros(1, dtype=torch.float64), tile=TILE, adaptive=False, eta=0.0)
+    with pytest.raises(ValueError, match="tile_block must be torch.int32"):
+        k.perturb_(flat, flat, flat.clone(), torch.ones(1, dtype=torch.float64), torch.zeros(2, dtype=torch.int64), tile=TILE, adaptive=False, eta=0.0)
+    with pytest.raises(ValueError, match="backup .* must match param"):
+        k.restore_(flat, torch.zeros(TILE), tile=TILE)
+    with pytest.raises(ValueError, match="scale must be a contiguous 1-D tensor"):
+        k.perturb_(flat, flat, flat.clone(), torch.ones(2, 1, dtype=torch.float64), torch.zeros(2, dtype=torch.int32), tile=TILE, adaptive=False, eta=0.0)
+    with pytest.raises(ValueError, match="unknown allocation rule 'asam'"):
+        k.allocate(torch.zeros(2, dtype=torch.float64), torch.zeros(2, dtype=torch.float64), rule="asam", rho=0.1, beta=0.9, delta=1e-12)
+
+
+# ------------------------------------------------------------------------------------- compiled for the GPU
+def test_every_kernel_compiles_for_hopper_without_atomics():
+    """Compiles each kernel variant for sm_90 (no GPU needed): the GPU code path type-checks and lowers, and no kernel
+    uses atomics, so reductions keep their fixed order."""
+    pytest.importorskip("triton")
+    try:
+        from triton.backends import backends
+    except ImportError:
+        pytest.skip("this triton has no backend registry")
+    if "nvidia" not in backends:
+        pytest.skip("this triton has no NVIDIA backend")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = Path(__file__).with_name("compile_kernels.py")
+    done = subprocess.run([sys.executable, str(script), "90"], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout)
+    assert len(report) == 23  # 4 dtypes x (2 energy + 2 perturb + 1 restore) + block sum + 2 allocation rules
+    assert all(v["ptx_lines"] > 10 and v["atomics"] == 0 for v in report.values()), report
