@@ -63,7 +63,7 @@ class _Slot:
     param: torch.nn.Parameter
     view: torch.Tensor  # the parameter's storage from now on
     grad_view: torch.Tensor  # where its gradient lives
-    dirty: bool = False  # the grad region may hold values that are not the current p.grad
+    dirty: bool = False  # the grad region may be non-zero: it is, or was since we last zeroed it, the .grad
 
     def owns_param(self) -> bool:
         p = self.param
@@ -194,7 +194,8 @@ class FlatLayout:
                 g = slot.param.grad
                 if g is not None and not slot.owns_grad(g):
                     slot.param.grad = slot.grad_view
-                slot.dirty = False
+                # a region handed out as .grad can be written by anyone (backward, the user) until we look again
+                slot.dirty = g is not None
             bucket.grad.zero_()
 
     def memory_overhead(self) -> dict[str, int]:

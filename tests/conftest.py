@@ -45,6 +45,9 @@ class NoStep(torch.optim.Optimizer):
         return None
 
 
+#: The base optimizer of the trajectory tests: SGD with momentum and weight decay.
+SGD_KW = dict(lr=0.01, momentum=0.9, weight_decay=5e-4)
+
 # Relative error allowed between whole parameter vectors, per step.
 FP32_STEP_RTOL = 1e-6
 FP64_STEP_RTOL = 1e-10

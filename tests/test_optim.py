@@ -9,11 +9,10 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import ALL, FP32_STEP_RTOL, FP64_STEP_RTOL, batches, flat, loss_fn, rel_err, sam_step, tiny_resnet
+from conftest import ALL, FP32_STEP_RTOL, SGD_KW, FP64_STEP_RTOL, batches, flat, loss_fn, rel_err, sam_step, tiny_resnet
 from gearsam_fused import GEARSAM, SAM
 from gearsam_fused.allocation import gear_allocate, sam_allocate
 
-SGD_KW = dict(lr=0.01, momentum=0.9, weight_decay=5e-4)
 STEPS = 25
 
 

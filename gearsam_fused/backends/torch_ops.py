@@ -37,7 +37,8 @@ class TorchBackend(FusedBackend):
             g = self._tiles(bucket.param, bucket).abs().to(dtype).add_(eta).mul_(g)
         # ||.||_2 squared rather than sum(square) so no squared copy of the buffer is materialised
         torch.linalg.vector_norm(g, dim=1, dtype=torch.float64, out=bucket.partials)
-        return torch.segment_reduce(bucket.partials.square_(), "sum", lengths=bucket.tiles_per_block)
+        # unsafe: the lengths are ours and valid; checking them would read them back to the host
+        return torch.segment_reduce(bucket.partials.square_(), "sum", lengths=bucket.tiles_per_block, unsafe=True)
 
     @torch.no_grad()
     def _bucket_perturb(self, bucket: Bucket, scale: torch.Tensor, adaptive: bool, eta: float) -> None:

@@ -1,0 +1,282 @@
+"""The fused engine end to end: trajectories against the reference backend, determinism, exact restore, launches
+that do not grow with the number of tensors, mixed dtypes, dispatch, and (on a GPU) no host synchronisation."""
+
+import contextlib
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from conftest import CUDA, FP32_STEP_RTOL, FUSED, SGD_KW, NoStep, batches, flat, loss_fn, rel_err, sam_step, tiny_resnet
+from gearsam_fused import GEARSAM, SAM
+from gearsam_fused.backends import resolve_backend_name
+
+STEPS = 30
+
+
+def _pair(cls, backend, device, **kw):
+    """A fused optimizer and a reference one, on bitwise-identical models."""
+    model = tiny_resnet(device=device)
+    ref_model = copy.deepcopy(model)
+    return (model, cls(model, torch.optim.SGD, backend=backend, **kw, **SGD_KW)), (
+        ref_model,
+        cls(ref_model, torch.optim.SGD, backend="reference", **kw, **SGD_KW),
+    )
+
+
+# ------------------------------------------------------------------------------------------- trajectories
+@pytest.mark.parametrize("backend,device", FUSED)
+@pytest.mark.parametrize("cls,kw", [(SAM, {}), (GEARSAM, {}), (GEARSAM, {"partition": "tensor"})], ids=["sam", "gear", "gear-tensor"])
+@pytest.mark.parametrize("adaptive", [False, True], ids=["plain", "adaptive"])
+def test_trajectory_matches_reference(backend, device, cls, kw, adaptive):
+    (model, opt), (ref_model, ref) = _pair(cls, backend, device, rho=0.05, adaptive=adaptive, eta=0.01, **kw)
+    assert opt.backend_name == backend
+    start = flat(model)
+    for xy in batches(STEPS, device=device):
+        sam_step(opt, model, xy)
+        sam_step(ref, ref_model, xy)
+        assert rel_err(flat(model), flat(ref_model)) <= FP32_STEP_RTOL
+        torch.testing.assert_close(opt.block_stats()["radius"], ref.block_stats()["radius"], rtol=1e-5, atol=1e-12)
+    assert rel_err(flat(model), start) > 1e-3  # the run really moved
+
+
+@pytest.mark.parametrize("backend,device", FUSED)
+def test_in_place_zero_grad_loop_matches_the_set_to_none_loop(backend, device):
+    """The fast loop (gradients stay views of the flat buffer) computes what the usual loop computes."""
+    (model, opt), (ref_model, ref) = _pair(GEARSAM, backend, device, rho=0.05)
+    for xy in batches(10, device=device):
+        loss_fn(model, xy).backward()
+        opt.first_step()
+        opt.zero_grad(set_to_none=False)
+        loss_fn(model, xy).backward()
+        opt.second_step()
+        opt.zero_grad(set_to_none=False)
+        sam_step(ref, ref_model, xy)
+        assert rel_err(flat(model), flat(ref_model)) <= FP32_STEP_RTOL
+
+
+# ------------------------------------------------------------------------------------------- determinism
+@pytest.mark.parametrize("backend,device", FUSED)
+@pytest.mark.parametrize("cls", [SAM, GEARSAM])
+def test_identical_runs_are_bitwise_identical(backend, device, cls):
+    runs = []
+    for _ in range(2):
+        model = tiny_resnet(device=device)
+        opt = cls(model, torch.optim.SGD, rho=0.05, backend=backend, **SGD_KW)
+        radii = []
+        for xy in batches(10, device=device):
+            sam_step(opt, model, xy)
+            radii.append(opt.block_stats()["radius"])
+        runs.append((flat(model), torch.stack(radii)))
+    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
+
+
+# ------------------------------------------------------------------------------------------- exact restore
+@pytest.mark.parametrize("backend,device", FUSED)
+@pytest.mark.parametrize("adaptive", [False, True], ids=["sam", "asam"])
+def test_first_and_second_step_without_base_step_leave_model_unchanged(backend, device, adaptive):
+    model = tiny_resnet(device=device).eval()  # eval: BatchNorm statistics do not move either
+    opt = GEARSAM(model, NoStep, rho=0.5, adaptive=adaptive, eta=0.01, backend=backend)
+    x, y = batches(1, device=device)[0]
+    before_out, before_w = model(x), [p.detach().clone() for p in model.parameters()]
+    F.cross_entropy(model(x), y).backward()
+    opt.first_step(zero_grad=True)
+    assert not torch.equal(model(x), before_out)  # really perturbed (rho is large)
+    F.cross_entropy(model(x), y).backward()
+    opt.second_step(zero_grad=True)
+    assert torch.equal(model(x), before_out)
+    assert all(torch.equal(p.view(torch.int32), w.view(torch.int32)) for p, w in zip(model.parameters(), before_w))
+
+
+# ------------------------------------------------------------------------------------------- launch counts
+class ManyTensors(nn.Module):
+    """``n`` parameter tensors of 10 elements; the loss touches all of them."""
+
+    def __init__(self, n: int):
+        super().__init__()
+        self.weights = nn.ParameterList(nn.Parameter(torch.randn(10) / n) for _ in range(n))
+
+    def forward(self, x):
+        return sum((x * w).sum().tanh() for w in self.weights)
+
+
+class CountDeviceWork(TorchDispatchMode):
+    """Counts, while active, torch operations that touch tensor data (views, bare allocations and profiler markers
+    excluded) and Triton kernel launches (compiled or interpreted)."""
+
+    def __init__(self):
+        super().__init__()
+        self.torch_ops, self.triton_launches = [], 0
+        self._in_kernel = False
+
+    def __enter__(self):
+        import triton.runtime.interpreter as interpreter
+        import triton.runtime.jit as jit
+
+        self._originals = [(cls, cls.run) for cls in (jit.JITFunction, interpreter.InterpretedFunction)]
+        for cls, original in self._originals:
+
+            def counted(kernel, *args, _original=original, **kwargs):
+                self.triton_launches += 1
+                self._in_kernel = True  # the interpreter moves data with torch ops of its own: not ours to count
+                try:
+                    return _original(kernel, *args, **kwargs)
+                finally:
+                    self._in_kernel = False
+
+            cls.run = counted
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for cls, original in self._originals:
+            cls.run = original
+        return super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if not self._in_kernel and not func.is_view and not name.startswith(("empty", "_record_function")):
+            self.torch_ops.append(name)
+        return func(*args, **(kwargs or {}))
+
+    @property
+    def total(self) -> int:
+        return len(self.torch_ops) + self.triton_launches
+
+
+def _steady_state_step(n_tensors: int, backend: str, device: str, measure):
+    """Three SAM steps (NoStep base optimizer) on a ``ManyTensors(n_tensors)`` model in three fixed blocks; ``measure``
+    (a context manager) is entered around first_step and second_step of the last one. Gradients stay views of the
+    flat buffers (in-place zero_grad); the first step re-homes the fresh ones."""
+    torch.manual_seed(0)
+    model = ManyTensors(n_tensors).to(device)
+    thirds = [list(model.weights)[i::3] for i in range(3)]
+    opt = GEARSAM(model, NoStep, partition={"a": thirds[0], "b": thirds[1], "c": thirds[2]}, rho=0.05, backend=backend)
+    x = torch.randn(10, device=device)
+    for step in range(3):
+        last = step == 2
+        model(x).backward()
+        with measure if last else contextlib.nullcontext():
+            opt.first_step()
+        opt.zero_grad(set_to_none=False)
+        model(x).backward()
+        with measure if last else contextlib.nullcontext():
+            opt.second_step()
+        opt.zero_grad(set_to_none=False)
+    return measure
+
+
+@pytest.mark.parametrize("backend,device", FUSED)
+def test_launches_per_step_do_not_grow_with_the_number_of_tensors(backend, device):
+    few, many = (_steady_state_step(n, backend, device, CountDeviceWork()) for n in (6, 600))
+    assert few.torch_ops == many.torch_ops and few.triton_launches == many.triton_launches
+    if backend == "triton":
+        assert many.triton_launches == 5 and many.torch_ops == [], many.torch_ops  # energy (2), allocate, perturb, restore
+    else:
+        assert 0 < many.total <= 30, many.torch_ops
+
+
+def test_launch_counter_sees_per_tensor_work():
+    """The counter is not blind: the per-tensor reference backend's count grows with the tensors."""
+    few, many = (_steady_state_step(n, "reference", "cpu", CountDeviceWork()) for n in (6, 600))
+    assert many.total > 10 * few.total
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_cuda_kernels_per_step_do_not_grow_with_the_number_of_tensors(backend):
+    from torch.profiler import ProfilerActivity, profile
+
+    class Profiled:
+        def __init__(self):
+            self.kernels = []
+
+        def __enter__(self):
+            torch.cuda.synchronize()
+            self._prof = profile(activities=[ProfilerActivity.CUDA]).__enter__()
+
+        def __exit__(self, *exc):
+            torch.cuda.synchronize()
+            self._prof.__exit__(*exc)
+            self.kernels += [e.name for e in self._prof.events() if e.device_type.name == "CUDA"]
+
+    few, many = (_steady_state_step(n, backend, "cuda", Profiled()) for n in (6, 600))
+    assert len(few.kernels) == len(many.kernels) and 0 < len(many.kernels) <= 30, many.kernels
+
+
+# ------------------------------------------------------------------------------------------- mixed dtypes
+class TwoDtypeNet(nn.Module):
+    """A float32 body and a float64 head."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(6, 32), nn.Tanh(), nn.Linear(32, 16), nn.Tanh())
+        self.head = nn.Linear(16, 3).double()
+
+    def forward(self, x):
+        return self.head(self.body(x).double())
+
+
+@pytest.mark.parametrize("backend,device", FUSED)
+@pytest.mark.parametrize("strategy", ["global", "tensor"])
+def test_parameters_in_two_dtypes(backend, device, strategy):
+    torch.manual_seed(0)
+    model = TwoDtypeNet().to(device)
+    ref_model = copy.deepcopy(model)
+    opt = GEARSAM(model, torch.optim.SGD, partition=strategy, rho=0.05, backend=backend, **SGD_KW)
+    ref = GEARSAM(ref_model, torch.optim.SGD, partition=strategy, rho=0.05, backend="reference", **SGD_KW)
+    assert {(b.dtype, b.device.type) for b in opt._backend.layout.buckets} == {(torch.float32, device), (torch.float64, device)}
+    g = torch.Generator().manual_seed(1)
+    for _ in range(STEPS):
+        x, y = torch.randn(16, 6, generator=g).to(device), torch.randint(0, 3, (16,), generator=g).to(device)
+        for m, o in ((model, opt), (ref_model, ref)):
+            F.cross_entropy(m(x), y).backward()
+            o.first_step(zero_grad=True)
+            F.cross_entropy(m(x), y).backward()
+            o.second_step(zero_grad=True)
+        assert rel_err(flat(model), flat(ref_model)) <= FP32_STEP_RTOL
+        torch.testing.assert_close(opt.block_stats()["energy"], ref.block_stats()["energy"], rtol=1e-6, atol=0)
+    assert model.head.weight.dtype == torch.float64 and model.body[0].weight.dtype == torch.float32
+
+
+# ------------------------------------------------------------------------------------------- dispatch
+def test_auto_picks_once_and_says_which():
+    opt = SAM(tiny_resnet(), torch.optim.SGD, lr=0.1)
+    assert opt.backend_name == "torch" and opt._backend.name == "torch"  # CPU parameters
+    cuda = {torch.device("cuda", 0)}
+    assert resolve_backend_name("auto", cuda) == "triton"
+    assert resolve_backend_name("auto", cuda | {torch.device("cpu")}) == "torch"
+
+
+def test_triton_on_cpu_without_the_interpreter_is_refused(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match=r"backend 'triton' runs on CUDA tensors, but parameters are on cpu"):
+        SAM(tiny_resnet(), torch.optim.SGD, backend="triton", lr=0.1)
+
+
+# ------------------------------------------------------------------------------------------- host sync
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("backend", ["reference", "torch", "triton"])
+@pytest.mark.parametrize("cls", [SAM, GEARSAM])
+def test_no_host_synchronisation_inside_a_step(backend, cls):
+    model = tiny_resnet(device="cuda")
+    opt = cls(model, torch.optim.SGD, rho=0.05, backend=backend, **SGD_KW)
+    data = batches(3, device="cuda")
+    sam_step(opt, model, data[0])  # warm-up: compilation, first allocations
+    for xy in data[1:]:
+        loss_fn(model, xy).backward()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            opt.first_step(zero_grad=True)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        loss_fn(model, xy).backward()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            opt.second_step(zero_grad=True)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
