@@ -2,8 +2,8 @@
 
 Portable (any device torch runs on) and exact to the same contract as the Triton kernels::
 
-    partial_t = sum_{i in tile t} (T_i g_i)^2          float64 accumulation of float32 (float64) products
-    e_b       = sum_{t in block b} partial_t           torch.segment_reduce over the block's tile range
+    partial_t = ||T g||_2^2 over tile t                norm in float32 (float64 for float64), squared in float64
+    e_b       = sum_{t in block b} partial_t             torch.segment_reduce over the block's tile range
     backup    = w;   w <- w + scale[block(i)] * T_i^2 * g_i   in float32 (float64), one addcmul
     w         <- backup
 
@@ -32,11 +32,13 @@ class TorchBackend(FusedBackend):
     @torch.no_grad()
     def _bucket_energy(self, bucket: Bucket, adaptive: bool, eta: float) -> torch.Tensor:
         g = self._tiles(bucket.grad, bucket)
+        dtype = compute_dtype(g)
         if adaptive:
-            dtype = compute_dtype(g)
             g = self._tiles(bucket.param, bucket).abs().to(dtype).add_(eta).mul_(g)
-        # ||.||_2 squared rather than sum(square) so no squared copy of the buffer is materialised
-        torch.linalg.vector_norm(g, dim=1, dtype=torch.float64, out=bucket.partials)
+        # Tile norms in the compute dtype, squared in float64: asking vector_norm for float64 directly would first copy
+        # the whole buffer to float64.
+        norms = torch.linalg.vector_norm(g, dim=1, dtype=None if g.dtype == dtype else dtype)
+        bucket.partials.copy_(norms)
         # unsafe: the lengths are ours and valid; checking them would read them back to the host
         return torch.segment_reduce(bucket.partials.square_(), "sum", lengths=bucket.tiles_per_block, unsafe=True)
 
