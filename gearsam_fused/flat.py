@@ -148,8 +148,8 @@ class FlatLayout:
     def sync(self) -> None:
         """Make the flat buffers hold the current parameters and gradients.
 
-        A parameter whose ``.data`` was replaced is copied back in and re-homed (a change of device, dtype or shape is
-        refused). A gradient that is not a view of the buffer is copied in and re-homed; a region whose parameter now
+        A parameter whose ``.data`` was replaced is copied back in and re-homed (a change of device, dtype, shape or
+        strides is refused). A gradient that is not a view of the buffer is copied in and re-homed; a region whose parameter now
         has no gradient is zeroed, so it contributes nothing and that ``.grad`` stays None.
         """
         for bucket in self.buckets:

@@ -5,7 +5,10 @@ from __future__ import annotations
 import torch
 
 
-def check_flat(name: str, t: torch.Tensor, tile: int | None = None, dtype: torch.dtype | None = None) -> None:
+def check_flat(name: str, t: torch.Tensor, tile: int | None = None, dtype: torch.dtype | None = None,
+               device: torch.device | None = None) -> None:  # fmt: skip
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} is on {t.device}, the buffers on {device}")
     if not t.is_contiguous() or t.dim() != 1:
         raise ValueError(f"{name} must be a contiguous 1-D tensor, got shape {tuple(t.shape)}, strides {t.stride()}")
     if tile is not None and t.numel() % tile:

@@ -55,9 +55,9 @@ def block_energy(grad: torch.Tensor, param: torch.Tensor, block_tiles: torch.Ten
     """
     check_flat("grad", grad, tile)
     check_same("param", param, "grad", grad)
-    check_flat("block_tiles", block_tiles, dtype=torch.int64)
+    check_flat("block_tiles", block_tiles, dtype=torch.int64, device=grad.device)
     n_tiles = grad.numel() // tile
-    check_flat("partials", partials, dtype=torch.float64)
+    check_flat("partials", partials, dtype=torch.float64, device=grad.device)
     if partials.numel() != n_tiles:
         raise ValueError(f"partials has {partials.numel()} entries for {n_tiles} tiles")
     n_blocks = block_tiles.numel() - 1

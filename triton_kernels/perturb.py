@@ -61,8 +61,8 @@ def perturb_(param: torch.Tensor, grad: torch.Tensor, backup: torch.Tensor, scal
     check_flat("param", param, tile)
     check_same("grad", grad, "param", param)
     check_same("backup", backup, "param", param)
-    check_flat("scale", scale, dtype=torch.float64)
-    check_flat("tile_block", tile_block, dtype=torch.int32)
+    check_flat("scale", scale, dtype=torch.float64, device=param.device)
+    check_flat("tile_block", tile_block, dtype=torch.int32, device=param.device)
     n_tiles = param.numel() // tile
     if tile_block.numel() != n_tiles:
         raise ValueError(f"tile_block has {tile_block.numel()} entries for {n_tiles} tiles")

@@ -7,6 +7,7 @@ before triton was imported (Triton's interpreter, for testing).
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 
@@ -37,6 +38,11 @@ def check_usable(devices: set[torch.device]) -> None:
         )
 
 
+def _launching_on(device: torch.device):
+    """Triton launches on the current CUDA device, which need not be the tensors' device."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
 class TritonBackend(FusedBackend):
     name = "triton"
 
@@ -48,17 +54,21 @@ class TritonBackend(FusedBackend):
         super().__init__(blocks, device)
 
     def _bucket_energy(self, bucket: Bucket, adaptive: bool, eta: float) -> torch.Tensor:
-        return self.kernels.block_energy(
-            bucket.grad, bucket.param, bucket.block_tiles, bucket.partials, tile=bucket.tile, adaptive=adaptive, eta=eta
-        )
+        with _launching_on(bucket.device):
+            return self.kernels.block_energy(
+                bucket.grad, bucket.param, bucket.block_tiles, bucket.partials, tile=bucket.tile, adaptive=adaptive, eta=eta
+            )
 
     def allocate(self, rule, energy, ema, rho, beta, delta):
-        return self.kernels.allocate(energy, ema, rule=rule, rho=rho, beta=beta, delta=delta)
+        with _launching_on(energy.device):
+            return self.kernels.allocate(energy, ema, rule=rule, rho=rho, beta=beta, delta=delta)
 
     def _bucket_perturb(self, bucket: Bucket, scale: torch.Tensor, adaptive: bool, eta: float) -> None:
-        self.kernels.perturb_(
-            bucket.param, bucket.grad, bucket.backup, scale, bucket.tile_block, tile=bucket.tile, adaptive=adaptive, eta=eta
-        )
+        with _launching_on(bucket.device):
+            self.kernels.perturb_(
+                bucket.param, bucket.grad, bucket.backup, scale, bucket.tile_block, tile=bucket.tile, adaptive=adaptive, eta=eta
+            )
 
     def _bucket_restore(self, bucket: Bucket) -> None:
-        self.kernels.restore_(bucket.param, bucket.backup, tile=bucket.tile)
+        with _launching_on(bucket.device):
+            self.kernels.restore_(bucket.param, bucket.backup, tile=bucket.tile)
