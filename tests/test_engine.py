@@ -11,8 +11,9 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import CUDA, FP32_STEP_RTOL, FUSED, SGD_KW, NoStep, batches, flat, loss_fn, rel_err, sam_step, tiny_resnet
-from gearsam_fused import GEARSAM, SAM
+from gearsam_fused import GEARSAM, SAM, available_backends
 from gearsam_fused.backends import resolve_backend_name
+from gearsam_fused.backends.triton_ops import triton_installed
 
 STEPS = 30
 
@@ -244,6 +245,7 @@ def test_parameters_in_two_dtypes(backend, device, strategy):
 
 # ------------------------------------------------------------------------------------------- dispatch
 def test_auto_picks_once_and_says_which():
+    assert available_backends() == ["reference", "torch"] + (["triton"] if triton_installed() else [])
     opt = SAM(tiny_resnet(), torch.optim.SGD, lr=0.1)
     assert opt.backend_name == "torch" and opt._backend.name == "torch"  # CPU parameters
     cuda = {torch.device("cuda", 0)}
