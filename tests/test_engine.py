@@ -282,3 +282,28 @@ def test_no_host_synchronisation_inside_a_step(backend, cls):
             opt.second_step(zero_grad=True)
         finally:
             torch.cuda.set_sync_debug_mode(0)
+
+
+# ------------------------------------------------------------------------------------------- 64-bit offsets
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_buffers_longer_than_two_to_the_31_elements(backend):
+    """Elements past index 2**31 are read and written where they belong (needs about 20 GiB of GPU memory)."""
+    if torch.cuda.get_device_properties(0).total_memory < 40 * 2**30:
+        pytest.skip("needs a GPU with at least 40 GiB")
+    n = 2**31 + 3 * 2048 + 5
+    big = nn.Parameter(torch.zeros(n, dtype=torch.bfloat16, device="cuda"))
+    small = nn.Parameter(torch.ones(7, dtype=torch.bfloat16, device="cuda"))
+    big.grad = torch.zeros_like(big)
+    big.grad[-5:] = 1.0
+    small.grad = torch.ones_like(small)
+    opt = GEARSAM([big, small], NoStep, partition={"big": [big], "small": [small]}, rho=1.0, backend=backend)
+    opt.first_step()
+    stats = opt.block_stats()
+    assert stats["energy"].tolist() == [5.0, 7.0]
+    scale = stats["radius"][0].item() / (5**0.5 + 1e-12)
+    assert torch.equal(big[-5:].float().cpu(), torch.full((5,), scale).bfloat16().float())
+    assert not big[-5 - 4096 : -5].any() and not big[:4096].any()
+    opt.second_step()
+    assert not big.any()
