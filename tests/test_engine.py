@@ -265,23 +265,25 @@ def test_triton_on_cpu_without_the_interpreter_is_refused(monkeypatch):
 @pytest.mark.parametrize("backend", ["reference", "torch", "triton"])
 @pytest.mark.parametrize("cls", [SAM, GEARSAM])
 def test_no_host_synchronisation_inside_a_step(backend, cls):
+    @contextlib.contextmanager
+    def syncs_are_errors():
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            yield
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+
     model = tiny_resnet(device="cuda")
     opt = cls(model, torch.optim.SGD, rho=0.05, backend=backend, **SGD_KW)
     data = batches(3, device="cuda")
     sam_step(opt, model, data[0])  # warm-up: compilation, first allocations
     for xy in data[1:]:
         loss_fn(model, xy).backward()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
+        with syncs_are_errors():
             opt.first_step(zero_grad=True)
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
         loss_fn(model, xy).backward()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
+        with syncs_are_errors():
             opt.second_step(zero_grad=True)
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
 
 
 # ------------------------------------------------------------------------------------------- 64-bit offsets

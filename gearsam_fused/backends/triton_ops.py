@@ -1,7 +1,7 @@
 """The ``triton`` backend: the fused step as Triton kernels (``gearsam_fused.triton_kernels``) over flat buckets.
 
-Per step and bucket: two launches for the block energies, one for the allocation, one to perturb and one to restore,
-whatever the number of parameter tensors. Runs on CUDA tensors, or on CPU tensors when ``TRITON_INTERPRET=1`` was set
+Per step: for each bucket two launches for the block energies, one to perturb and one to restore, plus one for the
+allocation, whatever the number of parameter tensors. Runs on CUDA tensors, or on CPU tensors when ``TRITON_INTERPRET=1`` was set
 before triton was imported (Triton's interpreter, for testing).
 """
 
