@@ -3,16 +3,101 @@
 Install PyTorch first (its CPU or CUDA build, as you need), then this package without build isolation so the build
 uses that torch instead of downloading another one:
 
-    pip install torch
+    pip install torch ninja
     pip install --no-build-isolation -e ".[test]"
 
 ``triton_kernels/`` is installed as ``gearsam_fused.triton_kernels``: a top-level module of that name belongs to a
-different distribution. Compiled kernels from ``csrc/`` are added to ``ext_modules`` by the C++/CUDA backend.
+different distribution.
+
+The C++/CUDA extension ``gearsam_fused._C`` (sources in ``csrc/``, the ``cpp`` backend) is built with ninja when a
+C++ compiler is found; its CUDA kernels are added when torch is a CUDA build and nvcc is found. Switches, each
+``auto`` (the default: build what can be built, warn about the rest), ``1`` (build it or fail) or ``0`` (skip it):
+
+    GEARSAM_BUILD_CPP    the extension as a whole
+    GEARSAM_BUILD_CUDA   its CUDA kernels
+    TORCH_CUDA_ARCH_LIST GPU architectures to compile for (default "8.0;9.0+PTX")
+
+Without the extension the install still works; ``backend="cpp"`` then says how to build it.
 """
+
+import glob
+import os
+import shutil
+import warnings
 
 from setuptools import setup
 
 PACKAGES = ["gearsam_fused", "gearsam_fused.backends", "gearsam_fused.models", "gearsam_fused.triton_kernels"]
+DEFAULT_CUDA_ARCHS = "8.0;9.0+PTX"
+
+
+def _switch(name: str) -> str:
+    value = os.environ.get(name, "auto").strip().lower()
+    if value not in ("auto", "0", "1"):
+        raise SystemExit(f"{name} must be auto, 0 or 1, got {value!r}")
+    return value
+
+
+def _skip(part: str, switch: str, why: str) -> None:
+    """A part that cannot be built: an error if it was forced, else a warning."""
+    if _switch(switch) == "1":
+        raise SystemExit(f"{switch}=1 but the {part} cannot be built: {why}")
+    warnings.warn(f"gearsam_fused: not building the {part}: {why}", stacklevel=2)
+
+
+def _extension_build():
+    """``(ext_modules, cmdclass)`` for the C++/CUDA extension, or ``([], {})`` when it is skipped."""
+    if _switch("GEARSAM_BUILD_CPP") == "0":
+        return [], {}
+    try:
+        import torch
+        from torch.utils import cpp_extension
+    except ImportError as exc:
+        _skip("C++ extension", "GEARSAM_BUILD_CPP", f"torch is not importable ({exc}); install torch first and use "
+              "pip install --no-build-isolation")  # fmt: skip
+        return [], {}
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        _skip("C++ extension", "GEARSAM_BUILD_CPP", f"no C++ compiler ({compiler!r} is not on PATH)")
+        return [], {}
+
+    with_cuda = False
+    if _switch("GEARSAM_BUILD_CUDA") != "0":
+        if torch.version.cuda is None:
+            _skip("CUDA kernels", "GEARSAM_BUILD_CUDA", "this torch is a CPU-only build")
+        elif cpp_extension.CUDA_HOME is None or shutil.which(os.path.join(cpp_extension.CUDA_HOME, "bin", "nvcc")) is None:
+            _skip("CUDA kernels", "GEARSAM_BUILD_CUDA", "nvcc was not found (set CUDA_HOME or put nvcc on PATH)")
+        else:
+            with_cuda = True
+
+    sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/cpu/*.cpp"))
+    # -ffp-contract=off: w + scale * g must round like the reference's separate multiply and add.
+    cxx_flags = ["-O3", "-ffp-contract=off", "-fopenmp"]
+    kwargs = dict(name="gearsam_fused._C", sources=sources, extra_link_args=["-fopenmp"])
+    if with_cuda:
+        os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_CUDA_ARCHS)
+        kwargs["sources"] += sorted(glob.glob("csrc/cuda/*.cu"))
+        kwargs["define_macros"] = [("WITH_CUDA", None)]
+        kwargs["extra_compile_args"] = {"cxx": cxx_flags, "nvcc": ["-O3"]}
+        extension = cpp_extension.CUDAExtension(**kwargs)
+    else:
+        kwargs["extra_compile_args"] = {"cxx": cxx_flags}
+        extension = cpp_extension.CppExtension(**kwargs)
+
+    class BuildOptionalExtension(cpp_extension.BuildExtension):
+        """torch's ninja build, except that a failure leaves a working pure-Python install unless it was forced."""
+
+        def build_extensions(self):
+            try:
+                super().build_extensions()
+            except Exception as exc:  # a compiler error surfaces as one of several distutils exceptions
+                _skip("C++ extension", "GEARSAM_BUILD_CPP", f"the build failed ({exc})")
+                self.extensions = []  # nothing to copy into the package
+
+    return [extension], {"build_ext": BuildOptionalExtension.with_options(use_ninja=True)}
+
+
+ext_modules, cmdclass = _extension_build()
 
 setup(
     name="gearsam_fused",
@@ -29,5 +114,6 @@ setup(
         "test": ["pytest", "pytest-benchmark", "pytorch_optimizer>=3.0", "scikit-learn"],
     },
     entry_points={"console_scripts": ["gearsam = gearsam_fused.__main__:main"]},
-    ext_modules=[],
+    ext_modules=ext_modules,
+    cmdclass=cmdclass,
 )

@@ -10,6 +10,7 @@ if not CUDA:
     # Triton kernels run on CPU tensors through the interpreter; it must be chosen before triton is imported.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from gearsam_fused.backends.cpp_ops import cpp_built_with_cuda, cpp_installed  # noqa: E402
 from gearsam_fused.backends.triton_ops import interpreter_enabled, triton_installed  # noqa: E402
 from gearsam_fused.models import ResNet  # noqa: E402
 
@@ -26,13 +27,31 @@ def on_device(backend: str, device: str):
         marks.append(pytest.mark.skipif(not triton_installed(), reason="triton is not installed"))
         if device == "cpu":
             marks.append(pytest.mark.skipif(not interpreter_enabled(), reason="triton on CPU needs TRITON_INTERPRET=1"))
+    if backend == "cpp":
+        # test_cpp.py fails when a compiler was there to build it: this skip cannot hide a broken build
+        marks.append(pytest.mark.skipif(not cpp_installed(), reason="the C++ extension is not built"))
+        if device == "cuda":
+            marks.append(pytest.mark.skipif(not cpp_built_with_cuda(), reason="the C++ extension has no CUDA kernels"))
     return pytest.param(backend, device, marks=marks, id=f"{backend}-{device}")
 
 
 #: Every fused backend on every device.
-FUSED = [on_device(b, d) for d in ("cpu", "cuda") for b in ("torch", "triton")]
+FUSED = [on_device(b, d) for d in ("cpu", "cuda") for b in ("torch", "triton", "cpp")]
 #: Every backend on every device.
-ALL = [on_device(b, d) for d in ("cpu", "cuda") for b in ("reference", "torch", "triton")]
+ALL = [on_device(b, d) for d in ("cpu", "cuda") for b in ("reference", "torch", "triton", "cpp")]
+#: The backends that launch kernels of their own (Triton's, or the compiled extension's), on every device.
+KERNELS = [case for case in FUSED if case.values[0] in ("triton", "cpp")]
+
+
+def kernel_module(backend: str):
+    """The launchers a kernel backend calls: same names and arguments for both."""
+    if backend == "triton":
+        from gearsam_fused import triton_kernels
+
+        return triton_kernels
+    from gearsam_fused import _C
+
+    return _C
 
 
 class NoStep(torch.optim.Optimizer):

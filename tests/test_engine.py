@@ -10,9 +10,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from conftest import CUDA, FP32_STEP_RTOL, FUSED, SGD_KW, NoStep, batches, flat, loss_fn, rel_err, sam_step, tiny_resnet
+from conftest import FP32_STEP_RTOL, FUSED, SGD_KW, NoStep, batches, flat, loss_fn, on_device, rel_err, sam_step, tiny_resnet
 from gearsam_fused import GEARSAM, SAM, available_backends
 from gearsam_fused.backends import resolve_backend_name
+from gearsam_fused.backends.cpp_ops import cpp_built_with_cuda, cpp_installed
 from gearsam_fused.backends.triton_ops import triton_installed
 
 STEPS = 30
@@ -106,34 +107,41 @@ class ManyTensors(nn.Module):
 
 class CountDeviceWork(TorchDispatchMode):
     """Counts, while active, torch operations that touch tensor data (views, bare allocations and profiler markers
-    excluded) and Triton kernel launches (compiled or interpreted)."""
+    excluded) and kernel launches: Triton kernels (compiled or interpreted) and calls into the compiled extension's
+    launchers."""
 
     def __init__(self):
         super().__init__()
-        self.torch_ops, self.triton_launches = [], 0
+        self.torch_ops, self.launches = [], 0
         self._in_kernel = False
+
+    def _counted(self, launch):
+        def counted(*args, **kwargs):
+            self.launches += 1
+            self._in_kernel = True  # the interpreter moves data with torch ops of its own: not ours to count
+            try:
+                return launch(*args, **kwargs)
+            finally:
+                self._in_kernel = False
+
+        return counted
 
     def __enter__(self):
         import triton.runtime.interpreter as interpreter
         import triton.runtime.jit as jit
 
-        self._originals = [(cls, cls.run) for cls in (jit.JITFunction, interpreter.InterpretedFunction)]
-        for cls, original in self._originals:
+        self._originals = [(cls, "run", cls.run) for cls in (jit.JITFunction, interpreter.InterpretedFunction)]
+        if cpp_installed():
+            from gearsam_fused import _C
 
-            def counted(kernel, *args, _original=original, **kwargs):
-                self.triton_launches += 1
-                self._in_kernel = True  # the interpreter moves data with torch ops of its own: not ours to count
-                try:
-                    return _original(kernel, *args, **kwargs)
-                finally:
-                    self._in_kernel = False
-
-            cls.run = counted
+            self._originals += [(_C, name, getattr(_C, name)) for name in ("block_energy", "allocate", "perturb_", "restore_")]
+        for owner, name, original in self._originals:
+            setattr(owner, name, self._counted(original))
         return super().__enter__()
 
     def __exit__(self, *exc):
-        for cls, original in self._originals:
-            cls.run = original
+        for owner, name, original in self._originals:
+            setattr(owner, name, original)
         return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -144,7 +152,7 @@ class CountDeviceWork(TorchDispatchMode):
 
     @property
     def total(self) -> int:
-        return len(self.torch_ops) + self.triton_launches
+        return len(self.torch_ops) + self.launches
 
 
 def _steady_state_step(n_tensors: int, backend: str, device: str, measure):
@@ -172,9 +180,11 @@ def _steady_state_step(n_tensors: int, backend: str, device: str, measure):
 @pytest.mark.parametrize("backend,device", FUSED)
 def test_launches_per_step_do_not_grow_with_the_number_of_tensors(backend, device):
     few, many = (_steady_state_step(n, backend, device, CountDeviceWork()) for n in (6, 600))
-    assert few.torch_ops == many.torch_ops and few.triton_launches == many.triton_launches
+    assert few.torch_ops == many.torch_ops and few.launches == many.launches
     if backend == "triton":
-        assert many.triton_launches == 5 and many.torch_ops == [], many.torch_ops  # energy (2), allocate, perturb, restore
+        assert many.launches == 5 and many.torch_ops == [], many.torch_ops  # energy (2), allocate, perturb, restore
+    elif backend == "cpp":
+        assert many.launches == 4 and many.torch_ops == [], many.torch_ops  # energy, allocate, perturb, restore
     else:
         assert 0 < many.total <= 30, many.torch_ops
 
@@ -185,10 +195,8 @@ def test_launch_counter_sees_per_tensor_work():
     assert many.total > 10 * few.total
 
 
-@pytest.mark.cuda
-@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
-@pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_cuda_kernels_per_step_do_not_grow_with_the_number_of_tensors(backend):
+@pytest.mark.parametrize("backend,device", [on_device(b, "cuda") for b in ("torch", "triton", "cpp")])
+def test_cuda_kernels_per_step_do_not_grow_with_the_number_of_tensors(backend, device):
     from torch.profiler import ProfilerActivity, profile
 
     class Profiled:
@@ -245,12 +253,14 @@ def test_parameters_in_two_dtypes(backend, device, strategy):
 
 # ------------------------------------------------------------------------------------------- dispatch
 def test_auto_picks_once_and_says_which():
-    assert available_backends() == ["reference", "torch"] + (["triton"] if triton_installed() else [])
+    expected = ["reference", "torch"] + ["triton"] * triton_installed() + ["cpp"] * cpp_installed()
+    assert available_backends() == expected
+    on_cpu = "cpp" if cpp_installed() else "torch"  # the compiled kernels when they are built
     opt = SAM(tiny_resnet(), torch.optim.SGD, lr=0.1)
-    assert opt.backend_name == "torch" and opt._backend.name == "torch"  # CPU parameters
+    assert opt.backend_name == on_cpu and opt._backend.name == on_cpu
     cuda = {torch.device("cuda", 0)}
     assert resolve_backend_name("auto", cuda) == "triton"
-    assert resolve_backend_name("auto", cuda | {torch.device("cpu")}) == "torch"
+    assert resolve_backend_name("auto", cuda | {torch.device("cpu")}) == ("cpp" if cpp_built_with_cuda() else "torch")
 
 
 def test_triton_on_cpu_without_the_interpreter_is_refused(monkeypatch):
@@ -260,11 +270,9 @@ def test_triton_on_cpu_without_the_interpreter_is_refused(monkeypatch):
 
 
 # ------------------------------------------------------------------------------------------- host sync
-@pytest.mark.cuda
-@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
-@pytest.mark.parametrize("backend", ["reference", "torch", "triton"])
+@pytest.mark.parametrize("backend,device", [on_device(b, "cuda") for b in ("reference", "torch", "triton", "cpp")])
 @pytest.mark.parametrize("cls", [SAM, GEARSAM])
-def test_no_host_synchronisation_inside_a_step(backend, cls):
+def test_no_host_synchronisation_inside_a_step(backend, device, cls):
     @contextlib.contextmanager
     def syncs_are_errors():
         torch.cuda.set_sync_debug_mode("error")
@@ -287,10 +295,8 @@ def test_no_host_synchronisation_inside_a_step(backend, cls):
 
 
 # ------------------------------------------------------------------------------------------- 64-bit offsets
-@pytest.mark.cuda
-@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
-@pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_buffers_longer_than_two_to_the_31_elements(backend):
+@pytest.mark.parametrize("backend,device", [on_device(b, "cuda") for b in ("torch", "triton", "cpp")])
+def test_buffers_longer_than_two_to_the_31_elements(backend, device):
     """Elements past index 2**31 are read and written where they belong (needs about 20 GiB of GPU memory)."""
     if torch.cuda.get_device_properties(0).total_memory < 40 * 2**30:
         pytest.skip("needs a GPU with at least 40 GiB")

@@ -1,4 +1,4 @@
-"""Each fused operation (block energy, allocation, perturb, restore) of the torch and triton backends against the
+"""Each fused operation (block energy, allocation, perturb, restore) of the torch, triton and cpp backends against the
 reference backend, per dtype, over sizes and partitions that hit the edge cases of the flat layout."""
 
 import json
@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import FUSED, on_device
+from conftest import FUSED, KERNELS, kernel_module
 from gearsam_fused.allocation import gear_allocate, sam_allocate
 from gearsam_fused.backends import BACKENDS
 from gearsam_fused.backends.reference import ReferenceBackend
@@ -103,9 +103,9 @@ def test_perturb_matches_reference_and_restore_is_exact(backend, device, layout,
     fused.block_energy(adaptive, 0.01)  # the flow of a step: energies read the gradients first
     reference.perturb_(scale, adaptive, 0.01)
     fused.perturb_(scale, adaptive, 0.01)
-    # The Triton kernels round exactly like the reference's separate multiply and add (fusion is off); torch's
-    # addcmul may contract them into one FMA, which moves the result by at most one unit in the last place.
-    exact = backend == "triton"
+    # The Triton and C++ kernels round exactly like the reference's separate multiply and add (never contracted);
+    # torch's addcmul may contract them into one FMA, which moves the result by at most one unit in the last place.
+    exact = backend in ("triton", "cpp")
     for p, q, w in zip(params_of(fused_blocks), params_of(reference_blocks), originals):
         if exact:
             assert bitwise_equal(p, q)
@@ -133,15 +133,13 @@ def _allocation_cases():
     }
 
 
-@pytest.mark.parametrize("backend,device", [c for c in FUSED if c.id.startswith("triton")])
+@pytest.mark.parametrize("backend,device", KERNELS)
 @pytest.mark.parametrize("case", list(_allocation_cases()))
 @pytest.mark.parametrize("rule", ["gear", "sam"])
 def test_allocate_kernel_matches_torch_allocation(backend, device, case, rule):
-    from gearsam_fused import triton_kernels
-
     energy, ema = (t.to(device) for t in _allocation_cases()[case])
     ema_kernel, ema_torch = ema.clone(), ema.clone()
-    scale, radius = triton_kernels.allocate(energy, ema_kernel, rule=rule, rho=0.3, beta=0.9, delta=1e-12)
+    scale, radius = kernel_module(backend).allocate(energy, ema_kernel, rule=rule, rho=0.3, beta=0.9, delta=1e-12)
     if rule == "gear":
         expected_scale, expected_radius = gear_allocate(energy, ema_torch, 0.3, 0.9, 1e-12)
     else:
@@ -157,9 +155,9 @@ def test_allocate_kernel_matches_torch_allocation(backend, device, case, rule):
 
 
 # ------------------------------------------------------------------------------------------- bad buffers
-@pytest.mark.parametrize("backend,device", [on_device("triton", "cpu")])
+@pytest.mark.parametrize("backend,device", [case for case in KERNELS if case.values[1] == "cpu"])
 def test_launchers_name_the_bad_buffer(backend, device):
-    from gearsam_fused import triton_kernels as k
+    k = kernel_module(backend)
 
     flat = torch.zeros(2 * TILE)
     tables = dict(block_tiles=torch.tensor([0, 2]), partials=torch.zeros(2, dtype=torch.float64))

@@ -304,7 +304,6 @@ def test_state_dict_round_trip_continues_bitwise(backend, device):
         (dict(eta=-0.01), r"eta must lie in \[0.0, inf\)"),
         (dict(partition="layers"), "unknown partition strategy 'layers'"),
         (dict(backend="cuda-magic"), "unknown backend 'cuda-magic'"),
-        (dict(backend="cpp"), "backend 'cpp' is not available in this version"),
     ],
 )
 def test_bad_hyperparameters_raise_value_error(kwargs, match):

@@ -6,9 +6,11 @@ name           what does the tensor work                                        
 ``reference``  a per-tensor loop written from the equations (the oracle)        any device
 ``torch``      vectorised torch ops over flat per-(device, dtype) buffers       any device
 ``triton``     Triton kernels over the same flat buffers                        CUDA (CPU: interpreter)
+``cpp``        compiled C++/CUDA kernels (``gearsam_fused._C``) over them       CPU, and CUDA if built so
 =============  ===============================================================  ==========================
 
-``"auto"`` picks ``triton`` when every parameter is on a CUDA device and triton is installed, else ``torch``.
+``"auto"`` picks ``triton`` when every parameter is on a CUDA device and triton is installed; otherwise ``cpp`` when
+the extension is built for every device in use; otherwise ``torch``.
 """
 
 from __future__ import annotations
@@ -17,20 +19,28 @@ import torch
 
 from ..partition import Block
 from .base import Backend
+from .cpp_ops import CppBackend
 from .reference import ReferenceBackend
 from .torch_ops import TorchBackend
-from .triton_ops import TritonBackend, check_usable, triton_installed
+from .triton_ops import TritonBackend
 
-#: Backends built into this installation, by name.
-BACKENDS: dict[str, type[Backend]] = {"reference": ReferenceBackend, "torch": TorchBackend, "triton": TritonBackend}
-
-#: Names the library knows of but that this version does not provide yet.
-PLANNED = ("cpp",)
+#: Every backend of the library, by name (see :func:`available_backends` for those this installation can run).
+BACKENDS: dict[str, type[Backend]] = {
+    "reference": ReferenceBackend, "torch": TorchBackend, "triton": TritonBackend, "cpp": CppBackend,
+}  # fmt: skip
 
 
 def available_backends() -> list[str]:
-    """Backends this installation can run (``triton`` only when triton is installed)."""
-    return [name for name in BACKENDS if name != "triton" or triton_installed()]
+    """Backends this installation can run: ``triton`` needs the triton package, ``cpp`` the compiled extension."""
+    return [name for name, cls in BACKENDS.items() if cls.installed()]
+
+
+def _usable(name: str, devices: set[torch.device]) -> bool:
+    try:
+        BACKENDS[name].check_usable(devices)
+    except ValueError:
+        return False
+    return True
 
 
 def resolve_backend_name(name: str, devices: set[torch.device]) -> str:
@@ -38,17 +48,13 @@ def resolve_backend_name(name: str, devices: set[torch.device]) -> str:
     if not isinstance(name, str):
         raise TypeError(f"backend must be a string, got {type(name).__name__}")
     if name == "auto":
-        on_cuda = all(d.type == "cuda" for d in devices)
-        return "triton" if on_cuda and triton_installed() else "torch"
-    if name == "triton":
-        check_usable(devices)
-    if name in BACKENDS:
-        return name
-    if name in PLANNED:
-        raise ValueError(
-            f"backend {name!r} is not available in this version of gearsam_fused; available: {available_backends()}"
-        )
-    raise ValueError(f"unknown backend {name!r}; expected 'auto' or one of {available_backends()}")
+        if all(d.type == "cuda" for d in devices) and TritonBackend.installed():
+            return "triton"
+        return "cpp" if _usable("cpp", devices) else "torch"
+    if name not in BACKENDS:
+        raise ValueError(f"unknown backend {name!r}; expected 'auto' or one of {list(BACKENDS)}")
+    BACKENDS[name].check_usable(devices)
+    return name
 
 
 def make_backend(name: str, blocks: list[Block], device: torch.device) -> Backend:

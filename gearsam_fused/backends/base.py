@@ -30,6 +30,15 @@ class Backend:
         self.blocks = blocks
         self.device = device
 
+    @staticmethod
+    def installed() -> bool:
+        """Whether this installation has what the backend needs (a package, a compiled extension)."""
+        return True
+
+    @staticmethod
+    def check_usable(devices: set[torch.device]) -> None:
+        """Raise ``ValueError``, saying what to do, unless the backend can run on parameters on ``devices``."""
+
     def block_energy(self, adaptive: bool, eta: float) -> torch.Tensor:
         """float64 ``[B]`` on ``self.device``: ``e_b = sum_{p in b} ||T_p * g_p||^2`` with ``T_p = |p| + eta`` if
         ``adaptive`` else 1. Parameters whose ``grad`` is None contribute nothing."""

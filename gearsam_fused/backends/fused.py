@@ -2,10 +2,13 @@
 
 A subclass supplies the tensor work for one bucket (:meth:`FusedBackend._bucket_energy`, ``_bucket_perturb``,
 ``_bucket_restore``); everything here costs a constant number of device operations per bucket, however many
-parameter tensors the model has.
+parameter tensors the model has. :class:`KernelBackend` supplies it from a module of kernel launchers.
 """
 
 from __future__ import annotations
+
+import contextlib
+from types import ModuleType
 
 import torch
 
@@ -63,3 +66,44 @@ class FusedBackend(Backend):
 
     def memory_overhead(self) -> dict[str, int]:
         return self.layout.memory_overhead()
+
+
+def _launching_on(device: torch.device):
+    """Make ``device`` current while launching: Triton launches on the current CUDA device, not the tensors' one."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+class KernelBackend(FusedBackend):
+    """A fused backend whose work is done by a kernel module with four launchers of fixed signatures::
+
+        block_energy(grad, param, block_tiles, partials, *, tile, adaptive, eta) -> energy
+        allocate(energy, ema, *, rule, rho, beta, delta) -> (scale, radius)
+        perturb_(param, grad, backup, scale, tile_block, *, tile, adaptive, eta)
+        restore_(param, backup, *, tile)
+
+    ``gearsam_fused.triton_kernels`` and the compiled ``gearsam_fused._C`` both provide them.
+    """
+
+    def __init__(self, blocks, device: torch.device, kernels: ModuleType):
+        self.kernels = kernels
+        super().__init__(blocks, device)
+
+    def _bucket_energy(self, bucket: Bucket, adaptive: bool, eta: float) -> torch.Tensor:
+        with _launching_on(bucket.device):
+            return self.kernels.block_energy(
+                bucket.grad, bucket.param, bucket.block_tiles, bucket.partials, tile=bucket.tile, adaptive=adaptive, eta=eta
+            )
+
+    def allocate(self, rule, energy, ema, rho, beta, delta):
+        with _launching_on(energy.device):
+            return self.kernels.allocate(energy, ema, rule=rule, rho=rho, beta=beta, delta=delta)
+
+    def _bucket_perturb(self, bucket: Bucket, scale: torch.Tensor, adaptive: bool, eta: float) -> None:
+        with _launching_on(bucket.device):
+            self.kernels.perturb_(
+                bucket.param, bucket.grad, bucket.backup, scale, bucket.tile_block, tile=bucket.tile, adaptive=adaptive, eta=eta
+            )
+
+    def _bucket_restore(self, bucket: Bucket) -> None:
+        with _launching_on(bucket.device):
+            self.kernels.restore_(bucket.param, bucket.backup, tile=bucket.tile)

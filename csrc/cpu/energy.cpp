@@ -1,0 +1,77 @@
+// Block gradient energy on the CPU, deterministic for any number of threads.
+//
+//   partial_t = sum_{i in tile t} (T_i g_i)^2     T_i = |w_i| + eta (ASAM) or 1; T_i g_i in float32 (float64 for
+//                                                 float64 buffers), squared and summed in float64 over 8 fixed lanes
+//   e_b       = sum_{t = block_tiles[b]}^{block_tiles[b+1]-1} partial_t     float64, in tile order
+//
+// Threads split the tiles (then the blocks) between them, but every sum runs over a fixed range in a fixed order, so
+// the result does not depend on how the work was split.
+
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+
+#include "../gearsam.h"
+#include "tiles.h"
+
+namespace gearsam::cpu {
+namespace {
+
+// Independent accumulators: the inner loop has no loop-carried dependency, so the compiler vectorises it.
+constexpr int64_t kLanes = 8;
+
+template <bool Adaptive, typename scalar_t, typename compute_t = at::opmath_type<scalar_t>>
+double tile_sum_of_squares(const scalar_t* grad, const scalar_t* param, int64_t n, compute_t eta) {
+  double lane[kLanes] = {};
+  auto term = [&](int64_t i) {
+    compute_t v = static_cast<compute_t>(grad[i]);
+    if constexpr (Adaptive) v = (std::abs(static_cast<compute_t>(param[i])) + eta) * v;
+    return static_cast<double>(v) * static_cast<double>(v);
+  };
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes)
+    for (int64_t l = 0; l < kLanes; ++l) lane[l] += term(i + l);
+  for (int64_t l = 0; i < n; ++i, ++l) lane[l] += term(i);
+  for (int64_t width = kLanes / 2; width > 0; width /= 2)  // pairwise, always the same tree
+    for (int64_t l = 0; l < width; ++l) lane[l] += lane[l + width];
+  return lane[0];
+}
+
+template <bool Adaptive, typename scalar_t>
+void tile_energies(const at::Tensor& grad, const at::Tensor& param, const at::Tensor& partials, int64_t tile,
+                   double eta) {
+  using compute_t = at::opmath_type<scalar_t>;
+  const scalar_t* g = grad.const_data_ptr<scalar_t>();
+  const scalar_t* w = param.const_data_ptr<scalar_t>();
+  double* out = partials.mutable_data_ptr<double>();
+  const compute_t eta_c = static_cast<compute_t>(eta);
+  for_each_tile(partials.numel(), tile, [&](int64_t t) {
+    out[t] = tile_sum_of_squares<Adaptive>(g + t * tile, w + t * tile, tile, eta_c);
+  });
+}
+
+}  // namespace
+
+void block_energy(const at::Tensor& grad, const at::Tensor& param, const at::Tensor& block_tiles,
+                  const at::Tensor& partials, const at::Tensor& energy, int64_t tile, bool adaptive, double eta) {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad.scalar_type(), "gearsam_block_energy_cpu", [&] {
+    if (adaptive)
+      tile_energies<true, scalar_t>(grad, param, partials, tile, eta);
+    else
+      tile_energies<false, scalar_t>(grad, param, partials, tile, eta);
+  });
+  const double* part = partials.const_data_ptr<double>();
+  const int64_t* range = block_tiles.const_data_ptr<int64_t>();
+  double* out = energy.mutable_data_ptr<double>();
+  at::parallel_for(0, energy.numel(), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      double sum = 0.0;
+      for (int64_t t = range[b]; t < range[b + 1]; ++t) sum += part[t];
+      out[b] = sum;
+    }
+  });
+}
+
+}  // namespace gearsam::cpu

@@ -1,0 +1,68 @@
+// Perturbation to w + eps and its exact undoing on the CPU.
+//
+//   perturb:  backup_i = w_i;   w_i <- w_i + scale[tile_block[tile(i)]] * T_i^2 * g_i
+//             T_i = |w_i| + eta (ASAM) or 1; float32 arithmetic (float64 for float64), one rounding to the stored
+//             dtype (round to nearest even), multiply and add rounded separately (built with -ffp-contract=off)
+//   restore:  w_i <- backup_i   (memcpy)
+
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstring>
+
+#include "../gearsam.h"
+#include "tiles.h"
+
+namespace gearsam::cpu {
+namespace {
+
+template <bool Adaptive, typename scalar_t>
+void perturb_tiles(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& backup, const at::Tensor& scale,
+                   const at::Tensor& tile_block, int64_t tile, double eta) {
+  using compute_t = at::opmath_type<scalar_t>;
+  scalar_t* w = param.mutable_data_ptr<scalar_t>();
+  const scalar_t* g = grad.const_data_ptr<scalar_t>();
+  scalar_t* saved = backup.mutable_data_ptr<scalar_t>();
+  const double* block_scale = scale.const_data_ptr<double>();
+  const int32_t* block_of = tile_block.const_data_ptr<int32_t>();
+  const compute_t eta_c = static_cast<compute_t>(eta);
+  for_each_tile(tile_block.numel(), tile, [&](int64_t t) {
+    const compute_t s = static_cast<compute_t>(block_scale[block_of[t]]);
+    for (int64_t i = t * tile; i < (t + 1) * tile; ++i) {
+      const scalar_t stored = w[i];
+      saved[i] = stored;
+      const compute_t x = static_cast<compute_t>(stored);
+      compute_t direction = static_cast<compute_t>(g[i]);
+      if constexpr (Adaptive) {
+        const compute_t T = std::abs(x) + eta_c;
+        direction = T * T * direction;
+      }
+      w[i] = static_cast<scalar_t>(x + direction * s);
+    }
+  });
+}
+
+}  // namespace
+
+void perturb(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& backup, const at::Tensor& scale,
+             const at::Tensor& tile_block, int64_t tile, bool adaptive, double eta) {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, param.scalar_type(), "gearsam_perturb_cpu", [&] {
+    if (adaptive)
+      perturb_tiles<true, scalar_t>(param, grad, backup, scale, tile_block, tile, eta);
+    else
+      perturb_tiles<false, scalar_t>(param, grad, backup, scale, tile_block, tile, eta);
+  });
+}
+
+void restore(const at::Tensor& param, const at::Tensor& backup) {
+  char* dst = static_cast<char*>(param.mutable_data_ptr());
+  const char* src = static_cast<const char*>(backup.const_data_ptr());
+  const int64_t bytes = param.numel() * param.element_size();
+  at::parallel_for(0, bytes, kGrainElements * 4, [&](int64_t begin, int64_t end) {
+    std::memcpy(dst + begin, src + begin, end - begin);
+  });
+}
+
+}  // namespace gearsam::cpu

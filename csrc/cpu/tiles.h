@@ -1,0 +1,24 @@
+// Splitting a bucket's tiles between CPU threads.
+#pragma once
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+
+namespace gearsam::cpu {
+
+// Elements a thread should get at least, so that small buckets are not split into tasks that cost more to schedule
+// than to run (the value ATen uses for its own elementwise kernels).
+constexpr int64_t kGrainElements = 32768;
+
+// Calls fn(t) for every tile t in [0, n_tiles), split between threads in whole tiles. Every tile's work is independent
+// of the split, so results do not depend on the number of threads.
+template <typename Fn>
+void for_each_tile(int64_t n_tiles, int64_t tile, const Fn& fn) {
+  at::parallel_for(0, n_tiles, std::max<int64_t>(1, kGrainElements / tile), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) fn(t);
+  });
+}
+
+}  // namespace gearsam::cpu

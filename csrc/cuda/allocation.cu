@@ -1,0 +1,63 @@
+// Radius allocation on CUDA: one thread block, float64, no host synchronisation.
+//
+// GEAR rule:  s_b <- beta s_b + (1 - beta) e_b;   r_b = rho s_b / ||s||_2 (0 when s = 0);   scale_b = r_b / (sqrt(e_b) + delta)
+// SAM rule:   scale_b = rho / (sqrt(sum_j e_j) + delta);   r_b = rho sqrt(e_b) / sqrt(sum_j e_j) (0 when e = 0)
+//
+// Two passes over the blocks: the norm (a fixed-order block reduction), then s, r and scale. Each thread handles the
+// same blocks in both passes, so the EMA it writes in the second pass is read by no other thread.
+
+#include "../gearsam.h"
+#include "common.cuh"
+
+namespace gearsam::cuda {
+namespace {
+
+template <bool Gear>
+__global__ void allocate_kernel(const double* __restrict__ energy, double* __restrict__ ema, double* __restrict__ scale,
+                                double* __restrict__ radius, int64_t n_blocks, double rho, double beta, double delta) {
+  __shared__ double scratch[kThreads / kWarp];
+  __shared__ double norm_shared;
+  auto smoothed = [&](int64_t b) { return add_rn(mul_rn(beta, ema[b]), mul_rn(1.0 - beta, energy[b])); };
+  double sum = 0.0;
+  for (int64_t b = threadIdx.x; b < n_blocks; b += kThreads) {
+    if constexpr (Gear) {
+      const double s = smoothed(b);
+      sum += s * s;
+    } else {
+      sum += energy[b];
+    }
+  }
+  sum = block_sum(sum, scratch);
+  if (threadIdx.x == 0) norm_shared = sqrt(sum);
+  __syncthreads();
+  const double norm = norm_shared;
+  for (int64_t b = threadIdx.x; b < n_blocks; b += kThreads) {
+    const double root = sqrt(energy[b]);
+    if constexpr (Gear) {
+      const double s = smoothed(b);
+      ema[b] = s;
+      radius[b] = norm > 0 ? rho * (s / norm) : 0.0;
+      scale[b] = radius[b] / (root + delta);
+    } else {
+      radius[b] = norm > 0 ? rho * (root / norm) : 0.0;
+      scale[b] = rho / (norm + delta);
+    }
+  }
+}
+
+}  // namespace
+
+void allocate(const at::Tensor& energy, const at::Tensor& ema, const at::Tensor& scale, const at::Tensor& radius,
+              bool gear, double rho, double beta, double delta) {
+  const int64_t n_blocks = energy.numel();
+  if (n_blocks == 0) return;
+  const c10::cuda::CUDAGuard guard(energy.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  auto kernel = gear ? allocate_kernel<true> : allocate_kernel<false>;
+  kernel<<<1, kThreads, 0, stream>>>(energy.const_data_ptr<double>(), ema.mutable_data_ptr<double>(),
+                                     scale.mutable_data_ptr<double>(), radius.mutable_data_ptr<double>(), n_blocks, rho,
+                                     beta, delta);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+}  // namespace gearsam::cuda

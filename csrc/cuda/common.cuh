@@ -1,0 +1,66 @@
+// What the CUDA kernels share: 16-byte vector access, a deterministic block reduction, unfused arithmetic, and the
+// launch context (device guard, current stream, grid size).
+#pragma once
+
+#include <ATen/OpMathType.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace gearsam::cuda {
+
+constexpr int kThreads = 256;  // per block, a multiple of the warp size (block_sum relies on it)
+constexpr int kWarp = 32;
+
+// kVec elements of scalar_t in one 16-byte load or store.
+template <typename scalar_t>
+constexpr int kVec = 16 / sizeof(scalar_t);
+
+template <typename scalar_t, int N>
+struct alignas(sizeof(scalar_t) * N) Pack {
+  scalar_t v[N];
+};
+
+// Vector access needs every pointer 16-byte aligned and every tile a whole number of vectors.
+template <int Vec>
+bool vectorizable(int64_t tile, std::initializer_list<const void*> pointers) {
+  if (tile % Vec) return false;
+  for (const void* p : pointers)
+    if (reinterpret_cast<uintptr_t>(p) % 16) return false;
+  return true;
+}
+
+// Multiply and add rounded separately: never contracted into an FMA, so `w + scale * g` rounds like the reference.
+__device__ __forceinline__ float mul_rn(float a, float b) { return __fmul_rn(a, b); }
+__device__ __forceinline__ double mul_rn(double a, double b) { return __dmul_rn(a, b); }
+__device__ __forceinline__ float add_rn(float a, float b) { return __fadd_rn(a, b); }
+__device__ __forceinline__ double add_rn(double a, double b) { return __dadd_rn(a, b); }
+
+// Sum of `value` over the thread block, valid in thread 0. The shuffle tree and the warp order are fixed, so the same
+// inputs always give the same bits. `scratch` holds kThreads / kWarp entries; the block must be kThreads wide.
+__device__ __forceinline__ double block_sum(double value, double* scratch) {
+  for (int offset = kWarp / 2; offset > 0; offset /= 2) value += __shfl_down_sync(0xffffffffu, value, offset);
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+  if (lane == 0) scratch[warp] = value;
+  __syncthreads();
+  if (warp == 0) {
+    value = lane < kThreads / kWarp ? scratch[lane] : 0.0;
+    for (int offset = kWarp / 2; offset > 0; offset /= 2) value += __shfl_down_sync(0xffffffffu, value, offset);
+  }
+  __syncthreads();  // scratch may be reused right after
+  return value;
+}
+
+// Enough blocks to fill the device a few times over, no more than there is work for: kernels loop over the rest.
+inline int grid_for(int64_t work_items, int device) {
+  static int sm_count[64] = {};
+  if (device < 64 && sm_count[device] == 0)
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&sm_count[device], cudaDevAttrMultiProcessorCount, device));
+  const int64_t cap = int64_t(device < 64 ? sm_count[device] : 132) * 8;
+  return static_cast<int>(work_items < cap ? (work_items > 0 ? work_items : 1) : cap);
+}
+
+}  // namespace gearsam::cuda

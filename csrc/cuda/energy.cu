@@ -1,0 +1,94 @@
+// Block gradient energy on CUDA: a deterministic two-stage reduction, no atomics.
+//
+//   stage 1 (one thread block per tile, grid-stride over tiles):
+//     partial_t = sum_{i in tile t} (T_i g_i)^2    T_i = |w_i| + eta (ASAM) or 1; each thread sums its elements in
+//                                                  float32 (float64 for float64), the block adds the threads' sums
+//                                                  in float64 along a fixed tree
+//   stage 2 (one thread block per block, grid-stride over blocks):
+//     e_b = sum_{t = block_tiles[b]}^{block_tiles[b+1]-1} partial_t      float64, fixed thread assignment and tree
+//
+// Which thread reads which element depends only on the tile size and kThreads, so results are bitwise reproducible.
+
+#include <ATen/Dispatch.h>
+
+#include "../gearsam.h"
+#include "common.cuh"
+
+namespace gearsam::cuda {
+namespace {
+
+template <typename scalar_t, int Vec, bool Adaptive>
+__global__ void tile_energy_kernel(const scalar_t* __restrict__ grad, const scalar_t* __restrict__ param,
+                                   double* __restrict__ partials, int64_t n_tiles, int64_t tile,
+                                   at::opmath_type<scalar_t> eta) {
+  using compute_t = at::opmath_type<scalar_t>;
+  using pack_t = Pack<scalar_t, Vec>;
+  __shared__ double scratch[kThreads / kWarp];
+  for (int64_t t = blockIdx.x; t < n_tiles; t += gridDim.x) {
+    const int64_t first = t * tile;
+    compute_t sum = 0;
+    for (int64_t i = int64_t(threadIdx.x) * Vec; i < tile; i += int64_t(kThreads) * Vec) {
+      const pack_t g = *reinterpret_cast<const pack_t*>(grad + first + i);
+      pack_t w;
+      if constexpr (Adaptive) w = *reinterpret_cast<const pack_t*>(param + first + i);
+#pragma unroll
+      for (int k = 0; k < Vec; ++k) {
+        compute_t v = static_cast<compute_t>(g.v[k]);
+        if constexpr (Adaptive) v = (fabs(static_cast<compute_t>(w.v[k])) + eta) * v;
+        sum += v * v;
+      }
+    }
+    const double total = block_sum(static_cast<double>(sum), scratch);
+    if (threadIdx.x == 0) partials[t] = total;
+  }
+}
+
+__global__ void block_sum_kernel(const double* __restrict__ partials, const int64_t* __restrict__ block_tiles,
+                                 double* __restrict__ energy, int64_t n_blocks) {
+  __shared__ double scratch[kThreads / kWarp];
+  for (int64_t b = blockIdx.x; b < n_blocks; b += gridDim.x) {
+    double sum = 0.0;
+    for (int64_t t = block_tiles[b] + threadIdx.x; t < block_tiles[b + 1]; t += kThreads) sum += partials[t];
+    const double total = block_sum(sum, scratch);
+    if (threadIdx.x == 0) energy[b] = total;
+  }
+}
+
+template <typename scalar_t, int Vec, bool Adaptive>
+void launch_tile_energy(const at::Tensor& grad, const at::Tensor& param, const at::Tensor& partials, int64_t tile,
+                        double eta, cudaStream_t stream) {
+  const int64_t n_tiles = partials.numel();
+  tile_energy_kernel<scalar_t, Vec, Adaptive><<<grid_for(n_tiles, grad.get_device()), kThreads, 0, stream>>>(
+      grad.const_data_ptr<scalar_t>(), param.const_data_ptr<scalar_t>(), partials.mutable_data_ptr<double>(), n_tiles,
+      tile, static_cast<at::opmath_type<scalar_t>>(eta));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+}  // namespace
+
+void block_energy(const at::Tensor& grad, const at::Tensor& param, const at::Tensor& block_tiles,
+                  const at::Tensor& partials, const at::Tensor& energy, int64_t tile, bool adaptive, double eta) {
+  const c10::cuda::CUDAGuard guard(grad.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  if (partials.numel() > 0) {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad.scalar_type(), "gearsam_block_energy_cuda", [&] {
+      constexpr int vec = kVec<scalar_t>;
+      const bool wide = vectorizable<vec>(tile, {grad.const_data_ptr(), param.const_data_ptr()});
+      if (adaptive)
+        wide ? launch_tile_energy<scalar_t, vec, true>(grad, param, partials, tile, eta, stream)
+             : launch_tile_energy<scalar_t, 1, true>(grad, param, partials, tile, eta, stream);
+      else
+        wide ? launch_tile_energy<scalar_t, vec, false>(grad, param, partials, tile, eta, stream)
+             : launch_tile_energy<scalar_t, 1, false>(grad, param, partials, tile, eta, stream);
+    });
+  }
+  const int64_t n_blocks = energy.numel();
+  if (n_blocks > 0) {
+    block_sum_kernel<<<grid_for(n_blocks, grad.get_device()), kThreads, 0, stream>>>(
+        partials.const_data_ptr<double>(), block_tiles.const_data_ptr<int64_t>(), energy.mutable_data_ptr<double>(),
+        n_blocks);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+}
+
+}  // namespace gearsam::cuda

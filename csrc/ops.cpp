@@ -1,0 +1,151 @@
+// The public operations: check every argument (a wrong buffer fails here with a message naming it, never with
+// garbage), allocate the outputs, and call the implementation for the tensors' device.
+
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <c10/util/Exception.h>
+
+#include <sstream>
+
+#include "gearsam.h"
+
+namespace gearsam {
+namespace {
+
+// Types, shapes and strides spelled as Python prints them, so messages read the same from every backend.
+std::string dtype_name(at::ScalarType type) {
+  switch (type) {
+    case at::kFloat: return "torch.float32";
+    case at::kDouble: return "torch.float64";
+    case at::kHalf: return "torch.float16";
+    case at::kBFloat16: return "torch.bfloat16";
+    case at::kInt: return "torch.int32";
+    case at::kLong: return "torch.int64";
+    default: return std::string("torch.") + c10::toString(type);
+  }
+}
+
+std::string as_tuple(at::IntArrayRef values) {
+  std::ostringstream out;
+  out << "(";
+  for (size_t i = 0; i < values.size(); ++i) out << (i ? ", " : "") << values[i];
+  out << (values.size() == 1 ? ",)" : ")");
+  return out.str();
+}
+
+std::string describe(const at::Tensor& t) {
+  std::ostringstream out;
+  out << dtype_name(t.scalar_type()) << " " << as_tuple(t.sizes()) << " on " << t.device();
+  return out.str();
+}
+
+// Same rules and messages as the Triton launchers (triton_kernels/_common.py).
+void check_flat(const char* name, const at::Tensor& t, int64_t tile = 0, c10::optional<at::ScalarType> dtype = {},
+                const at::Tensor* on_device_of = nullptr) {
+  TORCH_CHECK_VALUE(t.defined(), name, " is undefined");
+  if (on_device_of != nullptr)
+    TORCH_CHECK_VALUE(t.device() == on_device_of->device(), name, " is on ", t.device(), ", the buffers on ",
+                      on_device_of->device());
+  TORCH_CHECK_VALUE(t.dim() == 1 && t.is_contiguous(), name, " must be a contiguous 1-D tensor, got shape ",
+                    as_tuple(t.sizes()), ", strides ", as_tuple(t.strides()));
+  if (tile > 0)
+    TORCH_CHECK_VALUE(t.numel() % tile == 0, name, " has ", t.numel(), " elements, not a multiple of the tile (", tile,
+                      ")");
+  if (dtype.has_value())
+    TORCH_CHECK_VALUE(t.scalar_type() == *dtype, name, " must be ", dtype_name(*dtype), ", got ",
+                      dtype_name(t.scalar_type()));
+}
+
+void check_same(const char* name, const at::Tensor& t, const char* like_name, const at::Tensor& like) {
+  TORCH_CHECK_VALUE(t.defined(), name, " is undefined");
+  TORCH_CHECK_VALUE(t.sizes() == like.sizes() && t.dtype() == like.dtype() && t.device() == like.device(), name, " (",
+                    describe(t), ") must match ", like_name, " (", describe(like), ")");
+}
+
+void check_tile(int64_t tile) { TORCH_CHECK_VALUE(tile > 0, "tile must be positive, got ", tile); }
+
+void check_floating(const char* name, const at::Tensor& t) {
+  const auto type = t.scalar_type();
+  TORCH_CHECK_VALUE(type == at::kFloat || type == at::kDouble || type == at::kHalf || type == at::kBFloat16, name,
+                    " must be float32, float64, float16 or bfloat16, got ", dtype_name(type));
+}
+
+bool on_cuda(const at::Tensor& t) {
+  if (t.is_cpu()) return false;
+  TORCH_CHECK_VALUE(t.is_cuda(), "tensors on ", t.device(), " are not supported; use CPU or CUDA tensors");
+  TORCH_CHECK_VALUE(built_with_cuda(),
+                    "this build of gearsam_fused._C has no CUDA kernels; reinstall with nvcc on PATH and a CUDA "
+                    "build of torch (GEARSAM_BUILD_CUDA=1 makes a failed CUDA build an error)");
+  return true;
+}
+
+}  // namespace
+
+// Runs namespace cuda's or cpu's `fn` for the device of `tensor` (on_cuda refuses CUDA tensors in a CPU-only build).
+#ifdef WITH_CUDA
+#define GEARSAM_ON_DEVICE_OF(tensor, fn, ...) (on_cuda(tensor) ? cuda::fn(__VA_ARGS__) : cpu::fn(__VA_ARGS__))
+#else
+#define GEARSAM_ON_DEVICE_OF(tensor, fn, ...) (on_cuda(tensor), cpu::fn(__VA_ARGS__))
+#endif
+
+at::Tensor block_energy(const at::Tensor& grad, const at::Tensor& param, const at::Tensor& block_tiles,
+                        const at::Tensor& partials, int64_t tile, bool adaptive, double eta) {
+  check_tile(tile);
+  check_flat("grad", grad, tile);
+  check_floating("grad", grad);
+  check_same("param", param, "grad", grad);
+  check_flat("block_tiles", block_tiles, 0, at::kLong, &grad);
+  check_flat("partials", partials, 0, at::kDouble, &grad);
+  const int64_t n_tiles = grad.numel() / tile;
+  TORCH_CHECK_VALUE(partials.numel() == n_tiles, "partials has ", partials.numel(), " entries for ", n_tiles, " tiles");
+  TORCH_CHECK_VALUE(block_tiles.numel() >= 1, "block_tiles needs at least one entry (B + 1 for B blocks)");
+  at::Tensor energy = at::empty({block_tiles.numel() - 1}, grad.options().dtype(at::kDouble));
+  GEARSAM_ON_DEVICE_OF(grad, block_energy, grad, param, block_tiles, partials, energy, tile, adaptive, eta);
+  return energy;
+}
+
+std::tuple<at::Tensor, at::Tensor> allocate(const at::Tensor& energy, const at::Tensor& ema, const std::string& rule,
+                                            double rho, double beta, double delta) {
+  TORCH_CHECK_VALUE(rule == "gear" || rule == "sam", "unknown allocation rule '", rule,
+                    "'; expected 'gear' or 'sam'");
+  check_flat("energy", energy, 0, at::kDouble);
+  check_same("ema", ema, "energy", energy);
+  at::Tensor scale = at::empty_like(energy);
+  at::Tensor radius = at::empty_like(energy);
+  GEARSAM_ON_DEVICE_OF(energy, allocate, energy, ema, scale, radius, rule == "gear", rho, beta, delta);
+  return {scale, radius};
+}
+
+void perturb_(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& backup, const at::Tensor& scale,
+              const at::Tensor& tile_block, int64_t tile, bool adaptive, double eta) {
+  check_tile(tile);
+  check_flat("param", param, tile);
+  check_floating("param", param);
+  check_same("grad", grad, "param", param);
+  check_same("backup", backup, "param", param);
+  check_flat("scale", scale, 0, at::kDouble, &param);
+  check_flat("tile_block", tile_block, 0, at::kInt, &param);
+  const int64_t n_tiles = param.numel() / tile;
+  TORCH_CHECK_VALUE(tile_block.numel() == n_tiles, "tile_block has ", tile_block.numel(), " entries for ", n_tiles,
+                    " tiles");
+  if (n_tiles == 0) return;
+  GEARSAM_ON_DEVICE_OF(param, perturb, param, grad, backup, scale, tile_block, tile, adaptive, eta);
+}
+
+void restore_(const at::Tensor& param, const at::Tensor& backup, int64_t tile) {
+  check_tile(tile);
+  check_flat("param", param, tile);
+  check_same("backup", backup, "param", param);
+  if (param.numel() == 0) return;
+  GEARSAM_ON_DEVICE_OF(param, restore, param, backup);
+}
+
+bool built_with_cuda() {
+#ifdef WITH_CUDA
+  return true;
+#else
+  return false;
+#endif
+}
+
+}  // namespace gearsam

@@ -1,0 +1,68 @@
+"""The ``cpp`` backend: the compiled kernels of ``gearsam_fused._C`` (sources in ``csrc/``) over flat buckets.
+
+CPU kernels (threaded with ATen's ``parallel_for``, deterministic for any number of threads) are built wherever a C++
+compiler is found at install time; CUDA kernels are added when torch is a CUDA build and nvcc is found. The launchers
+have the same names and arguments as the Triton ones, so the step is the same four operations per bucket.
+"""
+
+from __future__ import annotations
+
+import functools
+from types import ModuleType
+
+import torch
+
+from .fused import KernelBackend
+
+#: How to get the extension, for error messages.
+BUILD_HINT = (
+    "build it by reinstalling gearsam_fused from its source tree with a C++ compiler and ninja available: "
+    "`pip install ninja && pip install --no-build-isolation -e .` (GEARSAM_BUILD_CPP=1 turns a skipped build into an "
+    "error that says why); or use backend='torch'"
+)
+
+
+@functools.lru_cache(maxsize=None)
+def _load() -> tuple[ModuleType | None, str]:
+    """The compiled module, or None and why it could not be imported."""
+    try:
+        from .. import _C
+    except ImportError as exc:
+        return None, str(exc)
+    return _C, ""
+
+
+def cpp_installed() -> bool:
+    return _load()[0] is not None
+
+
+def cpp_built_with_cuda() -> bool:
+    module = _load()[0]
+    return module is not None and module.built_with_cuda()
+
+
+class CppBackend(KernelBackend):
+    name = "cpp"
+
+    @staticmethod
+    def installed() -> bool:
+        return cpp_installed()
+
+    @staticmethod
+    def check_usable(devices: set[torch.device]) -> None:
+        module, why = _load()
+        if module is None:
+            raise ValueError(f"backend 'cpp' needs the C++ extension gearsam_fused._C, which is not built ({why}); {BUILD_HINT}")
+        unsupported = sorted(str(d) for d in devices if d.type not in ("cpu", "cuda"))
+        if unsupported:
+            raise ValueError(f"backend 'cpp' runs on CPU and CUDA tensors, but parameters are on {', '.join(unsupported)}")
+        if any(d.type == "cuda" for d in devices) and not module.built_with_cuda():
+            raise ValueError(
+                "backend 'cpp' was built without CUDA kernels, but parameters are on CUDA; reinstall with nvcc on PATH "
+                "and a CUDA build of torch (GEARSAM_BUILD_CUDA=1 turns a skipped CUDA build into an error), or use "
+                "backend='triton' or 'torch'"
+            )
+
+    def __init__(self, blocks, device: torch.device):
+        self.check_usable({p.device for block in blocks for p in block.params})
+        super().__init__(blocks, device, _load()[0])

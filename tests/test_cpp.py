@@ -1,0 +1,164 @@
+"""The compiled extension (``gearsam_fused._C``, sources in ``csrc/``): that it is built, that its CPU results do not
+depend on the number of threads, that a missing build says how to build it, and that every CUDA source compiles for
+Hopper. Its parity with the reference backend runs with the other backends in test_kernels.py and test_engine.py."""
+
+import concurrent.futures
+import copy
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import SGD_KW, flat
+from gearsam_fused import GEARSAM, SAM
+from gearsam_fused.backends import cpp_ops, resolve_backend_name
+from gearsam_fused.backends.cpp_ops import cpp_built_with_cuda, cpp_installed
+
+CSRC = Path(__file__).resolve().parents[1] / "csrc"
+needs_cpp = pytest.mark.skipif(not cpp_installed(), reason="the C++ extension is not built")
+
+
+def test_extension_is_built_wherever_a_compiler_is():
+    """The other cpp tests skip without the extension; this one makes sure that never hides a failed build."""
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        pytest.skip(f"no C++ compiler ({compiler}) on this machine")
+    assert cpp_installed(), f"a C++ compiler is here but gearsam_fused._C is missing: {cpp_ops._load()[1]}"
+
+
+# ------------------------------------------------------------------------------------------- threads
+class WideNet(nn.Module):
+    """About 300k parameters in a few large tensors: each block spans many tiles, so threads split the work."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(32, 512), nn.Tanh(), nn.Linear(512, 512), nn.Tanh())
+        self.head = nn.Linear(512, 10)
+
+    def forward(self, x):
+        return self.head(self.body(x))
+
+
+def _train(model, opt, steps: int, optimizer_threads: int):
+    """Forward and backward on one thread (a matrix product's rounding depends on how many threads share it), the
+    optimizer's steps on ``optimizer_threads``."""
+    g = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        x, y = torch.randn(32, 32, generator=g), torch.randint(0, 10, (32,), generator=g)
+        for sam_step in (opt.first_step, opt.second_step):
+            torch.set_num_threads(1)
+            nn.functional.cross_entropy(model(x), y).backward()
+            torch.set_num_threads(optimizer_threads)
+            sam_step(zero_grad=True)
+    return flat(model), opt.block_stats()
+
+
+@needs_cpp
+@pytest.mark.parametrize("cls", [SAM, GEARSAM])
+@pytest.mark.parametrize("adaptive", [False, True], ids=["sam", "asam"])
+def test_one_and_two_threads_give_bitwise_identical_runs(cls, adaptive):
+    torch.manual_seed(0)
+    start = WideNet()
+    runs = []
+    previous = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            model = copy.deepcopy(start)
+            opt = cls(model, torch.optim.SGD, rho=0.05, adaptive=adaptive, eta=0.01, backend="cpp", **SGD_KW)
+            runs.append(_train(model, opt, steps=30, optimizer_threads=threads))
+    finally:
+        torch.set_num_threads(previous)
+    (weights_1, stats_1), (weights_2, stats_2) = runs
+    assert torch.equal(weights_1, weights_2)
+    assert all(torch.equal(stats_1[k], stats_2[k]) for k in stats_1)
+    assert max(b.n_tiles for b in opt._backend.layout.buckets) > 100  # enough tiles for two threads to share
+
+
+@needs_cpp
+def test_one_and_two_threads_give_bitwise_identical_kernels():
+    """The launchers themselves, on a bucket of 64 tiles in 3 uneven blocks, in every floating dtype."""
+    from gearsam_fused import _C
+
+    tile, tiles_per_block = 2048, torch.tensor([1, 40, 23])
+    block_tiles = torch.cat([torch.zeros(1, dtype=torch.int64), tiles_per_block.cumsum(0)])
+    tile_block = torch.repeat_interleave(torch.arange(3, dtype=torch.int32), tiles_per_block)
+    g = torch.Generator().manual_seed(0)
+    base_w, base_g = torch.randn(64 * tile, generator=g), torch.randn(64 * tile, generator=g)
+    previous = torch.get_num_threads()
+    try:
+        for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
+            results = []
+            for threads in (1, 2):
+                torch.set_num_threads(threads)
+                w, grad = base_w.to(dtype, copy=True), base_g.to(dtype, copy=True)
+                partials = torch.empty(64, dtype=torch.float64)
+                energy = _C.block_energy(grad, w, block_tiles, partials, tile=tile, adaptive=True, eta=0.01)
+                _C.perturb_(w, grad, torch.empty_like(w), energy.sqrt(), tile_block, tile=tile, adaptive=True, eta=0.01)
+                results.append((energy, partials, w))
+            for a, b in zip(*results):
+                assert torch.equal(a, b), dtype
+    finally:
+        torch.set_num_threads(previous)
+
+
+# ------------------------------------------------------------------------------------------- errors
+def test_missing_extension_says_how_to_build_it(monkeypatch):
+    monkeypatch.setattr(cpp_ops, "_load", lambda: (None, "No module named 'gearsam_fused._C'"))
+    with pytest.raises(ValueError, match=r"not built \(No module named .*pip install --no-build-isolation -e \."):
+        SAM(WideNet(), torch.optim.SGD, backend="cpp", lr=0.1)
+    assert resolve_backend_name("auto", {torch.device("cpu")}) == "torch"
+
+
+@needs_cpp
+@pytest.mark.skipif(cpp_built_with_cuda(), reason="this build has CUDA kernels")
+def test_cpu_only_build_refuses_cuda_parameters():
+    with pytest.raises(ValueError, match=r"built without CUDA kernels, but parameters are on CUDA; reinstall with nvcc"):
+        resolve_backend_name("cpp", {torch.device("cuda", 0)})
+    from gearsam_fused import _C
+
+    with pytest.raises(ValueError, match="tensors on meta are not supported"):
+        _C.restore_(torch.empty(8, device="meta"), torch.empty(8, device="meta"), tile=8)
+
+
+# ------------------------------------------------------------------------------------------- CUDA sources
+def _nvcc_compile(source: Path, out_dir: Path, shim: Path) -> subprocess.CompletedProcess:
+    """Compile one .cu file for sm_90 as setup.py would (same defines and torch headers), keeping its PTX."""
+    from torch.utils import cpp_extension
+
+    includes = [f"-I{d}" for d in [shim, CSRC, *cpp_extension.include_paths()]]
+    command = [
+        "nvcc", "-c", str(source), "-o", str(out_dir / f"{source.stem}.o"), "-std=c++20", "-O3", "-DWITH_CUDA",
+        "-gencode", "arch=compute_90,code=[sm_90,compute_90]", "--compiler-options", "-fPIC", "-keep",
+        "-keep-dir", str(out_dir), *cpp_extension.COMMON_NVCC_FLAGS, *includes,
+    ]  # fmt: skip
+    return subprocess.run(command, capture_output=True, text=True, timeout=900)
+
+
+def test_every_cuda_source_compiles_for_hopper_without_atomics(tmp_path):
+    """Compiles each csrc/cuda/*.cu with this machine's nvcc (no GPU needed), then reads the PTX: every kernel is
+    there, none uses atomics (reductions keep their fixed order), and the perturbation contains no fused multiply-add
+    (it must round like the reference's separate multiply and add)."""
+    if shutil.which("nvcc") is None:
+        pytest.skip("nvcc is not installed")
+    # A CPU build of torch ships the c10/cuda headers but not this one header generated by its CUDA build.
+    shim = tmp_path / "shim"
+    (shim / "c10/cuda/impl").mkdir(parents=True)
+    (shim / "c10/cuda/impl/cuda_cmake_macros.h").write_text("#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n")
+    sources = sorted((CSRC / "cuda").glob("*.cu"))
+    assert [s.stem for s in sources] == ["allocation", "energy", "perturb"]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
+        done = list(pool.map(lambda s: _nvcc_compile(s, tmp_path, shim), sources))
+    for source, result in zip(sources, done):
+        assert result.returncode == 0, f"{source.name}:\n{result.stderr[-4000:]}"
+    ptx = {s.stem: (tmp_path / f"{s.stem}.ptx").read_text() for s in sources}
+    kernels = {name: re.findall(r"\.entry (\w+)", text) for name, text in ptx.items()}
+    # 4 dtypes x adaptive x vectorised-or-not; 4 dtypes x adaptive x vectorised-or-not + block sum; 2 rules
+    assert [len(kernels[n]) for n in ("perturb", "energy", "allocation")] == [16, 17, 2], kernels
+    for name, text in ptx.items():
+        assert not re.search(r"^\s*(atom|red)\.", text, re.MULTILINE), f"{name}.cu uses atomics"
+    assert not re.search(r"^\s*fma\.", ptx["perturb"], re.MULTILINE)
