@@ -1,12 +1,14 @@
 """Cost of the SAM machinery itself: ``first_step`` + ``second_step`` with a base optimizer that does nothing.
 
-Parameters and gradients are those of a CIFAR ResNet-18 (11.2M parameters in 62 tensors) and of a ViT-Ti/4 for 32 px
-images (5.4M parameters in 152 tensors, many of them small), float32, on CUDA when there is a GPU and on CPU
-otherwise. Every implementation runs in the same process on the same tensors:
+Parameters and gradients are those of a CIFAR ResNet-18 (11.2M parameters in 62 tensors), of a ViT-Ti/4 for 32 px
+images (5.4M parameters in 152 tensors, many of them small) and of 2048 small tensors (0.8M parameters, 64 to 1024
+elements each), float32, on CUDA when there is a GPU and on CPU otherwise. Every implementation runs in the same
+process on the same tensors:
 
 * ``per-tensor loop``  pytorch_optimizer.SAM, the widely used per-tensor implementation
 * ``reference``        gearsam_fused's per-tensor oracle backend
-* ``torch``, ``triton``  the fused flat-buffer backends (``triton`` only on CUDA)
+* ``torch``, ``triton``, ``cpp``  the fused flat-buffer backends (``triton`` only on CUDA; ``cpp`` when the extension
+  is built, on CUDA only when it has CUDA kernels)
 
 Memory traffic counted per step (d parameters, 4 bytes each): energy reads g (4d); perturb reads w and g and writes
 the backup and w (16d); restore reads the backup and writes w (8d): 28d bytes, the floor for an unfused
@@ -18,16 +20,34 @@ energy/perturb/restore step. ``extra_info["GB/s"]`` is that count over the measu
 
 import pytest
 import torch
+from torch import nn
 
 from gearsam_fused import GEARSAM, SAM
+from gearsam_fused.backends.cpp_ops import cpp_built_with_cuda, cpp_installed
 from gearsam_fused.models import resnet18, vit_b16
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-IMPLEMENTATIONS = ["per-tensor loop", "reference", "torch"] + (["triton"] if DEVICE == "cuda" else [])
+IMPLEMENTATIONS = (
+    ["per-tensor loop", "reference", "torch"]
+    + (["triton"] if DEVICE == "cuda" else [])
+    + (["cpp"] if cpp_installed() and (DEVICE == "cpu" or cpp_built_with_cuda()) else [])
+)
 BYTES_PER_PARAM = 28
+
+
+class ManySmallTensors(nn.Module):
+    """``n`` parameter tensors of 64 to 1024 elements (biases, norms, small heads): where per-tensor loops pay most."""
+
+    def __init__(self, n: int = 2048):
+        super().__init__()
+        sizes = (64, 128, 256, 512, 1024)
+        self.weights = nn.ParameterList(nn.Parameter(torch.randn(sizes[i % len(sizes)])) for i in range(n))
+
+
 MODELS = {
     "ResNet-18": lambda: resnet18(num_classes=10),
     "ViT-Ti/4": lambda: vit_b16(num_classes=10, img_size=32, patch_size=4, dim=192, heads=3),
+    "2048 small tensors": ManySmallTensors,
 }
 
 

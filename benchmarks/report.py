@@ -1,4 +1,5 @@
-"""Turn a pytest-benchmark JSON file into a Markdown table: medians, ratios to the first row of each group, GB/s.
+"""Turn a pytest-benchmark JSON file into Markdown tables: medians, speed-up over the first row of each group and over
+the ``torch`` backend, GB/s.
 
     python benchmarks/report.py benchmarks/results/<name>.json > benchmarks/results/<name>.md
 """
@@ -24,14 +25,21 @@ def report(path: str) -> str:
     for bench in data["benchmarks"]:
         groups[bench["group"]].append(bench)
     for group, benches in groups.items():
+        first = benches[0]["params"].get("implementation", benches[0]["name"])
         baseline = benches[0]["stats"]["median"]
-        lines += [f"**{group}**", "", "| implementation | median (ms) | IQR (ms) | speed-up vs first row | GB/s (counted) |", "|---|---:|---:|---:|---:|"]
+        torch_rows = [b["stats"]["median"] for b in benches if b["params"].get("implementation") == "torch"]
+        lines += [
+            f"**{group}**", "",
+            f"| implementation | median (ms) | IQR (ms) | speed-up vs {first} | speed-up vs torch | GB/s (counted) |",
+            "|---|---:|---:|---:|---:|---:|",
+        ]  # fmt: skip
         for bench in benches:
             stats = bench["stats"]
             name = bench["params"].get("implementation", bench["name"])
+            versus_torch = f"{torch_rows[0] / stats['median']:.2f}x" if torch_rows else "-"
             lines.append(
                 f"| {name} | {stats['median'] * 1e3:.2f} | {stats['iqr'] * 1e3:.2f} | "
-                f"{baseline / stats['median']:.2f}x | {bench['extra_info'].get('GB/s', float('nan')):.1f} |"
+                f"{baseline / stats['median']:.2f}x | {versus_torch} | {bench['extra_info'].get('GB/s', float('nan')):.1f} |"
             )
         lines.append("")
     return "\n".join(lines)

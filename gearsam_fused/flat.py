@@ -65,12 +65,14 @@ class _Slot:
     grad_view: torch.Tensor  # where its gradient lives
     dirty: bool = False  # the grad region may be non-zero: it is, or was since we last zeroed it, the .grad
 
-    def owns_param(self) -> bool:
-        p = self.param
-        return p.data_ptr() == self.view.data_ptr() and p.stride() == self.view.stride()
+    # FlatLayout.sync checks every tensor before every step, so it uses the cheapest sufficient tests. The parameter is
+    # still ours while param.data_ptr() == view_address: a replaced .data lives elsewhere, since nothing but a view of
+    # our live buffer can start inside it. The gradient is still ours while param.grad is grad_view: the .grad we set
+    # keeps its Python object as long as we hold it, so any other object is a new gradient (one that happens to share
+    # our memory is copied onto itself, harmlessly).
 
-    def owns_grad(self, grad: torch.Tensor) -> bool:
-        return grad.data_ptr() == self.grad_view.data_ptr() and grad.stride() == self.grad_view.stride()
+    def __post_init__(self):
+        self.view_address = self.view.data_ptr()
 
 
 class Bucket:
@@ -148,9 +150,9 @@ class FlatLayout:
     def sync(self) -> None:
         """Make the flat buffers hold the current parameters and gradients.
 
-        A parameter whose ``.data`` was replaced is copied back in and re-homed (a change of device, dtype, shape or
-        strides is refused). A gradient that is not a view of the buffer is copied in and re-homed; a region whose parameter now
-        has no gradient is zeroed, so it contributes nothing and that ``.grad`` stays None.
+        A parameter whose ``.data`` was replaced by other memory is copied back in and re-homed (a change of device,
+        dtype, shape or strides is refused). A gradient other than the view we installed is copied in and re-homed; a
+        region whose parameter now has no gradient is zeroed, so it contributes nothing and that ``.grad`` stays None.
         """
         for bucket in self.buckets:
             stale: list[torch.Tensor] = []
@@ -158,33 +160,39 @@ class FlatLayout:
             sources: list[torch.Tensor] = []
             for slot in bucket.slots:
                 p = slot.param
-                if not slot.owns_param():
-                    now = (p.device, p.dtype, tuple(p.shape), p.stride())
-                    placed = (bucket.device, bucket.dtype, tuple(slot.view.shape), slot.view.stride())
-                    if now != placed:
-                        raise RuntimeError(
-                            f"parameter {slot.name!r} was replaced by a tensor of another device, dtype, shape or "
-                            f"memory layout ({_describe(*now)}, was {_describe(*placed)}) after the optimizer placed "
-                            "it; build the optimizer after moving, casting or converting the model"
-                        )
-                    slot.view.copy_(p.detach())
-                    p.data = slot.view
+                if p.data_ptr() != slot.view_address:
+                    self._rehome_param(bucket, slot)
                 g = p.grad
-                if g is None:
+                if g is slot.grad_view:
+                    slot.dirty = True
+                elif g is None:
                     if slot.dirty:
                         stale.append(slot.grad_view)
                         slot.dirty = False
-                    continue
-                check_dense_grad(g, repr(slot.name))
-                if not slot.owns_grad(g):
+                else:
+                    check_dense_grad(g, repr(slot.name))
                     targets.append(slot.grad_view)
                     sources.append(g.detach())
                     p.grad = slot.grad_view
-                slot.dirty = True
+                    slot.dirty = True
             if stale:
                 torch._foreach_zero_(stale)
             if targets:
                 torch._foreach_copy_(targets, sources)
+
+    @staticmethod
+    def _rehome_param(bucket: Bucket, slot: _Slot) -> None:
+        p = slot.param
+        now = (p.device, p.dtype, tuple(p.shape), p.stride())
+        placed = (bucket.device, bucket.dtype, tuple(slot.view.shape), slot.view.stride())
+        if now != placed:
+            raise RuntimeError(
+                f"parameter {slot.name!r} was replaced by a tensor of another device, dtype, shape or memory layout "
+                f"({_describe(*now)}, was {_describe(*placed)}) after the optimizer placed it; build the optimizer "
+                "after moving, casting or converting the model"
+            )
+        slot.view.copy_(p.detach())
+        p.data = slot.view
 
     @torch.no_grad()
     def zero_grads_(self) -> None:
@@ -192,7 +200,7 @@ class FlatLayout:
         for bucket in self.buckets:
             for slot in bucket.slots:
                 g = slot.param.grad
-                if g is not None and not slot.owns_grad(g):
+                if g is not None and g is not slot.grad_view:
                     slot.param.grad = slot.grad_view
                 # a region handed out as .grad can be written by anyone (backward, the user) until we look again
                 slot.dirty = g is not None

@@ -100,6 +100,8 @@ def test_stale_or_replaced_gradients_are_never_read(backend, device):
     step(lambda m: None)
     step(lambda m: setattr(m.fc.bias, "grad", None))  # was a view, now None: its region must read as zero
     step(lambda m: setattr(m.fc.weight, "grad", torch.full_like(m.fc.weight, 0.5)))  # assigned a new tensor
+    step(lambda m: setattr(m.fc.weight, "grad", m.fc.weight.grad.detach().mul(3)))  # a new tensor, computed from ours
+    step(lambda m: setattr(m.fc.bias, "grad", m.fc.bias.grad.detach()))  # another tensor object over our own memory
     step(lambda m: [setattr(p, "grad", None) for p in m.layer1.parameters()])  # a whole block without gradients
     assert opt.block_stats()["energy"][opt.block_names.index("layer1")] == 0
     step(lambda m: m.zero_grad(set_to_none=True) or loss_fn(m, xy).backward())  # the module's own zero_grad

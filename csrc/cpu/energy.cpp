@@ -1,7 +1,8 @@
 // Block gradient energy on the CPU, deterministic for any number of threads.
 //
-//   partial_t = sum_{i in tile t} (T_i g_i)^2     T_i = |w_i| + eta (ASAM) or 1; T_i g_i in float32 (float64 for
-//                                                 float64 buffers), squared and summed in float64 over 8 fixed lanes
+//   partial_t = sum_{i in tile t} (T_i g_i)^2     T_i = |w_i| + eta (ASAM) or 1; squares in float32 (float64 for
+//                                                 float64 buffers), summed 8 at a time in 8 lanes, each lane's short
+//                                                 sums added in float64, the lanes combined pairwise
 //   e_b       = sum_{t = block_tiles[b]}^{block_tiles[b+1]-1} partial_t     float64, in tile order
 //
 // Threads split the tiles (then the blocks) between them, but every sum runs over a fixed range in a fixed order, so
@@ -19,24 +20,30 @@
 namespace gearsam::cpu {
 namespace {
 
-// Independent accumulators: the inner loop has no loop-carried dependency, so the compiler vectorises it.
+// Independent accumulators: the inner loop has no loop-carried dependency, so the compiler vectorises it. Each lane
+// sums kChunk / kLanes squares in the compute type, then adds that short sum to its float64 total.
 constexpr int64_t kLanes = 8;
+constexpr int64_t kChunk = 64;
 
 template <bool Adaptive, typename scalar_t, typename compute_t = at::opmath_type<scalar_t>>
 double tile_sum_of_squares(const scalar_t* grad, const scalar_t* param, int64_t n, compute_t eta) {
-  double lane[kLanes] = {};
+  double total[kLanes] = {};
   auto term = [&](int64_t i) {
     compute_t v = static_cast<compute_t>(grad[i]);
     if constexpr (Adaptive) v = (std::abs(static_cast<compute_t>(param[i])) + eta) * v;
-    return static_cast<double>(v) * static_cast<double>(v);
+    return v * v;
   };
   int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes)
-    for (int64_t l = 0; l < kLanes; ++l) lane[l] += term(i + l);
-  for (int64_t l = 0; i < n; ++i, ++l) lane[l] += term(i);
+  for (; i + kChunk <= n; i += kChunk) {
+    compute_t lane[kLanes] = {};
+    for (int64_t j = 0; j < kChunk; j += kLanes)
+      for (int64_t l = 0; l < kLanes; ++l) lane[l] += term(i + j + l);
+    for (int64_t l = 0; l < kLanes; ++l) total[l] += lane[l];
+  }
+  for (int64_t l = 0; i < n; ++i, l = (l + 1) % kLanes) total[l] += term(i);
   for (int64_t width = kLanes / 2; width > 0; width /= 2)  // pairwise, always the same tree
-    for (int64_t l = 0; l < width; ++l) lane[l] += lane[l + width];
-  return lane[0];
+    for (int64_t l = 0; l < width; ++l) total[l] += total[l + width];
+  return total[0];
 }
 
 template <bool Adaptive, typename scalar_t>

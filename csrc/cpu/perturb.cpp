@@ -4,6 +4,9 @@
 //             T_i = |w_i| + eta (ASAM) or 1; float32 arithmetic (float64 for float64), one rounding to the stored
 //             dtype (round to nearest even), multiply and add rounded separately (built with -ffp-contract=off)
 //   restore:  w_i <- backup_i   (memcpy)
+//
+// Each tile is first copied to the backup whole, then updated while it is still in cache: cheaper than writing the
+// backup element by element in the update loop.
 
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
@@ -30,10 +33,9 @@ void perturb_tiles(const at::Tensor& param, const at::Tensor& grad, const at::Te
   const compute_t eta_c = static_cast<compute_t>(eta);
   for_each_tile(tile_block.numel(), tile, [&](int64_t t) {
     const compute_t s = static_cast<compute_t>(block_scale[block_of[t]]);
+    std::memcpy(saved + t * tile, w + t * tile, tile * sizeof(scalar_t));
     for (int64_t i = t * tile; i < (t + 1) * tile; ++i) {
-      const scalar_t stored = w[i];
-      saved[i] = stored;
-      const compute_t x = static_cast<compute_t>(stored);
+      const compute_t x = static_cast<compute_t>(w[i]);
       compute_t direction = static_cast<compute_t>(g[i]);
       if constexpr (Adaptive) {
         const compute_t T = std::abs(x) + eta_c;

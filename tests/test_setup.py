@@ -1,0 +1,60 @@
+"""setup.py's build switches, each in a real ``pip install`` of a copy of the source tree: a missing or failing
+compiler leaves a working pure-Python install with a warning, a forced part that cannot be built fails with a
+message that says why, and a bad switch value is refused."""
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _pip_install(tmp_path: Path, **env) -> tuple[subprocess.CompletedProcess, Path]:
+    source, target = tmp_path / "source", tmp_path / "target"
+    source.mkdir()
+    for name in ("setup.py", "README.md"):
+        shutil.copy(ROOT / name, source)
+    skip = shutil.ignore_patterns("__pycache__", "*.so")
+    for name in ("gearsam_fused", "triton_kernels", "csrc"):
+        shutil.copytree(ROOT / name, source / name, ignore=skip)
+    command = [sys.executable, "-m", "pip", "install", "-v", "--no-build-isolation", "--no-deps", "--no-index",
+               "--target", str(target), str(source)]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, env={**_environ(), **env})
+    return done, target / "gearsam_fused"
+
+
+def _environ() -> dict:
+    import os
+
+    return {k: v for k, v in os.environ.items() if not k.startswith("GEARSAM_BUILD")}
+
+
+@pytest.mark.parametrize("cxx, why", [("no-such-compiler", "no C++ compiler"), ("false", "the build failed")])
+def test_without_a_working_compiler_the_install_is_pure_python(tmp_path, cxx, why):
+    done, package = _pip_install(tmp_path, CXX=cxx)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"not building the C++ extension: {why}" in done.stdout + done.stderr
+    assert (package / "optim.py").is_file() and (package / "triton_kernels" / "perturb.py").is_file()
+    assert not list(package.glob("_C*.so"))
+
+
+@pytest.mark.parametrize(
+    "env, message",
+    [
+        (dict(CXX="no-such-compiler", GEARSAM_BUILD_CPP="1"), "GEARSAM_BUILD_CPP=1 but the C++ extension cannot be built: no C++ compiler"),
+        (dict(GEARSAM_BUILD_CPP="maybe"), "GEARSAM_BUILD_CPP must be auto, 0 or 1, got 'maybe'"),
+        pytest.param(
+            dict(GEARSAM_BUILD_CUDA="1"), "GEARSAM_BUILD_CUDA=1 but the CUDA kernels cannot be built: this torch is a CPU-only build",
+            marks=pytest.mark.skipif(torch.version.cuda is not None, reason="this torch is a CUDA build"),
+        ),
+    ],
+)
+def test_a_forced_part_that_cannot_be_built_fails_and_says_why(tmp_path, env, message):
+    done, package = _pip_install(tmp_path, **env)
+    assert done.returncode != 0
+    assert message in done.stdout + done.stderr
+    assert not package.exists()
