@@ -1,105 +1,92 @@
 """Cost of the SAM machinery itself: ``first_step`` + ``second_step`` with a base optimizer that does nothing.
 
-Parameters and gradients are those of a CIFAR ResNet-18 (11.2M parameters in 62 tensors), of a ViT-Ti/4 for 32 px
-images (5.4M parameters in 152 tensors, many of them small) and of 2048 small tensors (0.8M parameters, 64 to 1024
-elements each), float32, on CUDA when there is a GPU and on CPU otherwise. Every implementation runs in the same
-process on the same tensors:
+Every contender of :mod:`contenders` runs in the same process on the same parameter set (:mod:`param_sets`), float32,
+on CUDA when there is a GPU and on CPU otherwise. Per step it records:
 
-* ``per-tensor loop``  pytorch_optimizer.SAM, the widely used per-tensor implementation
-* ``reference``        gearsam_fused's per-tensor oracle backend
-* ``torch``, ``triton``, ``cpp``  the fused flat-buffer backends (``triton`` only on CUDA; ``cpp`` when the extension
-  is built, on CUDA only when it has CUDA kernels)
-
-Memory traffic counted per step (d parameters, 4 bytes each): energy reads g (4d); perturb reads w and g and writes
-the backup and w (16d); restore reads the backup and writes w (8d): 28d bytes, the floor for an unfused
-energy/perturb/restore step. ``extra_info["GB/s"]`` is that count over the measured time.
-
-    python -m pytest benchmarks/bench_sam_step.py --benchmark-json=benchmarks/results/<name>.json
-    python benchmarks/report.py benchmarks/results/<name>.json
+* time: median and quartiles over the rounds (each round one synchronised step; on CUDA also the median by CUDA
+  events over 50 back-to-back steps);
+* memory traffic by our count, for d parameters in float32: energy reads g (4d); perturb reads w and g and writes the
+  backup and w (16d); restore reads the backup and writes w (8d): 28d bytes, the floor for an unfused
+  energy/perturb/restore step. GB/s is that count over the median time, and ``pct_copy`` compares it with the copy
+  bandwidth measured in the same run;
+* kernel launches per step (CUDA: torch profiler; not counted on CPU);
+* memory the contender holds beyond parameters and gradients while perturbed, and on CUDA the allocator's peak
+  increase during a step.
 """
+
+from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
 
-from gearsam_fused import GEARSAM, SAM
-from gearsam_fused.backends.cpp_ops import cpp_built_with_cuda, cpp_installed
-from gearsam_fused.models import resnet18, vit_b16
+import contenders
+import param_sets
+from conftest import DEVICE, synchronize, warm_up
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-IMPLEMENTATIONS = (
-    ["per-tensor loop", "reference", "torch"]
-    + (["triton"] if DEVICE == "cuda" else [])
-    + (["cpp"] if cpp_installed() and (DEVICE == "cpu" or cpp_built_with_cuda()) else [])
-)
 BYTES_PER_PARAM = 28
 
 
-class ManySmallTensors(nn.Module):
-    """``n`` parameter tensors of 64 to 1024 elements (biases, norms, small heads): where per-tensor loops pay most."""
-
-    def __init__(self, n: int = 2048):
-        super().__init__()
-        sizes = (64, 128, 256, 512, 1024)
-        self.weights = nn.ParameterList(nn.Parameter(torch.randn(sizes[i % len(sizes)])) for i in range(n))
-
-
-MODELS = {
-    "ResNet-18": lambda: resnet18(num_classes=10),
-    "ViT-Ti/4": lambda: vit_b16(num_classes=10, img_size=32, patch_size=4, dim=192, heads=3),
-    "2048 small tensors": ManySmallTensors,
-}
+def _cuda_event_median_ms(step, n: int = 50) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(n):
+        step()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / n
 
 
-class NoStep(torch.optim.Optimizer):
-    def __init__(self, params, **kwargs):
-        super().__init__(params, kwargs)
+def _cuda_launches(step) -> int:
+    from torch.profiler import ProfilerActivity, profile
 
-    def step(self, closure=None):
-        return None
-
-
-def _synchronize():
-    if DEVICE == "cuda":
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
         torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type.name == "CUDA")
 
 
-def _setup(model_name: str, implementation: str, rule: str):
-    torch.manual_seed(0)
-    model = MODELS[model_name]().to(DEVICE)
-    for p in model.parameters():
-        p.grad = torch.randn_like(p)
-    if implementation == "per-tensor loop":
-        peer = pytest.importorskip("pytorch_optimizer")
-        if rule != "sam":
-            pytest.skip("the per-tensor peer implements SAM only")
-        opt = peer.SAM(model.parameters(), NoStep, rho=0.05)
-    else:
-        cls = SAM if rule == "sam" else GEARSAM
-        opt = cls(model, NoStep, rho=0.05, backend=implementation)
-    return model, opt
-
-
-@pytest.mark.parametrize("model_name", list(MODELS))
+@pytest.mark.parametrize("set_key", param_sets.SET_KEYS)
 @pytest.mark.parametrize("rule", ["sam", "gear"])
-@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
-def test_sam_step(benchmark, implementation, rule, model_name):
-    model, opt = _setup(model_name, implementation, rule)
+@pytest.mark.parametrize("contender", contenders.available(DEVICE))
+def test_sam_step(benchmark, record, quick, copy_bandwidth, contender, rule, set_key):
+    if rule == "gear" and contender in contenders.SAM_ONLY:
+        pytest.skip(f"{contender} implements SAM only")
+    params = param_sets.build(set_key, DEVICE, quick)
+    opt = contenders.make(contender, rule, params.model, params.partition)
 
     def step():
         opt.first_step()
         opt.second_step()
-        _synchronize()
 
-    for _ in range(3):  # warm-up: kernel compilation, allocator
+    def synchronised_step():
         step()
-    benchmark.group = f"{rule} step, {model_name} parameters, {DEVICE}"
-    benchmark.pedantic(step, rounds=20 if DEVICE == "cpu" else 200, iterations=1)
-    d = sum(p.numel() for p in model.parameters())
-    benchmark.extra_info.update(
-        device=DEVICE,
-        parameters=d,
-        tensors=len(list(model.parameters())),
-        bytes_counted=BYTES_PER_PARAM * d,
-        **{"GB/s": BYTES_PER_PARAM * d / benchmark.stats.stats.median / 1e9},
-    )
+        synchronize()
+
+    warm_up(synchronised_step)  # kernel compilation, allocator, re-homing of the gradients
+    opt.first_step()
+    held = contenders.held_bytes(contender, opt)
+    opt.second_step()
+    extra = {}
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        synchronised_step()
+        extra = dict(
+            peak_extra_bytes=torch.cuda.max_memory_allocated() - before,
+            launches=_cuda_launches(step),
+            cuda_event_median_ms=_cuda_event_median_ms(step),
+        )
+    benchmark.group = f"{rule} step, {params.name}, {DEVICE}"
+    rounds = 3 if quick else max(5, min(30, int(3e8 / params.numel)))
+    benchmark.pedantic(synchronised_step, rounds=rounds, iterations=1)
+    counted = BYTES_PER_PARAM * params.numel
+    gbps = counted / benchmark.stats.stats.median / 1e9
+    fields = dict(
+        set=params.name, rule=rule, contender=contender, parameters=params.numel, tensors=len(params.params),
+        bytes_counted=counted, gbps=gbps, copy_gbps=copy_bandwidth, pct_copy=100 * gbps / copy_bandwidth,
+        held_bytes=held, **extra,
+    )  # fmt: skip
+    benchmark.extra_info.update(fields)
+    record(**fields)

@@ -1,29 +1,148 @@
-"""pytest-benchmark settings shared by the benchmarks: every saved result says where and when it was measured."""
+"""Settings shared by the benchmark suite: quick mode, the device, a copy bandwidth measured in the same run, and the
+results file every run appends its rows to, each row saying where, when and from which commit it was measured.
+
+    python -m pytest benchmarks [--quick] [--results PATH]      (or: python benchmarks/run.py [--quick])
+"""
+
+from __future__ import annotations
 
 import datetime
+import json
 import os
 import platform
+import subprocess
+import time
+import uuid
+from pathlib import Path
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
     # lets the triton backend run on CPU tensors (slowly) if a benchmark asks for it explicitly
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+HERE = Path(__file__).resolve().parent
+DEFAULT_RESULTS = HERE / "results" / "runs.jsonl"
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+_ROWS: list[dict] = []
 
-def pytest_benchmark_update_machine_info(config, machine_info):
-    machine_info["date"] = datetime.date.today().isoformat()
-    machine_info["torch"] = torch.__version__
-    machine_info["cpu_count"] = os.cpu_count()
-    machine_info["platform"] = platform.platform()
-    if torch.cuda.is_available():
-        machine_info["gpu"] = torch.cuda.get_device_name()
-        machine_info["cuda"] = torch.version.cuda
-    else:
-        machine_info["gpu"] = None
+
+def pytest_addoption(parser):
+    group = parser.getgroup("gearsam benchmarks")
+    group.addoption("--quick", action="store_true", help="small sets and few rounds: a smoke run (under two minutes on CPU)")
+    group.addoption("--results", default=str(DEFAULT_RESULTS), help="JSONL file the run appends its rows to ('' for none)")
+
+
+@pytest.fixture(scope="session")
+def quick(request) -> bool:
+    return request.config.getoption("--quick")
+
+
+@pytest.fixture(scope="session")
+def device() -> str:
+    return DEVICE
+
+
+def synchronize() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def warm_up(step, min_steps: int = 3, min_seconds: float = 0.5) -> None:
+    """Run ``step`` until both limits are reached: first calls compile kernels, fill allocator caches and pick
+    library algorithms, and the first benchmark of a process pays for all of that."""
+    start = time.perf_counter()
+    done = 0
+    while done < min_steps or time.perf_counter() - start < min_seconds:
+        step()
+        done += 1
+
+
+@pytest.fixture(scope="session")
+def copy_bandwidth(quick) -> float:
+    """GB/s of one large device-to-device copy (bytes read plus bytes written), median of 10: the yardstick for
+    the bandwidth the fused steps reach."""
+    n = (8 if quick else 64 if DEVICE == "cpu" else 256) * 2**20  # float32 elements
+    src = torch.randn(n, device=DEVICE)
+    dst = torch.empty_like(src)
+    times = []
+    for i in range(13):
+        synchronize()
+        start = time.perf_counter()
+        dst.copy_(src)
+        synchronize()
+        if i >= 3:
+            times.append(time.perf_counter() - start)
+    return 2 * src.nbytes / sorted(times)[len(times) // 2] / 1e9
+
+
+def _git_commit() -> str | None:
+    try:
+        done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=HERE, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout.strip() + ("+changes" if dirty.stdout.strip() else "") if done.returncode == 0 else None
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine() -> dict:
+    """Where and with what a run was measured."""
     try:
         import triton
 
-        machine_info["triton"] = triton.__version__
+        triton_version = triton.__version__
     except ImportError:
-        machine_info["triton"] = None
+        triton_version = None
+    return {
+        "date": datetime.date.today().isoformat(),
+        "commit": _git_commit(),
+        "cpu": _cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "gpu": torch.cuda.get_device_name() if DEVICE == "cuda" else None,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "triton": triton_version,
+        "platform": platform.platform(),
+    }
+
+
+@pytest.fixture
+def record(request, quick, benchmark):
+    """``record(**fields)``: after a benchmark ran, store one row with its timing statistics and ``fields``."""
+
+    def add(**fields):
+        stats = benchmark.stats.stats
+        _ROWS.append({
+            "benchmark": request.node.module.__name__.split(".")[-1], "test": request.node.name, "quick": quick,
+            "device": DEVICE, "median_ms": stats.median * 1e3, "q1_ms": stats.q1 * 1e3, "q3_ms": stats.q3 * 1e3,
+            "min_ms": stats.min * 1e3, "rounds": stats.rounds, **fields,
+        })  # fmt: skip
+
+    return add
+
+
+def pytest_benchmark_update_machine_info(config, machine_info):
+    machine_info.update(machine())
+
+
+def pytest_sessionfinish(session, exitstatus):
+    path = session.config.getoption("--results", default="")
+    if not _ROWS or not path:
+        return
+    run = {"run": uuid.uuid4().hex[:12], **machine()}
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a", encoding="utf-8") as f:
+        for row in _ROWS:
+            f.write(json.dumps({**run, **row}) + "\n")
+    print(f"\n{len(_ROWS)} rows appended to {path} (run {run['run']})")

@@ -1,49 +1,129 @@
-"""Turn a pytest-benchmark JSON file into Markdown tables: medians, speed-up over the first row of each group and over
-the ``torch`` backend, GB/s.
+"""Render the rows of a results file (JSONL, one row per benchmark, appended by every run) as Markdown.
 
-    python benchmarks/report.py benchmarks/results/<name>.json > benchmarks/results/<name>.md
+    python benchmarks/report.py [RESULTS.jsonl] [--run ID] [--device cpu|cuda]
+
+Without ``--run`` it renders the newest full (non-quick) run for the device, or the newest run of any kind if there
+is no full one. Ratios are the headline: each fused contender against the per-tensor loop and against
+pytorch_optimizer, measured in the same run.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 from collections import defaultdict
+from pathlib import Path
+
+DEFAULT_RESULTS = Path(__file__).resolve().parent / "results" / "runs.jsonl"
 
 
-def report(path: str) -> str:
-    with open(path, encoding="utf-8") as f:
-        data = json.load(f)
-    machine = data["machine_info"]
-    where = machine.get("gpu") or f"CPU ({machine.get('cpu', {}).get('brand_raw', machine.get('processor', '?'))}, {machine.get('cpu_count')} cores)"
-    lines = [
-        f"Measured {machine.get('date', data.get('datetime', '?')[:10])} on {where}; torch {machine.get('torch')}, "
-        f"triton {machine.get('triton')}, {machine.get('platform')}. Source: `{path}`.",
-        "",
-    ]
-    groups = defaultdict(list)
-    for bench in data["benchmarks"]:
-        groups[bench["group"]].append(bench)
-    for group, benches in groups.items():
-        first = benches[0]["params"].get("implementation", benches[0]["name"])
-        baseline = benches[0]["stats"]["median"]
-        torch_rows = [b["stats"]["median"] for b in benches if b["params"].get("implementation") == "torch"]
+def load_runs(path: Path) -> dict[str, list[dict]]:
+    """run id -> its rows, in file order (oldest run first)."""
+    runs: dict[str, list[dict]] = {}
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if line.strip():
+            row = json.loads(line)
+            runs.setdefault(row["run"], []).append(row)
+    return runs
+
+
+def pick_run(runs: dict[str, list[dict]], run: str | None = None, device: str | None = None) -> list[dict]:
+    if run is not None:
+        if run not in runs:
+            raise SystemExit(f"no run {run!r} in the results; runs: {', '.join(runs)}")
+        return runs[run]
+    candidates = [rows for rows in runs.values() if device is None or rows[0]["device"] == device]
+    if not candidates:
+        raise SystemExit(f"no run on {device} in the results")
+    full = [rows for rows in candidates if not rows[0]["quick"]]
+    return (full or candidates)[-1]
+
+
+def _where(row: dict) -> str:
+    place = row["gpu"] or f"CPU {row['cpu']} ({row['cpu_count']} cores)"
+    return (
+        f"{place}, {row['date']}, commit {row['commit']}, torch {row['torch']}, triton {row['triton']}"
+        f"{', quick mode' if row['quick'] else ''} (run `{row['run']}`)"
+    )
+
+
+def _ratio(baseline: float | None, value: float) -> str:
+    return f"{baseline / value:.2f}x" if baseline else "-"
+
+
+def sam_step_tables(rows: list[dict]) -> list[str]:
+    groups: dict[tuple[str, str], list[dict]] = defaultdict(list)
+    for row in rows:
+        if row["benchmark"] == "bench_sam_step":
+            groups[(row["set"], row["rule"])].append(row)
+    lines = []
+    for (name, rule), group in groups.items():
+        first = group[0]
+        # GEAR-SAM has no peer implementation: its ratios are against the per-tensor loops' SAM step of the same run.
+        sam = {r["contender"]: r["median_ms"] for r in groups.get((name, "sam"), [])}
+        loop, peer = sam.get("per-tensor loop"), sam.get("pytorch_optimizer")
         lines += [
-            f"**{group}**", "",
-            f"| implementation | median (ms) | IQR (ms) | speed-up vs {first} | speed-up vs torch | GB/s (counted) |",
-            "|---|---:|---:|---:|---:|---:|",
-        ]  # fmt: skip
-        for bench in benches:
-            stats = bench["stats"]
-            name = bench["params"].get("implementation", bench["name"])
-            versus_torch = f"{torch_rows[0] / stats['median']:.2f}x" if torch_rows else "-"
+            f"**{'SAM' if rule == 'sam' else 'GEAR-SAM'} step, {name}** ({first['parameters'] / 1e6:.1f}M parameters in "
+            f"{first['tensors']} tensors; copy bandwidth {first['copy_gbps']:.0f} GB/s)",
+            "",
+            "| contender | median ms | IQR ms | vs per-tensor loop SAM | vs pytorch_optimizer SAM | GB/s | % of copy | launches | held MB |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for r in group:
             lines.append(
-                f"| {name} | {stats['median'] * 1e3:.2f} | {stats['iqr'] * 1e3:.2f} | "
-                f"{baseline / stats['median']:.2f}x | {versus_torch} | {bench['extra_info'].get('GB/s', float('nan')):.1f} |"
+                f"| {r['contender']} | {r['median_ms']:.3f} | {r['q3_ms'] - r['q1_ms']:.3f} | {_ratio(loop, r['median_ms'])} | "
+                f"{_ratio(peer, r['median_ms'])} | {r['gbps']:.1f} | {r['pct_copy']:.0f} | {r.get('launches', '-')} | "
+                f"{r['held_bytes'] / 2**20:.1f} |"
             )
         lines.append("")
-    return "\n".join(lines)
+    return lines
+
+
+def train_step_table(rows: list[dict]) -> list[str]:
+    steps = [r for r in rows if r["benchmark"] == "bench_train_step"]
+    if not steps:
+        return []
+    by = {r["contender"]: r["median_ms"] for r in steps}
+    first = steps[0]
+    lines = [
+        f"**Training step, CIFAR ResNet-18 width {first['width']}, batch {first['batch']}** "
+        f"(autocast {first['autocast']}, channels_last {first['channels_last']})",
+        "",
+        "| row | median ms | IQR ms | SAM tax ms | SAM tax % of step |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    parts = by.get("forward+backward"), by.get("base step")
+    for r in steps:
+        if r["contender"] not in ("forward+backward", "base step", "SGD") and None not in parts:
+            t = r["median_ms"] - 2 * parts[0] - parts[1]
+            tax = f"{t:.2f} | {100 * t / r['median_ms']:.1f}"
+        else:
+            tax = " | "
+        lines.append(f"| {r['contender']} | {r['median_ms']:.2f} | {r['q3_ms'] - r['q1_ms']:.2f} | {tax} |")
+    lines += ["", "SAM tax = step - 2 x (forward+backward) - base step, from medians of the same run.", ""]
+    return lines
+
+
+def render(rows: list[dict], source: str) -> str:
+    lines = [f"Measured on {_where(rows[0])}. Source: `{source}`.", ""]
+    return "\n".join(lines + sam_step_tables(rows) + train_step_table(rows))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("results", nargs="?", default=str(DEFAULT_RESULTS))
+    parser.add_argument("--run", help="run id (default: the newest full run)")
+    parser.add_argument("--device", choices=["cpu", "cuda"], help="only runs on this device")
+    args = parser.parse_args(argv)
+    path = Path(args.results)
+    rows = pick_run(load_runs(path), args.run, args.device)
+    try:
+        source = str(path.resolve().relative_to(Path.cwd()))
+    except ValueError:
+        source = str(path)
+    print(render(rows, source))
+    return 0
 
 
 if __name__ == "__main__":
-    print(report(sys.argv[1]))
+    raise SystemExit(main())

@@ -1,0 +1,109 @@
+"""The implementations a benchmark compares, each behind the same two calls: ``first_step()`` and ``second_step()``.
+
+=====================  =========================================================================================
+contender              what it is
+=====================  =========================================================================================
+``per-tensor loop``    :class:`PerTensorLoopSAM` below: SAM written the way the widely copied implementation does it
+``pytorch_optimizer``  ``pytorch_optimizer.SAM`` (an installed peer; it uses foreach ops on CUDA)
+``reference``          gearsam_fused's per-tensor oracle backend
+``torch``              gearsam_fused's vectorised flat-buffer backend
+``triton``             gearsam_fused's Triton kernels (CUDA only)
+``cpp``                gearsam_fused's compiled kernels (when the extension is built; on CUDA, when built with it)
+=====================  =========================================================================================
+
+The first two implement SAM only; ours run both rules (``sam`` and ``gear``). All run with a base optimizer that does
+nothing, so a step measures the SAM machinery alone: energies, allocation, perturbation and restore.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from gearsam_fused import GEARSAM, SAM
+from gearsam_fused.backends.cpp_ops import cpp_built_with_cuda, cpp_installed
+from gearsam_fused.backends.triton_ops import triton_installed
+
+SAM_ONLY = ("per-tensor loop", "pytorch_optimizer")
+OURS = ("reference", "torch", "triton", "cpp")
+
+
+class NoStep(torch.optim.Optimizer):
+    """A base optimizer that changes nothing."""
+
+    def __init__(self, params, **kwargs):
+        super().__init__(params, kwargs)
+
+    def step(self, closure=None):
+        return None
+
+
+class PerTensorLoopSAM:
+    """SAM as the widely used per-tensor implementation computes it, for comparison.
+
+    first_step:  n = || stack(||g_p|| for every p) ||;  for every p: backup_p = clone(p);  p += (rho / (n + 1e-12)) g_p
+    second_step: for every p: p.data = backup_p;  then the base optimizer's step
+    """
+
+    def __init__(self, params, base_optimizer=NoStep, rho: float = 0.05):
+        self.params = [p for p in params if p.requires_grad]
+        self.rho = rho
+        self.backups: dict[torch.nn.Parameter, torch.Tensor] = {}
+        self.base_optimizer = base_optimizer(self.params)
+
+    @torch.no_grad()
+    def first_step(self):
+        with_grad = [p for p in self.params if p.grad is not None]
+        grad_norm = torch.norm(torch.stack([p.grad.norm(p=2) for p in with_grad]), p=2)
+        scale = self.rho / (grad_norm + 1e-12)
+        for p in with_grad:
+            self.backups[p] = p.data.clone()
+            p.add_(p.grad * scale)
+
+    @torch.no_grad()
+    def second_step(self):
+        for p, saved in self.backups.items():
+            p.data = saved
+        self.backups = {}
+        self.base_optimizer.step()
+
+    def state_bytes(self) -> int:
+        return sum(t.nbytes for t in self.backups.values())
+
+
+def available(device: str) -> list[str]:
+    """Contenders that can run on ``device`` in this installation."""
+    names = ["per-tensor loop"]
+    try:
+        import pytorch_optimizer  # noqa: F401
+
+        names.append("pytorch_optimizer")
+    except ImportError:
+        pass
+    names += ["reference", "torch"]
+    if device == "cuda" and triton_installed():
+        names.append("triton")
+    if cpp_installed() and (device == "cpu" or cpp_built_with_cuda()):
+        names.append("cpp")
+    return names
+
+
+def make(name: str, rule: str, model: torch.nn.Module, partition, rho: float = 0.05):
+    """Contender ``name`` running ``rule`` (``"sam"`` or ``"gear"``) over ``model``'s parameters."""
+    if name == "per-tensor loop":
+        return PerTensorLoopSAM(model.parameters(), rho=rho)
+    if name == "pytorch_optimizer":
+        import pytorch_optimizer
+
+        return pytorch_optimizer.SAM(model.parameters(), NoStep, rho=rho)
+    if rule == "sam":
+        return SAM(model, NoStep, rho=rho, backend=name)
+    return GEARSAM(model, NoStep, partition=partition, rho=rho, backend=name)
+
+
+def held_bytes(name: str, optimizer) -> int:
+    """Bytes the contender holds beyond parameters and gradients while perturbed (after first_step)."""
+    if name == "per-tensor loop":
+        return optimizer.state_bytes()
+    if name == "pytorch_optimizer":
+        return sum(t.nbytes for state in optimizer.state.values() for t in state.values() if torch.is_tensor(t))
+    return optimizer.memory_overhead()["total"]

@@ -1,0 +1,47 @@
+"""The benchmark suite in one command: run every benchmark, append the rows to the results file, print the report.
+
+    python benchmarks/run.py              full run (CPU: about 15 minutes on 2 cores)
+    python benchmarks/run.py --quick      smoke run, small sets and few rounds (under two minutes on CPU)
+    python benchmarks/run.py --results PATH    append to PATH instead of benchmarks/results/runs.jsonl
+
+Then ``python benchmarks/report.py`` renders any run again (``--run ID``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from report import DEFAULT_RESULTS, load_runs, render  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Run the gearsam_fused benchmark suite")
+    parser.add_argument("--quick", action="store_true", help="small sets and few rounds")
+    parser.add_argument("--results", default=str(DEFAULT_RESULTS), help="JSONL file to append the rows to")
+    parser.add_argument("pytest_args", nargs="*", help="extra arguments for pytest (after --)")
+    args = parser.parse_args(argv)
+    results = Path(args.results).resolve()
+    known = set(load_runs(results)) if results.exists() else set()
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(HERE / "bench_sam_step.py"),
+               str(HERE / "bench_train_step.py"), f"--results={results}", "--benchmark-disable-gc",
+               *(["--quick"] if args.quick else []), *args.pytest_args]  # fmt: skip
+    done = subprocess.run(command, cwd=HERE)
+    if done.returncode != 0:
+        return done.returncode
+    new = [rows for run, rows in load_runs(results).items() if run not in known]
+    if not new:
+        print(f"no rows were added to {results}", file=sys.stderr)
+        return 1
+    print(render(new[-1], str(results)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,39 @@
+"""The benchmark suite's quick mode runs end to end (a smoke test: no timing is asserted) and writes rows that carry
+what the report and the README rely on."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+MACHINE_FIELDS = {"run", "date", "commit", "cpu", "cpu_count", "gpu", "torch", "triton", "platform", "device", "quick"}
+TIMING_FIELDS = {"median_ms", "q1_ms", "q3_ms", "min_ms", "rounds"}
+SAM_STEP_FIELDS = {"set", "rule", "contender", "parameters", "tensors", "bytes_counted", "gbps", "copy_gbps", "pct_copy", "held_bytes"}
+
+
+def test_quick_run_appends_rows_and_prints_the_report(tmp_path):
+    results = tmp_path / "runs.jsonl"
+    results.write_text("")  # an existing file is appended to, not replaced
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "run.py"), "--quick", "--results", str(results)],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = [json.loads(line) for line in results.read_text().splitlines()]
+    assert len({r["run"] for r in rows}) == 1 and all(r["quick"] for r in rows)
+    steps = [r for r in rows if r["benchmark"] == "bench_sam_step"]
+    trains = [r for r in rows if r["benchmark"] == "bench_train_step"]
+    for row in steps:
+        assert MACHINE_FIELDS | TIMING_FIELDS | SAM_STEP_FIELDS <= row.keys(), row.keys()
+        assert row["median_ms"] > 0 and row["gbps"] > 0 and row["held_bytes"] > 0
+    assert {r["set"].split(" (")[0] for r in steps} == {
+        "ResNet-18", "WRN-28-1", "ViT-B/16 shapes", "GPT-2-medium shapes", "2048 small tensors",
+    }  # fmt: skip
+    contenders = {(r["contender"], r["rule"]) for r in steps}
+    assert {("per-tensor loop", "sam"), ("pytorch_optimizer", "sam"), ("torch", "sam"), ("torch", "gear")} <= contenders
+    assert {r["contender"] for r in trains} == {
+        "forward+backward", "base step", "SGD", "per-tensor loop SAM", "pytorch_optimizer", "SAM", "GEAR-SAM",
+    }  # fmt: skip
+    assert all(r["parameters"] >= 2048 and r["tensors"] >= 62 for r in steps)
+    assert "**SAM step, ResNet-18" in done.stdout and "SAM tax" in done.stdout and "vs per-tensor loop SAM" in done.stdout
