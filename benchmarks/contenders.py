@@ -20,8 +20,7 @@ from __future__ import annotations
 import torch
 
 from gearsam_fused import GEARSAM, SAM
-from gearsam_fused.backends.cpp_ops import cpp_built_with_cuda, cpp_installed
-from gearsam_fused.backends.triton_ops import triton_installed
+from gearsam_fused.backends import BACKENDS
 
 SAM_ONLY = ("per-tensor loop", "pytorch_optimizer")
 OURS = ("reference", "torch", "triton", "cpp")
@@ -79,11 +78,14 @@ def available(device: str) -> list[str]:
         names.append("pytorch_optimizer")
     except ImportError:
         pass
-    names += ["reference", "torch"]
-    if device == "cuda" and triton_installed():
-        names.append("triton")
-    if cpp_installed() and (device == "cpu" or cpp_built_with_cuda()):
-        names.append("cpp")
+    for name in OURS:
+        if name == "triton" and device != "cuda":
+            continue  # Triton's interpreter runs on CPU for tests, far too slowly to be timed
+        try:
+            BACKENDS[name].check_usable({torch.device(device)})
+        except ValueError:
+            continue
+        names.append(name)
     return names
 
 

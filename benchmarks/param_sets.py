@@ -78,9 +78,9 @@ def many_small_tensors(n: int = 2048) -> ShapeList:
     return ShapeList({f"group{b}": [(sizes[(b * per_block + i) % len(sizes)],) for i in range(per_block)] for b in range(16)})
 
 
-def _scaled(width: int, params_at_width: Callable[[int], int], limit: int) -> int:
-    """The largest width, halving from ``width``, whose parameter count is within ``limit``."""
-    while width > 8 and params_at_width(width) > limit:
+def _scaled(width: int, params_at_width: Callable[[int], float], limit: float, smallest: int = 8) -> int:
+    """The largest width, halving from ``width`` down to ``smallest``, whose parameter count is within ``limit``."""
+    while width // 2 >= smallest and params_at_width(width) > limit:
         width //= 2
     return width
 
@@ -97,9 +97,7 @@ def _builders(limit: int) -> dict[str, Callable[[], tuple[str, nn.Module, object
         return f"ResNet-18{'' if width == 64 else f' (width {width})'}", resnet18(num_classes=10, width=width), "coarse"
 
     def wrn():
-        widen = 10
-        while widen > 1 and 36_479_194 * (widen / 10) ** 2 > limit:
-            widen //= 2
+        widen = _scaled(10, lambda w: 36_479_194 * (w / 10) ** 2, limit, smallest=1)
         return f"WRN-28-{widen}", wrn28_10(num_classes=10, widen_factor=widen), "coarse"
 
     def vit():
@@ -128,9 +126,7 @@ def build(key: str, device: str, quick: bool, seed: int = 0) -> ParamSet:
     limit = QUICK_MAX_PARAMS if quick else (CPU_MAX_PARAMS if device == "cpu" else float("inf"))
     torch.manual_seed(seed)
     name, model, partition = _builders(limit)[key]()
-    model = model.to(device)
-    if isinstance(partition, dict):  # .to() keeps Parameter objects; rebuild the mapping anyway for clarity
-        partition = model.partition()
+    model = model.to(device)  # in place: the Parameter objects a partition mapping holds stay the model's
     generator = torch.Generator(device=device).manual_seed(seed + 1)
     for p in model.parameters():
         p.grad = torch.randn(p.shape, device=device, generator=generator)
