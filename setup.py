@@ -110,8 +110,8 @@ setup(
     package_dir={"gearsam_fused.triton_kernels": "triton_kernels"},
     install_requires=["torch>=2.1", "numpy", "triton>=3.0; platform_system == 'Linux'"],
     extras_require={
-        "demo": ["scikit-learn"],
-        "test": ["pytest", "pytest-benchmark", "pytorch_optimizer>=3.0", "scikit-learn"],
+        "demo": ["scikit-learn", "matplotlib"],
+        "test": ["pytest", "pytest-benchmark", "pytorch_optimizer>=3.0", "scikit-learn", "matplotlib", "hypothesis"],
     },
     entry_points={"console_scripts": ["gearsam = gearsam_fused.__main__:main"]},
     ext_modules=ext_modules,

@@ -6,17 +6,16 @@ results file every run appends its rows to, each row saying where, when and from
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
-import platform
-import subprocess
 import time
 import uuid
 from pathlib import Path
 
 import pytest
 import torch
+
+from gearsam_fused.machine import describe_machine
 
 if not torch.cuda.is_available():
     # lets the triton backend run on CPU tensors (slowly) if a benchmark asks for it explicitly
@@ -77,44 +76,9 @@ def copy_bandwidth(quick) -> float:
     return 2 * src.nbytes / sorted(times)[len(times) // 2] / 1e9
 
 
-def _git_commit() -> str | None:
-    try:
-        done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True, text=True, timeout=10)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=HERE, capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return done.stdout.strip() + ("+changes" if dirty.stdout.strip() else "") if done.returncode == 0 else None
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def machine() -> dict:
     """Where and with what a run was measured."""
-    try:
-        import triton
-
-        triton_version = triton.__version__
-    except ImportError:
-        triton_version = None
-    return {
-        "date": datetime.date.today().isoformat(),
-        "commit": _git_commit(),
-        "cpu": _cpu_model(),
-        "cpu_count": os.cpu_count(),
-        "gpu": torch.cuda.get_device_name() if DEVICE == "cuda" else None,
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "triton": triton_version,
-        "platform": platform.platform(),
-    }
+    return describe_machine(DEVICE)
 
 
 @pytest.fixture

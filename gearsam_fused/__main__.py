@@ -1,12 +1,24 @@
-"""Command line: ``gearsam demo`` and ``gearsam partition MODEL`` (also ``python -m gearsam_fused``)."""
+"""Command line ``gearsam`` (also ``python -m gearsam_fused``): demo, train, partition, plot, bench."""
 
 from __future__ import annotations
 
 import argparse
+import ast
+import dataclasses
+import datetime
 import importlib
+import subprocess
 import sys
+from pathlib import Path
 
 from torch import nn
+
+from .data import DATASETS
+from .training import AMP_MODES, OPTIMIZERS, SCHEDULES, RunConfig
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+# What --resume may change in a run: how long and where it runs, never what it computes.
+RESUMABLE = {"epochs", "threads", "device", "checkpoint_every", "telemetry_every"}
 
 
 def _load_model(spec: str) -> nn.Module:
@@ -15,37 +27,86 @@ def _load_model(spec: str) -> nn.Module:
     if spec in MODELS:
         return get_model(spec)
     if ":" not in spec:
-        raise SystemExit(f"error: unknown model {spec!r}; use one of {sorted(MODELS)} or package.module:factory")
+        raise ValueError(f"unknown model {spec!r}; use one of {sorted(MODELS)} or package.module:factory")
     module_name, _, attr = spec.partition(":")
     try:
         factory = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as exc:
-        raise SystemExit(f"error: cannot load {spec!r}: {exc}") from None
+        raise ValueError(f"cannot load {spec!r}: {exc}") from None
     model = factory()
     if not isinstance(model, nn.Module):
-        raise SystemExit(f"error: {spec!r} returned {type(model).__name__}, not an nn.Module")
+        raise ValueError(f"{spec!r} returned {type(model).__name__}, not an nn.Module")
     return model
 
 
-def main(argv: list[str] | None = None) -> int:
+def _model_arg(text: str) -> tuple[str, object]:
+    key, sep, value = text.partition("=")
+    if not sep or not key.isidentifier():
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE with a Python name as KEY, got {text!r}")
+    try:
+        return key, ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        return key, value  # a bare word such as act=silu
+
+
+def _training_options(parser: argparse.ArgumentParser) -> None:
+    """Options shared by demo and train; unset ones (None) keep the command's defaults."""
+    add = parser.add_argument
+    add("--optimizers", nargs="+", choices=OPTIMIZERS, help=f"which of {', '.join(OPTIMIZERS)} to train")
+    add("--seeds", type=int, nargs="+", help="one run per optimizer and seed")
+    add("--epochs", type=int)
+    add("--batch-size", type=int)
+    add("--lr", type=float, help="base learning rate (SGD with momentum 0.9)")
+    add("--rho", type=float, help="global SAM radius")
+    add("--beta", type=float, help="GEAR-SAM's EMA factor")
+    add("--partition", choices=["coarse", "fine", "tensor", "global"], help="GEAR-SAM's blocks")
+    add("--backend", help="auto, reference, torch, triton or cpp")
+    add("--label-noise", type=float, help="symmetric label noise rate on the training set, e.g. 0.2")
+    add("--telemetry-every", type=int, help="read block statistics from the device every N steps")
+    add("--threads", type=int, help="CPU threads for torch")
+    add("--out", type=Path, help="run directory (default: runs/COMMAND-TIMESTAMP)")
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gearsam", description="SAM and GEAR-SAM for PyTorch")
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="train SGD, SAM and GEAR-SAM on scikit-learn's digits and compare")
-    demo.add_argument("--epochs", type=int, default=15)
-    demo.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    demo.add_argument("--rho", type=float, default=0.05)
-    demo.add_argument("--beta", type=float, default=0.9)
-    demo.add_argument("--lr", type=float, default=0.05)
-    demo.add_argument("--label-noise", type=float, default=0.0, help="symmetric label noise rate, e.g. 0.2")
-    demo.add_argument("--optimizers", nargs="+", default=None, help="subset of: sgd sam gear-sam")
-    demo.add_argument("--threads", type=int, default=None)
+    _training_options(demo)
+
+    train = sub.add_parser("train", help="train an in-repo model on CIFAR-10/100 or synthetic data")
+    _training_options(train)
+    train.add_argument("--model", help="in-repo model name (see `gearsam partition`), default resnet18")
+    train.add_argument("--model-arg", type=_model_arg, action="append", default=[], metavar="KEY=VALUE",
+                       help="keyword for the model factory, e.g. width=16 or 'blocks=(1,1)'; repeatable")  # fmt: skip
+    train.add_argument("--dataset", choices=DATASETS[1:], help="default synthetic")
+    train.add_argument("--data-dir", help="folder holding cifar-10-batches-py/ or cifar-100-python/")
+    train.add_argument("--synthetic-size", type=int, help="training images of --dataset synthetic")
+    train.add_argument("--momentum", type=float)
+    train.add_argument("--weight-decay", type=float)
+    train.add_argument("--schedule", choices=SCHEDULES, help="learning rate schedule over all steps")
+    train.add_argument("--adaptive", action="store_const", const=True, help="ASAM scaling |w| + eta")
+    train.add_argument("--device", help="cpu, cuda or cuda:N")
+    train.add_argument("--amp", choices=AMP_MODES, help="bf16: forward and loss under bfloat16 autocast")
+    train.add_argument("--channels-last", action="store_const", const=True, help="channels_last model and inputs")
+    train.add_argument("--checkpoint-every", type=int, help="save a checkpoint every N epochs (and at the end)")
+    train.add_argument("--resume", type=Path, metavar="RUN_DIR", help="continue the runs of RUN_DIR from their checkpoints")
 
     part = sub.add_parser("partition", help="print the block table of a model for each strategy")
     part.add_argument("model", help="an in-repo model name or package.module:factory")
     part.add_argument("--strategy", nargs="+", default=["coarse", "fine"], choices=["coarse", "fine", "tensor", "global"])
 
-    args = parser.parse_args(argv)
+    plot = sub.add_parser("plot", help="render the plots of a run directory")
+    plot.add_argument("run_dir", type=Path)
+
+    bench = sub.add_parser("bench", help="run the benchmark suite (quick mode unless --full)")
+    bench.add_argument("--full", action="store_true", help="the full suite (CPU: about 15 minutes on 2 cores)")
+    bench.add_argument("--results", help="JSONL file to append the rows to (default benchmarks/results/runs.jsonl)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         return _run(args)
     except ValueError as exc:
@@ -53,15 +114,35 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-def _run(args: argparse.Namespace) -> int:
-    if args.command == "demo":
-        from .demo import OPTIMIZERS, DemoConfig, run_demo
+def _config(args: argparse.Namespace) -> tuple[RunConfig, Path, bool]:
+    """The run's settings: the command's defaults, then (or a resumed run's config.json, then) the options given."""
+    from .demo import demo_config
 
-        cfg = DemoConfig(
-            epochs=args.epochs, seeds=tuple(args.seeds), rho=args.rho, beta=args.beta, lr=args.lr,
-            label_noise=args.label_noise, optimizers=tuple(args.optimizers or OPTIMIZERS), threads=args.threads,
-        )  # fmt: skip
-        run_demo(cfg)
+    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(RunConfig) if getattr(args, f.name, None) is not None}
+    if getattr(args, "model_arg", None):
+        given["model_args"] = dict(args.model_arg)
+    resume = getattr(args, "resume", None)
+    if resume is not None:
+        if args.out is not None:
+            raise ValueError("--resume continues in RUN_DIR itself; drop --out")
+        if not (resume / "config.json").is_file():
+            raise ValueError(f"cannot resume {resume}: it has no config.json")
+        cfg = RunConfig.load(resume / "config.json")
+        changed = sorted(k for k, v in given.items() if k not in RESUMABLE and getattr(cfg, k) != v)
+        if changed:
+            raise ValueError(f"--resume cannot change {changed}; only {sorted(RESUMABLE)}")
+        return dataclasses.replace(cfg, **given), resume, True
+    cfg = demo_config(**given) if args.command == "demo" else RunConfig(**given)
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    return cfg, args.out or Path("runs") / f"{args.command}-{stamp}", False
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.command in ("demo", "train"):
+        from .training import run_experiment
+
+        cfg, run_dir, resume = _config(args)
+        run_experiment(cfg, run_dir, resume=resume)
     elif args.command == "partition":
         from .partition import format_partition, partition
 
@@ -70,6 +151,17 @@ def _run(args: argparse.Namespace) -> int:
             print(f"[{args.model}: {strategy}]")
             print(format_partition(partition(model, strategy)))
             print()
+    elif args.command == "plot":
+        from .plots import render
+
+        for path in render(args.run_dir):
+            print(f"wrote {path}")
+    elif args.command == "bench":
+        runner = BENCHMARKS / "run.py"
+        if not runner.is_file():
+            raise ValueError(f"gearsam bench runs the source checkout's benchmarks/, and {runner} does not exist")
+        extra = ([] if args.full else ["--quick"]) + (["--results", args.results] if args.results else [])
+        return subprocess.run([sys.executable, str(runner), *extra]).returncode
     return 0
 
 

@@ -186,12 +186,19 @@ class _SharpnessAware(torch.optim.Optimizer):
     def block_stats(self) -> dict[str, torch.Tensor]:
         """Telemetry of the last ``first_step`` as CPU float64 tensors of shape ``[B]`` (this call synchronises):
         ``energy`` e_b, ``ema`` the allocation score s_b, ``radius`` rho_b, ``share`` rho_b**2 / rho**2."""
-        radius = self._radius.cpu()
-        share = radius.square() / self._last_rho**2 if self._last_rho > 0 else torch.zeros_like(radius)
-        return {"energy": self._energy.cpu(), "ema": self._score().cpu(), "radius": radius, "share": share}
+        # copies, also on CPU: the EMA is live optimizer state and must not change under the caller (or by them)
+        host = [t.to("cpu", copy=True) for t in (self._energy, self._ema, self._radius)]
+        return self.describe_blocks(*host, self._last_rho)
 
-    def _score(self) -> torch.Tensor:
-        return self._ema
+    def describe_blocks(self, energy: torch.Tensor, ema: torch.Tensor, radius: torch.Tensor, rho: float) -> dict:
+        """The :meth:`block_stats` dict from a step's raw energies, EMA state and radii (recorded elsewhere, e.g. by
+        :class:`~gearsam_fused.telemetry.BlockTelemetry`) and its ``rho``."""
+        share = radius.square() / rho**2 if rho > 0 else torch.zeros_like(radius)
+        return {"energy": energy, "ema": self._score(energy, ema), "radius": radius, "share": share}
+
+    @staticmethod
+    def _score(energy: torch.Tensor, ema: torch.Tensor) -> torch.Tensor:
+        return ema
 
     def state_dict(self) -> dict:
         if self._perturbed:
@@ -269,9 +276,10 @@ class SAM(_SharpnessAware):
             model=model, partition=partition, base_kwargs=base_kwargs,
         )  # fmt: skip
 
-    def _score(self) -> torch.Tensor:
+    @staticmethod
+    def _score(energy: torch.Tensor, ema: torch.Tensor) -> torch.Tensor:
         # SAM's implicit allocation score is the instantaneous block gradient norm (paper Eq. sam_block_radius).
-        return self._energy.sqrt()
+        return energy.sqrt()
 
 
 class GEARSAM(_SharpnessAware):

@@ -1,12 +1,10 @@
-"""The benchmark suite's quick mode runs end to end (a smoke test: no timing is asserted) and writes rows that carry
-what the report and the README rely on."""
+"""The benchmark suite's quick mode, run by ``gearsam bench``, goes end to end (a smoke test: no timing is asserted)
+and writes rows that carry what the report and the README rely on."""
 
 import json
 import subprocess
 import sys
-from pathlib import Path
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 MACHINE_FIELDS = {"run", "date", "commit", "cpu", "cpu_count", "gpu", "torch", "triton", "platform", "device", "quick"}
 TIMING_FIELDS = {"median_ms", "q1_ms", "q3_ms", "min_ms", "rounds"}
 SAM_STEP_FIELDS = {"set", "rule", "contender", "parameters", "tensors", "bytes_counted", "gbps", "copy_gbps", "pct_copy", "held_bytes"}
@@ -16,7 +14,7 @@ def test_quick_run_appends_rows_and_prints_the_report(tmp_path):
     results = tmp_path / "runs.jsonl"
     results.write_text("")  # an existing file is appended to, not replaced
     done = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "run.py"), "--quick", "--results", str(results)],
+        [sys.executable, "-m", "gearsam_fused", "bench", "--results", str(results)],  # `gearsam bench`: quick mode
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

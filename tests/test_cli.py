@@ -1,43 +1,243 @@
-"""The command line, run as a user runs it: in a subprocess."""
+"""The command line, run as a user runs it: in a subprocess, on tiny settings, checking what it writes."""
 
+import io
+import json
+import math
+import pickle
 import subprocess
 import sys
 
+import numpy as np
+import pytest
 import torch
+from PIL import Image
 
-from gearsam_fused.demo import add_symmetric_noise, load_digits_split
+from gearsam_fused.data import add_symmetric_noise, crop_and_flip, load_digits_split
+from gearsam_fused.telemetry import RECORD_FIELDS
+from gearsam_fused.training import METRIC_KINDS, Progress, RunConfig
+
+EPOCH_FIELDS = {"kind", "optimizer", "seed", "epoch", "step", "lr", "train_loss", "train_acc", "test_loss", "test_acc",
+                "seconds", "sam_seconds"}  # fmt: skip
+RESULT_FIELDS = {"kind", "optimizer", "seed", "epochs", "step", "test_loss", "test_acc", "seconds", "sam_seconds"}
+TIMES = {"seconds", "sam_seconds"}  # the only fields that differ between two runs of the same settings
+# A small CIFAR-style network: trains in well under a second per epoch on 64 synthetic images.
+TINY_TRAIN = ["--model-arg", "width=4", "--model-arg", "blocks=(1,1)", "--synthetic-size", "64", "--batch-size", "16",
+              "--threads", "1"]  # fmt: skip
 
 
-def run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "gearsam_fused", *args], capture_output=True, text=True, timeout=300)
+def gearsam(*args, cwd=None) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "gearsam_fused", *map(str, args)]
+    return subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=cwd)
 
 
-def test_demo_prints_a_comparison_table():
-    result = run("demo", "--epochs", "1", "--seeds", "0", "1", "--threads", "1")
-    assert result.returncode == 0, result.stderr
-    lines = result.stdout.splitlines()
+def ok(result: subprocess.CompletedProcess) -> str:
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    return result.stdout
+
+
+def failed(result: subprocess.CompletedProcess, message: str) -> None:
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert f"gearsam: error: {message}" in result.stderr and "Traceback" not in result.stderr, result.stderr
+
+
+def metrics(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def table_rows(stdout: str) -> dict[str, list[str]]:
+    lines = stdout.splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("optimizer"))
-    rows = [line.split() for line in lines[header + 2 : header + 5]]
-    assert [r[0] for r in rows] == ["sgd", "sam", "gear-sam"]
+    rows = {}
+    for line in lines[header + 2 :]:
+        if not line.strip() or line.startswith("wrote"):
+            break
+        rows[line.split()[0]] = line.split()[1:]
+    return rows
+
+
+def assert_real_plot(path) -> None:
+    """A PNG that decodes, has a plot's size and is not blank: many colours, spread over the image."""
+    with Image.open(path) as image:
+        assert image.format == "PNG"
+        pixels = np.asarray(image.convert("RGB"))
+    assert pixels.shape[0] >= 300 and pixels.shape[1] >= 500
+    assert len(np.unique(pixels.reshape(-1, 3), axis=0)) > 100
+    drawn = (pixels < 250).any(axis=2)  # anything that is not white background
+    assert 0.05 < drawn.mean() < 0.95
+    assert drawn[: len(drawn) // 2].any() and drawn[len(drawn) // 2 :].any()
+
+
+@pytest.fixture(scope="module")
+def demo_run(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("demo") / "run"
+    args = ("demo", "--epochs", 2, "--seeds", 0, 1, "--threads", 1, "--telemetry-every", 7, "--out", run_dir)
+    return run_dir, ok(gearsam(*args))
+
+
+def test_demo_prints_the_comparison_table(demo_run):
+    run_dir, stdout = demo_run
+    rows = table_rows(stdout)
+    assert list(rows) == ["sgd", "sam", "gear-sam"]
+    for name, (accuracy, plus_minus, spread, seconds, machinery) in rows.items():
+        assert 50.0 < float(accuracy) <= 100.0 and plus_minus == "±" and float(spread) >= 0.0
+        assert float(seconds) > 0.0
+        assert machinery == "-" if name == "sgd" else float(machinery) > 0.0
+    summary = (run_dir / "summary.md").read_text()
+    table = stdout.splitlines()[-2 - (2 + len(rows)) : -2]  # header, rule, rows; then the two "wrote" lines
+    assert "\n".join(table) in summary and table[0].startswith("optimizer")  # the same table, with machine and date
+    assert "Measured 20" in summary and "cores" in summary
+
+
+def test_demo_writes_documented_metrics(demo_run):
+    run_dir, _ = demo_run
+    rows = metrics(run_dir)
+    assert {r["kind"] for r in rows} == set(METRIC_KINDS)
+    steps_per_epoch = math.ceil(1438 / 64)  # digits training split / batch size
     for r in rows:
-        accuracy, spread = float(r[1]), float(r[3])
-        assert 50.0 < accuracy <= 100.0 and spread >= 0.0  # one epoch on digits already beats chance (10%) by far
-        assert float(r[4]) > 0.0
+        assert r["optimizer"] in ("sgd", "sam", "gear-sam") and r["seed"] in (0, 1)
+        if r["kind"] == "epoch":
+            assert set(r) == EPOCH_FIELDS and r["step"] == r["epoch"] * steps_per_epoch
+            assert 0.0 <= r["train_acc"] <= 1.0 and r["train_loss"] > 0 and r["seconds"] > 0
+        elif r["kind"] == "result":
+            assert set(r) == RESULT_FIELDS and r["epochs"] == 2
+        else:
+            assert set(r) == {"kind", "optimizer", "seed", *RECORD_FIELDS} and r["optimizer"] != "sgd"
+            assert r["blocks"] == ["stem", "layer1", "layer2", "layer3", "classifier"]
+            assert all(len(r[k]) == 5 for k in ("energy", "ema", "radius", "share"))
+            assert sum(r["share"]) == pytest.approx(1.0, abs=1e-9) and r["rho"] == 0.05
+    assert sum(r["kind"] == "epoch" for r in rows) == 3 * 2 * 2 and sum(r["kind"] == "result" for r in rows) == 6
+    for name in ("sam", "gear-sam"):
+        for seed in (0, 1):
+            steps = [r["step"] for r in rows if r["kind"] == "blocks" and (r["optimizer"], r["seed"]) == (name, seed)]
+            assert steps == list(range(1, 2 * steps_per_epoch + 1))  # every step once, in order
+    # the allocation rules are visible in the records: GEAR-SAM's score is an EMA, SAM's the block gradient norm
+    first = {r["optimizer"]: r for r in rows if r["kind"] == "blocks" and r["step"] == 1 and r["seed"] == 0}
+    assert first["sam"]["ema"] == pytest.approx([math.sqrt(e) for e in first["sam"]["energy"]], rel=1e-12)
+    assert first["gear-sam"]["ema"] == pytest.approx([0.1 * e for e in first["gear-sam"]["energy"]], rel=1e-12)
+    cfg = RunConfig.load(run_dir / "config.json")
+    assert cfg.command == "demo" and cfg.dataset == "digits" and cfg.seeds == [0, 1] and cfg.epochs == 2
 
 
-def test_demo_rejects_unknown_optimizer():
-    result = run("demo", "--epochs", "1", "--seeds", "0", "--optimizers", "adamw")
-    assert result.returncode == 2 and "gearsam: error: unknown optimizer(s) ['adamw']" in result.stderr
-    assert "Traceback" not in result.stderr
+def test_demo_writes_plots_and_plot_renders_them_again(demo_run):
+    run_dir, stdout = demo_run
+    for name in ("curves.png", "block_shares.png"):
+        assert f"wrote {run_dir / name}" in stdout
+        assert_real_plot(run_dir / name)
+        (run_dir / name).unlink()
+    out = ok(gearsam("plot", run_dir))
+    for name in ("curves.png", "block_shares.png"):
+        assert f"wrote {run_dir / name}" in out
+        assert_real_plot(run_dir / name)
 
 
-def test_partition_command_prints_block_tables():
-    result = run("partition", "resnet18", "--strategy", "coarse")
-    assert result.returncode == 0, result.stderr
-    names = [line.split()[0] for line in result.stdout.splitlines()[2:8]]
-    assert names == ["stem", "layer1", "layer2", "layer3", "layer4", "classifier"]
-    bad = run("partition", "nonexistent_model")
-    assert bad.returncode != 0 and "unknown model 'nonexistent_model'" in bad.stderr
+def test_plot_rejects_a_directory_without_metrics(tmp_path):
+    failed(gearsam("plot", tmp_path), f"{tmp_path} is not a run directory: it has no metrics.jsonl")
+
+
+def comparable(rows: list[dict]) -> list[dict]:
+    """Rows without timings, in a canonical order (resuming interleaves the runs differently)."""
+    stripped = [{k: v for k, v in r.items() if k not in TIMES} for r in rows]
+    return sorted(stripped, key=lambda r: (r["optimizer"], r["seed"], r["kind"], r["step"]))
+
+
+def test_train_resumes_from_checkpoints_exactly(tmp_path):
+    args = [*TINY_TRAIN, "--optimizers", "sgd", "gear-sam", "--checkpoint-every", "1", "--telemetry-every", "3"]
+    ok(gearsam("train", *args, "--epochs", 2, "--out", tmp_path / "straight"))
+    ok(gearsam("train", *args, "--epochs", 1, "--out", tmp_path / "resumed"))
+    out = ok(gearsam("train", "--resume", tmp_path / "resumed", "--epochs", 2, "--threads", 1))
+    assert f"run directory {tmp_path / 'resumed'}" in out
+    for name in ("sgd", "gear-sam"):
+        saved = torch.load(tmp_path / "resumed" / "checkpoints" / f"{name}-seed0.pt", weights_only=False)
+        assert saved["epoch"] == 2 and saved["step"] == 8
+    straight, resumed = metrics(tmp_path / "straight"), metrics(tmp_path / "resumed")
+    assert len(resumed) == len(straight) == 2 * 2 + 2 + 8  # epoch rows, results, GEAR-SAM's per-step records
+    assert comparable(resumed) == comparable(straight)  # bitwise: same losses, accuracies, energies, radii
+
+
+def test_train_resume_refuses_to_change_what_it_computes(tmp_path):
+    ok(gearsam("train", *TINY_TRAIN, "--optimizers", "sgd", "--checkpoint-every", "1", "--out", tmp_path))
+    failed(gearsam("train", "--resume", tmp_path, "--lr", "0.3"), "--resume cannot change ['lr']")
+    failed(gearsam("train", "--resume", tmp_path / "nothing"), f"cannot resume {tmp_path / 'nothing'}: it has no config.json")
+
+
+def test_train_bf16_autocast_channels_last_and_cosine_schedule(tmp_path):
+    args = ["--optimizers", "sam", "--amp", "bf16", "--channels-last", "--schedule", "cosine", "--epochs", 2]
+    ok(gearsam("train", *TINY_TRAIN, *args, "--out", tmp_path))
+    epochs = [r for r in metrics(tmp_path) if r["kind"] == "epoch"]
+    assert [r["epoch"] for r in epochs] == [1, 2]
+    assert epochs[0]["lr"] == pytest.approx(0.1 * 0.5 * (1 + math.cos(math.pi / 2)))  # half way down the cosine
+    assert epochs[1]["lr"] == pytest.approx(0.0, abs=1e-12) and all(math.isfinite(r["train_loss"]) for r in epochs)
+
+
+def write_fake_cifar(root, name: str, per_file: int) -> None:
+    """The python archive's layout and pickle format, with random pixels."""
+    layout = {"cifar10": ("cifar-10-batches-py", [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"], b"labels"),
+              "cifar100": ("cifar-100-python", ["train", "test"], b"fine_labels")}  # fmt: skip
+    folder, files, label_key = layout[name]
+    rng = np.random.default_rng(0)
+    (root / folder).mkdir()
+    for f in files:
+        batch = {b"data": rng.integers(0, 256, (per_file, 3072), dtype=np.uint8),
+                 label_key: rng.integers(0, 100 if name == "cifar100" else 10, per_file).tolist()}  # fmt: skip
+        with open(root / folder / f, "wb") as fh:
+            pickle.dump(batch, fh)
+
+
+@pytest.mark.parametrize("name, train_images", [("cifar10", 5 * 12), ("cifar100", 12)])
+def test_train_reads_the_cifar_archives(tmp_path, name, train_images):
+    write_fake_cifar(tmp_path, name, per_file=12)
+    out = ok(gearsam("train", *TINY_TRAIN, "--dataset", name, "--data-dir", tmp_path, "--optimizers", "gear-sam",
+                     "--out", tmp_path / "run"))  # fmt: skip
+    assert out.startswith(f"{name}: {train_images} train / 12 test images")
+    (epoch,) = [r for r in metrics(tmp_path / "run") if r["kind"] == "epoch"]
+    assert epoch["step"] == math.ceil(train_images / 16)
+
+
+def test_train_says_what_is_missing(tmp_path):
+    failed(gearsam("train", "--dataset", "cifar10"), "--dataset cifar10 needs --data-dir DIR containing cifar-10-batches-py/")
+    failed(gearsam("train", "--dataset", "cifar100", "--data-dir", tmp_path), "cifar100 not found:")
+    failed(gearsam("train", "--model", "resnet1000", "--out", tmp_path / "r"), "unknown model 'resnet1000'")
+    bad = gearsam("train", "--model-arg", "width")
+    assert bad.returncode == 2 and "expected KEY=VALUE" in bad.stderr
+    if not torch.cuda.is_available():
+        failed(gearsam("train", "--device", "cuda"), "device 'cuda' requested, but this torch sees no CUDA GPU")
+    assert not (tmp_path / "r").exists()  # nothing is written before the settings and the data are known good
+
+
+def test_demo_rejects_bad_settings():
+    bad = gearsam("demo", "--optimizers", "adamw")
+    assert bad.returncode == 2 and "invalid choice: 'adamw'" in bad.stderr
+    failed(gearsam("demo", "--epochs", "0"), "epochs must be at least 1, got 0")
+
+
+def test_partition_prints_block_tables():
+    out = ok(gearsam("partition", "resnet18", "--strategy", "coarse"))
+    lines = out.splitlines()
+    assert lines[1].split() == ["block", "tensors", "params", "%"]
+    assert [line.split()[0] for line in lines[2:8]] == ["stem", "layer1", "layer2", "layer3", "layer4", "classifier"]
+    assert lines[8].split() == ["total", "62", "11,173,962", "100.00"]
+    by_path = ok(gearsam("partition", "gearsam_fused.models:pyramidnet110", "--strategy", "coarse", "fine"))
+    assert "[gearsam_fused.models:pyramidnet110: coarse]" in by_path and "[gearsam_fused.models:pyramidnet110: fine]" in by_path
+    failed(gearsam("partition", "nonexistent_model"), "unknown model 'nonexistent_model'")
+    failed(gearsam("partition", "torch.nn:NoSuchLayer"), "cannot load 'torch.nn:NoSuchLayer'")
+
+
+def test_progress_bar_draws_on_a_terminal_only():
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    screen = Terminal()
+    bar = Progress("sam seed 0", total=4, stream=screen, width=8)
+    for _ in range(4):
+        bar.update()
+    bar.update(0, "epoch 1/1")
+    bar.close()
+    last = screen.getvalue().rstrip("\n").split("\r")[-1]
+    assert last.startswith("sam seed 0 [########] 4/4") and last.endswith("epoch 1/1")
+    quiet = io.StringIO()
+    Progress("sgd", total=4, stream=quiet).update(4)
+    assert quiet.getvalue() == ""
 
 
 def test_digits_split_and_label_noise():
@@ -47,3 +247,15 @@ def test_digits_split_and_label_noise():
     flipped = (noisy != y_train).float().mean().item()
     assert 0.15 < flipped < 0.25 and int(noisy.max()) <= 9
     assert torch.equal(add_symmetric_noise(y_train, 0.0, 10, seed=0), y_train)
+
+
+def test_crop_and_flip_moves_whole_images():
+    x = torch.arange(2 * 3 * 6 * 6, dtype=torch.float32).view(2, 3, 6, 6)
+    out = crop_and_flip(x, torch.Generator().manual_seed(0), pad=2)
+    assert out.shape == x.shape
+    for image, source in zip(out, x):
+        # every output pixel is zero padding or an input pixel of the same channel
+        for channel, plane in enumerate(image):
+            assert set(plane.flatten().tolist()) <= set(source[channel].flatten().tolist()) | {0.0}
+    same = crop_and_flip(x, torch.Generator().manual_seed(0), pad=2)
+    assert torch.equal(out, same)

@@ -1,0 +1,55 @@
+"""Where and with what something was measured: recorded next to every benchmark row and every training run."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import subprocess
+from pathlib import Path
+
+import torch
+
+
+def describe_machine(device: str | torch.device = "cpu") -> dict:
+    """Date, commit of the source checkout (when there is one), CPU, GPU of ``device`` and library versions."""
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    device = torch.device(device)
+    return {
+        "date": datetime.date.today().isoformat(),
+        "commit": git_commit(),
+        "cpu": cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "triton": triton_version,
+        "platform": platform.platform(),
+    }
+
+
+def git_commit(path: Path = Path(__file__).resolve().parent) -> str | None:
+    """Short commit of the checkout holding ``path``, with ``+changes`` when tracked files differ from it."""
+    try:
+        done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=path, capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=path, capture_output=True, text=True, timeout=10
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout.strip() + ("+changes" if dirty.stdout.strip() else "") if done.returncode == 0 else None
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()

@@ -1,0 +1,98 @@
+"""Plots of a run directory (``gearsam plot RUN_DIR``), drawn from its ``metrics.jsonl`` alone.
+
+- ``curves.png``: train and test loss and accuracy per epoch, each optimizer's mean over seeds with its min-max band;
+- ``block_shares.png``: per-block budget share rho_b**2 / rho**2 over training (mean over seeds), one panel per
+  sharpness-aware optimizer: SAM's implicit allocation next to GEAR-SAM's, the paper's block-dynamics figure.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+
+try:
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    raise ImportError("plots need matplotlib: pip install matplotlib") from exc
+
+from .training import read_metrics
+
+_TITLES = {"sgd": "SGD", "sam": "SAM", "gear-sam": "GEAR-SAM"}
+_CURVES = (("train_loss", "train loss"), ("test_loss", "test loss"), ("train_acc", "train accuracy"),
+           ("test_acc", "test accuracy"))  # fmt: skip
+
+
+def render(run_dir: str | Path) -> list[Path]:
+    """Write the plots of ``run_dir`` next to its ``metrics.jsonl``; returns their paths."""
+    run_dir = Path(run_dir)
+    source = run_dir / "metrics.jsonl"
+    if not source.is_file():
+        raise ValueError(f"{run_dir} is not a run directory: it has no metrics.jsonl")
+    rows = read_metrics(source)
+    epochs = [r for r in rows if r["kind"] == "epoch"]
+    if not epochs:
+        raise ValueError(f"{source} has no epoch rows yet: nothing to plot")
+    written = [_plot_curves(epochs, run_dir / "curves.png")]
+    blocks = [r for r in rows if r["kind"] == "blocks"]
+    if blocks:
+        written.append(_plot_block_shares(blocks, run_dir / "block_shares.png"))
+    return written
+
+
+def _by_optimizer(rows: list[dict]) -> dict[str, list[dict]]:
+    grouped = defaultdict(list)
+    for row in rows:
+        grouped[row["optimizer"]].append(row)
+    return grouped
+
+
+def _plot_curves(rows: list[dict], path: Path) -> Path:
+    fig = Figure(figsize=(10, 7), layout="constrained")
+    axes = fig.subplots(2, 2, sharex=True).ravel()
+    for name, runs in _by_optimizer(rows).items():
+        per_epoch = defaultdict(list)
+        for row in runs:
+            per_epoch[row["epoch"]].append(row)
+        x = sorted(per_epoch)
+        for ax, (key, _) in zip(axes, _CURVES):
+            values = [[r[key] for r in per_epoch[e]] for e in x]
+            mean = [sum(v) / len(v) for v in values]
+            (line,) = ax.plot(x, mean, marker="o", markersize=3, label=_TITLES.get(name, name))
+            ax.fill_between(x, [min(v) for v in values], [max(v) for v in values], color=line.get_color(), alpha=0.2)
+    for ax, (_, label) in zip(axes, _CURVES):
+        ax.set_title(label)
+        ax.grid(alpha=0.3)
+    for ax in axes[2:]:
+        ax.set_xlabel("epoch")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    axes[0].legend()
+    fig.suptitle("mean over seeds (band: min to max)")
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def _plot_block_shares(rows: list[dict], path: Path) -> Path:
+    grouped = _by_optimizer(rows)
+    names = [n for n in ("sam", "gear-sam") if n in grouped] + sorted(set(grouped) - {"sam", "gear-sam"})
+    fig = Figure(figsize=(5.5 * len(names), 4.2), layout="constrained")
+    axes = fig.subplots(1, len(names), sharey=True, squeeze=False)[0]
+    for ax, name in zip(axes, names):
+        per_step = defaultdict(list)
+        for row in grouped[name]:
+            per_step[row["step"]].append(row["share"])
+        steps = sorted(per_step)
+        blocks = grouped[name][0]["blocks"]
+        # mean share of each block at each step, averaged over the seeds that reached that step
+        shares = [[sum(s[b] for s in per_step[t]) / len(per_step[t]) for t in steps] for b in range(len(blocks))]
+        ax.stackplot(steps, shares, labels=blocks, alpha=0.85)
+        ax.set_title(f"{_TITLES.get(name, name)}" + (" (implicit allocation)" if name == "sam" else ""))
+        ax.set_xlabel("step")
+        if len(steps) > 1:
+            ax.set_xlim(steps[0], steps[-1])
+        ax.set_ylim(0, 1)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("budget share  rho_b² / rho²")
+    axes[-1].legend(loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize="small", title="block")
+    fig.savefig(path, dpi=110)
+    return path
