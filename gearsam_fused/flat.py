@@ -39,6 +39,8 @@ def _round_up(n: int, multiple: int) -> int:
 
 def _dense_layout(name: str, p: torch.Tensor) -> None:
     """Refuse parameters whose elements do not fill their memory span exactly once (they cannot be a flat slice)."""
+    if p.numel() == 0:
+        return  # any strides describe an empty tensor; it becomes an empty slice
     dims = sorted((stride, size) for stride, size in zip(p.stride(), p.shape) if size != 1)
     expected = 1
     for stride, size in dims:

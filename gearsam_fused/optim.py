@@ -22,7 +22,7 @@ from torch import nn
 
 from ._checks import check_real
 from .backends import make_backend, resolve_backend_name
-from .partition import Block
+from .partition import Block, unwrap
 from .partition import partition as make_partition
 
 _STATE_KEY = "gearsam"
@@ -73,7 +73,18 @@ class _SharpnessAware(torch.optim.Optimizer):
         self.state = self.base_optimizer.state
 
         optimized = [p for group in self.param_groups for p in group["params"]]
+        names = {id(p): n for n, p in unwrap(model).named_parameters()} if model is not None else {}
+        label = lambda i, p: repr(names.get(id(p), f"param{i}"))  # noqa: E731
+        first_index: dict[int, int] = {}
+        for i, p in enumerate(optimized):
+            if id(p) in first_index:  # torch.optim only warns; two flat slots for one tensor would corrupt both
+                raise ValueError(f"parameter {label(first_index[id(p)], p)} (shape {tuple(p.shape)}) is passed twice")
+            first_index[id(p)] = i
         self.blocks: list[Block] = self._blocks(model, partition, optimized)
+        in_blocks = {id(p) for b in self.blocks for p in b.params}
+        # Frozen at construction, so in no block; if one is unfrozen later, the base optimizer would step it while the
+        # SAM step ignores it. Checked in first_step (usually an empty list).
+        self._outside_blocks = [(label(i, p), p) for i, p in enumerate(optimized) if id(p) not in in_blocks]
         device = next(p for b in self.blocks for p in b.params).device
         self.backend_name = resolve_backend_name(backend, {p.device for b in self.blocks for p in b.params})
         self._backend = make_backend(self.backend_name, self.blocks, device)
@@ -84,6 +95,7 @@ class _SharpnessAware(torch.optim.Optimizer):
         self._radius = zeros.clone()
         self._last_rho = float(rho)
         self._perturbed = False
+        self._undo: tuple | None = None  # allocation state of before a cancellable first_step
 
     @staticmethod
     def _blocks(model: nn.Module | None, strategy, optimized: list[torch.Tensor]) -> list[Block]:
@@ -124,19 +136,30 @@ class _SharpnessAware(torch.optim.Optimizer):
         return check_real("rho", values.pop(), low=0.0)
 
     @torch.no_grad()
-    def first_step(self, zero_grad: bool = False) -> None:
-        """Move every parameter with a gradient to ``w + eps`` (saving ``w``)."""
+    def first_step(self, zero_grad: bool = False, *, cancellable: bool = False) -> None:
+        """Move every parameter with a gradient to ``w + eps`` (saving ``w``). With ``cancellable=True`` it also keeps
+        the allocation state of before the step (the GEAR EMA and the telemetry, ``O(blocks)`` numbers), so that
+        :meth:`cancel_step` can undo the whole step."""
         if self._perturbed:
             raise RuntimeError("first_step() called twice: call second_step() to restore the weights first")
         rho = self._rho()
         # any() stops at the first gradient it finds, so a normal step pays O(1) here.
         if not any(p.grad is not None for block in self.blocks for p in block.params):
             raise RuntimeError("first_step() found no gradients: call loss.backward() before first_step()")
+        for name, p in self._outside_blocks:
+            if p.grad is not None:
+                raise RuntimeError(
+                    f"parameter {name} has a gradient but was frozen when the optimizer was built, so it is in no "
+                    "block and would not be perturbed; build the optimizer after changing requires_grad"
+                )
+        # The EMA is updated in place by allocate, so undoing needs a copy; only cancellable steps pay for it.
+        undo = (self._ema.clone(), self._energy, self._radius, self._last_rho) if cancellable else None
         energy = self._backend.block_energy(self.adaptive, self.eta)
         scale, radius = self._backend.allocate(self._rule, energy, self._ema, rho, self.beta, self.delta)
         self._backend.perturb_(scale, self.adaptive, self.eta)
         self._energy, self._radius, self._last_rho = energy, radius, rho
         self._perturbed = True
+        self._undo = undo
         if zero_grad:
             self.zero_grad()
 
@@ -147,10 +170,30 @@ class _SharpnessAware(torch.optim.Optimizer):
             raise RuntimeError("second_step() called without a preceding first_step()")
         self._backend.restore_()
         self._perturbed = False
+        self._undo = None
         self.base_optimizer.step()
         self._opt_called = True  # tells torch LR schedulers that an optimizer step happened
         if zero_grad:
             self.zero_grad()
+
+    @torch.no_grad()
+    def cancel_step(self) -> None:
+        """Undo a ``first_step(cancellable=True)`` instead of completing it: restore ``w`` exactly, put the GEAR EMA
+        and :meth:`block_stats` back to their values before it, and leave the base optimizer untouched. For a step
+        whose second gradient cannot be used, e.g. a non-finite one under loss scaling (see
+        :class:`gearsam_fused.amp.SAMScaler`)."""
+        if not self._perturbed:
+            raise RuntimeError("cancel_step() called without a preceding first_step()")
+        if self._undo is None:
+            raise RuntimeError(
+                "cancel_step() needs first_step(cancellable=True), which keeps the state to roll back; the weights "
+                "still hold w + eps, so call second_step() to finish this step"
+            )
+        self._backend.restore_()
+        self._perturbed = False
+        ema, self._energy, self._radius, self._last_rho = self._undo
+        self._ema.copy_(ema)
+        self._undo = None
 
     @torch.no_grad()
     def step(self, closure: Callable[[], torch.Tensor] | None = None):
@@ -211,6 +254,7 @@ class _SharpnessAware(torch.optim.Optimizer):
             "energy": self._energy.detach().cpu().clone(),
             "radius": self._radius.detach().cpu().clone(),
             "last_rho": self._last_rho,
+            "shapes": [[tuple(p.shape) for p in b.params] for b in self.blocks],
         }
         return state
 
@@ -227,6 +271,17 @@ class _SharpnessAware(torch.optim.Optimizer):
             raise ValueError(
                 f"state dict blocks {list(ours['block_names'])} differ from this optimizer's blocks {self.block_names}"
             )
+        for block, shapes in zip(self.blocks, ours["shapes"]):
+            if len(shapes) != len(block.params):
+                raise ValueError(
+                    f"block {block.name!r} has {len(block.params)} parameters; the state was saved for {len(shapes)}"
+                )
+            for i, (name, p, shape) in enumerate(zip(block.param_names, block.params, shapes)):
+                if tuple(p.shape) != tuple(shape):
+                    raise ValueError(
+                        f"block {block.name!r} parameter {i} ({name!r}) has shape {tuple(p.shape)}; the state was "
+                        f"saved for {tuple(shape)}"
+                    )
         self.base_optimizer.load_state_dict(state_dict)
         self.param_groups = self.base_optimizer.param_groups
         self.state = self.base_optimizer.state
@@ -234,6 +289,7 @@ class _SharpnessAware(torch.optim.Optimizer):
             getattr(self, "_" + name).copy_(ours[name])
         self._last_rho = float(ours["last_rho"])
         self._perturbed = False
+        self._undo = None
 
 
 class SAM(_SharpnessAware):

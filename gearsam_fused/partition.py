@@ -251,11 +251,24 @@ def _by_mapping(mapping: Mapping[str, Iterable[torch.Tensor]], model: nn.Module 
     return blocks  # disjointness is checked by _validate, like every other strategy's result
 
 
+def unwrap(model: nn.Module | None) -> nn.Module | None:
+    """The network inside ``torch.compile``, ``DistributedDataParallel`` and ``DataParallel`` wrappers: block and
+    parameter names are the same with or without them, so states saved either way load either way."""
+    while True:
+        if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+            model = model.module
+        elif isinstance(getattr(model, "_orig_mod", None), nn.Module):  # torch.compile's OptimizedModule
+            model = model._orig_mod
+        else:
+            return model
+
+
 def partition(model: nn.Module | None, strategy="coarse", params: Iterable[torch.Tensor] | None = None) -> list[Block]:
     """Split the trainable parameters of ``model`` (or of ``params``) into ordered, disjoint blocks.
 
     Args:
         model: the network; needed by ``"coarse"``, ``"fine"`` and callables, which read module and parameter names.
+            Wrappers (``torch.compile``, ``DistributedDataParallel``, ``DataParallel``) are looked through.
         strategy: ``"coarse"``, ``"fine"``, ``"tensor"``, ``"global"``, a callable ``(name, param) -> block name``,
             or a mapping ``{block name: [parameters]}``.
         params: the parameters to cover when no model is given (``"tensor"``, ``"global"``); with a model, defaults
@@ -270,6 +283,7 @@ def partition(model: nn.Module | None, strategy="coarse", params: Iterable[torch
     """
     if model is not None and not isinstance(model, nn.Module):
         raise TypeError(f"partition() expects an nn.Module as model, got {type(model).__name__}")
+    model = unwrap(model)
     if isinstance(strategy, str):
         if strategy not in STRATEGIES:
             raise ValueError(f"unknown partition strategy {strategy!r}; expected one of {STRATEGIES}, a callable or a mapping")

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .bn import frozen_bn_stats
 from .data import DATASETS, Dataset, add_symmetric_noise, crop_and_flip, load_dataset
 from .machine import describe_machine
 from .models import MODELS, ResNet, get_model
@@ -366,7 +367,8 @@ def _train_one(cfg, name, seed, data, device, metrics, run_dir, resume, stream) 
                 in_optimizer.stop()
                 telemetry.record()
                 opt.zero_grad(set_to_none=False)
-                _forward(model, xb, yb, cfg)[1].backward()
+                with frozen_bn_stats(model):  # BatchNorm statistics come from the first pass only
+                    _forward(model, xb, yb, cfg)[1].backward()
                 in_optimizer.start()
                 opt.second_step()
                 in_optimizer.stop()

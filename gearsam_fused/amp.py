@@ -1,0 +1,181 @@
+"""Mixed precision for :class:`~gearsam_fused.SAM` and :class:`~gearsam_fused.GEARSAM`.
+
+bfloat16 autocast needs nothing: run both forward passes under ``torch.autocast(device, dtype=torch.bfloat16)``.
+
+float16 autocast needs loss scaling, and ``torch.amp.GradScaler``'s own recipe (``scaler.step(optimizer)``) does not
+fit a two-pass optimizer: the step has two gradients, each of which must be unscaled exactly once and checked for
+overflow, and an overflow in either pass must cancel the whole step. :class:`SAMScaler` drives the two passes
+through an existing ``GradScaler``::
+
+    scaler = torch.amp.GradScaler("cuda")
+    amp = SAMScaler(optimizer, scaler)
+    for x, y in loader:
+        with torch.autocast("cuda", dtype=torch.float16):
+            loss = loss_fn(model(x), y)
+        scaler.scale(loss).backward()
+        amp.first_step()                            # unscale, check, perturb (or not), zero the gradients
+        with torch.autocast("cuda", dtype=torch.float16), frozen_bn_stats(model):
+            scaler.scale(loss_fn(model(x), y)).backward()
+        report = amp.second_step(zero_grad=True)    # unscale, check, restore w, base step (or undo the step)
+        scaler.update()                             # lowers the scale after a skipped step, as usual
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.amp.grad_scaler import OptState
+
+from .optim import _SharpnessAware
+
+
+@dataclass(frozen=True)
+class ScaledStepReport:
+    """What :meth:`SAMScaler.second_step` did.
+
+    ``skipped``: the perturbation (if any) was undone and the base optimizer did not step; the weights, the base
+    optimizer's state and the GEAR EMA are as before the step. ``reason``: why, or None. ``first_pass_finite`` /
+    ``second_pass_finite``: whether each pass's unscaled gradients were all finite (a pass that did not run counts as
+    finite). ``scale``: the loss scale both passes used.
+    """
+
+    skipped: bool
+    reason: str | None
+    first_pass_finite: bool
+    second_pass_finite: bool
+    scale: float
+
+
+class SAMScaler:
+    """Runs a SAM / GEAR-SAM step with float16 loss scaling by ``scaler`` (a ``torch.amp.GradScaler``).
+
+    Per step, after ``scaler.scale(loss).backward()`` of each pass:
+
+    * :meth:`first_step` unscales the first gradients (unless the caller already did, with ``scaler.unscale_``, to
+      clip them) and checks them for inf/NaN, as ``GradScaler.step`` does. If they are finite the optimizer perturbs
+      the weights with the unscaled gradients (energies and radii never see the scale); otherwise nothing moves. The
+      gradients are then zeroed for the second pass.
+    * :meth:`second_step` unscales and checks the second gradients the same way. If both passes were finite it
+      restores ``w`` and steps the base optimizer; otherwise it restores ``w``, rolls back the GEAR EMA and skips the
+      base step. Either way it records the overflow in ``scaler`` so that ``scaler.update()`` lowers the scale exactly
+      as after a step ``GradScaler.step`` skipped, and returns (and keeps in :attr:`last`) a :class:`ScaledStepReport`.
+
+    Reading an overflow flag synchronises with the device once per pass, as ``GradScaler.step`` does once per step.
+    When the first pass overflows, :meth:`first_step` returns False; the second forward/backward may then be left out
+    (``second_step`` still has to be called). With a disabled scaler both methods are the optimizer's own steps.
+    """
+
+    def __init__(self, optimizer: _SharpnessAware, scaler: torch.amp.GradScaler):
+        if not isinstance(optimizer, _SharpnessAware):
+            raise TypeError(f"optimizer must be a gearsam_fused SAM or GEARSAM, got {type(optimizer).__name__}")
+        if not isinstance(scaler, torch.amp.GradScaler):
+            raise TypeError(f"scaler must be a torch.amp.GradScaler, got {type(scaler).__name__}")
+        if scaler.is_enabled():
+            if not isinstance(getattr(scaler, "_per_optimizer_states", None), dict):
+                raise RuntimeError(
+                    "this torch's GradScaler does not keep per-optimizer overflow records in _per_optimizer_states, "
+                    "which SAMScaler needs to unscale two passes"
+                )
+            for block in optimizer.blocks:
+                for name, p in zip(block.param_names, block.params):
+                    if p.dtype == torch.float16:
+                        raise ValueError(
+                            f"parameter {name!r} is float16, and GradScaler cannot unscale float16 gradients; keep the "
+                            "parameters in float32 and run the forward passes under torch.autocast(dtype=torch.float16)"
+                        )
+        self.optimizer = optimizer
+        self.scaler = scaler
+        #: Report of the last completed step (None before the first).
+        self.last: ScaledStepReport | None = None
+        self._first: tuple[dict, bool] | None = None  # the first pass's overflow records, and whether it was finite
+
+    # ------------------------------------------------------------------ GradScaler bookkeeping
+    def _state(self) -> dict:
+        state = self.scaler._per_optimizer_states[id(self.optimizer)]
+        if state["stage"] is OptState.STEPPED:
+            raise RuntimeError(
+                "the GradScaler already stepped this optimizer since its last update(): call scaler.update() once at "
+                "the end of every step, and do not call scaler.step() on a SAM optimizer"
+            )
+        return state
+
+    def _unscaled_records(self) -> dict:
+        """Unscale the current gradients unless the caller already did; the pass's overflow records per device."""
+        state = self._state()
+        if state["stage"] is OptState.READY and self._has_grads():
+            self.scaler.unscale_(self.optimizer)
+        return dict(state["found_inf_per_device"])
+
+    def _has_grads(self) -> bool:
+        return any(p.grad is not None for group in self.optimizer.param_groups for p in group["params"])
+
+    @staticmethod
+    def _finite(records: dict) -> bool:
+        return not any(bool(found.item()) for found in records.values())
+
+    # ------------------------------------------------------------------ the two steps
+    def first_step(self, *, set_to_none: bool = True) -> bool:
+        """Unscale and check the first pass's gradients; perturb the weights if they are finite. Then zero the
+        gradients (``optimizer.zero_grad(set_to_none)``), which the second pass needs. Returns whether the weights
+        were perturbed, i.e. False when this step will be skipped."""
+        if self._first is not None:
+            raise RuntimeError("SAMScaler.first_step() called twice: call second_step() to finish the step first")
+        opt = self.optimizer
+        if not self.scaler.is_enabled():
+            opt.first_step()
+            opt.zero_grad(set_to_none=set_to_none)
+            self._first = ({}, True)
+            return True
+        if not self._has_grads():
+            raise RuntimeError("SAMScaler.first_step() found no gradients: call scaler.scale(loss).backward() first")
+        records = self._unscaled_records()
+        finite = self._finite(records)
+        if finite:
+            opt.first_step(cancellable=True)
+        # The second pass must be unscaled by itself: hold this pass's records here and give the scaler a fresh slate.
+        del self.scaler._per_optimizer_states[id(opt)]
+        self._first = (records, finite)
+        opt.zero_grad(set_to_none=set_to_none)
+        return finite
+
+    def second_step(self, *, zero_grad: bool = False, set_to_none: bool = True) -> ScaledStepReport:
+        """Unscale and check the second pass's gradients; finish the step if both passes were finite, else undo it
+        (see the class docstring). Records the overflow for ``scaler.update()``; with ``zero_grad`` zeroes the
+        gradients afterwards. Returns the step's :class:`ScaledStepReport`, also kept in :attr:`last`."""
+        if self._first is None:
+            raise RuntimeError("SAMScaler.second_step() called without a preceding first_step()")
+        opt = self.optimizer
+        first_records, first_finite = self._first
+        if not self.scaler.is_enabled():
+            opt.second_step()
+            second_finite = True
+            scale = 1.0
+        else:
+            if first_finite and not self._has_grads():
+                raise RuntimeError(
+                    "SAMScaler.second_step() found no gradients: call scaler.scale(loss).backward() at the perturbed "
+                    "weights first"
+                )
+            records = self._unscaled_records()
+            second_finite = self._finite(records)
+            if first_finite and second_finite:
+                opt.second_step()
+            elif first_finite:
+                opt.cancel_step()
+            # scaler.update() reads these: an overflow in either pass lowers the scale, as after a skipped step.
+            for device, found in first_records.items():
+                records[device] = records[device] + found if device in records else found
+            state = self.scaler._per_optimizer_states[id(opt)]
+            state["found_inf_per_device"] = records
+            state["stage"] = OptState.STEPPED
+            scale = self.scaler.get_scale()
+        self._first = None
+        failed = [name for name, ok in (("first", first_finite), ("second", second_finite)) if not ok]
+        reason = None
+        if failed:
+            reason = f"non-finite gradient in the {' and '.join(failed)} pass{'es' if len(failed) > 1 else ''}"
+        self.last = ScaledStepReport(bool(failed), reason, first_finite, second_finite, scale)
+        if zero_grad:
+            opt.zero_grad(set_to_none=set_to_none)
+        return self.last

@@ -1,0 +1,104 @@
+"""SAM and GEAR-SAM under ``torch.nn.parallel.DistributedDataParallel`` (DDP), including m-sharpness.
+
+Plain data-parallel SAM needs nothing beyond the usual loop: both forward/backward passes run through the DDP module,
+so both gradients are all-reduced, every rank computes the same perturbation and the same update, and the ranks stay
+identical. :func:`sam_step` runs that loop for you.
+
+m-sharpness (Foret et al., 2021, Sec. 4.1): each rank perturbs its weights with the gradient of its *own* mini-batch
+and only the gradient at the perturbed point is averaged. Two details make this easy to get wrong by hand:
+
+* DDP decides at *forward* time whether the following backward all-reduces, so the first forward and its backward
+  must both run inside ``model.no_sync()``;
+* gradients accumulated under ``no_sync()`` are all-reduced by the next synchronised backward together with the new
+  ones, so they must be cleared between the passes.
+
+``sam_step(..., m_sharpness=True)`` does both. With GEAR-SAM each rank then also keeps its own EMA of block energies
+(it allocates its own perturbation), so ``state_dict()`` saved on one rank holds that rank's EMA; the weights and the
+base optimizer's state stay identical on every rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+__all__ = ["sam_step"]
+
+
+def _multi_process() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def sam_step(
+    optimizer,
+    model: nn.Module,
+    closure: Callable[[], torch.Tensor],
+    *,
+    m_sharpness: bool = False,
+    set_to_none: bool = True,
+) -> torch.Tensor:
+    """One full SAM / GEAR-SAM step; returns the first pass's loss (the loss at the unperturbed weights).
+
+    ``closure`` runs the forward pass through ``model`` and calls ``backward()`` on the loss it returns; it is called
+    twice, at ``w`` and at ``w + eps``, and must not zero gradients itself. The step is::
+
+        optimizer.zero_grad(set_to_none)
+        closure()                          # inside model.no_sync() when m_sharpness
+        optimizer.first_step()             # w -> w + eps
+        optimizer.zero_grad(set_to_none)
+        closure()                          # gradients all-reduced by DDP
+        optimizer.second_step()            # restore w, base optimizer step
+
+    Args:
+        optimizer: a :class:`~gearsam_fused.SAM` or :class:`~gearsam_fused.GEARSAM` (anything with ``first_step``,
+            ``second_step`` and ``zero_grad(set_to_none=...)``).
+        model: the ``DistributedDataParallel`` module the closure calls. In a single process (no process group, or
+            world size 1) any module is accepted and both modes are plain SAM.
+        m_sharpness: perturb each rank with its local gradient (first pass not all-reduced); the update still uses
+            the all-reduced gradient at the perturbed points, so the ranks stay identical. Not available with
+            ``DistributedDataParallel(static_graph=True)``, which fails under ``no_sync()``.
+        set_to_none: how gradients are cleared before each pass (``False`` suits the fused backends, whose gradients
+            then stay views of their flat buffers).
+
+    On return the gradients hold the (all-reduced) gradient at the perturbed point.
+    """
+    if not (callable(getattr(optimizer, "first_step", None)) and callable(getattr(optimizer, "second_step", None))):
+        raise TypeError(
+            "optimizer must be a SAM or GEARSAM optimizer (with first_step/second_step), got "
+            f"{type(optimizer).__name__}"
+        )
+    if not callable(closure):
+        raise TypeError(
+            f"closure must be callable (forward + backward, returning the loss), got {type(closure).__name__}"
+        )
+    if not isinstance(m_sharpness, bool):
+        raise TypeError(f"m_sharpness must be a bool, got {m_sharpness!r}")
+    wrapped = isinstance(model, DistributedDataParallel)
+    if not wrapped and _multi_process():
+        # Without DDP's hooks neither pass would be all-reduced and the ranks would drift apart silently.
+        raise TypeError(
+            f"model must be the DistributedDataParallel module that closure runs forward through, got "
+            f"{type(model).__name__} while {dist.get_world_size()} processes are training"
+        )
+    if m_sharpness and wrapped and model.static_graph:
+        # DDP's static graph asserts inside backward under no_sync() (pytorch/pytorch#143580): refuse up front
+        raise ValueError(
+            "m_sharpness runs the first pass under DDP's no_sync(), which DistributedDataParallel(static_graph=True) "
+            "does not support; build the DDP module with static_graph=False"
+        )
+    local_first_pass = model.no_sync() if (m_sharpness and wrapped) else contextlib.nullcontext()
+
+    optimizer.zero_grad(set_to_none=set_to_none)
+    with torch.enable_grad(), local_first_pass:
+        loss = closure()
+    optimizer.first_step()
+    optimizer.zero_grad(set_to_none=set_to_none)
+    with torch.enable_grad():
+        closure()
+    optimizer.second_step()
+    return loss

@@ -1,0 +1,260 @@
+"""What users of SAM libraries most often find broken: odd parameters, changed models, resume in a new process,
+torch.compile. Every case on every backend, against the reference where there is something to compare."""
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import ALL, CUDA, FP32_STEP_RTOL, SGD_KW, batches, flat, loss_fn, rel_err, sam_step, tiny_resnet
+from gearsam_fused import GEARSAM, SAM
+from gearsam_fused.models import ResNet
+
+
+def twin_runs(make_model, backend, device, steps=3, rule=GEARSAM, **kwargs):
+    """The same model and data through ``backend`` and through ``reference``: both parameter vectors after each step."""
+    runs = []
+    for name in (backend, "reference"):
+        model = make_model().to(device)
+        opt = rule(model, torch.optim.SGD, backend=name, **SGD_KW, **kwargs)
+        trajectory = []
+        for xy in batches(steps, device=device):
+            sam_step(opt, model, xy)
+            trajectory.append(flat(model))
+        runs.append(trajectory)
+    return runs
+
+
+class SkipEmpty(nn.Module):
+    """A zero-size layer in the graph: its (0, n) weight and bias get gradients of size 0."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.features = nn.Linear(192, 8)
+        self.empty = nn.Linear(8, 0)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = self.features(x.flatten(1))
+        return self.head(h) + self.empty(h).sum()
+
+
+@pytest.mark.parametrize("backend,device", ALL)
+def test_zero_size_parameters_are_carried_along(backend, device):
+    ours, reference = twin_runs(SkipEmpty, backend, device, partition="tensor")
+    for a, b in zip(ours, reference):
+        assert rel_err(a, b) <= FP32_STEP_RTOL
+
+
+@pytest.mark.parametrize("backend,device", ALL)
+def test_sparse_gradients_raise_type_error_on_every_backend(backend, device):
+    emb = nn.Embedding(10, 3, sparse=True).to(device)
+    opt = SAM(emb.parameters(), torch.optim.SGD, lr=0.1, backend=backend)
+    emb(torch.tensor([1, 2], device=device)).sum().backward()
+    with pytest.raises(TypeError, match=r"SAM does not support sparse gradients \('param0' has a torch.sparse_coo grad\)"):
+        opt.first_step()
+
+
+@pytest.mark.parametrize("backend,device", ALL)
+def test_duplicate_parameters_are_refused(backend, device):
+    layer = nn.Linear(2, 2).to(device)
+    with pytest.raises(ValueError, match="some parameters appear in more than one parameter group"):
+        SAM([{"params": [layer.weight]}, {"params": [layer.weight, layer.bias]}], torch.optim.SGD, lr=0.1, backend=backend)
+    with pytest.raises(ValueError, match=r"parameter 'param0' \(shape \(2, 2\)\) is passed twice"):
+        SAM([layer.weight, layer.bias, layer.weight], torch.optim.SGD, lr=0.1, backend=backend)
+
+
+@pytest.mark.parametrize("backend,device", ALL)
+def test_parameters_frozen_after_construction_are_left_alone(backend, device):
+    runs = []
+    for name in (backend, "reference"):
+        model = tiny_resnet(device=device)
+        opt = GEARSAM(model, torch.optim.SGD, backend=name, **SGD_KW)
+        data = batches(4, device=device)
+        sam_step(opt, model, data[0])
+        model.layer1.requires_grad_(False)
+        frozen = [p.detach().clone() for p in model.layer1.parameters()]
+        for xy in data[1:]:
+            sam_step(opt, model, xy)
+        assert all(torch.equal(p, q) for p, q in zip(model.layer1.parameters(), frozen))
+        runs.append(flat(model))
+    assert rel_err(runs[0], runs[1]) <= 3 * FP32_STEP_RTOL  # three steps after the freeze
+
+
+@pytest.mark.parametrize("backend,device", ALL)
+def test_parameters_unfrozen_after_construction_are_reported(backend, device):
+    model = tiny_resnet(device=device)
+    model.fc.requires_grad_(False)
+    opt = GEARSAM(model.parameters(), torch.optim.SGD, model=model, backend=backend, **SGD_KW)
+    model.fc.requires_grad_(True)
+    loss_fn(model, batches(1, device=device)[0]).backward()
+    with pytest.raises(RuntimeError, match=r"'fc.weight' has a gradient but was frozen when the optimizer was built"):
+        opt.first_step()
+
+
+@pytest.mark.parametrize("backend,device", ALL)
+def test_parameters_added_to_the_model_later_are_not_optimized(backend, device):
+    """As with every torch optimizer, a parameter that was not passed in is not the optimizer's: not perturbed, not
+    stepped, and its gradient does not enter any block's energy."""
+    model = tiny_resnet(device=device)
+    opt = GEARSAM(model, torch.optim.SGD, backend=backend, **SGD_KW)
+    model.extra = nn.Parameter(torch.ones(3, device=device))
+    x, y = batches(1, device=device)[0]
+    (loss_fn(model, (x, y)) + model.extra.sum()).backward()
+    opt.first_step()
+    energy_with_extra = opt.block_stats()["energy"]
+    opt.second_step(zero_grad=True)
+    assert torch.equal(model.extra.detach(), torch.ones(3, device=device))
+    reference = tiny_resnet(device=device)
+    ref_opt = GEARSAM(reference, torch.optim.SGD, backend="reference", **SGD_KW)
+    loss_fn(reference, (x, y)).backward()
+    ref_opt.first_step()
+    torch.testing.assert_close(energy_with_extra, ref_opt.block_stats()["energy"], rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("backend,device", ALL)
+@pytest.mark.parametrize("rule", [SAM, GEARSAM])
+def test_rho_zero_is_the_base_optimizer_exactly(rule, backend, device):
+    model, base_model = tiny_resnet(device=device), tiny_resnet(device=device)
+    opt = rule(model, torch.optim.SGD, rho=0.0, backend=backend, **SGD_KW)
+    base = torch.optim.SGD(base_model.parameters(), **SGD_KW)
+    for xy in batches(4, device=device):
+        sam_step(opt, model, xy)
+        loss_fn(base_model, xy).backward()
+        base.step()
+        base.zero_grad()
+        assert torch.equal(flat(model), flat(base_model))
+    assert opt.block_stats()["share"].eq(0).all()
+
+
+@pytest.mark.parametrize("backend,device", ALL)
+def test_beta_zero_allocates_by_the_current_energy(backend, device):
+    model = tiny_resnet(device=device)
+    opt = GEARSAM(model, torch.optim.SGD, rho=0.1, beta=0.0, backend=backend, **SGD_KW)
+    for xy in batches(2, device=device):
+        sam_step(opt, model, xy)
+        stats = opt.block_stats()
+        torch.testing.assert_close(stats["ema"], stats["energy"], rtol=0, atol=0)  # s_b = e_b: no memory
+        expected = 0.1 * stats["energy"] / stats["energy"].norm()
+        torch.testing.assert_close(stats["radius"], expected, rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("backend,device", ALL)
+def test_non_finite_gradients_propagate_as_in_the_reference(backend, device):
+    """Documented behaviour without a GradScaler: gradients are not inspected (that would wait for the device every
+    step), so a non-finite gradient makes the perturbed weights non-finite exactly where the reference does."""
+    perturbed = []
+    for name in (backend, "reference"):
+        model = tiny_resnet(device=device)
+        opt = SAM(model, torch.optim.SGD, rho=0.05, backend=name, **SGD_KW)
+        loss_fn(model, batches(1, device=device)[0]).backward()
+        model.fc.weight.grad[0, 0] = float("inf")
+        opt.first_step()
+        perturbed.append(flat(model))
+        opt.second_step()
+    assert not perturbed[0].isfinite().all()
+    torch.testing.assert_close(perturbed[0], perturbed[1], rtol=1e-6, atol=0, equal_nan=True)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("backend", ["reference", "torch", "cpp"])
+def test_parameters_on_two_devices(backend):
+    """A model split across the CPU and a GPU: one flat buffer per device, energies gathered on the first device."""
+    if backend == "cpp":
+        from gearsam_fused.backends.cpp_ops import cpp_built_with_cuda
+
+        if not cpp_built_with_cuda():
+            pytest.skip("the C++ extension has no CUDA kernels")
+    runs = []
+    for name in (backend, "reference"):
+        torch.manual_seed(0)
+        first, second = nn.Linear(6, 5), nn.Linear(5, 3).cuda()
+        params = [*first.parameters(), *second.parameters()]
+        opt = GEARSAM(params, torch.optim.SGD, partition="tensor", backend=name, **SGD_KW)
+        for step in range(3):
+            g = torch.Generator().manual_seed(step)
+            x, y = torch.randn(4, 6, generator=g), torch.randint(0, 3, (4,), generator=g)
+
+            def loss():
+                return nn.functional.cross_entropy(second(first(x).cuda()), y.cuda())
+
+            loss().backward()
+            opt.first_step(zero_grad=True)
+            loss().backward()
+            opt.second_step(zero_grad=True)
+        runs.append(torch.cat([p.detach().cpu().flatten() for p in params]))
+    assert rel_err(runs[0], runs[1]) <= 3 * FP32_STEP_RTOL
+
+
+RESUME_SCRIPT = textwrap.dedent(
+    """
+    import sys, torch
+    sys.path.insert(0, {tests!r})
+    from conftest import SGD_KW, batches, flat, sam_step, tiny_resnet
+    from gearsam_fused import GEARSAM
+    saved = torch.load({path!r})
+    model = tiny_resnet(seed=99)  # different initial weights: everything must come from the checkpoint
+    model.load_state_dict(saved["model"])
+    opt = GEARSAM(model, torch.optim.SGD, rho=0.05, backend={backend!r}, **SGD_KW)
+    opt.load_state_dict(saved["optimizer"])
+    for xy in batches(8)[4:]:
+        sam_step(opt, model, xy)
+    torch.save({{"weights": flat(model), "ema": opt.block_stats()["ema"]}}, {out!r})
+    """
+)
+
+
+@pytest.mark.parametrize("backend,device", [case for case in ALL if case.values[1] == "cpu"])
+def test_resume_in_a_fresh_process_continues_bitwise(tmp_path, backend, device):
+    model = tiny_resnet()
+    opt = GEARSAM(model, torch.optim.SGD, rho=0.05, backend=backend, **SGD_KW)
+    data = batches(8)
+    for xy in data[:4]:
+        sam_step(opt, model, xy)
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, tmp_path / "checkpoint.pt")
+    for xy in data[4:]:
+        sam_step(opt, model, xy)
+    tests = str(__import__("pathlib").Path(__file__).parent)
+    script = RESUME_SCRIPT.format(tests=tests, path=str(tmp_path / "checkpoint.pt"), backend=backend, out=str(tmp_path / "out.pt"))
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    resumed = torch.load(tmp_path / "out.pt")
+    assert torch.equal(resumed["weights"], flat(model))
+    assert torch.equal(resumed["ema"], opt.block_stats()["ema"])
+
+
+def test_loading_a_state_of_other_parameters_fails_clearly():
+    model = tiny_resnet()
+    opt = GEARSAM(model, torch.optim.SGD, **SGD_KW)
+    sam_step(opt, model, batches(1)[0])
+    state = opt.state_dict()
+    wider = GEARSAM(ResNet(blocks=(1, 1), width=6, num_classes=3, act="silu"), torch.optim.SGD, **SGD_KW)
+    with pytest.raises(ValueError, match=r"block 'stem' parameter 0 \('conv1.weight'\) has shape \(6, 3, 3, 3\); the state was saved for \(4, 3, 3, 3\)"):
+        wider.load_state_dict(state)
+    fewer = GEARSAM(model, torch.optim.SGD, partition="coarse", **SGD_KW)
+    state["gearsam"]["shapes"][-1] = state["gearsam"]["shapes"][-1][:1]
+    with pytest.raises(ValueError, match=r"block 'classifier' has 2 parameters; the state was saved for 1"):
+        fewer.load_state_dict(state)
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpp", "reference"])
+def test_compiled_model_follows_the_eager_trajectory(backend):
+    """torch.compile (inductor) on the model; the optimizer is unchanged. Inductor fuses the model's own arithmetic
+    differently from eager, so the comparison allows float32 rounding growth over the steps, not bitwise."""
+    runs = []
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        model = tiny_resnet()
+        net = torch.compile(model) if compiled else model
+        opt = GEARSAM(net, torch.optim.SGD, rho=0.05, backend=backend, **SGD_KW)
+        if compiled:
+            assert opt.block_names == GEARSAM(model, torch.optim.SGD, lr=0.1).block_names
+        for xy in batches(5):
+            sam_step(opt, net, xy)
+        runs.append(flat(model))
+    torch.testing.assert_close(runs[1], runs[0], rtol=1e-5, atol=1e-6)
