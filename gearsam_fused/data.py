@@ -36,10 +36,6 @@ class Dataset:
     def in_channels(self) -> int:
         return self.train[0].shape[1]
 
-    def to(self, device: torch.device) -> Dataset:
-        move = lambda pair: tuple(t.to(device) for t in pair)  # noqa: E731
-        return Dataset(self.name, move(self.train), move(self.test), self.num_classes, self.augment)
-
 
 def load_dataset(name: str, data_dir: str | None = None, synthetic_size: int = 2048, seed: int = 0) -> Dataset:
     """One of :data:`DATASETS`; CIFAR needs ``data_dir`` holding the unpacked python version of the archive."""

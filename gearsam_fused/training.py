@@ -120,10 +120,10 @@ def resolve_device(name: str) -> torch.device:
 
 def build_model(cfg: RunConfig, data: Dataset) -> nn.Module:
     args = dict(cfg.model_args)
-    if cfg.model == "digits_resnet":  # the demo's network: three stages, sized for 8x8 inputs
-        return ResNet(blocks=(1, 1, 1), width=args.pop("width", 16), num_classes=data.num_classes, in_channels=1, **args)
     if data.in_channels != 3:
         args.setdefault("in_channels", data.in_channels)
+    if cfg.model == "digits_resnet":  # the demo's network: three stages, sized for 8x8 inputs
+        return ResNet(blocks=(1, 1, 1), width=args.pop("width", 16), num_classes=data.num_classes, **args)
     return get_model(cfg.model, num_classes=data.num_classes, **args)
 
 
