@@ -17,6 +17,18 @@ def _safe_ratio(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
     return torch.where(positive, num / torch.where(positive, den, torch.ones_like(den)), torch.zeros_like(num))
 
 
+def _unit(s: torch.Tensor) -> torch.Tensor:
+    """``s / ||s||_2`` for ``s >= 0`` (0 when ``s = 0``), through ``t = s / max_b s_b``.
+
+    Squaring ``s`` directly would underflow to a zero norm below ~1e-154 and overflow above ~1e154, ordinary float64
+    energies for tiny or huge gradients; ``t`` lies in ``[0, 1]`` with a largest entry of exactly 1, so ``||t||`` is
+    in ``[1, sqrt(B)]``.
+    """
+    peak = s.amax() if s.numel() else s.new_zeros(())
+    t = _safe_ratio(s, peak)
+    return _safe_ratio(t, torch.linalg.vector_norm(t))
+
+
 def gear_allocate(
     energy: torch.Tensor, ema: torch.Tensor, rho: float, beta: float, delta: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -25,13 +37,13 @@ def gear_allocate(
     Updates ``ema`` in place, then returns ``(scale, radius)``::
 
         s_b   <- beta * s_b + (1 - beta) * e_b
-        r_b    = rho * s_b / ||s||_2            (all zero when s = 0)
+        r_b    = rho * s_b / ||s||_2            (all zero when s = 0; the norm is taken of s / max_b s_b)
         scale_b = r_b / (sqrt(e_b) + delta)     so that eps_b = scale_b * g_b
 
     ``sum_b r_b**2 == rho**2`` whenever ``s != 0`` and ``||eps|| <= rho`` always.
     """
     ema.mul_(beta).add_(energy, alpha=1.0 - beta)
-    radius = rho * _safe_ratio(ema, torch.linalg.vector_norm(ema))
+    radius = rho * _unit(ema)
     scale = radius / (energy.sqrt() + delta)
     return scale, radius
 

@@ -144,13 +144,14 @@ def test_beta_zero_allocates_by_the_current_energy(backend, device):
 
 
 @pytest.mark.parametrize("backend,device", ALL)
-def test_non_finite_gradients_propagate_as_in_the_reference(backend, device):
+@pytest.mark.parametrize("optimizer", [SAM, GEARSAM])
+def test_non_finite_gradients_propagate_as_in_the_reference(backend, device, optimizer):
     """Documented behaviour without a GradScaler: gradients are not inspected (that would wait for the device every
     step), so a non-finite gradient makes the perturbed weights non-finite exactly where the reference does."""
     perturbed = []
     for name in (backend, "reference"):
         model = tiny_resnet(device=device)
-        opt = SAM(model, torch.optim.SGD, rho=0.05, backend=name, **SGD_KW)
+        opt = optimizer(model, torch.optim.SGD, rho=0.05, backend=name, **SGD_KW)
         loss_fn(model, batches(1, device=device)[0]).backward()
         model.fc.weight.grad[0, 0] = float("inf")
         opt.first_step()
@@ -158,6 +159,28 @@ def test_non_finite_gradients_propagate_as_in_the_reference(backend, device):
         opt.second_step()
     assert not perturbed[0].isfinite().all()
     torch.testing.assert_close(perturbed[0], perturbed[1], rtol=1e-6, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("backend,device", ALL)
+def test_a_non_finite_energy_stays_in_the_gear_ema(backend, device):
+    """Documented behaviour: the EMA keeps a non-finite score, after which no step perturbs (every radius is 0)."""
+    model = tiny_resnet(device=device)
+    opt = GEARSAM(model, torch.optim.SGD, rho=0.05, backend=backend, **SGD_KW)
+    first, second = batches(2, device=device)
+    loss_fn(model, first).backward()
+    model.fc.weight.grad[0, 0] = float("inf")
+    opt.first_step()
+    opt.second_step()
+    assert not opt.block_stats()["ema"].isfinite().all()
+    with torch.no_grad():  # start again from finite weights: only the EMA remembers the bad step
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * 0.1)
+    opt.zero_grad()
+    loss_fn(model, second).backward()
+    before = flat(model).clone()
+    opt.first_step()
+    assert torch.equal(flat(model), before)
+    assert torch.equal(opt.block_stats()["radius"], torch.zeros_like(opt.block_stats()["radius"]))
 
 
 @pytest.mark.cuda

@@ -3,7 +3,8 @@
 GEAR rule (``GEAR=True``)::
 
     s_b    <- beta * s_b + (1 - beta) * e_b
-    r_b     = rho * (s_b / ||s||_2)                 0 for every b when s = 0
+    t_b     = s_b / max_j s_j                       so that squaring neither underflows nor overflows
+    r_b     = rho * (t_b / ||t||_2)                 0 for every b when s = 0
     scale_b = r_b / (sqrt(e_b) + delta)
 
 SAM rule (``GEAR=False``), one global scale and the radii it implies::
@@ -11,8 +12,9 @@ SAM rule (``GEAR=False``), one global scale and the radii it implies::
     scale_b = rho / (sqrt(sum_j e_j) + delta)
     r_b     = rho * (sqrt(e_b) / sqrt(sum_j e_j))  0 for every b when e = 0
 
-The program walks the blocks twice in chunks: once for the norm, once to write ``s``, ``r`` and ``scale`` (the EMA is
-recomputed there rather than re-read, so no thread reads what another has just written).
+The program walks the blocks in chunks: for GEAR once for ``max s``, then once for ``||t||`` (for SAM once for
+``sum e``), and last to write ``s``, ``r`` and ``scale``. The EMA is recomputed in every walk rather than re-read, so
+no thread reads what another has just written.
 """
 
 from __future__ import annotations
@@ -31,6 +33,17 @@ _CHUNK = 1024
 def _allocate_kernel(energy_ptr, ema_ptr, scale_ptr, radius_ptr, n_blocks, rho: tl.float64, beta: tl.float64,
                      delta: tl.float64, GEAR: tl.constexpr, CHUNK: tl.constexpr):  # fmt: skip
     """See the module docstring for the formulas of both rules."""
+    peak = 0.0
+    if GEAR:
+        largest = tl.zeros([CHUNK], dtype=tl.float64)
+        for start in range(0, n_blocks, CHUNK):
+            offsets = start + tl.arange(0, CHUNK)
+            mask = offsets < n_blocks
+            e = tl.load(energy_ptr + offsets, mask=mask, other=0.0)
+            s = beta * tl.load(ema_ptr + offsets, mask=mask, other=0.0) + (1.0 - beta) * e
+            largest = tl.maximum(largest, s)
+        peak = tl.max(largest, axis=0)
+    safe_peak = tl.where(peak > 0, peak, 1.0)
     acc = tl.zeros([CHUNK], dtype=tl.float64)
     for start in range(0, n_blocks, CHUNK):
         offsets = start + tl.arange(0, CHUNK)
@@ -38,7 +51,8 @@ def _allocate_kernel(energy_ptr, ema_ptr, scale_ptr, radius_ptr, n_blocks, rho: 
         e = tl.load(energy_ptr + offsets, mask=mask, other=0.0)
         if GEAR:
             s = beta * tl.load(ema_ptr + offsets, mask=mask, other=0.0) + (1.0 - beta) * e
-            acc += s * s
+            t = s / safe_peak
+            acc += t * t
         else:
             acc += e
     norm = tl.sqrt(tl.sum(acc, axis=0))
@@ -51,7 +65,7 @@ def _allocate_kernel(energy_ptr, ema_ptr, scale_ptr, radius_ptr, n_blocks, rho: 
         if GEAR:
             s = beta * tl.load(ema_ptr + offsets, mask=mask, other=0.0) + (1.0 - beta) * e
             tl.store(ema_ptr + offsets, s, mask=mask)
-            radius = tl.where(norm > 0, rho * (s / safe_norm), 0.0)
+            radius = tl.where(norm > 0, rho * ((s / safe_peak) / safe_norm), 0.0)
             scale = radius / (root + delta)
         else:
             radius = tl.where(norm > 0, rho * (root / safe_norm), 0.0)

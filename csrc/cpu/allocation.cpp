@@ -1,8 +1,11 @@
 // Radius allocation on the CPU, float64, one thread (the vectors hold one entry per block).
 //
-// GEAR rule:  s_b <- beta s_b + (1 - beta) e_b;   r_b = rho s_b / ||s||_2 (0 when s = 0);   scale_b = r_b / (sqrt(e_b) + delta)
+// GEAR rule:  s_b <- beta s_b + (1 - beta) e_b;   t_b = s_b / max_j s_j;   r_b = rho t_b / ||t||_2 (0 when s = 0);
+//             scale_b = r_b / (sqrt(e_b) + delta)
+//             (t keeps the squares of tiny or huge float64 scores from underflowing or overflowing)
 // SAM rule:   scale_b = rho / (sqrt(sum_j e_j) + delta);   r_b = rho sqrt(e_b) / sqrt(sum_j e_j) (0 when e = 0)
 
+#include <algorithm>
 #include <cmath>
 
 #include "../gearsam.h"
@@ -17,10 +20,16 @@ void allocate(const at::Tensor& energy, const at::Tensor& ema, const at::Tensor&
   double* out_scale = scale.mutable_data_ptr<double>();
   double* out_radius = radius.mutable_data_ptr<double>();
   double sum = 0.0;
+  double peak = 0.0;
   if (gear) {
     for (int64_t b = 0; b < n; ++b) {
       s[b] = beta * s[b] + (1.0 - beta) * e[b];
-      sum += s[b] * s[b];
+      peak = std::max(peak, s[b]);
+    }
+    if (!(peak > 0)) peak = 1.0;  // s = 0: t = 0 and every radius is 0
+    for (int64_t b = 0; b < n; ++b) {
+      const double t = s[b] / peak;
+      sum += t * t;
     }
   } else {
     for (int64_t b = 0; b < n; ++b) sum += e[b];
@@ -29,7 +38,7 @@ void allocate(const at::Tensor& energy, const at::Tensor& ema, const at::Tensor&
   for (int64_t b = 0; b < n; ++b) {
     const double root = std::sqrt(e[b]);
     if (gear) {
-      out_radius[b] = norm > 0 ? rho * (s[b] / norm) : 0.0;
+      out_radius[b] = norm > 0 ? rho * ((s[b] / peak) / norm) : 0.0;
       out_scale[b] = out_radius[b] / (root + delta);
     } else {
       out_radius[b] = norm > 0 ? rho * (root / norm) : 0.0;

@@ -1,10 +1,13 @@
 // Radius allocation on CUDA: one thread block, float64, no host synchronisation.
 //
-// GEAR rule:  s_b <- beta s_b + (1 - beta) e_b;   r_b = rho s_b / ||s||_2 (0 when s = 0);   scale_b = r_b / (sqrt(e_b) + delta)
+// GEAR rule:  s_b <- beta s_b + (1 - beta) e_b;   t_b = s_b / max_j s_j;   r_b = rho t_b / ||t||_2 (0 when s = 0);
+//             scale_b = r_b / (sqrt(e_b) + delta)
+//             (t keeps the squares of tiny or huge float64 scores from underflowing or overflowing)
 // SAM rule:   scale_b = rho / (sqrt(sum_j e_j) + delta);   r_b = rho sqrt(e_b) / sqrt(sum_j e_j) (0 when e = 0)
 //
-// Two passes over the blocks: the norm (a fixed-order block reduction), then s, r and scale. Each thread handles the
-// same blocks in both passes, so the EMA it writes in the second pass is read by no other thread.
+// Passes over the blocks: for GEAR max s, then ||t|| (for SAM sum e), each a fixed-order block reduction; last s, r
+// and scale. Each thread handles the same blocks in every pass, so the EMA it writes in the last is read by no other
+// thread.
 
 #include "../gearsam.h"
 #include "common.cuh"
@@ -16,13 +19,23 @@ template <bool Gear>
 __global__ void allocate_kernel(const double* __restrict__ energy, double* __restrict__ ema, double* __restrict__ scale,
                                 double* __restrict__ radius, int64_t n_blocks, double rho, double beta, double delta) {
   __shared__ double scratch[kThreads / kWarp];
+  __shared__ double peak_shared;
   __shared__ double norm_shared;
   auto smoothed = [&](int64_t b) { return add_rn(mul_rn(beta, ema[b]), mul_rn(1.0 - beta, energy[b])); };
+  double peak = 1.0;
+  if constexpr (Gear) {
+    double largest = 0.0;
+    for (int64_t b = threadIdx.x; b < n_blocks; b += kThreads) largest = fmax(largest, smoothed(b));
+    largest = block_reduce(largest, scratch, 0.0, [](double x, double y) { return fmax(x, y); });
+    if (threadIdx.x == 0) peak_shared = largest > 0 ? largest : 1.0;  // s = 0: t = 0 and every radius is 0
+    __syncthreads();
+    peak = peak_shared;
+  }
   double sum = 0.0;
   for (int64_t b = threadIdx.x; b < n_blocks; b += kThreads) {
     if constexpr (Gear) {
-      const double s = smoothed(b);
-      sum += s * s;
+      const double t = smoothed(b) / peak;
+      sum = add_rn(sum, mul_rn(t, t));
     } else {
       sum += energy[b];
     }
@@ -36,7 +49,7 @@ __global__ void allocate_kernel(const double* __restrict__ energy, double* __res
     if constexpr (Gear) {
       const double s = smoothed(b);
       ema[b] = s;
-      radius[b] = norm > 0 ? rho * (s / norm) : 0.0;
+      radius[b] = norm > 0 ? rho * ((s / peak) / norm) : 0.0;
       scale[b] = radius[b] / (root + delta);
     } else {
       radius[b] = norm > 0 ? rho * (root / norm) : 0.0;

@@ -39,19 +39,25 @@ __device__ __forceinline__ double mul_rn(double a, double b) { return __dmul_rn(
 __device__ __forceinline__ float add_rn(float a, float b) { return __fadd_rn(a, b); }
 __device__ __forceinline__ double add_rn(double a, double b) { return __dadd_rn(a, b); }
 
-// Sum of `value` over the thread block, valid in thread 0. The shuffle tree and the warp order are fixed, so the same
-// inputs always give the same bits. `scratch` holds kThreads / kWarp entries; the block must be kThreads wide.
-__device__ __forceinline__ double block_sum(double value, double* scratch) {
-  for (int offset = kWarp / 2; offset > 0; offset /= 2) value += __shfl_down_sync(0xffffffffu, value, offset);
+// `value` combined over the thread block by `op` (an associative binary functor), valid in thread 0. The shuffle tree
+// and the warp order are fixed, so the same inputs always give the same bits. `scratch` holds kThreads / kWarp
+// entries; the block must be kThreads wide; `identity` is op's neutral element.
+template <typename Op>
+__device__ __forceinline__ double block_reduce(double value, double* scratch, double identity, Op op) {
+  for (int offset = kWarp / 2; offset > 0; offset /= 2) value = op(value, __shfl_down_sync(0xffffffffu, value, offset));
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
   if (lane == 0) scratch[warp] = value;
   __syncthreads();
   if (warp == 0) {
-    value = lane < kThreads / kWarp ? scratch[lane] : 0.0;
-    for (int offset = kWarp / 2; offset > 0; offset /= 2) value += __shfl_down_sync(0xffffffffu, value, offset);
+    value = lane < kThreads / kWarp ? scratch[lane] : identity;
+    for (int offset = kWarp / 2; offset > 0; offset /= 2) value = op(value, __shfl_down_sync(0xffffffffu, value, offset));
   }
   __syncthreads();  // scratch may be reused right after
   return value;
+}
+
+__device__ __forceinline__ double block_sum(double value, double* scratch) {
+  return block_reduce(value, scratch, 0.0, [](double a, double b) { return a + b; });
 }
 
 // Enough blocks to fill the device a few times over, no more than there is work for: kernels loop over the rest.
