@@ -48,15 +48,15 @@ def sam_step(
     twice, at ``w`` and at ``w + eps``, and must not zero gradients itself. The step is::
 
         optimizer.zero_grad(set_to_none)
-        closure()                          # inside model.no_sync() when m_sharpness
-        optimizer.first_step()             # w -> w + eps
+        closure()                               # inside model.no_sync() when m_sharpness
+        optimizer.first_step(cancellable=True)  # w -> w + eps
         optimizer.zero_grad(set_to_none)
-        closure()                          # gradients all-reduced by DDP
-        optimizer.second_step()            # restore w, base optimizer step
+        closure()                               # all-reduced by DDP; if it raises, the step is cancelled
+        optimizer.second_step()                 # restore w, base optimizer step
 
     Args:
         optimizer: a :class:`~gearsam_fused.SAM` or :class:`~gearsam_fused.GEARSAM` (anything with ``first_step``,
-            ``second_step`` and ``zero_grad(set_to_none=...)``).
+            ``second_step``, ``cancel_on_error`` and ``zero_grad(set_to_none=...)``).
         model: the ``DistributedDataParallel`` module the closure calls. In a single process (no process group, or
             world size 1) any module is accepted and both modes are plain SAM.
         m_sharpness: perturb each rank with its local gradient (first pass not all-reduced); the update still uses
@@ -67,9 +67,9 @@ def sam_step(
 
     On return the gradients hold the (all-reduced) gradient at the perturbed point.
     """
-    if not (callable(getattr(optimizer, "first_step", None)) and callable(getattr(optimizer, "second_step", None))):
+    if not all(callable(getattr(optimizer, name, None)) for name in ("first_step", "second_step", "cancel_on_error")):
         raise TypeError(
-            "optimizer must be a SAM or GEARSAM optimizer (with first_step/second_step), got "
+            "optimizer must be a SAM or GEARSAM optimizer (with first_step/second_step/cancel_on_error), got "
             f"{type(optimizer).__name__}"
         )
     if not callable(closure):
@@ -96,9 +96,9 @@ def sam_step(
     optimizer.zero_grad(set_to_none=set_to_none)
     with torch.enable_grad(), local_first_pass:
         loss = closure()
-    optimizer.first_step()
+    optimizer.first_step(cancellable=True)
     optimizer.zero_grad(set_to_none=set_to_none)
-    with torch.enable_grad():
+    with optimizer.cancel_on_error(), torch.enable_grad():
         closure()
     optimizer.second_step()
     return loss

@@ -15,6 +15,8 @@ Per step, for blocks ``b`` of the partition and ``T = |w| + eta`` when ``adaptiv
 
 from __future__ import annotations
 
+import contextlib
+
 from collections.abc import Callable, Mapping
 
 import torch
@@ -198,17 +200,37 @@ class _SharpnessAware(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], torch.Tensor] | None = None):
         """One full step. The caller has already run the first backward; ``closure`` must zero nothing itself,
-        recompute the loss at the perturbed point and call ``backward()``. Returns the closure's loss."""
+        recompute the loss at the perturbed point and call ``backward()``. Returns the closure's loss. If the closure
+        raises, the step is cancelled (weights and allocation state as before it) and the exception propagates."""
         if closure is None:
             raise RuntimeError(
                 f"{type(self).__name__}.step() needs a closure that recomputes the loss and its gradients "
                 "(or call first_step() and second_step() yourself)"
             )
-        self.first_step(zero_grad=True)
-        with torch.enable_grad():
+        self.first_step(zero_grad=True, cancellable=True)
+        with self.cancel_on_error(), torch.enable_grad():
             loss = closure()
         self.second_step()
         return loss
+
+    @contextlib.contextmanager
+    def cancel_on_error(self):
+        """Context manager for the second pass after ``first_step(cancellable=True)``: if the pass raises (out of
+        memory, an interrupt), the step is cancelled with :meth:`cancel_step` before the exception propagates, so
+        ``w + eps`` is never left in the model where a later step or a checkpoint would take it for ``w``::
+
+            opt.first_step(zero_grad=True, cancellable=True)
+            with opt.cancel_on_error():
+                loss_fn(model(x), y).backward()
+            opt.second_step()
+        """
+        if not self._perturbed or self._undo is None:
+            raise RuntimeError("cancel_on_error() belongs after first_step(cancellable=True), before second_step()")
+        try:
+            yield
+        except BaseException:
+            self.cancel_step()
+            raise
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As ``torch.optim.Optimizer.zero_grad``. With a fused backend, ``set_to_none=False`` zeroes each flat

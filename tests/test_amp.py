@@ -9,6 +9,7 @@ import torch
 from conftest import ALL, FP32_STEP_RTOL, SGD_KW, batches, flat, loss_fn, rel_err, sam_step, tiny_resnet
 from gearsam_fused import GEARSAM, SAM
 from gearsam_fused.amp import SAMScaler, ScaledStepReport
+from gearsam_fused.distributed import sam_step as distributed_sam_step
 
 # Weights in float32 with an autocast forward: the fused perturbations round like the reference's on CPU. On CUDA a
 # contracted multiply-add may move one element of w + eps by one float32 ulp, which can flip that weight's rounding to
@@ -252,6 +253,70 @@ def test_cancel_step_misuse():
         opt.cancel_step()
     loss_fn(model, batches(1)[0]).backward()
     opt.second_step()  # the refused cancel left the step intact
+
+
+class SecondPassFailed(Exception):
+    pass
+
+
+def _drive_step(driver, opt, model, xy, closure):
+    if driver == "step":
+        opt.zero_grad()
+        loss_fn(model, xy).backward()
+        opt.step(closure)
+    elif driver == "sam_step":
+        calls = []
+
+        def twice():
+            calls.append(None)
+            return loss_fn(model, xy).backward() if len(calls) == 1 else closure()
+
+        distributed_sam_step(opt, model, twice)
+    else:
+        opt.zero_grad()
+        loss_fn(model, xy).backward()
+        opt.first_step(zero_grad=True, cancellable=True)
+        with opt.cancel_on_error():
+            closure()
+        opt.second_step()
+
+
+@pytest.mark.parametrize("backend,device", ALL)
+@pytest.mark.parametrize("driver", ["step", "sam_step", "cancel_on_error"])
+@pytest.mark.parametrize("error", [SecondPassFailed, KeyboardInterrupt])
+def test_an_exception_in_the_second_pass_cancels_the_step(backend, device, driver, error):
+    """An out-of-memory error or an interrupt in the second pass must not leave w + eps in the model."""
+    model = tiny_resnet(device=device)
+    opt = GEARSAM(model, torch.optim.SGD, rho=0.05, backend=backend, **SGD_KW)
+    data = batches(3, device=device)
+    sam_step(opt, model, data[0])
+    weights, momentum, stats = flat(model), base_state(opt), opt.block_stats()
+
+    def failing():
+        raise error("second pass")
+
+    with pytest.raises(error, match="second pass"):
+        _drive_step(driver, opt, model, data[1], failing)
+    assert torch.equal(flat(model), weights)
+    assert all(torch.equal(a, b) for a, b in zip(base_state(opt), momentum))
+    assert all(torch.equal(opt.block_stats()[k], v) for k, v in stats.items())
+    _drive_step(driver, opt, model, data[2], lambda: loss_fn(model, data[2]).backward())  # and it carries on
+    assert not torch.equal(flat(model), weights)
+
+
+def test_cancel_on_error_needs_a_cancellable_first_step():
+    model = tiny_resnet()
+    opt = GEARSAM(model, torch.optim.SGD, rho=0.05, **SGD_KW)
+    with pytest.raises(RuntimeError, match=r"after first_step\(cancellable=True\)"):
+        with opt.cancel_on_error():
+            pass
+    loss_fn(model, batches(1)[0]).backward()
+    opt.first_step(zero_grad=True)
+    with pytest.raises(RuntimeError, match=r"after first_step\(cancellable=True\)"):
+        with opt.cancel_on_error():
+            pass
+    loss_fn(model, batches(1)[0]).backward()
+    opt.second_step()
 
 
 # ------------------------------------------------------------------------------- low-precision parameters
