@@ -16,7 +16,6 @@ Per step, for blocks ``b`` of the partition and ``T = |w| + eta`` when ``adaptiv
 from __future__ import annotations
 
 import contextlib
-
 from collections.abc import Callable, Mapping
 
 import torch
