@@ -22,12 +22,26 @@ through an existing ``GradScaler``::
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 from torch.amp.grad_scaler import OptState
 
 from .optim import _SharpnessAware
+
+
+@functools.lru_cache(maxsize=None)
+def _can_unscale(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether GradScaler's unscale kernel exists for gradients of ``dtype`` on ``device`` (torch 2.11 has none for
+    bfloat16 on CUDA, though it has one on CPU): tried once on a one-element gradient."""
+    grad = torch.zeros(1, dtype=dtype, device=device)
+    found_inf, inv_scale = torch.zeros(1, device=device), torch.ones(1, device=device)
+    try:
+        torch._amp_foreach_non_finite_check_and_unscale_([grad], found_inf, inv_scale)
+    except NotImplementedError:
+        return False
+    return True
 
 
 @dataclass(frozen=True)
@@ -83,6 +97,12 @@ class SAMScaler:
                         raise ValueError(
                             f"parameter {name!r} is float16, and GradScaler cannot unscale float16 gradients; keep the "
                             "parameters in float32 and run the forward passes under torch.autocast(dtype=torch.float16)"
+                        )
+                    if not _can_unscale(p.dtype, p.device):
+                        raise ValueError(
+                            f"parameter {name!r} is {p.dtype} on {p.device}, and this torch's GradScaler cannot unscale "
+                            f"{p.dtype} gradients there; bfloat16 has float32's exponent range and needs no loss "
+                            "scaling: step the optimizer itself, or keep the parameters in float32"
                         )
         self.optimizer = optimizer
         self.scaler = scaler

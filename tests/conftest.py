@@ -9,6 +9,14 @@ CUDA = torch.cuda.is_available()
 if not CUDA:
     # Triton kernels run on CPU tensors through the interpreter; it must be chosen before triton is imported.
     os.environ.setdefault("TRITON_INTERPRET", "1")
+else:
+    # The test models' own CUDA backward (cuDNN convolutions) may otherwise pick non-deterministic algorithms and
+    # TF32 arithmetic, which would move gradients between identical runs and between batch splits: the tests compare
+    # what the optimizer does with a gradient, so the gradient must be the same every time.
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_tf32 = False
 
 from gearsam_fused.backends.cpp_ops import cpp_built_with_cuda, cpp_installed  # noqa: E402
 from gearsam_fused.backends.triton_ops import interpreter_enabled, triton_installed  # noqa: E402

@@ -8,13 +8,14 @@ import torch
 
 from conftest import ALL, FP32_STEP_RTOL, SGD_KW, batches, flat, loss_fn, rel_err, sam_step, tiny_resnet
 from gearsam_fused import GEARSAM, SAM
-from gearsam_fused.amp import SAMScaler, ScaledStepReport
+from gearsam_fused.amp import SAMScaler, ScaledStepReport, _can_unscale
 from gearsam_fused.distributed import sam_step as distributed_sam_step
 
-# Weights in float32 with an autocast forward: the fused perturbations round like the reference's on CPU. On CUDA a
-# contracted multiply-add may move one element of w + eps by one float32 ulp, which can flip that weight's rounding to
-# bf16/fp16 inside the autocast forward; the low-precision forward then amplifies it to ~5e-5 within five steps.
-AUTOCAST_STEP_RTOL = {"cpu": FP32_STEP_RTOL, "cuda": 2e-4}
+# Weights in float32 with an autocast forward: the fused perturbations round like the reference's, so the bf16/fp16
+# forward sees the same weights and the float32 step bound holds. On an H100 (torch 2.11, CUDA 13.0, deterministic
+# cuDNN without TF32) the trajectories of every backend were bitwise equal to the reference's (error 0.0, recorded in
+# the JUnit XML of benchmarks/results/gpu-correctness-h100-2026-11-23/).
+AUTOCAST_STEP_RTOL = FP32_STEP_RTOL
 # Parameters stored in bf16/fp16: a single one-ulp disagreement in one element grows to ~3e-4 (bf16) and ~7e-5
 # (fp16) within five steps of a low-precision model, so the whole-vector bound leaves 3x room for one such flip.
 LOW_PRECISION_STEP_RTOL = {torch.bfloat16: 1e-3, torch.float16: 2e-4}
@@ -24,8 +25,10 @@ def scaled_step(amp, model, xy, *, autocast=None, inject=None, fill=float("inf")
     """One step through SAMScaler; ``inject`` ("first", "second", "both") writes ``fill`` into one gradient of that
     pass after its scaled backward. Returns (first_step's result, report)."""
 
+    device = next(model.parameters()).device.type
+
     def backward(which):
-        with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
+        with torch.autocast(device, dtype=autocast, enabled=autocast is not None):
             loss = loss_fn(model, xy)
         amp.scaler.scale(loss).backward()
         if inject in (which, "both"):
@@ -44,7 +47,7 @@ def base_state(opt) -> list[torch.Tensor]:
 # ------------------------------------------------------------------------------------------ bf16 autocast
 @pytest.mark.parametrize("backend,device", ALL)
 @pytest.mark.parametrize("cls", [SAM, GEARSAM])
-def test_bf16_autocast_needs_nothing_and_matches_reference(backend, device, cls):
+def test_bf16_autocast_needs_nothing_and_matches_reference(backend, device, cls, record_property):
     runs = {}
     for name, dtype in ((backend, torch.bfloat16), ("reference", torch.bfloat16), ("fp32", None)):
         model = tiny_resnet(device=device)
@@ -63,8 +66,9 @@ def test_bf16_autocast_needs_nothing_and_matches_reference(backend, device, cls)
             trajectory.append(flat(model))
         assert all(p.dtype == torch.float32 for p in model.parameters())
         runs[name] = trajectory
-    for ours, ref in zip(runs[backend], runs["reference"]):
-        assert rel_err(ours, ref) <= AUTOCAST_STEP_RTOL[device]
+    errors = [rel_err(ours, ref) for ours, ref in zip(runs[backend], runs["reference"])]
+    record_property("max_step_rel_err", max(errors))  # in the JUnit XML: where AUTOCAST_STEP_RTOL comes from
+    assert max(errors) <= AUTOCAST_STEP_RTOL, errors
     assert rel_err(runs["reference"][-1], runs["fp32"][-1]) > 1e-5  # the bf16 forward really ran (~1e-4 here)
 
 
@@ -73,8 +77,7 @@ def test_bf16_autocast_needs_nothing_and_matches_reference(backend, device, cls)
 @pytest.mark.parametrize("cls", [SAM, GEARSAM])
 def test_scaled_steps_equal_unscaled_steps(backend, device, cls):
     """Power-of-two scales commute exactly with float rounding, so when each pass is unscaled exactly once and the
-    energies see the unscaled gradients, the scaled run is the unscaled run bit for bit (on CPU; CUDA's convolution
-    backward may reorder sums between runs)."""
+    energies see the unscaled gradients, the scaled run is the unscaled run bit for bit."""
     scaled_model, plain_model = tiny_resnet(device=device), tiny_resnet(device=device)
     scaled = cls(scaled_model, torch.optim.SGD, rho=0.05, backend=backend, **SGD_KW)
     plain = cls(plain_model, torch.optim.SGD, rho=0.05, backend=backend, **SGD_KW)
@@ -87,12 +90,8 @@ def test_scaled_steps_equal_unscaled_steps(backend, device, cls):
         sam_step(plain, plain_model, xy)
         assert perturbed and report == amp.last and not report.skipped and report.reason is None
         scales.append(report.scale)
-        if device == "cpu":
-            assert torch.equal(flat(scaled_model), flat(plain_model))
-            assert torch.equal(scaled.block_stats()["energy"], plain.block_stats()["energy"])
-        else:
-            assert rel_err(flat(scaled_model), flat(plain_model)) <= FP32_STEP_RTOL
-            torch.testing.assert_close(scaled.block_stats()["energy"], plain.block_stats()["energy"], rtol=1e-5, atol=0)
+        assert torch.equal(flat(scaled_model), flat(plain_model))
+        assert torch.equal(scaled.block_stats()["energy"], plain.block_stats()["energy"])
     assert scales == [2.0**12, 2.0**12, 2.0**13, 2.0**13, 2.0**14, 2.0**14]  # the scale grew and never leaked in
 
 
@@ -166,7 +165,7 @@ def test_overflow_in_either_pass_cancels_the_step_without_a_trace(backend, devic
         sam_step(twin_opt, twin, xy)
         assert not report.skipped
         assert rel_err(flat(model), flat(twin)) <= FP32_STEP_RTOL
-    assert torch.equal(opt.block_stats()["ema"], twin_opt.block_stats()["ema"]) or device == "cuda"
+    assert torch.equal(opt.block_stats()["ema"], twin_opt.block_stats()["ema"])
 
 
 def test_the_second_pass_may_be_left_out_after_a_first_pass_overflow():
@@ -187,7 +186,7 @@ def test_the_second_pass_may_be_left_out_after_a_first_pass_overflow():
 
 
 @pytest.mark.parametrize("backend,device", ALL)
-def test_fp16_autocast_overflows_are_skipped_until_the_scale_fits(backend, device):
+def test_fp16_autocast_overflows_are_skipped_until_the_scale_fits(backend, device, record_property):
     """Real float16 overflow: a scale of 2**24 overflows the fp16 backward until update() has lowered it enough."""
     runs = {}
     for name in (backend, "reference"):
@@ -207,9 +206,10 @@ def test_fp16_autocast_overflows_are_skipped_until_the_scale_fits(backend, devic
     assert skipped.count(False) >= 8  # and then most steps run
     assert scale == 2.0 ** (24 - skipped.count(True))
     assert skipped == runs["reference"][0]
-    for ours, ref in zip(trajectory, runs["reference"][1]):
-        assert rel_err(ours, ref) <= AUTOCAST_STEP_RTOL[device]
-    assert rel_err(trajectory[-1], flat(tiny_resnet())) > 1e-3  # the unskipped steps really moved
+    errors = [rel_err(ours, ref) for ours, ref in zip(trajectory, runs["reference"][1])]
+    record_property("max_step_rel_err", max(errors))
+    assert max(errors) <= AUTOCAST_STEP_RTOL, errors
+    assert rel_err(trajectory[-1], flat(tiny_resnet(device=device))) > 1e-3  # the unskipped steps really moved
 
 
 def test_a_disabled_scaler_makes_the_plain_step():
@@ -323,17 +323,20 @@ def test_cancel_on_error_needs_a_cancellable_first_step():
 @pytest.mark.parametrize("backend,device", ALL)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("cls", [SAM, GEARSAM])
-def test_low_precision_parameters_match_reference(backend, device, dtype, cls):
+def test_low_precision_parameters_match_reference(backend, device, dtype, cls, record_property):
     models = [tiny_resnet(dtype=dtype, device=device) for _ in range(2)]
     opts = [cls(m, torch.optim.SGD, rho=0.05, backend=b, **SGD_KW) for m, b in zip(models, (backend, "reference"))]
     eps = torch.finfo(dtype).eps
+    errors = []
     for step, xy in enumerate(batches(5, dtype=dtype, device=device)):
         for m, o in zip(models, opts):
             sam_step(o, m, xy)
         if step == 0:  # one step: every element within one unit in the last place of the reference's
             for p, q in zip(*(m.parameters() for m in models)):
                 torch.testing.assert_close(p, q, rtol=eps, atol=eps)
-        assert rel_err(flat(models[0]), flat(models[1])) <= LOW_PRECISION_STEP_RTOL[dtype]
+        errors.append(rel_err(flat(models[0]), flat(models[1])))
+    record_property("max_step_rel_err", max(errors))
+    assert max(errors) <= LOW_PRECISION_STEP_RTOL[dtype], errors
     assert all(p.dtype == dtype for p in models[0].parameters())
     assert rel_err(flat(models[0]), flat(tiny_resnet(dtype=dtype, device=device))) > 1e-3
 
@@ -345,6 +348,11 @@ def test_bf16_parameters_through_the_scaler(backend, device):
     scaled = GEARSAM(scaled_model, torch.optim.SGD, rho=0.05, backend=backend, **SGD_KW)
     plain = GEARSAM(plain_model, torch.optim.SGD, rho=0.05, backend=backend, **SGD_KW)
     scaler = torch.amp.GradScaler(device, init_scale=2.0**14)
+    if not _grad_scaler_unscales_bf16(device):  # torch 2.11 on CUDA: refused up front, naming the parameter
+        with pytest.raises(ValueError, match=r"parameter 'conv1.weight' is torch.bfloat16 on cuda:0, and this torch's "
+                                             r"GradScaler cannot unscale torch.bfloat16 gradients there"):  # fmt: skip
+            SAMScaler(scaled, scaler)
+        return
     amp = SAMScaler(scaled, scaler)
     for xy in batches(4, dtype=torch.bfloat16, device=device):
         _, report = scaled_step(amp, scaled_model, xy)
@@ -353,6 +361,43 @@ def test_bf16_parameters_through_the_scaler(backend, device):
         assert not report.skipped
         tol = 0.0 if device == "cpu" else LOW_PRECISION_STEP_RTOL[torch.bfloat16]
         assert rel_err(flat(scaled_model), flat(plain_model)) <= tol
+
+
+def test_parameters_whose_gradients_torch_cannot_unscale_are_refused_up_front(monkeypatch):
+    """torch 2.11 has no CUDA unscale kernel for bfloat16 gradients; SAMScaler finds out at construction, not in the
+    middle of a step. Simulated on CPU by taking bfloat16 away from torch's unscale operation."""
+    unscale = torch._amp_foreach_non_finite_check_and_unscale_
+
+    def without_bf16(grads, found_inf, inv_scale):
+        if grads[0].dtype == torch.bfloat16:
+            raise NotImplementedError("\"_amp_foreach_non_finite_check_and_unscale_cpu\" not implemented for 'BFloat16'")
+        return unscale(grads, found_inf, inv_scale)
+
+    monkeypatch.setattr(torch, "_amp_foreach_non_finite_check_and_unscale_", without_bf16)
+    _can_unscale.cache_clear()  # the answer is cached per (dtype, device)
+    try:
+        half = GEARSAM(tiny_resnet(dtype=torch.bfloat16), torch.optim.SGD, lr=0.1)
+        with pytest.raises(ValueError, match=r"parameter 'conv1.weight' is torch.bfloat16 on cpu, and this torch's "
+                                             r"GradScaler cannot unscale torch.bfloat16 gradients there; bfloat16 has "
+                                             r"float32's exponent range and needs no loss scaling"):  # fmt: skip
+            SAMScaler(half, torch.amp.GradScaler("cpu"))
+        SAMScaler(half, torch.amp.GradScaler("cpu", enabled=False))  # a disabled scaler unscales nothing
+        SAMScaler(GEARSAM(tiny_resnet(), torch.optim.SGD, lr=0.1), torch.amp.GradScaler("cpu"))  # float32 is fine
+    finally:
+        _can_unscale.cache_clear()
+
+
+def _grad_scaler_unscales_bf16(device: str) -> bool:
+    """Whether torch's own GradScaler.unscale_ takes bfloat16 gradients on ``device``."""
+    p = torch.nn.Parameter(torch.ones(2, dtype=torch.bfloat16, device=device))
+    p.grad = torch.ones_like(p)
+    scaler = torch.amp.GradScaler(device)
+    scaler.scale(p.sum())  # sets up the scale
+    try:
+        scaler.unscale_(torch.optim.SGD([p], lr=0.1))
+    except NotImplementedError:
+        return False
+    return True
 
 
 # ------------------------------------------------------------------------------------------ misuse

@@ -213,7 +213,8 @@ def test_cuda_kernels_per_step_do_not_grow_with_the_number_of_tensors(backend, d
             self.kernels += [e.name for e in self._prof.events() if e.device_type.name == "CUDA"]
 
     few, many = (_steady_state_step(n, backend, "cuda", Profiled()) for n in (6, 600))
-    assert len(few.kernels) == len(many.kernels) and 0 < len(many.kernels) <= 30, many.kernels
+    # the torch backend's step (with the base SGD step) was 34 kernels on an H100 with torch 2.11
+    assert len(few.kernels) == len(many.kernels) and 0 < len(many.kernels) <= 40, many.kernels
 
 
 # ------------------------------------------------------------------------------------------- mixed dtypes
@@ -309,8 +310,10 @@ def test_buffers_longer_than_two_to_the_31_elements(backend, device):
     opt = GEARSAM([big, small], NoStep, partition={"big": [big], "small": [small]}, rho=1.0, backend=backend)
     opt.first_step()
     stats = opt.block_stats()
-    assert stats["energy"].tolist() == [5.0, 7.0]
-    scale = stats["radius"][0].item() / (5**0.5 + 1e-12)
+    # the torch backend squares float32 tile norms, which need not give back 5.0 exactly (see torch_ops.py)
+    torch.testing.assert_close(stats["energy"], torch.tensor([5.0, 7.0], dtype=torch.float64),
+                               rtol=1e-6 if backend == "torch" else 0, atol=0)  # fmt: skip
+    scale = stats["radius"][0].item() / (stats["energy"][0].item() ** 0.5 + 1e-12)
     assert torch.equal(big[-5:].float().cpu(), torch.full((5,), scale).bfloat16().float())
     assert not big[-5 - 4096 : -5].any() and not big[:4096].any()
     opt.second_step()

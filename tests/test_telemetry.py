@@ -101,11 +101,11 @@ def test_rejects_bad_arguments():
             BlockTelemetry(opt, every=every)
 
 
-@pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_no_host_synchronisation_between_flushes_on_cuda():
+@pytest.mark.parametrize("backend,device", [case for case in ALL if case.values[1] == "cuda"])
+@pytest.mark.parametrize("rule", [SAM, GEARSAM])
+def test_no_host_synchronisation_between_flushes_on_cuda(rule, backend, device):
     model = tiny_resnet(device="cuda")
-    opt = GEARSAM(model, torch.optim.SGD, rho=0.05, **SGD_KW)
+    opt = rule(model, torch.optim.SGD, rho=0.05, backend=backend, **SGD_KW)
     telemetry = BlockTelemetry(opt, every=5)
     sam_steps(opt, model, 1, telemetry.record, "cuda")  # warm-up: first launches may synchronise
     torch.cuda.synchronize()

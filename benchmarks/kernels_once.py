@@ -1,0 +1,184 @@
+"""Run every fused kernel once on CUDA, on the sizes that reach the edges of the flat layout: a driver for
+``compute-sanitizer`` (see ``gpu_suite.sh``), which checks each launch for out-of-bounds or misaligned accesses
+(memcheck), shared-memory races (racecheck), reads of memory nothing wrote (initcheck) and misused barriers
+(synccheck).
+
+For the ``triton`` and ``cpp`` backends, every dtype (float32, bfloat16, float16, float64), plain and adaptive, GEAR
+and SAM allocation, it runs one whole step through the backend: block energy (tile partials, then block sums),
+allocation, perturb, restore. The blocks hold parameters of 1, 7 and 4097 elements, an empty block, a block whose
+gradient is all zeros, a parameter without a gradient and one exactly a tile long. The C++ kernels also have a
+scalar variant for buffers that do not allow 16-byte access; it runs on a tile of 7 elements and on buffers that
+start one element past an aligned address. A parameter of 3000 tiles makes every C++ thread block loop over several
+tiles. ``--big`` adds a bfloat16 parameter of 2**31 + 6149 elements, so that
+64-bit offsets are exercised (about 13 GiB of GPU memory).
+
+Each step is checked against the reference backend (energies, radii, the perturbed weights, the exact restore), so
+the script also fails when a kernel computes garbage without touching memory it should not. It prints the CUDA
+kernels it launched (``--list``, without the sanitizer: the profiler and the sanitizer do not mix).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+from torch import nn
+
+from gearsam_fused.backends import BACKENDS, available_backends
+from gearsam_fused.backends.reference import ReferenceBackend
+from gearsam_fused.flat import TILE
+from gearsam_fused.partition import Block
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+# (numel, gradient) per parameter, per block
+BLOCKS = [
+    [(1, "randn"), (7, "randn"), (4097, "randn")],
+    [],  # an empty block
+    [(300, "zeros")],  # a gradient of exact zeros
+    [(2049, None), (33, "randn")],  # a parameter without a gradient
+    [(TILE, "randn")],  # exactly one tile
+]
+ETA = 0.01
+
+
+def make_blocks(dtype: torch.dtype, seed: int) -> list[Block]:
+    g = torch.Generator().manual_seed(seed)
+    blocks = []
+    for b, specs in enumerate(BLOCKS):
+        block = Block(f"block{b}")
+        for i, (n, grad) in enumerate(specs):
+            p = nn.Parameter(torch.randn(n, generator=g).to("cuda", dtype))
+            values = torch.randn(n, generator=g).to("cuda", dtype)
+            p.grad = {"randn": values, "zeros": torch.zeros_like(values), None: None}[grad]
+            block.params.append(p)
+            block.param_names.append(f"block{b}.p{i}")
+        blocks.append(block)
+    return blocks
+
+
+def one_step(backend, rule: str, adaptive: bool):
+    """energy, allocation, perturb; returns (energy, radius) and leaves the parameters perturbed."""
+    energy = backend.block_energy(adaptive, ETA)
+    ema = torch.full_like(energy, 0.5)
+    scale, radius = backend.allocate(rule, energy, ema, rho=0.05, beta=0.9, delta=1e-12)
+    backend.perturb_(scale, adaptive, ETA)
+    return energy, radius
+
+
+def check_backend(name: str, dtype: torch.dtype, rule: str, adaptive: bool) -> None:
+    ours, ref = make_blocks(dtype, seed=1), make_blocks(dtype, seed=1)
+    before = [p.detach().clone() for b in ours for p in b.params]
+    fused, reference = BACKENDS[name](ours, torch.device("cuda")), ReferenceBackend(ref, torch.device("cuda"))
+    energy, radius = one_step(fused, rule, adaptive)
+    ref_energy, ref_radius = one_step(reference, rule, adaptive)
+    where = f"{name} {dtype} {rule} adaptive={adaptive}"
+    torch.testing.assert_close(energy, ref_energy, rtol=1e-6, atol=0, msg=lambda m: f"{where}: energy: {m}")
+    torch.testing.assert_close(radius, ref_radius, rtol=1e-6, atol=0, msg=lambda m: f"{where}: radius: {m}")
+    eps = torch.finfo(dtype).eps
+    for p, q in zip((p for b in ours for p in b.params), (q for b in ref for q in b.params)):
+        torch.testing.assert_close(p, q, rtol=eps, atol=eps, msg=lambda m: f"{where}: perturbed weights: {m}")
+    fused.restore_()
+    assert all(torch.equal(p, w) for p, w in zip((p for b in ours for p in b.params), before)), f"{where}: restore"
+
+
+def check_scalar_cpp_kernels(dtype: torch.dtype, adaptive: bool) -> None:
+    """The C++ kernels' one-element-at-a-time variants: a tile of 7, and buffers one element off alignment."""
+    from gearsam_fused import _C
+
+    for tile, offset in ((7, 0), (TILE, 1)):
+        n_tiles = 3
+        n = n_tiles * tile
+        # one allocation per buffer, sliced past its start, so a wrong offset reads outside it
+        param, grad, backup = (torch.randn(n + offset, device="cuda").to(dtype)[offset:] for _ in range(3))
+        block_tiles = torch.tensor([0, 1, 1, n_tiles], dtype=torch.int64, device="cuda")  # block 1 is empty
+        tile_block = torch.tensor([0, 2, 2], dtype=torch.int32, device="cuda")
+        partials = torch.empty(n_tiles, dtype=torch.float64, device="cuda")
+        energy = _C.block_energy(grad, param, block_tiles, partials, tile=tile, adaptive=adaptive, eta=ETA)
+        t = (param.double().abs() + ETA) if adaptive else torch.ones_like(param, dtype=torch.float64)
+        per_tile = ((t * grad.double()) ** 2).view(n_tiles, tile).sum(1)
+        expected = torch.stack([per_tile[0], per_tile.new_zeros(()), per_tile[1:].sum()])
+        torch.testing.assert_close(energy, expected, rtol=1e-6, atol=0, msg=lambda m: f"scalar energy {dtype}: {m}")
+        scale, _ = _C.allocate(energy, torch.zeros_like(energy), rule="gear", rho=0.05, beta=0.9, delta=1e-12)
+        original = param.clone()
+        _C.perturb_(param, grad, backup, scale, tile_block, tile=tile, adaptive=adaptive, eta=ETA)
+        assert torch.equal(backup, original), f"scalar perturb {dtype}: backup"
+        _C.restore_(param, backup, tile=tile)
+        assert torch.equal(param, original), f"scalar restore {dtype}"
+
+
+def check_many_tiles(name: str) -> None:
+    """More tiles than the C++ kernels launch thread blocks (8 per SM), so each block loops over several tiles and
+    reuses its shared-memory scratch: the case racecheck must see."""
+    g = torch.Generator().manual_seed(2)
+    params = [nn.Parameter(torch.randn(n, generator=g).cuda()) for n in (3000 * TILE + 1, 5)]
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=g).cuda()
+    blocks = [Block("many", [params[0]], ["many"]), Block("few", [params[1]], ["few"])]
+    backend = BACKENDS[name](blocks, torch.device("cuda"))
+    energy, _ = one_step(backend, "gear", adaptive=True)
+    expected = torch.stack([((p.detach().double().abs() + ETA) * p.grad.double()).square().sum() for p in params])
+    torch.testing.assert_close(energy, expected, rtol=1e-6, atol=0, msg=lambda m: f"{name} many tiles: energy: {m}")
+    backend.restore_()
+
+
+def check_big(name: str) -> None:
+    """A bfloat16 buffer past 2**31 elements: the last elements are read and written where they belong."""
+    n = 2**31 + 3 * TILE + 5
+    big = nn.Parameter(torch.zeros(n, dtype=torch.bfloat16, device="cuda"))
+    small = nn.Parameter(torch.ones(7, dtype=torch.bfloat16, device="cuda"))
+    big.grad = torch.zeros_like(big)
+    big.grad[-5:] = 1.0
+    small.grad = torch.ones_like(small)
+    backend = BACKENDS[name]([Block("big", [big], ["big"]), Block("small", [small], ["small"])], torch.device("cuda"))
+    energy, radius = one_step(backend, "gear", adaptive=False)
+    assert energy.tolist() == [5.0, 7.0], energy
+    scale = radius[0].item() / (5**0.5 + 1e-12)
+    assert torch.equal(big[-5:].float(), torch.full((5,), scale, device="cuda").bfloat16().float()), f"{name}: big tail"
+    assert not big[-5 - 2 * TILE : -5].any() and not big[: 2 * TILE].any(), f"{name}: big perturbed outside its tail"
+    backend.restore_()
+    assert not big.any(), f"{name}: big restore"
+    del backend, big, small
+    torch.cuda.empty_cache()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--big", action="store_true", help="also a bfloat16 buffer of more than 2**31 elements")
+    parser.add_argument("--list", action="store_true", help="print the CUDA kernels launched (torch profiler)")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("kernels_once.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    names = [n for n in ("triton", "cpp") if n in available_backends()]
+    if "cpp" in names and not __import__("gearsam_fused._C", fromlist=["_"]).built_with_cuda():
+        names.remove("cpp")
+
+    def run_all():
+        for name in names:
+            for dtype in DTYPES:
+                for adaptive in (False, True):
+                    for rule in ("gear", "sam"):
+                        check_backend(name, dtype, rule, adaptive)
+                    if name == "cpp":
+                        check_scalar_cpp_kernels(dtype, adaptive)
+            check_many_tiles(name)
+            if args.big:
+                check_big(name)
+        torch.cuda.synchronize()
+
+    if args.list:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            run_all()
+        ours = sorted({e.name for e in prof.events() if e.device_type.name == "CUDA"})
+        print("CUDA kernels and copies launched:", *ours, sep="\n  ")
+    else:
+        run_all()
+    print(f"kernels_once: backends {names}, {len(DTYPES)} dtypes, big={args.big}: all checks passed")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
