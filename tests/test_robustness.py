@@ -267,13 +267,16 @@ def test_loading_a_state_of_other_parameters_fails_clearly():
 
 @pytest.mark.parametrize("backend", ["torch", "cpp", "reference"])
 def test_compiled_model_follows_the_eager_trajectory(backend):
-    """torch.compile (inductor) on the model; the optimizer is unchanged. Inductor fuses the model's own arithmetic
-    differently from eager, so the comparison allows float32 rounding growth over the steps, not bitwise."""
+    """torch.compile on the model (dynamo's graph capture and AOT autograd, the layers that see the re-homed
+    parameters); the optimizer is unchanged. The aot_eager backend runs the captured graph with eager kernels: torch
+    2.13.0's inductor CPU code for this model computed a wrong gradient for the stride-2 1x1 shortcut convolution on an
+    AVX2 machine, with no optimizer involved, which is not ours to test. Decomposed operations may round differently
+    from eager, so the comparison allows float32 rounding growth over the steps."""
     runs = []
     for compiled in (False, True):
         torch._dynamo.reset()
         model = tiny_resnet()
-        net = torch.compile(model) if compiled else model
+        net = torch.compile(model, backend="aot_eager") if compiled else model
         opt = GEARSAM(net, torch.optim.SGD, rho=0.05, backend=backend, **SGD_KW)
         if compiled:
             assert opt.block_names == GEARSAM(model, torch.optim.SGD, lr=0.1).block_names
