@@ -4,6 +4,7 @@ from .accumulation import accumulated_step
 from .amp import SAMScaler, ScaledStepReport
 from .backends import available_backends
 from .bn import frozen_bn_stats
+from .flat import compact_state_dict
 from .optim import GEARSAM, SAM
 from .partition import Block, format_partition, partition
 from .telemetry import BlockTelemetry
@@ -12,5 +13,5 @@ __version__ = "0.1.0"
 
 __all__ = [
     "SAM", "GEARSAM", "partition", "Block", "format_partition", "available_backends", "BlockTelemetry", "SAMScaler",
-    "ScaledStepReport", "frozen_bn_stats", "accumulated_step", "__version__",
+    "ScaledStepReport", "frozen_bn_stats", "accumulated_step", "compact_state_dict", "__version__",
 ]  # fmt: skip

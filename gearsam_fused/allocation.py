@@ -36,15 +36,18 @@ def gear_allocate(
 
     Updates ``ema`` in place, then returns ``(scale, radius)``::
 
-        s_b   <- beta * s_b + (1 - beta) * e_b
+        s_b   <- beta * s_b + (1 - beta) * e_b  (kept as it was when e_b is not finite)
         r_b    = rho * s_b / ||s||_2            (all zero when s = 0; the norm is taken of s / max_b s_b)
         scale_b = r_b / (sqrt(e_b) + delta)     so that eps_b = scale_b * g_b
 
-    ``sum_b r_b**2 == rho**2`` whenever ``s != 0`` and ``||eps|| <= rho`` always.
+    and ``r_b = scale_b = 0`` for a block whose energy is not finite: one inf or NaN gradient skips its block for one
+    step instead of entering the EMA, which would zero every later radius. ``sum_b r_b**2 == rho**2`` whenever
+    ``s != 0`` and every energy is finite, and ``||eps|| <= rho`` always.
     """
-    ema.mul_(beta).add_(energy, alpha=1.0 - beta)
-    radius = rho * _unit(ema)
-    scale = radius / (energy.sqrt() + delta)
+    finite = energy.isfinite()
+    ema.copy_(torch.where(finite, (ema * beta).add_(energy, alpha=1.0 - beta), ema))
+    radius = torch.where(finite, rho * _unit(ema), 0.0)
+    scale = torch.where(finite, radius / (energy.sqrt() + delta), 0.0)
     return scale, radius
 
 
@@ -56,10 +59,12 @@ def sam_allocate(energy: torch.Tensor, rho: float, delta: float) -> tuple[torch.
         scale_b  = rho / (sqrt(sum_j e_j) + delta)          the same for every block
         r_b      = rho * sqrt(e_b) / sqrt(sum_j e_j)        (all zero when the gradient is zero)
 
-    ``scale`` is exactly what the common SAM implementation uses, so results match it; ``radius`` is telemetry.
+    and every ``scale_b = r_b = 0`` when the total energy is not finite (no perturbation that step). ``scale`` is
+    exactly what the common SAM implementation uses, so results match it; ``radius`` is telemetry.
     """
     total = energy.sum()
+    finite = total.isfinite()
     norm = total.sqrt()
-    scale = (rho / (norm + delta)).expand_as(energy).clone()
-    radius = rho * _safe_ratio(energy.sqrt(), norm)
+    scale = torch.where(finite, rho / (norm + delta), 0.0).expand_as(energy).clone()
+    radius = torch.where(finite, rho * _safe_ratio(energy.sqrt(), norm), 0.0)
     return scale, radius

@@ -213,4 +213,19 @@ class FlatLayout:
         backup = sum(b.backup.nbytes for b in self.buckets)
         padding = sum(2 * b.padding * b.param.element_size() for b in self.buckets)
         tables = sum(t.nbytes for b in self.buckets for k, t in b.tensors().items() if k not in ("param", "grad", "backup"))
-        return {"backup": backup, "padding": padding, "tables": tables, "total": backup + padding + tables}
+        grad_buffer = sum(b.grad.nbytes for b in self.buckets)
+        return {"backup": backup, "padding": padding, "tables": tables, "total": backup + padding + tables,
+                "grad_buffer": grad_buffer}  # fmt: skip
+
+
+def compact_state_dict(state: dict) -> dict:
+    """``state`` with every tensor copied into memory of its own, for saving part of a model.
+
+    With a fused backend every parameter is a view of its bucket's flat buffer, and ``torch.save`` writes a view's
+    whole underlying buffer: ``torch.save(model.fc.state_dict(), path)`` would store every parameter of the model.
+    ``torch.save(compact_state_dict(model.fc.state_dict()), path)`` stores the head alone. (Saving the whole model
+    needs nothing: the buffer then holds what is saved, once.)"""
+    compact = type(state)((k, v.detach().clone() if isinstance(v, torch.Tensor) else v) for k, v in state.items())
+    if hasattr(state, "_metadata"):  # nn.Module.state_dict's version records, read back by load_state_dict
+        compact._metadata = state._metadata
+    return compact

@@ -16,6 +16,7 @@ Per step, for blocks ``b`` of the partition and ``T = |w| + eta`` when ``adaptiv
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable, Mapping
 
 import torch
@@ -72,20 +73,28 @@ class _SharpnessAware(torch.optim.Optimizer):
         self.base_optimizer = base_optimizer(self.param_groups, **base_kwargs)
         self.param_groups = self.base_optimizer.param_groups
         self.state = self.base_optimizer.state
+        # LR schedulers read defaults (OneCycleLR and CyclicLR look for momentum or betas there): the base's, plus rho
+        self.defaults = {**self.base_optimizer.defaults, "rho": rho}
 
         optimized = [p for group in self.param_groups for p in group["params"]]
-        names = {id(p): n for n, p in unwrap(model).named_parameters()} if model is not None else {}
-        label = lambda i, p: repr(names.get(id(p), f"param{i}"))  # noqa: E731
-        first_index: dict[int, int] = {}
-        for i, p in enumerate(optimized):
-            if id(p) in first_index:  # torch.optim only warns; two flat slots for one tensor would corrupt both
-                raise ValueError(f"parameter {label(first_index[id(p)], p)} (shape {tuple(p.shape)}) is passed twice")
-            first_index[id(p)] = i
-        self.blocks: list[Block] = self._blocks(model, partition, optimized)
+        label = _labeller(self.param_groups, model)
+        seen: set[int] = set()
+        for p in optimized:
+            if id(p) in seen:  # torch.optim only warns; two flat slots for one tensor would corrupt both
+                raise ValueError(f"parameter {label(p)} is passed twice")
+            seen.add(id(p))
+        self.blocks: list[Block] = self._blocks(model, partition, optimized, label)
+        if self._rule == "gear" and len(self.blocks) == 1 and isinstance(partition, str) and partition != "global":
+            warnings.warn(
+                f"partition {partition!r} gives a single block ({self.blocks[0].name!r}), so GEARSAM is plain SAM here; "
+                "pass partition= a finer strategy, a mapping or a callable (`gearsam partition` shows the blocks)",
+                UserWarning,
+                stacklevel=3,
+            )
         in_blocks = {id(p) for b in self.blocks for p in b.params}
         # Frozen at construction, so in no block; if one is unfrozen later, the base optimizer would step it while the
         # SAM step ignores it. Checked in first_step (usually an empty list).
-        self._outside_blocks = [(label(i, p), p) for i, p in enumerate(optimized) if id(p) not in in_blocks]
+        self._outside_blocks = [(label(p), p) for p in optimized if id(p) not in in_blocks]
         device = next(p for b in self.blocks for p in b.params).device
         self.backend_name = resolve_backend_name(backend, {p.device for b in self.blocks for p in b.params})
         self._backend = make_backend(self.backend_name, self.blocks, device)
@@ -99,9 +108,17 @@ class _SharpnessAware(torch.optim.Optimizer):
         self._undo: tuple | None = None  # allocation state of before a cancellable first_step
 
     @staticmethod
-    def _blocks(model: nn.Module | None, strategy, optimized: list[torch.Tensor]) -> list[Block]:
-        """Partition, then keep only what this optimizer updates (a model may have parameters it does not own)."""
-        blocks = make_partition(model, strategy, params=optimized)
+    def _blocks(model: nn.Module | None, strategy, optimized: list[torch.Tensor], label) -> list[Block]:
+        """Partition, then keep only what this optimizer updates (a model may have parameters it does not own) and
+        drop the blocks left empty. Trainable parameters the model does not hold (a temperature, a loss's weights)
+        form a block of their own, ``"other"``, unless the strategy is a mapping, which names every parameter."""
+        trainable = [p for p in optimized if p.requires_grad]
+        in_model = {id(p) for p in model.parameters()} if model is not None else None
+        foreign_to_model = []
+        if in_model is not None and not isinstance(strategy, Mapping):
+            foreign_to_model = [p for p in trainable if id(p) not in in_model]
+            optimized = [p for p in optimized if id(p) in in_model]
+        blocks = make_partition(model, strategy, params=optimized) if any(p.requires_grad for p in optimized) else []
         owned = {id(p) for p in optimized}
         for block in blocks:
             foreign = [n for n, p in zip(block.param_names, block.params) if id(p) not in owned]
@@ -112,7 +129,13 @@ class _SharpnessAware(torch.optim.Optimizer):
             keep = [(n, p) for n, p in zip(block.param_names, block.params) if id(p) in owned]
             block.param_names = [n for n, _ in keep]
             block.params = [p for _, p in keep]
-        if not any(b.params for b in blocks):
+        blocks = [b for b in blocks if b.params]
+        if foreign_to_model:
+            name = "other"
+            while name in {b.name for b in blocks}:
+                name = "_" + name
+            blocks.append(Block(name, foreign_to_model, [label(p, shape=False) for p in foreign_to_model]))
+        if not blocks:
             raise ValueError("empty partition: none of the optimizer's parameters is trainable")
         return blocks
 
@@ -244,12 +267,25 @@ class _SharpnessAware(torch.optim.Optimizer):
     def memory_overhead(self) -> dict[str, int]:
         """Bytes the backend holds beyond the parameters and their gradients: ``backup`` (the saved weights),
         ``padding`` (alignment in the flat buffers), ``tables`` (O(blocks + tiles) indices and partial sums) and
+        ``total``. ``grad_buffer`` is the fused backends' flat gradient buffer: the gradients' own memory while they
+        are its views (``zero_grad(set_to_none=False)``), held in addition to them after ``zero_grad()`` with
+        ``set_to_none=True`` frees the views, since the next ``backward`` allocates fresh gradients; it is not in
         ``total``."""
         return self._backend.memory_overhead()
 
+    def __getstate__(self):
+        # The parameters are views of flat buffers this optimizer owns; a copy would hold buffers that no parameter
+        # uses, and step a model it does not know.
+        raise TypeError(
+            f"{type(self).__name__} cannot be pickled or copied: it owns the memory of the model's parameters. Save "
+            f"opt.state_dict() (and the model's) and load it into a new {type(self).__name__} built on the new model"
+        )
+
     def block_stats(self) -> dict[str, torch.Tensor]:
         """Telemetry of the last ``first_step`` as CPU float64 tensors of shape ``[B]`` (this call synchronises):
-        ``energy`` e_b, ``ema`` the allocation score s_b, ``radius`` rho_b, ``share`` rho_b**2 / rho**2."""
+        ``energy`` e_b, ``ema`` the allocation score s_b, ``radius`` rho_b, ``share`` rho_b**2 / rho**2; and
+        ``non_finite``, how many blocks had a non-finite energy (a 0-d tensor; GEAR-SAM did not perturb those blocks,
+        SAM perturbed nothing)."""
         # copies, also on CPU: the EMA is live optimizer state and must not change under the caller (or by them)
         host = [t.to("cpu", copy=True) for t in (self._energy, self._ema, self._radius)]
         return self.describe_blocks(*host, self._last_rho)
@@ -258,7 +294,8 @@ class _SharpnessAware(torch.optim.Optimizer):
         """The :meth:`block_stats` dict from a step's raw energies, EMA state and radii (recorded elsewhere, e.g. by
         :class:`~gearsam_fused.telemetry.BlockTelemetry`) and its ``rho``."""
         share = radius.square() / rho**2 if rho > 0 else torch.zeros_like(radius)
-        return {"energy": energy, "ema": self._score(energy, ema), "radius": radius, "share": share}
+        non_finite = energy.isfinite().logical_not().sum()
+        return {"energy": energy, "ema": self._score(energy, ema), "radius": radius, "share": share, "non_finite": non_finite}
 
     @staticmethod
     def _score(energy: torch.Tensor, ema: torch.Tensor) -> torch.Tensor:
@@ -311,6 +348,27 @@ class _SharpnessAware(torch.optim.Optimizer):
         self._last_rho = float(ours["last_rho"])
         self._perturbed = False
         self._undo = None
+
+
+def _labeller(param_groups: list[dict], model: nn.Module | None) -> Callable[..., str]:
+    """``label(p)``: how error messages name an optimized parameter: its name in ``model``, else its place in the
+    param groups (with a hint to pass ``model=``); with its shape unless ``shape=False``."""
+    names = {id(p): n for n, p in unwrap(model).named_parameters()} if model is not None else {}
+    places = {}
+    for g, group in enumerate(param_groups):
+        for i, p in enumerate(group["params"]):
+            places.setdefault(id(p), f"param_groups[{g}]['params'][{i}]")
+
+    def label(p: torch.Tensor, shape: bool = True) -> str:
+        name = names.get(id(p))
+        if not shape:
+            return name or places[id(p)]
+        if name is not None:
+            return f"{name!r} (shape {tuple(p.shape)})"
+        hint = "" if model is not None else "; pass model= to name it"
+        return f"{places[id(p)]} (shape {tuple(p.shape)}{hint})"
+
+    return label
 
 
 class SAM(_SharpnessAware):

@@ -14,12 +14,13 @@ mapping       ``{block name: [parameters]}``, taken as given.
 
 How ``"coarse"`` reads a model it has never seen
 ------------------------------------------------
-A child module is *shallow* when all its trainable parameters sit on it or on its direct children (a Linear, a
+A child module is *shallow* when all its parameters sit on it or on its direct children (a Linear, a
 conv+BN pair, a PatchEmbed); otherwise it is *deep* (a residual stage, a transformer block). Walking the root's
 children in registration order:
 
-1. while exactly one deep child exists and it holds more than half the parameters, it is a wrapper: replace it by
-   its own children (a ``Wrapper(model=ResNet)``, a ViT's ``blocks`` list, EfficientNet's ``features``);
+1. while exactly one deep child exists, it holds more than half the parameters and it has a deep child of its own,
+   it is a wrapper: replace it by its own children (a ``Wrapper(model=ResNet)``, a ViT's ``blocks`` list,
+   EfficientNet's ``features``); a unit (a residual unit, a transformer layer) is never opened, even when alone;
 2. every deep child becomes a block, named by its dotted path;
 3. maximal runs of consecutive shallow children merge into one block: the leading run is ``"stem"``, the trailing
    run ``"classifier"``, a run in the middle is named by its members joined with ``"+"``, and a model with no deep
@@ -30,6 +31,9 @@ children in registration order:
 ``"fine"`` then splits every coarse block that is a stage (a container whose parametered children are all
 containers: residual units, transformer blocks) into one block per unit, so ``layer1`` becomes
 ``layer1.0, layer1.1`` while a BasicBlock or a transformer block, which holds layers directly, stays whole.
+
+Both read the structure of the full model, every parameter counted whether trainable or not, and only then drop frozen
+parameters and the blocks left empty: freezing part of a model never merges or renames the blocks of the rest.
 """
 
 from __future__ import annotations
@@ -70,19 +74,18 @@ def _trainable(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
     return out
 
 
-def _has_trainable(module: nn.Module) -> bool:
-    return any(p.requires_grad for p in module.parameters())
+# The structural helpers below ignore requires_grad: blocks follow the architecture, not what happens to be frozen.
+def _has_params(module: nn.Module) -> bool:
+    return next(module.parameters(), None) is not None
 
 
 def _is_deep(module: nn.Module) -> bool:
-    """True when some trainable parameter lies two or more module levels below ``module``."""
-    return any(
-        any(_has_trainable(grandchild) for grandchild in child.children()) for child in module.children()
-    )
+    """True when some parameter lies two or more module levels below ``module``."""
+    return any(any(_has_params(grandchild) for grandchild in child.children()) for child in module.children())
 
 
 def _numel(module: nn.Module) -> int:
-    return sum(p.numel() for p in module.parameters() if p.requires_grad)
+    return sum(p.numel() for p in module.parameters())
 
 
 # A member of the sequence being segmented: (dotted name, module or None, deep?, [(name, param)] when the member
@@ -91,30 +94,31 @@ _Member = tuple[str, "nn.Module | None", bool, list]
 
 
 def _members(prefix: str, module: nn.Module) -> list[_Member]:
-    """Children of ``module`` that hold trainable parameters, direct parameters first."""
+    """Children of ``module`` that hold parameters, direct parameters first."""
     members: list[_Member] = []
-    direct = [p for p in module.parameters(recurse=False) if p.requires_grad]
+    direct = [(prefix + n, p) for n, p in module.named_parameters(recurse=False)]
     if direct:
-        names = [prefix + n for n, p in module.named_parameters(recurse=False) if p.requires_grad]
-        members.append((prefix, None, False, list(zip(names, direct))))
+        members.append((prefix, None, False, direct))
     for name, child in module.named_children():
-        if _has_trainable(child):
+        if _has_params(child):
             members.append((prefix + name, child, _is_deep(child), []))
     return members
 
 
 def _expand_wrappers(members: list[_Member]) -> list[_Member]:
-    """Replace a lone deep member that holds most of the parameters by its own members, repeatedly."""
+    """Replace a lone deep member that holds most of the parameters by its own members, repeatedly; a unit (no deep
+    child) stays whole, else a one-layer transformer or a one-unit stage would dissolve into its layers."""
     while True:
         deep = [i for i, m in enumerate(members) if m[2]]
         if len(deep) != 1:
             return members
         i = deep[0]
-        total = sum(_numel(m[1]) if m[1] is not None else sum(p.numel() for _, p in m[3]) for m in members)
-        if 2 * _numel(members[i][1]) <= total:
-            return members
         name, module, _, _ = members[i]
-        members = members[:i] + _members(name + ".", module) + members[i + 1 :]
+        total = sum(_numel(m[1]) if m[1] is not None else sum(p.numel() for _, p in m[3]) for m in members)
+        inner = _members(name + ".", module)
+        if 2 * _numel(module) <= total or not any(m[2] for m in inner):
+            return members
+        members = members[:i] + inner + members[i + 1 :]
 
 
 def _named_params(member: _Member) -> list[tuple[str, torch.Tensor]]:
@@ -167,7 +171,7 @@ def _segment(members: list[_Member]) -> list[Block]:
         block = Block(name)
         for m in group:
             for pname, p in _named_params(m):
-                if p.requires_grad and id(p) not in seen:
+                if id(p) not in seen:
                     seen.add(id(p))
                     block.params.append(p)
                     block.param_names.append(pname)
@@ -176,25 +180,39 @@ def _segment(members: list[_Member]) -> list[Block]:
     return blocks
 
 
-def _coarse(model: nn.Module) -> list[Block]:
+def _trainable_part(blocks: list[Block]) -> list[Block]:
+    """The blocks cut down to their trainable parameters; a block left empty is dropped, none is merged."""
+    out = []
+    for b in blocks:
+        kept = [(n, p) for n, p in zip(b.param_names, b.params) if p.requires_grad]
+        if kept:
+            out.append(Block(b.name, [p for _, p in kept], [n for n, _ in kept]))
+    return out
+
+
+def _coarse_all(model: nn.Module) -> list[Block]:
     return _segment(_expand_wrappers(_members("", model)))
 
 
+def _coarse(model: nn.Module) -> list[Block]:
+    return _trainable_part(_coarse_all(model))
+
+
 def _is_unit_sequence(module: nn.Module) -> bool:
-    """True for a stage: no trainable parameter of its own, and every child holding parameters is itself a container
+    """True for a stage: no parameter of its own, and every child holding parameters is itself a container
     (a residual unit, a transformer block) rather than a layer such as a Linear or a norm."""
-    children = [c for c in module.children() if _has_trainable(c)]
+    children = [c for c in module.children() if _has_params(c)]
     return (
         len(children) > 1
-        and not any(p.requires_grad for p in module.parameters(recurse=False))
-        and all(any(_has_trainable(g) for g in c.children()) for c in children)
+        and next(module.parameters(recurse=False), None) is None
+        and all(any(_has_params(g) for g in c.children()) for c in children)
     )
 
 
 def _fine(model: nn.Module) -> list[Block]:
     modules = dict(model.named_modules())
     blocks: list[Block] = []
-    for block in _coarse(model):
+    for block in _coarse_all(model):
         module = modules.get(block.name)
         if module is None or not _is_unit_sequence(module):
             blocks.append(block)
@@ -209,7 +227,7 @@ def _fine(model: nn.Module) -> list[Block]:
                     unit.param_names.append(f"{unit.name}.{n}")
             if unit.params:
                 blocks.append(unit)
-    return blocks
+    return _trainable_part(blocks)
 
 
 def _by_callable(model: nn.Module, fn: Callable[[str, torch.Tensor], str]) -> list[Block]:

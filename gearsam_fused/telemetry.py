@@ -10,7 +10,7 @@ import torch
 from .optim import GEARSAM, SAM
 
 #: Fields of every record :class:`BlockTelemetry` emits; each statistic is a list with one value per block.
-RECORD_FIELDS = ("step", "rho", "blocks", "energy", "ema", "radius", "share")
+RECORD_FIELDS = ("step", "rho", "blocks", "energy", "ema", "radius", "share", "non_finite")
 
 
 class BlockTelemetry:
@@ -26,7 +26,9 @@ class BlockTelemetry:
     - ``step``: the optimizer step, numbered from 1 (from ``start + 1`` when a run resumes after ``start`` steps);
     - ``rho``: that step's global radius; ``blocks``: the block names;
     - per block: ``energy`` e_b, ``ema`` the allocation score (GEAR-SAM's EMA s_b; SAM's implicit ``sqrt(e_b)``),
-      ``radius`` rho_b and ``share`` rho_b**2 / rho**2 (all 0 when rho is 0).
+      ``radius`` rho_b and ``share`` rho_b**2 / rho**2 (all 0 when rho is 0);
+    - ``non_finite``: how many blocks had a non-finite energy that step (GEAR-SAM did not perturb them; SAM perturbed
+      nothing that step).
     """
 
     def __init__(self, optimizer, every: int = 25, sink: Callable[[list[dict]], None] | None = None, start: int = 0):

@@ -130,6 +130,7 @@ def _allocation_cases():
         "all-zero": (torch.zeros(4, dtype=torch.float64), torch.zeros(4, dtype=torch.float64)),
         "one-block": (torch.tensor([0.3], dtype=torch.float64), torch.tensor([0.1], dtype=torch.float64)),
         "3000-blocks": (many, torch.rand(3000, generator=g, dtype=torch.float64)),
+        "non-finite": (torch.tensor([4.0, math.inf, 9.0, math.nan], dtype=torch.float64), torch.tensor([1.0, 2.0, 0.5, 3.0], dtype=torch.float64)),
     }
 
 
@@ -147,8 +148,15 @@ def test_allocate_kernel_matches_torch_allocation(backend, device, case, rule):
     torch.testing.assert_close(ema_kernel, ema_torch, rtol=1e-15, atol=0)
     torch.testing.assert_close(radius, expected_radius, rtol=1e-14, atol=0)
     torch.testing.assert_close(scale, expected_scale, rtol=1e-14, atol=0)
-    assert torch.isfinite(scale).all()
-    if ema_kernel.any() if rule == "gear" else energy.any():
+    assert torch.isfinite(scale).all() and torch.isfinite(ema_kernel).all()
+    if not energy.isfinite().all():  # such blocks are skipped: the EMA keeps their score, they get no radius
+        skipped = ~energy.isfinite()
+        assert torch.equal(ema_kernel[skipped], ema[skipped]) and not radius[skipped].any() and not scale[skipped].any()
+        if rule == "sam":  # SAM has one scale: a non-finite total skips the whole step
+            assert not radius.any() and not scale.any()
+        else:
+            assert radius[~skipped].all()
+    elif ema_kernel.any() if rule == "gear" else energy.any():
         assert math.isclose(radius.square().sum().item(), 0.09, rel_tol=1e-13)  # sum_b r_b^2 = rho^2
     else:
         assert not radius.any()

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from conftest import ALL, FP32_STEP_RTOL, SGD_KW, FP64_STEP_RTOL, batches, flat, loss_fn, rel_err, sam_step, tiny_resnet
-from gearsam_fused import GEARSAM, SAM
+from gearsam_fused import GEARSAM, SAM, compact_state_dict, format_partition
 from gearsam_fused.allocation import gear_allocate, sam_allocate
 
 STEPS = 25
@@ -253,11 +253,14 @@ def test_param_groups_dicts_and_module_params():
     opt = GEARSAM(groups, torch.optim.SGD, model=model, rho=0.05, lr=0.01)
     assert opt.block_names == ["stem", "layer1", "layer2", "classifier"]
     assert [g["lr"] for g in opt.param_groups] == [0.1, 0.01]
-    # a model with parameters the optimizer does not own: blocks keep only the owned ones
-    head_only = GEARSAM(model.fc.parameters(), torch.optim.SGD, model=model, lr=0.1)
-    assert [len(b.params) for b in head_only.blocks] == [0, 0, 0, 2]
+    # a model with parameters the optimizer does not own: blocks keep only the owned ones, empty blocks are dropped,
+    # and a single block (GEAR-SAM = SAM) is pointed out
+    with pytest.warns(UserWarning, match=r"partition 'coarse' gives a single block \('classifier'\), so GEARSAM is "
+                                         r"plain SAM here; pass partition= a finer strategy"):  # fmt: skip
+        head_only = GEARSAM(model.fc.parameters(), torch.optim.SGD, model=model, lr=0.1)
+    assert head_only.block_names == ["classifier"] and len(head_only.blocks[0].params) == 2
     sam_step(head_only, model, batches(1)[0])
-    assert head_only.block_stats()["share"][3] == pytest.approx(1.0)
+    assert head_only.block_stats()["share"][0] == pytest.approx(1.0)
 
 
 @pytest.mark.parametrize("backend,device", ALL)
@@ -404,3 +407,101 @@ def test_reference_precision_contract(dtype):
         assert torch.equal(p, (w.to(compute) + g.to(compute) * scale[b]).to(dtype))
     opt.second_step()  # lr = 0: what remains is the restore, which must be exact in every dtype
     assert all(torch.equal(p, w) for p, w in zip(layers.parameters(), weights))
+
+
+# ------------------------------------------------------------------------------------------- what users run into
+SCHEDULERS = {
+    "OneCycleLR": lambda opt: torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=8),
+    "CyclicLR": lambda opt: torch.optim.lr_scheduler.CyclicLR(opt, base_lr=0.01, max_lr=0.1, step_size_up=2),
+    "ReduceLROnPlateau": lambda opt: torch.optim.lr_scheduler.ReduceLROnPlateau(opt, patience=0, factor=0.5),
+    "SequentialLR": lambda opt: torch.optim.lr_scheduler.SequentialLR(
+        opt, [torch.optim.lr_scheduler.LinearLR(opt, 0.1, total_iters=3), torch.optim.lr_scheduler.CosineAnnealingLR(opt, 5)],
+        milestones=[3],
+    ),
+}
+
+
+@pytest.mark.parametrize("scheduler", list(SCHEDULERS))
+@pytest.mark.parametrize("base,kwargs", [(torch.optim.SGD, dict(lr=0.05)), (torch.optim.AdamW, dict(lr=1e-3))],
+                         ids=["SGD-without-momentum", "AdamW"])  # fmt: skip
+def test_schedulers_drive_the_wrapper_as_they_drive_the_base_optimizer(scheduler, base, kwargs):
+    """The wrapper's defaults are the base optimizer's (plus rho): schedulers that cycle momentum find it there."""
+    sequences = []
+    for wrapped in (True, False):
+        model = tiny_resnet()
+        groups = [{"params": model.fc.parameters(), "weight_decay": 0.0}, {"params": list(model.parameters())[:-2]}]
+        opt = GEARSAM(groups, base, model=model, **kwargs) if wrapped else base(groups, **kwargs)
+        sched = SCHEDULERS[scheduler](opt)
+        seen = []
+        for step, xy in enumerate(batches(8)):
+            if wrapped:
+                sam_step(opt, model, xy)
+            else:
+                loss_fn(model, xy).backward()
+                opt.step()
+                opt.zero_grad()
+            sched.step(1.0) if scheduler == "ReduceLROnPlateau" else sched.step()
+            seen.append([(g["lr"], g.get("momentum"), g.get("betas")) for g in opt.param_groups])
+        sequences.append(seen)
+    assert sequences[0] == sequences[1]
+    assert len({tuple(s) for s in sequences[0]}) > 1  # the schedule really moved
+
+
+@pytest.mark.parametrize("cls", [SAM, GEARSAM])
+def test_parameters_outside_the_model_have_a_block_of_their_own(cls):
+    model = tiny_resnet()
+    temperature = nn.Parameter(torch.tensor(1.5))
+    opt = cls([{"params": model.parameters()}, {"params": [temperature], "lr": 0.01}], torch.optim.SGD, model=model,
+              rho=0.05, lr=0.1)  # fmt: skip
+    assert opt.block_names == ["stem", "layer1", "layer2", "classifier", "other"]
+    assert opt.blocks[-1].params == [temperature] and opt.blocks[-1].param_names == ["param_groups[1]['params'][0]"]
+    assert "other" in format_partition(opt.blocks)
+    xy = batches(1)[0]
+    (loss_fn(model, xy) * temperature).backward()
+    before = temperature.detach().clone()
+    opt.first_step(zero_grad=True)
+    assert temperature != before  # perturbed with the rest
+    (loss_fn(model, xy) * temperature).backward()
+    opt.second_step()
+    assert opt.block_stats()["radius"][-1] > 0
+
+
+def test_a_single_gear_block_is_pointed_out():
+    mlp = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    with pytest.warns(UserWarning, match=r"partition 'coarse' gives a single block \('model'\), so GEARSAM is plain "
+                                         r"SAM here; pass partition= a finer strategy.*`gearsam partition`"):  # fmt: skip
+        GEARSAM(mlp, torch.optim.SGD, lr=0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # asked for, or not GEAR-SAM: nothing to point out
+        GEARSAM(mlp, torch.optim.SGD, partition="global", lr=0.1)
+        GEARSAM(mlp, torch.optim.SGD, partition="tensor", lr=0.1)
+        SAM(mlp, torch.optim.SGD, lr=0.1)
+
+
+@pytest.mark.parametrize("copier", [copy.copy, copy.deepcopy, lambda opt: __import__("pickle").dumps(opt)],
+                         ids=["copy", "deepcopy", "pickle"])  # fmt: skip
+def test_copying_or_pickling_refuses_at_once_and_points_to_state_dict(copier):
+    model = tiny_resnet()
+    opt = GEARSAM(model, torch.optim.SGD, lr=0.1)
+    with pytest.raises(TypeError, match=r"GEARSAM cannot be pickled or copied: it owns the memory of the model's "
+                                        r"parameters. Save opt.state_dict\(\)"):  # fmt: skip
+        copier(opt)
+    sam_step(opt, model, batches(1)[0])  # the original is untouched
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpp", "reference"])
+def test_a_saved_head_is_compact(backend):
+    model = tiny_resnet()
+    GEARSAM(model, torch.optim.SGD, backend=backend, lr=0.1)
+    head = model.fc.state_dict()
+    buffer = io.BytesIO()
+    torch.save(compact_state_dict(head), buffer)
+    head_bytes = sum(t.nbytes for t in head.values())
+    assert buffer.tell() < head_bytes + 2048  # the head's own numbers and the file's framing, not the flat buffer
+    buffer.seek(0)
+    loaded = torch.load(buffer)
+    assert list(loaded) == list(head) and all(torch.equal(loaded[k], head[k]) for k in head)
+    assert loaded._metadata == head._metadata
+    fresh = tiny_resnet(seed=3)
+    fresh.fc.load_state_dict(loaded)
+    assert torch.equal(fresh.fc.weight, model.fc.weight)

@@ -120,6 +120,155 @@ def test_plain_mlp_is_one_block():
     mlp = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
     (block,) = partition(mlp, "coarse")
     assert block.name == "model" and block.param_names == ["0.weight", "0.bias", "2.weight", "2.bias"]
+    # a flat model has no unit above its layers: freezing or "fine" keeps the one block
+    mlp[0].requires_grad_(False)
+    for strategy in ("coarse", "fine"):
+        (block,) = partition(mlp, strategy)
+        assert block.name == "model" and block.param_names == ["2.weight", "2.bias"]
+
+
+def trainable_only(prefixes):
+    return lambda name: name.startswith(prefixes)
+
+
+def all_but(prefixes):
+    return lambda name: not name.startswith(prefixes)
+
+
+RESNET_FREEZES = {
+    "layer4+fc": trainable_only(("layer4.", "fc.")),
+    "layer4.1+fc": trainable_only(("layer4.1.", "fc.")),
+    "fc": trainable_only("fc."),
+    "stem frozen": all_but(("conv1.", "bn1.")),
+}
+THREE_STAGE_FREEZES = {
+    "layer3+head": trainable_only(("layer3.", "bn.", "fc.")),
+    "layer3.1+head": trainable_only(("layer3.1.", "bn.", "fc.")),
+    "fc": trainable_only("fc."),
+    "stem frozen": all_but(("conv1.", "bn1.")),
+}
+FREEZES = {
+    "resnet18": RESNET_FREEZES,
+    "tv_resnet18": RESNET_FREEZES,
+    "wrn28_10": THREE_STAGE_FREEZES,
+    "pyramidnet110": THREE_STAGE_FREEZES,
+    "efficientnet_b0": {
+        "last stage+head": trainable_only(("features.7.", "features.8.", "classifier.")),
+        "features.6.1+head": trainable_only(("features.6.1.", "features.8.", "classifier.")),
+        "classifier": trainable_only("classifier."),
+        "stem frozen": all_but("features.0."),
+    },
+    "vit_b16": {
+        "last block+head": trainable_only(("blocks.2.", "norm.", "head.")),
+        "middle block": trainable_only("blocks.1."),
+        "head": trainable_only("head."),
+        "stem frozen": all_but(("patch_embed.", "cls_token", "pos_embed")),
+    },
+}
+
+
+def restricted(blocks):
+    """The blocks cut down to their trainable parameters, empty ones dropped: (name, [(param name, param)])."""
+    out = [(b.name, [(n, p) for n, p in zip(b.param_names, b.params) if p.requires_grad]) for b in blocks]
+    return [(name, kept) for name, kept in out if kept]
+
+
+def freeze(model, trainable):
+    for name, p in model.named_parameters():
+        p.requires_grad_(trainable(name))
+    return model
+
+
+@pytest.mark.parametrize("strategy", ["coarse", "fine"])
+@pytest.mark.parametrize(
+    "model_name,pattern", [(m, f) for m in sorted(FREEZES) for f in FREEZES[m]], ids=lambda v: v.replace(" ", "_")
+)
+def test_frozen_model_partition_is_the_full_partition_restricted(model_name, pattern, strategy):
+    model = TINY[model_name]()
+    full = partition(model, strategy)
+    freeze(model, FREEZES[model_name][pattern])
+    expected = restricted(full)
+    blocks = partition(model, strategy)
+    assert names(blocks) == [name for name, _ in expected]
+    for block, (_, kept) in zip(blocks, expected):
+        assert block.param_names == [n for n, _ in kept]
+        assert all(p is q for p, (_, q) in zip(block.params, kept))
+
+
+@pytest.mark.parametrize(
+    "pattern,coarse,fine",
+    [
+        ("layer4+fc", ["layer4", "classifier"], ["layer4.0", "layer4.1", "classifier"]),
+        ("layer4.1+fc", ["layer4", "classifier"], ["layer4.1", "classifier"]),
+        ("fc", ["classifier"], ["classifier"]),
+        ("stem frozen", ["layer1", "layer2", "layer3", "layer4", "classifier"], None),
+    ],
+)
+def test_frozen_resnet18_keeps_its_blocks(pattern, coarse, fine):
+    model = freeze(resnet18(width=4), RESNET_FREEZES[pattern])
+    assert names(partition(model, "coarse")) == coarse
+    if fine is not None:
+        assert names(partition(model, "fine")) == fine
+    assert partition(model, "coarse")[-1].param_names == ["fc.weight", "fc.bias"]
+
+
+class TinyLM(nn.Module):
+    """Token and position embeddings, an ``nn.TransformerEncoder``, a final norm and an output head."""
+
+    def __init__(self, layers):
+        super().__init__()
+        self.pos = nn.Parameter(torch.zeros(8, 16))
+        self.embed = nn.Embedding(50, 16)
+        layer = nn.TransformerEncoderLayer(16, 2, 32, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(16)
+        self.head = nn.Linear(16, 50)
+
+
+class GPTBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(16)
+        self.attn = nn.MultiheadAttention(16, 2, batch_first=True)
+        self.ln2 = nn.LayerNorm(16)
+        self.mlp = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16))
+
+
+class TinyGPT(nn.Module):
+    def __init__(self, layers=2):
+        super().__init__()
+        self.wte = nn.Embedding(50, 16)
+        self.wpe = nn.Embedding(8, 16)
+        self.h = nn.ModuleList(GPTBlock() for _ in range(layers))
+        self.ln_f = nn.LayerNorm(16)
+        self.lm_head = nn.Linear(16, 50, bias=False)
+
+
+@pytest.mark.parametrize("strategy", ["coarse", "fine"])
+@pytest.mark.parametrize("layers", [1, 2])
+def test_transformer_encoder_lm_keeps_stem_layers_and_head_apart(layers, strategy):
+    blocks = partition(TinyLM(layers), strategy)
+    assert names(blocks) == ["stem"] + [f"encoder.layers.{i}" for i in range(layers)] + ["classifier"]
+    assert blocks[0].param_names == ["pos", "embed.weight"]
+    assert blocks[-1].param_names == ["norm.weight", "norm.bias", "head.weight", "head.bias"]
+
+
+@pytest.mark.parametrize("strategy", ["coarse", "fine"])
+def test_gpt_with_first_layer_frozen_keeps_stem_layer_and_head_apart(strategy):
+    model = TinyGPT()
+    full = partition(model, strategy)
+    assert names(full) == ["stem", "h.0", "h.1", "classifier"]
+    model.h[0].requires_grad_(False)
+    blocks = partition(model, strategy)
+    assert names(blocks) == ["stem", "h.1", "classifier"]
+    assert blocks[0].param_names == ["wte.weight", "wpe.weight"]
+    assert [(b.name, b.param_names) for b in blocks] == [(n, [k for k, _ in kept]) for n, kept in restricted(full)]
+
+
+def test_lone_unit_is_not_opened_up():
+    (layer,) = TinyGPT(layers=1).h
+    model = nn.Sequential(nn.Linear(16, 16), layer, nn.Linear(16, 2))
+    assert names(partition(model, "coarse")) == ["stem", "1", "classifier"]
 
 
 def test_tied_weights_belong_to_their_first_owner():

@@ -2,15 +2,18 @@
 
 GEAR rule (``GEAR=True``)::
 
-    s_b    <- beta * s_b + (1 - beta) * e_b
+    s_b    <- beta * s_b + (1 - beta) * e_b        s_b kept when e_b is not finite
     t_b     = s_b / max_j s_j                       so that squaring neither underflows nor overflows
-    r_b     = rho * (t_b / ||t||_2)                 0 for every b when s = 0
-    scale_b = r_b / (sqrt(e_b) + delta)
+    r_b     = rho * (t_b / ||t||_2)                 0 for every b when s = 0, and 0 when e_b is not finite
+    scale_b = r_b / (sqrt(e_b) + delta)             0 when e_b is not finite
 
 SAM rule (``GEAR=False``), one global scale and the radii it implies::
 
     scale_b = rho / (sqrt(sum_j e_j) + delta)
     r_b     = rho * (sqrt(e_b) / sqrt(sum_j e_j))  0 for every b when e = 0
+    (both 0 for every b when sum_j e_j is not finite)
+
+``x - x == 0`` is the finiteness test: it fails for inf (inf - inf is NaN) and NaN alone.
 
 The program walks the blocks in chunks: for GEAR once for ``max s``, then once for ``||t||`` (for SAM once for
 ``sum e``), and last to write ``s``, ``r`` and ``scale``. The EMA is recomputed in every walk rather than re-read, so
@@ -30,6 +33,12 @@ _CHUNK = 1024
 
 
 @triton.jit
+def _smoothed(e, s, beta):
+    """The EMA's next value, or the current one where the energy is not finite."""
+    return tl.where(e - e == 0, beta * s + (1.0 - beta) * e, s)
+
+
+@triton.jit
 def _allocate_kernel(energy_ptr, ema_ptr, scale_ptr, radius_ptr, n_blocks, rho: tl.float64, beta: tl.float64,
                      delta: tl.float64, GEAR: tl.constexpr, CHUNK: tl.constexpr):  # fmt: skip
     """See the module docstring for the formulas of both rules."""
@@ -40,7 +49,7 @@ def _allocate_kernel(energy_ptr, ema_ptr, scale_ptr, radius_ptr, n_blocks, rho: 
             offsets = start + tl.arange(0, CHUNK)
             mask = offsets < n_blocks
             e = tl.load(energy_ptr + offsets, mask=mask, other=0.0)
-            s = beta * tl.load(ema_ptr + offsets, mask=mask, other=0.0) + (1.0 - beta) * e
+            s = _smoothed(e, tl.load(ema_ptr + offsets, mask=mask, other=0.0), beta)
             largest = tl.maximum(largest, s)
         peak = tl.max(largest, axis=0)
     safe_peak = tl.where(peak > 0, peak, 1.0)
@@ -50,7 +59,7 @@ def _allocate_kernel(energy_ptr, ema_ptr, scale_ptr, radius_ptr, n_blocks, rho: 
         mask = offsets < n_blocks
         e = tl.load(energy_ptr + offsets, mask=mask, other=0.0)
         if GEAR:
-            s = beta * tl.load(ema_ptr + offsets, mask=mask, other=0.0) + (1.0 - beta) * e
+            s = _smoothed(e, tl.load(ema_ptr + offsets, mask=mask, other=0.0), beta)
             t = s / safe_peak
             acc += t * t
         else:
@@ -63,13 +72,15 @@ def _allocate_kernel(energy_ptr, ema_ptr, scale_ptr, radius_ptr, n_blocks, rho: 
         e = tl.load(energy_ptr + offsets, mask=mask, other=0.0)
         root = tl.sqrt(e)
         if GEAR:
-            s = beta * tl.load(ema_ptr + offsets, mask=mask, other=0.0) + (1.0 - beta) * e
+            finite = e - e == 0
+            s = _smoothed(e, tl.load(ema_ptr + offsets, mask=mask, other=0.0), beta)
             tl.store(ema_ptr + offsets, s, mask=mask)
-            radius = tl.where(norm > 0, rho * ((s / safe_peak) / safe_norm), 0.0)
-            scale = radius / (root + delta)
+            radius = tl.where(finite, tl.where(norm > 0, rho * ((s / safe_peak) / safe_norm), 0.0), 0.0)
+            scale = tl.where(finite, radius / (root + delta), 0.0)
         else:
-            radius = tl.where(norm > 0, rho * (root / safe_norm), 0.0)
-            scale = tl.zeros([CHUNK], dtype=tl.float64) + rho / (norm + delta)
+            finite = norm - norm == 0
+            radius = tl.where(finite, tl.where(norm > 0, rho * (root / safe_norm), 0.0), 0.0)
+            scale = tl.zeros([CHUNK], dtype=tl.float64) + tl.where(finite, rho / (norm + delta), 0.0)
         tl.store(radius_ptr + offsets, radius, mask=mask)
         tl.store(scale_ptr + offsets, scale, mask=mask)
 

@@ -1,6 +1,6 @@
 """Perturbation to ``w + eps`` and its exact undoing, over a flat bucket.
 
-    perturb_:  backup_i = w_i;   w_i <- w_i + scale[tile_block[tile(i)]] * T_i^2 * g_i
+    perturb_:  backup_i = w_i;   w_i <- w_i + scale[tile_block[tile(i)]] * T_i^2 * g_i   (w_i kept where scale is 0)
                T_i = |w_i| + eta (ASAM) or 1; arithmetic in float32 (float64 for float64 buffers), rounded once
     restore_:  w_i <- backup_i   (a copy of the stored bits: exact in every dtype)
 
@@ -34,7 +34,8 @@ def _round_to(x, DTYPE: tl.constexpr):
 @triton.jit
 def _perturb_kernel(param_ptr, grad_ptr, backup_ptr, scale_ptr, tile_block_ptr, eta32: tl.float32, eta64: tl.float64,
                     ADAPTIVE: tl.constexpr, TILE: tl.constexpr, COMPUTE: tl.constexpr):  # fmt: skip
-    """backup = w;  w <- w + scale[block] * T^2 * g with T = |w| + eta if ADAPTIVE else 1, in COMPUTE precision."""
+    """backup = w;  w <- w + scale[block] * T^2 * g with T = |w| + eta if ADAPTIVE else 1, in COMPUTE precision;
+    w unchanged when scale[block] is 0."""
     tile = tl.program_id(0).to(tl.int64)
     offsets = tile * TILE + tl.arange(0, TILE)
     scale = tl.load(scale_ptr + tl.load(tile_block_ptr + tile)).to(COMPUTE)
@@ -45,7 +46,8 @@ def _perturb_kernel(param_ptr, grad_ptr, backup_ptr, scale_ptr, tile_block_ptr, 
     if ADAPTIVE:
         t = tl.abs(w) + (eta64 if COMPUTE == tl.float64 else eta32)
         direction = t * t * direction
-    tl.store(param_ptr + offsets, _round_to(w + direction * scale, stored.dtype))
+    # a block skipped this step (scale 0) keeps its bits, even where its gradient is inf or NaN
+    tl.store(param_ptr + offsets, tl.where(scale == 0, stored, _round_to(w + direction * scale, stored.dtype)))
 
 
 @triton.jit

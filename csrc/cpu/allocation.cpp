@@ -2,8 +2,10 @@
 //
 // GEAR rule:  s_b <- beta s_b + (1 - beta) e_b;   t_b = s_b / max_j s_j;   r_b = rho t_b / ||t||_2 (0 when s = 0);
 //             scale_b = r_b / (sqrt(e_b) + delta)
-//             (t keeps the squares of tiny or huge float64 scores from underflowing or overflowing)
-// SAM rule:   scale_b = rho / (sqrt(sum_j e_j) + delta);   r_b = rho sqrt(e_b) / sqrt(sum_j e_j) (0 when e = 0)
+//             (t keeps the squares of tiny or huge float64 scores from underflowing or overflowing); a block whose
+//             e_b is not finite keeps s_b and gets r_b = scale_b = 0 (skipped for this step)
+// SAM rule:   scale_b = rho / (sqrt(sum_j e_j) + delta);   r_b = rho sqrt(e_b) / sqrt(sum_j e_j) (0 when e = 0);
+//             all 0 when sum_j e_j is not finite
 
 #include <algorithm>
 #include <cmath>
@@ -23,7 +25,7 @@ void allocate(const at::Tensor& energy, const at::Tensor& ema, const at::Tensor&
   double peak = 0.0;
   if (gear) {
     for (int64_t b = 0; b < n; ++b) {
-      s[b] = beta * s[b] + (1.0 - beta) * e[b];
+      if (std::isfinite(e[b])) s[b] = beta * s[b] + (1.0 - beta) * e[b];
       peak = std::max(peak, s[b]);
     }
     if (!(peak > 0)) peak = 1.0;  // s = 0: t = 0 and every radius is 0
@@ -37,12 +39,13 @@ void allocate(const at::Tensor& energy, const at::Tensor& ema, const at::Tensor&
   const double norm = std::sqrt(sum);
   for (int64_t b = 0; b < n; ++b) {
     const double root = std::sqrt(e[b]);
+    const bool finite = std::isfinite(gear ? e[b] : norm);
     if (gear) {
-      out_radius[b] = norm > 0 ? rho * ((s[b] / peak) / norm) : 0.0;
-      out_scale[b] = out_radius[b] / (root + delta);
+      out_radius[b] = norm > 0 && finite ? rho * ((s[b] / peak) / norm) : 0.0;
+      out_scale[b] = finite ? out_radius[b] / (root + delta) : 0.0;
     } else {
-      out_radius[b] = norm > 0 ? rho * (root / norm) : 0.0;
-      out_scale[b] = rho / (norm + delta);
+      out_radius[b] = norm > 0 && finite ? rho * (root / norm) : 0.0;
+      out_scale[b] = finite ? rho / (norm + delta) : 0.0;
     }
   }
 }

@@ -1,6 +1,6 @@
 // Perturbation to w + eps and its exact undoing on the CPU.
 //
-//   perturb:  backup_i = w_i;   w_i <- w_i + scale[tile_block[tile(i)]] * T_i^2 * g_i
+//   perturb:  backup_i = w_i;   w_i <- w_i + scale[tile_block[tile(i)]] * T_i^2 * g_i   (w_i kept where scale is 0)
 //             T_i = |w_i| + eta (ASAM) or 1; float32 arithmetic (float64 for float64), one rounding to the stored
 //             dtype (round to nearest even), multiply and add rounded separately (built with -ffp-contract=off)
 //   restore:  w_i <- backup_i   (memcpy)
@@ -34,6 +34,7 @@ void perturb_tiles(const at::Tensor& param, const at::Tensor& grad, const at::Te
   for_each_tile(tile_block.numel(), tile, [&](int64_t t) {
     const compute_t s = static_cast<compute_t>(block_scale[block_of[t]]);
     std::memcpy(saved + t * tile, w + t * tile, tile * sizeof(scalar_t));
+    if (s == 0) return;  // a block skipped this step keeps its bits, even where its gradient is inf or NaN
     for (int64_t i = t * tile; i < (t + 1) * tile; ++i) {
       const compute_t x = static_cast<compute_t>(w[i]);
       compute_t direction = static_cast<compute_t>(g[i]);

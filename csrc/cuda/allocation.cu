@@ -2,8 +2,10 @@
 //
 // GEAR rule:  s_b <- beta s_b + (1 - beta) e_b;   t_b = s_b / max_j s_j;   r_b = rho t_b / ||t||_2 (0 when s = 0);
 //             scale_b = r_b / (sqrt(e_b) + delta)
-//             (t keeps the squares of tiny or huge float64 scores from underflowing or overflowing)
-// SAM rule:   scale_b = rho / (sqrt(sum_j e_j) + delta);   r_b = rho sqrt(e_b) / sqrt(sum_j e_j) (0 when e = 0)
+//             (t keeps the squares of tiny or huge float64 scores from underflowing or overflowing); a block whose
+//             e_b is not finite keeps s_b and gets r_b = scale_b = 0 (skipped for this step)
+// SAM rule:   scale_b = rho / (sqrt(sum_j e_j) + delta);   r_b = rho sqrt(e_b) / sqrt(sum_j e_j) (0 when e = 0);
+//             all 0 when sum_j e_j is not finite
 //
 // Passes over the blocks: for GEAR max s, then ||t|| (for SAM sum e), each a fixed-order block reduction; last s, r
 // and scale. Each thread handles the same blocks in every pass, so the EMA it writes in the last is read by no other
@@ -21,7 +23,10 @@ __global__ void allocate_kernel(const double* __restrict__ energy, double* __res
   __shared__ double scratch[kThreads / kWarp];
   __shared__ double peak_shared;
   __shared__ double norm_shared;
-  auto smoothed = [&](int64_t b) { return add_rn(mul_rn(beta, ema[b]), mul_rn(1.0 - beta, energy[b])); };
+  // the EMA's next value, or the current one where the energy is not finite
+  auto smoothed = [&](int64_t b) {
+    return isfinite(energy[b]) ? add_rn(mul_rn(beta, ema[b]), mul_rn(1.0 - beta, energy[b])) : ema[b];
+  };
   double peak = 1.0;
   if constexpr (Gear) {
     double largest = 0.0;
@@ -47,13 +52,15 @@ __global__ void allocate_kernel(const double* __restrict__ energy, double* __res
   for (int64_t b = threadIdx.x; b < n_blocks; b += kThreads) {
     const double root = sqrt(energy[b]);
     if constexpr (Gear) {
+      const bool finite = isfinite(energy[b]);
       const double s = smoothed(b);
       ema[b] = s;
-      radius[b] = norm > 0 ? rho * ((s / peak) / norm) : 0.0;
-      scale[b] = radius[b] / (root + delta);
+      radius[b] = norm > 0 && finite ? rho * ((s / peak) / norm) : 0.0;
+      scale[b] = finite ? radius[b] / (root + delta) : 0.0;
     } else {
-      radius[b] = norm > 0 ? rho * (root / norm) : 0.0;
-      scale[b] = rho / (norm + delta);
+      const bool finite = isfinite(norm);
+      radius[b] = norm > 0 && finite ? rho * (root / norm) : 0.0;
+      scale[b] = finite ? rho / (norm + delta) : 0.0;
     }
   }
 }

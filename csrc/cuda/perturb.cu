@@ -1,6 +1,6 @@
 // Perturbation to w + eps and its exact undoing on CUDA.
 //
-//   perturb:  backup_i = w_i;   w_i <- w_i + scale[tile_block[tile(i)]] * T_i^2 * g_i
+//   perturb:  backup_i = w_i;   w_i <- w_i + scale[tile_block[tile(i)]] * T_i^2 * g_i   (w_i kept where scale is 0)
 //             T_i = |w_i| + eta (ASAM) or 1; float32 arithmetic (float64 for float64), multiply and add rounded
 //             separately (__fmul_rn / __fadd_rn), one rounding to the stored dtype (round to nearest even)
 //   restore:  w_i <- backup_i   (a device-to-device copy on the current stream)
@@ -38,7 +38,8 @@ __global__ void perturb_kernel(scalar_t* __restrict__ param, const scalar_t* __r
         const compute_t T = add_rn(fabs(x), eta);
         direction = mul_rn(mul_rn(T, T), direction);
       }
-      out.v[k] = static_cast<scalar_t>(add_rn(x, mul_rn(direction, s)));
+      // a block skipped this step (scale 0) keeps its bits, even where its gradient is inf or NaN
+      out.v[k] = s == 0 ? w.v[k] : static_cast<scalar_t>(add_rn(x, mul_rn(direction, s)));
     }
     *reinterpret_cast<pack_t*>(param + i) = out;
   }

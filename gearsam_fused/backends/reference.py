@@ -2,8 +2,8 @@
 
 It is the oracle every fused backend is tested against, so it favours obviousness over speed: energies are
 accumulated in float64 per tensor and per block, the perturbation ``eps = scale_b * T**2 * g`` is formed in the
-compute dtype (float32, or float64 for float64 parameters) and rounded once into the parameter, and the backup is a
-clone per tensor.
+compute dtype (float32, or float64 for float64 parameters) and rounded once into the parameter (a block with
+``scale_b = 0`` is left exactly as it is), and the backup is a clone per tensor.
 """
 
 from __future__ import annotations
@@ -52,7 +52,8 @@ class ReferenceBackend(Backend):
                 direction = g.to(dtype)
                 if adaptive:
                     direction = (w.abs() + eta).square() * direction
-                p.copy_(w + direction * scale[b].to(device=p.device, dtype=dtype))
+                s = scale[b].to(device=p.device, dtype=dtype)
+                p.copy_(torch.where(s == 0, w, w + direction * s))  # a skipped block stays w, even where g is inf
 
     @torch.no_grad()
     def restore_(self) -> None:
@@ -63,4 +64,4 @@ class ReferenceBackend(Backend):
     def memory_overhead(self) -> dict[str, int]:
         # One clone per parameter that has a gradient, held from perturb_ to restore_; bounded by all of them.
         backup = sum(p.nbytes for block in self.blocks for p in block.params)
-        return {"backup": backup, "padding": 0, "tables": 0, "total": backup}
+        return {"backup": backup, "padding": 0, "tables": 0, "total": backup, "grad_buffer": 0}

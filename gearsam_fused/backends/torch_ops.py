@@ -4,7 +4,7 @@ Portable (any device torch runs on) and exact to the same contract as the Triton
 
     partial_t = ||T g||_2^2 over tile t                norm in float32 (float64 for float64), squared in float64
     e_b       = sum_{t in block b} partial_t             torch.segment_reduce over the block's tile range
-    backup    = w;   w <- w + scale[block(i)] * T_i^2 * g_i   in float32 (float64), one addcmul
+    backup    = w;   w <- w + scale[block(i)] * T_i^2 * g_i   in float32 (float64), one addcmul; w where scale is 0
     w         <- backup
 
 with ``T = |w| + eta`` for ASAM and 1 otherwise. The number of operations does not depend on how many tensors the
@@ -49,14 +49,15 @@ class TorchBackend(FusedBackend):
         g = self._tiles(bucket.grad, bucket)
         dtype = compute_dtype(w)
         tile_scale = scale[bucket.tile_block].to(dtype).unsqueeze(1)
+        skipped = tile_scale == 0  # a block skipped this step stays w, even where its gradient is inf or NaN
         if not adaptive and w.dtype == dtype:
-            w.addcmul_(g, tile_scale)
+            torch.where(skipped, w, w.addcmul(g, tile_scale), out=w)
             return
         w_compute = w.to(dtype, copy=True)
         direction = g.to(dtype)
         if adaptive:
             direction = w_compute.abs().add_(eta).square_().mul_(direction)
-        w.copy_(w_compute.addcmul_(direction, tile_scale))
+        w.copy_(torch.where(skipped, w_compute, w_compute.addcmul(direction, tile_scale)))
 
     @torch.no_grad()
     def _bucket_restore(self, bucket: Bucket) -> None:
