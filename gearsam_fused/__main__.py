@@ -6,37 +6,17 @@ import argparse
 import ast
 import dataclasses
 import datetime
-import importlib
 import subprocess
 import sys
 from pathlib import Path
 
-from torch import nn
-
 from .data import DATASETS
+from .demo import demo_config
 from .training import AMP_MODES, OPTIMIZERS, SCHEDULES, RunConfig
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 # What --resume may change in a run: how long and where it runs, never what it computes.
 RESUMABLE = {"epochs", "threads", "device", "checkpoint_every", "telemetry_every"}
-
-
-def _load_model(spec: str) -> nn.Module:
-    from .models import MODELS, get_model
-
-    if spec in MODELS:
-        return get_model(spec)
-    if ":" not in spec:
-        raise ValueError(f"unknown model {spec!r}; use one of {sorted(MODELS)} or package.module:factory")
-    module_name, _, attr = spec.partition(":")
-    try:
-        factory = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
-        raise ValueError(f"cannot load {spec!r}: {exc}") from None
-    model = factory()
-    if not isinstance(model, nn.Module):
-        raise ValueError(f"{spec!r} returned {type(model).__name__}, not an nn.Module")
-    return model
 
 
 def _model_arg(text: str) -> tuple[str, object]:
@@ -49,21 +29,37 @@ def _model_arg(text: str) -> tuple[str, object]:
         return key, value  # a bare word such as act=silu
 
 
-def _training_options(parser: argparse.ArgumentParser) -> None:
-    """Options shared by demo and train; unset ones (None) keep the command's defaults."""
-    add = parser.add_argument
+def _adder(parser: argparse.ArgumentParser, defaults: RunConfig):
+    """``parser.add_argument`` that ends the help with the command's default. Options keep None as their own
+    default, so that only the options given override the defaults (or a resumed run's settings)."""
+
+    def add(flag: str, help: str = "", **kwargs) -> None:
+        value = getattr(defaults, flag[2:].replace("-", "_"), None)
+        if isinstance(value, bool):
+            value = "on" if value else "off"
+        elif isinstance(value, list):
+            value = " ".join(map(str, value))
+        parser.add_argument(flag, help=help + ("" if value is None else f" (default: {value})"), **kwargs)
+
+    return add
+
+
+def _training_options(parser: argparse.ArgumentParser, defaults: RunConfig) -> None:
+    """Options shared by demo and train."""
+    add = _adder(parser, defaults)
     add("--optimizers", nargs="+", choices=OPTIMIZERS, help=f"which of {', '.join(OPTIMIZERS)} to train")
     add("--seeds", type=int, nargs="+", help="one run per optimizer and seed")
-    add("--epochs", type=int)
-    add("--batch-size", type=int)
+    resumable = "; with --resume, the run's new total (see --resume)" if defaults.command == "train" else ""
+    add("--epochs", type=int, help="epochs of each run" + resumable)
+    add("--batch-size", type=int, help="images per step")
     add("--lr", type=float, help="base learning rate (SGD with momentum 0.9)")
-    add("--rho", type=float, help="global SAM radius")
+    add("--rho", type=float, help="global SAM radius, >= 0")
     add("--beta", type=float, help="GEAR-SAM's EMA factor")
     add("--partition", choices=["coarse", "fine", "tensor", "global"], help="GEAR-SAM's blocks")
     add("--backend", help="auto, reference, torch, triton or cpp")
     add("--label-noise", type=float, help="symmetric label noise rate on the training set, e.g. 0.2")
     add("--telemetry-every", type=int, help="read block statistics from the device every N steps")
-    add("--threads", type=int, help="CPU threads for torch")
+    add("--threads", type=int, help="CPU threads for torch (default: torch's choice)")
     add("--out", type=Path, help="run directory (default: runs/COMMAND-TIMESTAMP)")
 
 
@@ -72,40 +68,48 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="train SGD, SAM and GEAR-SAM on scikit-learn's digits and compare")
-    _training_options(demo)
+    _training_options(demo, demo_config())
 
-    train = sub.add_parser("train", help="train an in-repo model on CIFAR-10/100 or synthetic data")
-    _training_options(train)
-    train.add_argument("--model", help="in-repo model name (see `gearsam partition`), default resnet18")
-    train.add_argument("--model-arg", type=_model_arg, action="append", default=[], metavar="KEY=VALUE",
-                       help="keyword for the model factory, e.g. width=16 or 'blocks=(1,1)'; repeatable")  # fmt: skip
-    train.add_argument("--dataset", choices=DATASETS[1:], help="default synthetic")
-    train.add_argument("--data-dir", help="folder holding cifar-10-batches-py/ or cifar-100-python/")
-    train.add_argument("--synthetic-size", type=int, help="training images of --dataset synthetic")
-    train.add_argument("--momentum", type=float)
-    train.add_argument("--weight-decay", type=float)
-    train.add_argument("--schedule", choices=SCHEDULES, help="learning rate schedule over all steps")
-    train.add_argument("--adaptive", action="store_const", const=True, help="ASAM scaling |w| + eta")
-    train.add_argument("--device", help="cpu, cuda or cuda:N")
-    train.add_argument("--amp", choices=AMP_MODES, help="bf16: forward and loss under bfloat16 autocast")
-    train.add_argument("--channels-last", action="store_const", const=True, help="channels_last model and inputs")
-    train.add_argument("--checkpoint-every", type=int, help="save a checkpoint every N epochs (and at the end)")
-    train.add_argument("--resume", type=Path, metavar="RUN_DIR", help="continue the runs of RUN_DIR from their checkpoints")
+    train = sub.add_parser("train", help="train a model on CIFAR-10/100 or synthetic data")
+    _training_options(train, RunConfig())
+    add = _adder(train, RunConfig())
+    add("--model", help="in-repo model name (see `gearsam partition`) or package.module:factory; a factory taking "
+        "num_classes (or in_channels) gets the dataset's")  # fmt: skip
+    add("--model-arg", type=_model_arg, action="append", default=[], metavar="KEY=VALUE",
+        help="keyword for the model factory, e.g. width=16 or 'blocks=(1,1)'; repeatable")
+    add("--dataset", choices=DATASETS[1:], help="training data")
+    add("--data-dir", help="folder holding cifar-10-batches-py/ or cifar-100-python/")
+    add("--synthetic-size", type=int, help="training images of --dataset synthetic")
+    add("--momentum", type=float, help="SGD momentum")
+    add("--weight-decay", type=float, help="SGD weight decay")
+    add("--schedule", choices=SCHEDULES, help="learning rate schedule over all steps")
+    add("--adaptive", action="store_const", const=True, help="ASAM scaling |w| + eta")
+    add("--device", help="cpu, cuda or cuda:N")
+    add("--amp", choices=AMP_MODES, help="bf16: forward and loss under bfloat16 autocast")
+    add("--channels-last", action="store_const", const=True, help="channels_last model and inputs; CUDA only")
+    add("--checkpoint-every", type=int, help="save a checkpoint every N epochs and at the end; 0: never")
+    add("--resume", type=Path, metavar="RUN_DIR",
+        help="continue the runs of RUN_DIR from their checkpoints; a larger --epochs extends them, and a cosine "
+        "schedule then goes on from the lr reached down to 0 at the new last step, never jumping back up (a "
+        "finished cosine run, already at lr 0, cannot be extended)")  # fmt: skip
 
     part = sub.add_parser("partition", help="print the block table of a model for each strategy")
-    part.add_argument("model", help="an in-repo model name or package.module:factory")
-    part.add_argument("--strategy", nargs="+", default=["coarse", "fine"], choices=["coarse", "fine", "tensor", "global"])
+    part.add_argument("model", help="an in-repo model name or package.module:factory (called without arguments)")
+    part.add_argument("--strategy", nargs="+", default=["coarse", "fine"], choices=["coarse", "fine", "tensor", "global"],
+                      help="one table per strategy (default: coarse fine)")  # fmt: skip
 
     plot = sub.add_parser("plot", help="render the plots of a run directory")
     plot.add_argument("run_dir", type=Path)
 
     bench = sub.add_parser("bench", help="run the benchmark suite (quick mode unless --full)")
-    bench.add_argument("--full", action="store_true", help="the full suite (CPU: about 15 minutes on 2 cores)")
+    bench.add_argument("--full", action="store_true", help="the full suite (CPU: about 15 minutes on 2 cores) "
+                       "instead of the quick one")  # fmt: skip
     bench.add_argument("--results", help="JSONL file to append the rows to (default benchmarks/results/runs.jsonl)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    sys.stdout.reconfigure(line_buffering=True)  # a log file or CI sees each line as it is printed, not at the end
     args = build_parser().parse_args(argv)
     try:
         return _run(args)
@@ -116,8 +120,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def _config(args: argparse.Namespace) -> tuple[RunConfig, Path, bool]:
     """The run's settings: the command's defaults, then (or a resumed run's config.json, then) the options given."""
-    from .demo import demo_config
-
     given = {f.name: getattr(args, f.name) for f in dataclasses.fields(RunConfig) if getattr(args, f.name, None) is not None}
     if getattr(args, "model_arg", None):
         given["model_args"] = dict(args.model_arg)
@@ -145,8 +147,9 @@ def _run(args: argparse.Namespace) -> int:
         run_experiment(cfg, run_dir, resume=resume)
     elif args.command == "partition":
         from .partition import format_partition, partition
+        from .training import call_factory
 
-        model = _load_model(args.model)
+        model = call_factory(args.model)
         for strategy in args.strategy:
             print(f"[{args.model}: {strategy}]")
             print(format_partition(partition(model, strategy)))

@@ -1,6 +1,7 @@
 """Plots of a run directory (``gearsam plot RUN_DIR``), drawn from its ``metrics.jsonl`` alone.
 
-- ``curves.png``: train and test loss and accuracy per epoch, each optimizer's mean over seeds with its min-max band;
+- ``curves.png``: train and test loss and accuracy (%) per epoch, each optimizer's mean over seeds with its min-max
+  band;
 - ``block_shares.png``: per-block budget share rho_b**2 / rho**2 over training (mean over seeds), one panel per
   sharpness-aware optimizer: SAM's implicit allocation next to GEAR-SAM's, the paper's block-dynamics figure.
 """
@@ -19,8 +20,8 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 from .training import read_metrics
 
 _TITLES = {"sgd": "SGD", "sam": "SAM", "gear-sam": "GEAR-SAM"}
-_CURVES = (("train_loss", "train loss"), ("test_loss", "test loss"), ("train_acc", "train accuracy"),
-           ("test_acc", "test accuracy"))  # fmt: skip
+_CURVES = (("train_loss", "train loss"), ("test_loss", "test loss"), ("train_acc", "train accuracy (%)"),
+           ("test_acc", "test accuracy (%)"))  # fmt: skip
 
 
 def render(run_dir: str | Path) -> list[Path]:
@@ -33,11 +34,16 @@ def render(run_dir: str | Path) -> list[Path]:
     epochs = [r for r in rows if r["kind"] == "epoch"]
     if not epochs:
         raise ValueError(f"{source} has no epoch rows yet: nothing to plot")
-    written = [_plot_curves(epochs, run_dir / "curves.png")]
+    written = [_save(curves_figure(epochs), run_dir / "curves.png")]
     blocks = [r for r in rows if r["kind"] == "blocks"]
     if blocks:
-        written.append(_plot_block_shares(blocks, run_dir / "block_shares.png"))
+        written.append(_save(block_shares_figure(blocks), run_dir / "block_shares.png"))
     return written
+
+
+def _save(fig: Figure, path: Path) -> Path:
+    fig.savefig(path, dpi=110)
+    return path
 
 
 def _by_optimizer(rows: list[dict]) -> dict[str, list[dict]]:
@@ -47,32 +53,42 @@ def _by_optimizer(rows: list[dict]) -> dict[str, list[dict]]:
     return grouped
 
 
-def _plot_curves(rows: list[dict], path: Path) -> Path:
+def curves_figure(rows: list[dict]) -> Figure:
+    """Loss and accuracy (%) over epochs. Losses start at 0 and accuracies span 0-100%, so a short or flat run is not
+    blown up into noise; the epoch axis reaches one epoch past either end, so a single epoch still reads as a point
+    in a plot."""
     fig = Figure(figsize=(10, 7), layout="constrained")
     axes = fig.subplots(2, 2, sharex=True).ravel()
+    epochs = {row["epoch"] for row in rows}
     for name, runs in _by_optimizer(rows).items():
         per_epoch = defaultdict(list)
         for row in runs:
             per_epoch[row["epoch"]].append(row)
         x = sorted(per_epoch)
         for ax, (key, _) in zip(axes, _CURVES):
-            values = [[r[key] for r in per_epoch[e]] for e in x]
+            scale = 100.0 if key.endswith("_acc") else 1.0
+            values = [[scale * r[key] for r in per_epoch[e]] for e in x]
             mean = [sum(v) / len(v) for v in values]
-            (line,) = ax.plot(x, mean, marker="o", markersize=3, label=_TITLES.get(name, name))
+            (line,) = ax.plot(x, mean, marker="o", markersize=3 if len(x) > 5 else 6, label=_TITLES.get(name, name))
             ax.fill_between(x, [min(v) for v in values], [max(v) for v in values], color=line.get_color(), alpha=0.2)
-    for ax, (_, label) in zip(axes, _CURVES):
+    for ax, (key, label) in zip(axes, _CURVES):
         ax.set_title(label)
         ax.grid(alpha=0.3)
+        if key.endswith("_acc"):
+            ax.set_ylim(0, 100)
+        else:
+            ax.set_ylim(bottom=0, top=max(ax.get_ylim()[1], 1e-3))
+    axes[0].set_xlim(min(epochs) - 1, max(epochs) + 1)
     for ax in axes[2:]:
         ax.set_xlabel("epoch")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     axes[0].legend()
     fig.suptitle("mean over seeds (band: min to max)")
-    fig.savefig(path, dpi=110)
-    return path
+    return fig
 
 
-def _plot_block_shares(rows: list[dict], path: Path) -> Path:
+def block_shares_figure(rows: list[dict]) -> Figure:
+    """Per-block budget shares over steps, one stacked panel per sharpness-aware optimizer."""
     grouped = _by_optimizer(rows)
     names = [n for n in ("sam", "gear-sam") if n in grouped] + sorted(set(grouped) - {"sam", "gear-sam"})
     fig = Figure(figsize=(5.5 * len(names), 4.2), layout="constrained")
@@ -88,11 +104,11 @@ def _plot_block_shares(rows: list[dict], path: Path) -> Path:
         ax.stackplot(steps, shares, labels=blocks, alpha=0.85)
         ax.set_title(f"{_TITLES.get(name, name)}" + (" (implicit allocation)" if name == "sam" else ""))
         ax.set_xlabel("step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         if len(steps) > 1:
             ax.set_xlim(steps[0], steps[-1])
         ax.set_ylim(0, 1)
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("budget share  rho_b² / rho²")
     axes[-1].legend(loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize="small", title="block")
-    fig.savefig(path, dpi=110)
-    return path
+    return fig

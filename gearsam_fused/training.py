@@ -18,11 +18,15 @@ measured with CUDA events on a GPU.
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import inspect
 import json
 import math
+import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,10 +34,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ._checks import check_real
+from .backends import resolve_backend_name
 from .bn import frozen_bn_stats
 from .data import DATASETS, Dataset, add_symmetric_noise, crop_and_flip, load_dataset
 from .machine import describe_machine
-from .models import MODELS, ResNet, get_model
+from .models import MODELS, ResNet
 from .optim import GEARSAM, SAM
 from .telemetry import BlockTelemetry
 
@@ -92,9 +98,14 @@ class RunConfig:
             raise ValueError(f"checkpoint_every must be >= 0 (0: never), got {self.checkpoint_every}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be at least 1, got {self.threads}")
-        if self.model not in MODELS and self.model != "digits_resnet":
-            raise ValueError(f"unknown model {self.model!r}; expected one of {sorted(MODELS)}")
-        resolve_device(self.device)
+        check_real("rho", self.rho, low=0.0)
+        if self.model != "digits_resnet":
+            load_factory(self.model)
+        device = resolve_device(self.device)
+        if self.channels_last and device.type == "cpu":
+            # torch's CPU channels_last convolutions can corrupt the heap (stride-2 1x1 convolutions abort the process)
+            raise ValueError("--channels-last is for CUDA devices; drop it on CPU")
+        resolve_backend_name(self.backend, {device})
         return self
 
     @classmethod
@@ -118,13 +129,55 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
+def load_factory(spec: str) -> Callable[..., nn.Module]:
+    """An in-repo model name or ``package.module:factory``, imported as under ``python -m``: the current directory
+    comes first on the import path (the ``gearsam`` script alone would not put it there)."""
+    if spec in MODELS:
+        return MODELS[spec]
+    if ":" not in spec:
+        raise ValueError(f"unknown model {spec!r}; use one of {sorted(MODELS)} or package.module:factory")
+    module_name, _, attr = spec.partition(":")
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        return getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"cannot load {spec!r}: {exc}") from None
+
+
+def call_factory(spec: str, **kwargs) -> nn.Module:
+    """``spec``'s model built with ``kwargs``; a call that fails on its arguments is a ValueError naming them."""
+    try:
+        model = load_factory(spec)(**kwargs)
+    except TypeError as exc:
+        raise ValueError(f"cannot build {spec!r} with {kwargs}: {exc}") from None
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"{spec!r} returned {type(model).__name__}, not an nn.Module")
+    return model
+
+
 def build_model(cfg: RunConfig, data: Dataset) -> nn.Module:
     args = dict(cfg.model_args)
     if data.in_channels != 3:
         args.setdefault("in_channels", data.in_channels)
     if cfg.model == "digits_resnet":  # the demo's network: three stages, sized for 8x8 inputs
         return ResNet(blocks=(1, 1, 1), width=args.pop("width", 16), num_classes=data.num_classes, **args)
-    return get_model(cfg.model, num_classes=data.num_classes, **args)
+    args.setdefault("num_classes", data.num_classes)
+    if cfg.model not in MODELS:  # a user's factory gets the dataset's shape only where it asks for it
+        params = inspect.signature(load_factory(cfg.model)).parameters
+        takes_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
+        args = {k: v for k, v in args.items() if k in cfg.model_args or k in params or takes_any}
+    return call_factory(cfg.model, **args)
+
+
+def check_model(cfg: RunConfig, data: Dataset) -> None:
+    """Build the model once on the meta device (no memory, no compute), so bad ``model_args`` fail before a run
+    directory is written."""
+    try:
+        with torch.device("meta"):
+            build_model(cfg, data)
+    except (TypeError, RuntimeError) as exc:
+        raise ValueError(f"cannot build {cfg.model!r} with {cfg.model_args}: {exc}") from None
 
 
 def make_optimizer(name: str, model: nn.Module, cfg: RunConfig):
@@ -173,7 +226,8 @@ class Stopwatch:
 
 
 class Progress:
-    """A one-line progress bar on a terminal (``stream`` must be a tty); silent otherwise, so logs stay clean."""
+    """A one-line progress bar on a terminal; elsewhere (CI logs, nohup) one line per status, i.e. per epoch, so
+    logs show a long run advancing without filling up with redraws."""
 
     def __init__(self, label: str, total: int, stream=None, width: int = 24):
         self.stream = stream if stream is not None else sys.stderr
@@ -187,6 +241,9 @@ class Progress:
         if status is not None:
             self.status = status
         now = time.perf_counter()
+        if not self.enabled and status is not None:
+            self.stream.write(f"{self.label}: {status} ({now - self._start:.1f}s)\n")
+            self.stream.flush()
         if self.enabled and (now - self._shown > 0.1 or self.done >= self.total or status is not None):
             self._shown = now
             filled = self.width * self.done // max(self.total, 1)
@@ -263,9 +320,12 @@ def run_experiment(cfg: RunConfig, run_dir: Path, *, resume: bool = False, log=p
     cfg.validate()
     device = resolve_device(cfg.device)
     data = load_dataset(cfg.dataset, cfg.data_dir, cfg.synthetic_size)
+    check_model(cfg, data)
+    run_dir = Path(run_dir)
+    if resume:
+        _check_extension(cfg, run_dir)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2) + "\n")
     metrics = MetricsLog(run_dir / "metrics.jsonl")
@@ -306,6 +366,33 @@ def run_experiment(cfg: RunConfig, run_dir: Path, *, resume: bool = False, log=p
     return results
 
 
+def _check_extension(cfg: RunConfig, run_dir: Path) -> None:
+    """Refuse more epochs for a finished cosine run: its lr has reached 0, and every added step would stay there."""
+    if cfg.schedule != "cosine" or cfg.epochs <= RunConfig.load(run_dir / "config.json").epochs:
+        return
+    log = MetricsLog(run_dir / "metrics.jsonl")
+    finished = [(r["optimizer"], r["seed"]) for r in log.rows() if r["kind"] == "result"]
+    if any((run_dir / "checkpoints" / f"{name}-seed{seed}.pt").exists() for name, seed in finished):
+        raise ValueError(f"the cosine schedule of {run_dir} has ended at lr 0, so more --epochs would not train; "
+                         "start a new run")  # fmt: skip
+
+
+def cosine_factor(step: int, start: int, phase: float, total: int) -> float:
+    """The cosine schedule's lr factor at ``step``: half a cosine whose phase runs linearly from ``phase`` at step
+    ``start`` to 1 (lr 0) at step ``total``; a fresh run has ``start = phase = 0``."""
+    return 0.5 * (1 + math.cos(math.pi * (phase + (1 - phase) * (step - start) / (total - start))))
+
+
+def stretch_cosine(cosine: dict, step: int, total: int) -> dict:
+    """The cosine of a run resumed at ``step`` with ``total`` steps in all: unchanged for the same total (so resuming
+    is exact); otherwise it continues from the phase reached, its rest stretched (or squeezed) to end at ``total``,
+    so the lr never jumps."""
+    if cosine["total"] == total or step >= total:
+        return cosine
+    phase = cosine["phase"] + (1 - cosine["phase"]) * (step - cosine["start"]) / (cosine["total"] - cosine["start"])
+    return {"start": step, "phase": phase, "total": total}
+
+
 def _train_one(cfg, name, seed, data, device, metrics, run_dir, resume, stream) -> dict:
     x_train, y_train = data.train
     if cfg.label_noise:
@@ -318,9 +405,9 @@ def _train_one(cfg, name, seed, data, device, metrics, run_dir, resume, stream) 
         model = model.to(memory_format=torch.channels_last)
     opt = make_optimizer(name, model, cfg)
     steps_per_epoch = math.ceil(len(y_train) / cfg.batch_size)
-    total_steps = steps_per_epoch * cfg.epochs
+    cosine = {"start": 0, "phase": 0.0, "total": steps_per_epoch * cfg.epochs}
     scheduler = torch.optim.lr_scheduler.LambdaLR(
-        opt, (lambda s: 0.5 * (1 + math.cos(math.pi * s / total_steps))) if cfg.schedule == "cosine" else (lambda s: 1.0)
+        opt, (lambda s: cosine_factor(s, **cosine)) if cfg.schedule == "cosine" else (lambda s: 1.0)
     )
     checkpoint = run_dir / "checkpoints" / f"{name}-seed{seed}.pt"
     epoch = step = 0
@@ -332,6 +419,8 @@ def _train_one(cfg, name, seed, data, device, metrics, run_dir, resume, stream) 
             opt.load_state_dict(saved["optimizer"])
             scheduler.load_state_dict(saved["scheduler"])
             epoch, step, seconds, sam_seconds = saved["epoch"], saved["step"], saved["seconds"], saved["sam_seconds"]
+            fresh = {"start": 0, "phase": 0.0, "total": steps_per_epoch * saved["config"]["epochs"]}
+            cosine.update(stretch_cosine(saved.get("cosine", fresh), step, cosine["total"]))
         metrics.forget_after(name, seed, step)
 
     sam_like = name != "sgd"
@@ -396,7 +485,7 @@ def _train_one(cfg, name, seed, data, device, metrics, run_dir, resume, stream) 
             _save_checkpoint(checkpoint, {
                 "epoch": epoch, "step": step, "seconds": seconds, "sam_seconds": sam_seconds,
                 "model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": scheduler.state_dict(),
-                "config": dataclasses.asdict(cfg),
+                "cosine": dict(cosine), "config": dataclasses.asdict(cfg),
             })  # fmt: skip
     progress.close()
     test_loss, test_acc = (t.item() for t in evaluate(model, x_test, y_test, cfg))

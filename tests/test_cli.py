@@ -13,8 +13,9 @@ import torch
 from PIL import Image
 
 from gearsam_fused.data import add_symmetric_noise, crop_and_flip, load_digits_split
+from gearsam_fused.plots import block_shares_figure, curves_figure
 from gearsam_fused.telemetry import RECORD_FIELDS
-from gearsam_fused.training import METRIC_KINDS, Progress, RunConfig
+from gearsam_fused.training import METRIC_KINDS, Progress, RunConfig, cosine_factor, run_experiment, stretch_cosine
 
 EPOCH_FIELDS = {"kind", "optimizer", "seed", "epoch", "step", "lr", "train_loss", "train_acc", "test_loss", "test_acc",
                 "seconds", "sam_seconds"}  # fmt: skip
@@ -23,10 +24,21 @@ TIMES = {"seconds", "sam_seconds"}  # the only fields that differ between two ru
 # A small CIFAR-style network: trains in well under a second per epoch on 64 synthetic images.
 TINY_TRAIN = ["--model-arg", "width=4", "--model-arg", "blocks=(1,1)", "--synthetic-size", "64", "--batch-size", "16",
               "--threads", "1"]  # fmt: skip
+# A user's models module, for package.module:factory.
+MYMODELS = """
+from torch import nn
+
+def tiny(num_classes, width=4):
+    return nn.Sequential(nn.Conv2d(3, width, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(width, num_classes))
+
+def fixed():
+    return tiny(10)
+"""
 
 
-def gearsam(*args, cwd=None) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "gearsam_fused", *map(str, args)]
+def gearsam(*args, cwd=None, script=False) -> subprocess.CompletedProcess:
+    """``script``: as the installed ``gearsam`` script runs, without the current directory on the import path."""
+    command = [sys.executable, *(["-P"] if script else []), "-m", "gearsam_fused", *map(str, args)]
     return subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=cwd)
 
 
@@ -161,12 +173,78 @@ def test_train_resume_refuses_to_change_what_it_computes(tmp_path):
 
 
 def test_train_bf16_autocast_channels_last_and_cosine_schedule(tmp_path):
-    args = ["--optimizers", "sam", "--amp", "bf16", "--channels-last", "--schedule", "cosine", "--epochs", 2]
+    args = ["--optimizers", "sam", "--amp", "bf16", "--schedule", "cosine", "--epochs", 2]
+    if torch.cuda.is_available():
+        args += ["--device", "cuda", "--channels-last"]
     ok(gearsam("train", *TINY_TRAIN, *args, "--out", tmp_path))
     epochs = [r for r in metrics(tmp_path) if r["kind"] == "epoch"]
     assert [r["epoch"] for r in epochs] == [1, 2]
     assert epochs[0]["lr"] == pytest.approx(0.1 * 0.5 * (1 + math.cos(math.pi / 2)))  # half way down the cosine
     assert epochs[1]["lr"] == pytest.approx(0.0, abs=1e-12) and all(math.isfinite(r["train_loss"]) for r in epochs)
+
+
+def test_train_refuses_channels_last_on_cpu(tmp_path):
+    # torch's CPU channels_last convolutions abort this very run with "free(): invalid next size"
+    failed(gearsam("train", *TINY_TRAIN, "--channels-last", "--out", tmp_path / "r"),
+           "--channels-last is for CUDA devices; drop it on CPU")  # fmt: skip
+    assert not (tmp_path / "r").exists()
+
+
+class RunCrashed(Exception):
+    pass
+
+
+class CrashingLog:
+    """A log stream (not a terminal) that raises at the run's tenth epoch line: a run that dies part way, at the
+    same point every time. The line comes after that epoch's metrics and before its checkpoint."""
+
+    def __init__(self, epochs: int):
+        self.epochs, self.lines = epochs, 0
+
+    def write(self, text: str) -> None:
+        self.lines += text.count("\n")
+        if self.lines >= self.epochs:
+            raise RunCrashed
+
+    def flush(self) -> None:
+        pass
+
+    def isatty(self) -> bool:
+        return False
+
+
+def test_train_resumed_with_more_epochs_continues_the_cosine_down(tmp_path):
+    cfg = RunConfig(model_args={"width": 4, "blocks": (1, 1)}, synthetic_size=64, batch_size=16,
+                    optimizers=["sgd"], schedule="cosine", checkpoint_every=1, epochs=20)  # fmt: skip
+    with pytest.raises(RunCrashed):
+        run_experiment(cfg, tmp_path, log=lambda *_: None, stream=CrashingLog(10))
+    stopped = torch.load(tmp_path / "checkpoints" / "sgd-seed0.pt", weights_only=False)["epoch"]
+    # late enough that the old schedule, stretched over 30 epochs from step 0, would put the lr back up
+    assert stopped == 9
+    ok(gearsam("train", "--resume", tmp_path, "--epochs", 30, "--threads", 1))
+    lrs = [r["lr"] for r in sorted((r for r in metrics(tmp_path) if r["kind"] == "epoch"), key=lambda r: r["epoch"])]
+    assert len(lrs) == 30 and lrs[stopped - 1] == pytest.approx(0.1 * 0.5 * (1 + math.cos(math.pi * stopped / 20)))
+    assert all(later < earlier for earlier, later in zip(lrs, lrs[1:-1])) and lrs[-1] == pytest.approx(0.0, abs=1e-12)
+    assert lrs[stopped] > 0.1 * 0.5 * (1 + math.cos(math.pi * (stopped + 1) / 20))  # stretched over the added epochs
+
+
+def test_cosine_schedule_stretches_without_jumps():
+    fresh = {"start": 0, "phase": 0.0, "total": 40}
+    assert stretch_cosine(fresh, 10, 40) is fresh  # the same total: exactly the schedule the run started with
+    longer, shorter = stretch_cosine(fresh, 10, 100), stretch_cosine(fresh, 10, 20)
+    for cosine, total in ((longer, 100), (shorter, 20)):
+        assert cosine_factor(10, **cosine) == pytest.approx(cosine_factor(10, **fresh))
+        factors = [cosine_factor(s, **cosine) for s in range(10, total + 1)]
+        assert all(b < a for a, b in zip(factors, factors[1:])) and factors[-1] == pytest.approx(0.0, abs=1e-12)
+
+
+def test_train_refuses_to_extend_a_finished_cosine(tmp_path):
+    args = [*TINY_TRAIN, "--optimizers", "sgd", "--schedule", "cosine", "--checkpoint-every", "1", "--epochs", 1]
+    ok(gearsam("train", *args, "--out", tmp_path))
+    before = (tmp_path / "metrics.jsonl").read_text()
+    failed(gearsam("train", "--resume", tmp_path, "--epochs", 2),
+           f"the cosine schedule of {tmp_path} has ended at lr 0, so more --epochs would not train")  # fmt: skip
+    assert RunConfig.load(tmp_path / "config.json").epochs == 1 and (tmp_path / "metrics.jsonl").read_text() == before
 
 
 def write_fake_cifar(root, name: str, per_file: int) -> None:
@@ -204,6 +282,19 @@ def test_train_says_what_is_missing(tmp_path):
     assert not (tmp_path / "r").exists()  # nothing is written before the settings and the data are known good
 
 
+def test_train_validates_settings_before_writing_anything(tmp_path):
+    run = tmp_path / "r"
+    tiny = [*TINY_TRAIN, "--out", run]
+    failed(gearsam("train", *tiny, "--model-arg", "depth=3"), "cannot build 'resnet18' with {'width': 4, 'blocks'")
+    failed(gearsam("train", *tiny, "--model-arg", "width=abc"), "cannot build 'resnet18' with {'width': 'abc'")
+    failed(gearsam("train", *tiny, "--rho", "-0.1"), "rho must lie in [0.0, inf), got -0.1")
+    failed(gearsam("train", *tiny, "--rho", "nan"), "rho must be a finite real number, got nan")
+    failed(gearsam("train", *tiny, "--backend", "fastest"), "unknown backend 'fastest'; expected 'auto' or one of")
+    bad = gearsam("train", *tiny, "--rho", "big")
+    assert bad.returncode == 2 and "argument --rho: invalid float value: 'big'" in bad.stderr
+    assert not run.exists()
+
+
 def test_demo_rejects_bad_settings():
     bad = gearsam("demo", "--optimizers", "adamw")
     assert bad.returncode == 2 and "invalid choice: 'adamw'" in bad.stderr
@@ -222,7 +313,37 @@ def test_partition_prints_block_tables():
     failed(gearsam("partition", "torch.nn:NoSuchLayer"), "cannot load 'torch.nn:NoSuchLayer'")
 
 
-def test_progress_bar_draws_on_a_terminal_only():
+def test_partition_imports_from_the_current_directory(tmp_path):
+    (tmp_path / "mymodels.py").write_text(MYMODELS)
+    out = ok(gearsam("partition", "mymodels:fixed", "--strategy", "coarse", cwd=tmp_path, script=True))
+    assert out.startswith("[mymodels:fixed: coarse]")
+    failed(gearsam("partition", "mymodels:tiny", cwd=tmp_path, script=True),
+           "cannot build 'mymodels:tiny' with {}: tiny() missing 1 required positional argument")  # fmt: skip
+
+
+def test_train_takes_a_model_by_path(tmp_path):
+    (tmp_path / "mymodels.py").write_text(MYMODELS)
+    args = ["--model", "mymodels:tiny", "--model-arg", "width=3", "--synthetic-size", "64", "--batch-size", "16",
+            "--optimizers", "sgd", "gear-sam", "--out", "run"]  # fmt: skip
+    out = ok(gearsam("train", *args, cwd=tmp_path, script=True))
+    assert "model mymodels:tiny" in out and RunConfig.load(tmp_path / "run" / "config.json").model == "mymodels:tiny"
+    assert {r["optimizer"] for r in metrics(tmp_path / "run") if r["kind"] == "result"} == {"sgd", "gear-sam"}
+    failed(gearsam("train", "--model", "mymodels:fixed", "--model-arg", "width=3", "--out", "r2", cwd=tmp_path),
+           "cannot build 'mymodels:fixed' with {'width': 3}")  # fmt: skip
+    assert not (tmp_path / "r2").exists()
+
+
+def test_help_shows_the_defaults():
+    train = ok(gearsam("train", "--help"))
+    for default in ("(default: resnet18)", "(default: 0.05)", "(default: 128)", "(default: off)", "(default: 0)"):
+        assert default in " ".join(train.split()), default
+    demo = " ".join(ok(gearsam("demo", "--help")).split())
+    assert "(default: 15)" in demo and "(default: 0 1 2)" in demo and "(default: sgd sam gear-sam)" in demo
+    assert "(default: coarse fine)" in " ".join(ok(gearsam("partition", "--help")).split())
+    assert "default: None" not in train + demo
+
+
+def test_progress_bar_on_a_terminal_a_line_per_epoch_elsewhere():
     class Terminal(io.StringIO):
         def isatty(self):
             return True
@@ -235,9 +356,69 @@ def test_progress_bar_draws_on_a_terminal_only():
     bar.close()
     last = screen.getvalue().rstrip("\n").split("\r")[-1]
     assert last.startswith("sam seed 0 [########] 4/4") and last.endswith("epoch 1/1")
-    quiet = io.StringIO()
-    Progress("sgd", total=4, stream=quiet).update(4)
-    assert quiet.getvalue() == ""
+    log = io.StringIO()
+    bar = Progress("sgd seed 0", total=4, stream=log)
+    bar.update(4)
+    assert log.getvalue() == ""
+    bar.update(0, "epoch 1/1")
+    bar.close()
+    assert log.getvalue().startswith("sgd seed 0: epoch 1/1 (") and log.getvalue().count("\n") == 1
+
+
+# A model whose real build (not the settings check on the meta device) waits for a file "go": the run is known to be
+# still going until the test writes it.
+GATED_MODEL = """
+import pathlib, time
+import torch
+from torch import nn
+
+def gated(num_classes):
+    if torch.empty(0).device.type != "meta":
+        while not pathlib.Path("go").exists():
+            time.sleep(0.01)
+    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, num_classes))
+"""
+
+
+def test_train_logs_each_epoch_as_it_ends(tmp_path):
+    (tmp_path / "gatedmodels.py").write_text(GATED_MODEL)
+    command = [sys.executable, "-m", "gearsam_fused", "train", "--synthetic-size", "64", "--batch-size", "16",
+               "--threads", "1", "--optimizers", "sgd", "--epochs", "3", "--model", "gatedmodels:gated",
+               "--out", str(tmp_path / "run")]  # fmt: skip
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path) as run:
+        first = run.stdout.readline()  # a pipe, as under nohup or CI: lines come as printed, not at exit
+        still_running = run.poll() is None  # it cannot have ended: it waits for "go"
+        (tmp_path / "go").write_text("")
+        stderr = run.stderr.read()
+    assert run.returncode == 0, stderr
+    assert first.startswith("synthetic: 64 train") and still_running
+    lines = [line for line in stderr.splitlines() if line.startswith("sgd seed 0: epoch")]
+    assert [line.split()[4] for line in lines] == ["1/3", "2/3", "3/3"] and "test acc" in lines[0]
+
+
+def epoch_row(epoch: int, **values) -> dict:
+    row = {"kind": "epoch", "optimizer": "sgd", "seed": 0, "epoch": epoch, "step": 4 * epoch, "lr": 0.1, "seconds": 1,
+           "sam_seconds": 0, "train_loss": 2.0, "test_loss": 2.1, "train_acc": 0.25, "test_acc": 0.2}  # fmt: skip
+    return {**row, **values}
+
+
+def test_curves_show_accuracy_in_percent_and_one_epoch_readably():
+    fig = curves_figure([epoch_row(1), epoch_row(1, seed=1, train_acc=0.35)])
+    train_loss, test_loss, train_acc, test_acc = fig.axes
+    assert list(train_acc.lines[0].get_ydata()) == pytest.approx([30.0]) and train_acc.get_ylim() == (0, 100)
+    assert "%" in train_acc.get_title() and test_acc.get_ylim() == (0, 100)
+    assert train_loss.get_ylim()[0] == 0 and train_loss.get_ylim()[1] > 2.0
+    left, right = test_acc.get_xlim()
+    assert left <= 0 and right >= 2  # not 0.95 to 1.05
+    assert all(float(t).is_integer() for t in test_acc.get_xticks())
+    assert train_acc.lines[0].get_marker() == "o" and train_acc.lines[0].get_markersize() >= 5
+
+
+def test_block_shares_of_a_short_run_tick_whole_steps():
+    blocks = {"kind": "blocks", "optimizer": "gear-sam", "seed": 0, "blocks": ["a", "b"], "share": [0.3, 0.7]}
+    fig = block_shares_figure([{**blocks, "step": step} for step in (1, 2, 3)])
+    ticks = [t for t in fig.axes[0].get_xticks() if 1 <= t <= 3]
+    assert ticks and all(float(t).is_integer() for t in ticks)
 
 
 def test_digits_split_and_label_noise():
