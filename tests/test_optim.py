@@ -321,7 +321,7 @@ def test_partition_errors_through_the_optimizer():
         GEARSAM(params, torch.optim.SGD, lr=0.1)
     with pytest.raises(ValueError, match="two partition blocks"):
         GEARSAM(params, torch.optim.SGD, partition={"a": params[:2], "b": params[1:]}, lr=0.1)
-    with pytest.raises(ValueError, match="fc.bias is in no partition block"):
+    with pytest.raises(ValueError, match=r"'fc.bias' \(shape \(3,\)\) is optimized but in no block of the partition mapping"):
         GEARSAM(model, torch.optim.SGD, partition={"a": params[:-1]}, lr=0.1)
     with pytest.raises(ValueError, match="empty partition"):
         GEARSAM(params, torch.optim.SGD, partition={}, lr=0.1)
@@ -464,6 +464,17 @@ def test_parameters_outside_the_model_have_a_block_of_their_own(cls):
     (loss_fn(model, xy) * temperature).backward()
     opt.second_step()
     assert opt.block_stats()["radius"][-1] > 0
+
+
+def test_a_mapping_that_misses_a_parameter_names_it():
+    model = tiny_resnet()
+    temperature = nn.Parameter(torch.tensor(1.5))
+    groups = [{"params": model.parameters()}, {"params": [temperature]}]
+    with pytest.raises(ValueError, match=r"parameter param_groups\[1\]\['params'\]\[0\] \(shape \(\)\) is optimized "
+                                         r"but in no block of the partition mapping; add it to a block"):  # fmt: skip
+        GEARSAM(groups, torch.optim.SGD, model=model, partition={"all": model.parameters()}, lr=0.1)
+    opt = GEARSAM(groups, torch.optim.SGD, model=model, partition={"net": model.parameters(), "t": [temperature]}, lr=0.1)
+    assert opt.block_names == ["net", "t"]
 
 
 def test_a_single_gear_block_is_pointed_out():
