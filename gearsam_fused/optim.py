@@ -113,15 +113,8 @@ class _SharpnessAware(torch.optim.Optimizer):
         drop the blocks left empty. Trainable parameters the model does not hold (a temperature, a loss's weights)
         form a block of their own, ``"other"``, unless the strategy is a mapping, which names every parameter."""
         trainable = [p for p in optimized if p.requires_grad]
-        if isinstance(strategy, Mapping) and strategy:  # it must name every trainable parameter; say which it misses
-            strategy = {k: v if isinstance(v, torch.Tensor) else list(v) for k, v in strategy.items()}
-            mapped = {id(p) for v in strategy.values() if not isinstance(v, torch.Tensor) for p in v}
-            missing = [p for p in trainable if id(p) not in mapped]
-            if missing:
-                raise ValueError(
-                    f"parameter {label(missing[0])} is optimized but in no block of the partition mapping; add it to "
-                    "a block, or leave it out of the optimizer"
-                )
+        if isinstance(strategy, Mapping) and strategy:
+            strategy = _covering(strategy, trainable, label)
         in_model = {id(p) for p in model.parameters()} if model is not None else None
         foreign_to_model = []
         if in_model is not None and not isinstance(strategy, Mapping):
@@ -357,6 +350,20 @@ class _SharpnessAware(torch.optim.Optimizer):
         self._last_rho = float(ours["last_rho"])
         self._perturbed = False
         self._undo = None
+
+
+def _covering(mapping: Mapping, trainable: list[torch.Tensor], label) -> dict:
+    """``mapping`` with its parameter lists materialised, after checking that it places every trainable parameter
+    (the error names the first one it misses)."""
+    mapping = {k: v if isinstance(v, torch.Tensor) else list(v) for k, v in mapping.items()}
+    mapped = {id(p) for v in mapping.values() if not isinstance(v, torch.Tensor) for p in v}
+    missing = [p for p in trainable if id(p) not in mapped]
+    if missing:
+        raise ValueError(
+            f"parameter {label(missing[0])} is optimized but in no block of the partition mapping; add it to a block, "
+            "or leave it out of the optimizer"
+        )
+    return mapping
 
 
 def _labeller(param_groups: list[dict], model: nn.Module | None) -> Callable[..., str]:
