@@ -185,8 +185,8 @@ def test_launches_per_step_do_not_grow_with_the_number_of_tensors(backend, devic
         assert many.launches == 5 and many.torch_ops == [], many.torch_ops  # energy (2), allocate, perturb, restore
     elif backend == "cpp":
         assert many.launches == 4 and many.torch_ops == [], many.torch_ops  # energy, allocate, perturb, restore
-    else:
-        assert 0 < many.total <= 30, many.torch_ops
+    else:  # the torch backend's allocation is torch operations: 41 per step on CPU (torch 2.13), whatever the tensors
+        assert 0 < many.total <= 45, many.torch_ops
 
 
 def test_launch_counter_sees_per_tensor_work():
@@ -213,8 +213,9 @@ def test_cuda_kernels_per_step_do_not_grow_with_the_number_of_tensors(backend, d
             self.kernels += [e.name for e in self._prof.events() if e.device_type.name == "CUDA"]
 
     few, many = (_steady_state_step(n, backend, "cuda", Profiled()) for n in (6, 600))
-    # the torch backend's step (with the base SGD step) was 34 kernels on an H100 with torch 2.11
-    assert len(few.kernels) == len(many.kernels) and 0 < len(many.kernels) <= 40, many.kernels
+    # the torch backend's step was 34 kernels on an H100 with torch 2.11, before skipping non-finite blocks added
+    # operations to its allocation (41 torch operations per step on CPU now); the point is the same count for 6 and 600
+    assert len(few.kernels) == len(many.kernels) and 0 < len(many.kernels) <= 50, many.kernels
 
 
 # ------------------------------------------------------------------------------------------- mixed dtypes
