@@ -109,7 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    sys.stdout.reconfigure(line_buffering=True)  # a log file or CI sees each line as it is printed, not at the end
+    if hasattr(sys.stdout, "reconfigure"):  # a replaced stdout (a notebook's, a test's capture) may not have it
+        sys.stdout.reconfigure(line_buffering=True)  # a log file or CI sees each line as it is printed, not at the end
     args = build_parser().parse_args(argv)
     try:
         return _run(args)
