@@ -1,7 +1,8 @@
 """Cost of the SAM machinery itself: ``first_step`` + ``second_step`` with a base optimizer that does nothing.
 
 Every contender of :mod:`contenders` runs in the same process on the same parameter set (:mod:`param_sets`), float32,
-on CUDA when there is a GPU and on CPU otherwise. Per step it records:
+on CUDA when there is a GPU and on CPU otherwise; a peer that is not installed is skipped with a note saying so. Per
+step it records:
 
 * time: median and quartiles over the rounds (each round one synchronised step; on CUDA also the median by CUDA
   events over 50 back-to-back steps);
@@ -19,11 +20,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from gearsam_fused.allocation import RULES, SAM_RULE
+
 import contenders
 import param_sets
 from conftest import DEVICE, synchronize, warm_up
 
 BYTES_PER_PARAM = 28
+NOT_INSTALLED = contenders.not_installed()  # peers shown as skipped, with the note, instead of left out
 
 
 def _cuda_event_median_ms(step, n: int = 50) -> float:
@@ -47,10 +51,12 @@ def _cuda_launches(step) -> int:
 
 
 @pytest.mark.parametrize("set_key", param_sets.SET_KEYS)
-@pytest.mark.parametrize("rule", ["sam", "gear"])
-@pytest.mark.parametrize("contender", contenders.available(DEVICE))
+@pytest.mark.parametrize("rule", RULES)
+@pytest.mark.parametrize("contender", contenders.available(DEVICE) + list(NOT_INSTALLED))
 def test_sam_step(benchmark, record, quick, copy_bandwidth, contender, rule, set_key):
-    if rule == "gear" and contender in contenders.SAM_ONLY:
+    if contender in NOT_INSTALLED:
+        pytest.skip(NOT_INSTALLED[contender])
+    if rule != SAM_RULE and contender in contenders.SAM_ONLY:
         pytest.skip(f"{contender} implements SAM only")
     params = param_sets.build(set_key, DEVICE, quick)
     opt = contenders.make(contender, rule, params.model, params.partition)
@@ -73,11 +79,11 @@ def test_sam_step(benchmark, record, quick, copy_bandwidth, contender, rule, set
         before = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
         synchronised_step()
-        extra = dict(
-            peak_extra_bytes=torch.cuda.max_memory_allocated() - before,
-            launches=_cuda_launches(step),
-            cuda_event_median_ms=_cuda_event_median_ms(step),
-        )
+        extra = {
+            "peak_extra_bytes": torch.cuda.max_memory_allocated() - before,
+            "launches": _cuda_launches(step),
+            "cuda_event_median_ms": _cuda_event_median_ms(step),
+        }
     benchmark.group = f"{rule} step, {params.name}, {DEVICE}"
     rounds = 3 if quick else max(5, min(30, int(3e8 / params.numel)))
     benchmark.pedantic(synchronised_step, rounds=rounds, iterations=1)

@@ -4,14 +4,14 @@
 contender              what it is
 =====================  =========================================================================================
 ``per-tensor loop``    :class:`PerTensorLoopSAM` below: SAM written the way the widely copied implementation does it
-``pytorch_optimizer``  ``pytorch_optimizer.SAM`` (an installed peer; it uses foreach ops on CUDA)
+``pytorch_optimizer``  ``pytorch_optimizer.SAM`` (a peer, skipped with a note when not installed; foreach ops on CUDA)
 ``reference``          gearsam_fused's per-tensor oracle backend
 ``torch``              gearsam_fused's vectorised flat-buffer backend
 ``triton``             gearsam_fused's Triton kernels (CUDA only)
 ``cpp``                gearsam_fused's compiled kernels (when the extension is built; on CUDA, when built with it)
 =====================  =========================================================================================
 
-The first two implement SAM only; ours run both rules (``sam`` and ``gear``). All run with a base optimizer that does
+The first two implement SAM only; ours run both rules (``sam`` and ``gear-sam``). All run with a base optimizer that does
 nothing, so a step measures the SAM machinery alone: energies, allocation, perturbation and restore.
 """
 
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from gearsam_fused import GEARSAM, SAM
+from gearsam_fused import GEARSAM, OPTIMIZERS
 from gearsam_fused.backends import BACKENDS
 
 SAM_ONLY = ("per-tensor loop", "pytorch_optimizer")
@@ -69,15 +69,25 @@ class PerTensorLoopSAM:
         return sum(t.nbytes for t in self.backups.values())
 
 
+PEERS = ("pytorch_optimizer",)  # contenders from another package, each named after the module it imports
+
+
+def not_installed() -> dict[str, str]:
+    """Peer contenders whose package cannot be imported here: name -> the note a run shows in place of their rows."""
+    missing = {}
+    for name in PEERS:
+        try:
+            __import__(name)
+        except ImportError:
+            missing[name] = f"{name} is not installed: its contender is skipped"
+    return missing
+
+
 def available(device: str) -> list[str]:
     """Contenders that can run on ``device`` in this installation."""
     names = ["per-tensor loop"]
-    try:
-        import pytorch_optimizer  # noqa: F401
-
-        names.append("pytorch_optimizer")
-    except ImportError:
-        pass
+    missing = not_installed()
+    names += [name for name in PEERS if name not in missing]
     for name in OURS:
         if name == "triton" and device != "cuda":
             continue  # Triton's interpreter runs on CPU for tests, far too slowly to be timed
@@ -90,16 +100,15 @@ def available(device: str) -> list[str]:
 
 
 def make(name: str, rule: str, model: torch.nn.Module, partition, rho: float = 0.05):
-    """Contender ``name`` running ``rule`` (``"sam"`` or ``"gear"``) over ``model``'s parameters."""
+    """Contender ``name`` running ``rule`` (a key of ``gearsam_fused.OPTIMIZERS``) over ``model``'s parameters."""
     if name == "per-tensor loop":
         return PerTensorLoopSAM(model.parameters(), rho=rho)
     if name == "pytorch_optimizer":
         import pytorch_optimizer
 
         return pytorch_optimizer.SAM(model.parameters(), NoStep, rho=rho)
-    if rule == "sam":
-        return SAM(model, NoStep, rho=rho, backend=name)
-    return GEARSAM(model, NoStep, partition=partition, rho=rho, backend=name)
+    blocks = {"partition": partition} if OPTIMIZERS[rule] is GEARSAM else {}
+    return OPTIMIZERS[rule](model, NoStep, rho=rho, backend=name, **blocks)
 
 
 def held_bytes(name: str, optimizer) -> int:

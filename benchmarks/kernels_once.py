@@ -25,6 +25,7 @@ import sys
 import torch
 from torch import nn
 
+from gearsam_fused.allocation import GEAR_RULE, RULES
 from gearsam_fused.backends import BACKENDS, available_backends
 from gearsam_fused.backends.reference import ReferenceBackend
 from gearsam_fused.flat import TILE
@@ -99,7 +100,7 @@ def check_scalar_cpp_kernels(dtype: torch.dtype, adaptive: bool) -> None:
         per_tile = ((t * grad.double()) ** 2).view(n_tiles, tile).sum(1)
         expected = torch.stack([per_tile[0], per_tile.new_zeros(()), per_tile[1:].sum()])
         torch.testing.assert_close(energy, expected, rtol=1e-6, atol=0, msg=lambda m: f"scalar energy {dtype}: {m}")
-        scale, _ = _C.allocate(energy, torch.zeros_like(energy), rule="gear", rho=0.05, beta=0.9, delta=1e-12)
+        scale, _ = _C.allocate(energy, torch.zeros_like(energy), gear=True, rho=0.05, beta=0.9, delta=1e-12)
         original = param.clone()
         _C.perturb_(param, grad, backup, scale, tile_block, tile=tile, adaptive=adaptive, eta=ETA)
         assert torch.equal(backup, original), f"scalar perturb {dtype}: backup"
@@ -116,7 +117,7 @@ def check_many_tiles(name: str) -> None:
         p.grad = torch.randn(p.shape, generator=g).cuda()
     blocks = [Block("many", [params[0]], ["many"]), Block("few", [params[1]], ["few"])]
     backend = BACKENDS[name](blocks, torch.device("cuda"))
-    energy, _ = one_step(backend, "gear", adaptive=True)
+    energy, _ = one_step(backend, GEAR_RULE, adaptive=True)
     expected = torch.stack([((p.detach().double().abs() + ETA) * p.grad.double()).square().sum() for p in params])
     torch.testing.assert_close(energy, expected, rtol=1e-6, atol=0, msg=lambda m: f"{name} many tiles: energy: {m}")
     backend.restore_()
@@ -131,7 +132,7 @@ def check_big(name: str) -> None:
     big.grad[-5:] = 1.0
     small.grad = torch.ones_like(small)
     backend = BACKENDS[name]([Block("big", [big], ["big"]), Block("small", [small], ["small"])], torch.device("cuda"))
-    energy, radius = one_step(backend, "gear", adaptive=False)
+    energy, radius = one_step(backend, GEAR_RULE, adaptive=False)
     assert energy.tolist() == [5.0, 7.0], energy
     scale = radius[0].item() / (5**0.5 + 1e-12)
     assert torch.equal(big[-5:].float(), torch.full((5,), scale, device="cuda").bfloat16().float()), f"{name}: big tail"
@@ -158,7 +159,7 @@ def main() -> int:
         for name in names:
             for dtype in DTYPES:
                 for adaptive in (False, True):
-                    for rule in ("gear", "sam"):
+                    for rule in RULES:
                         check_backend(name, dtype, rule, adaptive)
                     if name == "cpp":
                         check_scalar_cpp_kernels(dtype, adaptive)

@@ -14,6 +14,8 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
+from gearsam_fused.allocation import GEAR_RULE, SAM_RULE
+
 DEFAULT_RESULTS = Path(__file__).resolve().parent / "results" / "runs.jsonl"
 
 
@@ -55,7 +57,8 @@ def sam_step_tables(rows: list[dict]) -> list[str]:
     groups: dict[tuple[str, str], list[dict]] = defaultdict(list)
     for row in rows:
         if row["benchmark"] == "bench_sam_step":
-            groups[(row["set"], row["rule"])].append(row)
+            # rows written before the rule was named "gear-sam" call it "gear"
+            groups[(row["set"], {"gear": GEAR_RULE}.get(row["rule"], row["rule"]))].append(row)
     lines = []
     for (name, rule), group in groups.items():
         first = group[0]
@@ -63,7 +66,7 @@ def sam_step_tables(rows: list[dict]) -> list[str]:
         sam = {r["contender"]: r["median_ms"] for r in groups.get((name, "sam"), [])}
         loop, peer = sam.get("per-tensor loop"), sam.get("pytorch_optimizer")
         lines += [
-            f"**{'SAM' if rule == 'sam' else 'GEAR-SAM'} step, {name}** ({first['parameters'] / 1e6:.1f}M parameters in "
+            f"**{'SAM' if rule == SAM_RULE else 'GEAR-SAM'} step, {name}** ({first['parameters'] / 1e6:.1f}M parameters in "
             f"{first['tensors']} tensors; copy bandwidth {first['copy_gbps']:.0f} GB/s)",
             "",
             "| contender | median ms | IQR ms | vs per-tensor loop SAM | vs pytorch_optimizer SAM | GB/s | % of copy | launches | held MB |",

@@ -14,9 +14,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("partials"), py::kw_only(), py::arg("tile"), py::arg("adaptive"), py::arg("eta"),
         "float64 [B]: e_b = sum over block b of (T g)^2, T = |w| + eta if adaptive else 1; per-tile partials are "
         "written to `partials`, then summed per block in tile order.");
-  m.def("allocate", &gearsam::allocate, no_gil, py::arg("energy"), py::arg("ema"), py::kw_only(), py::arg("rule"),
+  m.def("allocate", &gearsam::allocate, no_gil, py::arg("energy"), py::arg("ema"), py::kw_only(), py::arg("gear"),
         py::arg("rho"), py::arg("beta"), py::arg("delta"),
-        "(scale, radius), float64 [B], by rule 'gear' (updates ema in place) or 'sam'.");
+        "(scale, radius), float64 [B], by the GEAR rule (gear=True, updates ema in place) or the SAM rule.");
   m.def("perturb_", &gearsam::perturb_, no_gil, py::arg("param"), py::arg("grad"), py::arg("backup"),
         py::arg("scale"), py::arg("tile_block"), py::kw_only(), py::arg("tile"), py::arg("adaptive"), py::arg("eta"),
         "backup = param; param += scale[tile_block[tile]] * T^2 * grad, in place.");

@@ -12,15 +12,14 @@
 
 #include <ATen/core/Tensor.h>
 
-#include <string>
 #include <tuple>
 
 namespace gearsam {
 
 at::Tensor block_energy(const at::Tensor& grad, const at::Tensor& param, const at::Tensor& block_tiles,
                         const at::Tensor& partials, int64_t tile, bool adaptive, double eta);
-std::tuple<at::Tensor, at::Tensor> allocate(const at::Tensor& energy, const at::Tensor& ema, const std::string& rule,
-                                            double rho, double beta, double delta);
+std::tuple<at::Tensor, at::Tensor> allocate(const at::Tensor& energy, const at::Tensor& ema, bool gear, double rho,
+                                            double beta, double delta);
 void perturb_(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& backup, const at::Tensor& scale,
               const at::Tensor& tile_block, int64_t tile, bool adaptive, double eta);
 void restore_(const at::Tensor& param, const at::Tensor& backup, int64_t tile);

@@ -6,6 +6,7 @@
 #include <c10/util/Exception.h>
 
 #include <sstream>
+#include <string>
 
 #include "gearsam.h"
 
@@ -104,15 +105,13 @@ at::Tensor block_energy(const at::Tensor& grad, const at::Tensor& param, const a
   return energy;
 }
 
-std::tuple<at::Tensor, at::Tensor> allocate(const at::Tensor& energy, const at::Tensor& ema, const std::string& rule,
-                                            double rho, double beta, double delta) {
-  TORCH_CHECK_VALUE(rule == "gear" || rule == "sam", "unknown allocation rule '", rule,
-                    "'; expected 'gear' or 'sam'");
+std::tuple<at::Tensor, at::Tensor> allocate(const at::Tensor& energy, const at::Tensor& ema, bool gear, double rho,
+                                            double beta, double delta) {
   check_flat("energy", energy, 0, at::kDouble);
   check_same("ema", ema, "energy", energy);
   at::Tensor scale = at::empty_like(energy);
   at::Tensor radius = at::empty_like(energy);
-  GEARSAM_ON_DEVICE_OF(energy, allocate, energy, ema, scale, radius, rule == "gear", rho, beta, delta);
+  GEARSAM_ON_DEVICE_OF(energy, allocate, energy, ema, scale, radius, gear, rho, beta, delta);
   return {scale, radius};
 }
 

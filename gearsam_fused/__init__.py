@@ -1,17 +1,21 @@
 """gearsam_fused: exact, fast sharpness-aware minimisation (SAM, ASAM, GEAR-SAM) for PyTorch."""
 
-from .accumulation import accumulated_step
-from .amp import SAMScaler, ScaledStepReport
-from .backends import available_backends
-from .bn import frozen_bn_stats
-from .flat import compact_state_dict
-from .optim import GEARSAM, SAM
-from .partition import Block, format_partition, partition
-from .telemetry import BlockTelemetry
+from ._version import MIN_TORCH, __version__
+from .checks import check_torch_version
 
-__version__ = "0.1.0"
+check_torch_version(MIN_TORCH)  # before anything below reaches for an API an older torch lacks
+
+from .accumulation import accumulated_step  # noqa: E402
+from .amp import SAMScaler, ScaledStepReport  # noqa: E402
+from .backends import available_backends  # noqa: E402
+from .bn import frozen_bn_stats  # noqa: E402
+from .flat import compact_state_dict  # noqa: E402
+from .optim import GEARSAM, OPTIMIZERS, SAM, SharpnessAware, StepStatistics  # noqa: E402
+from .partition import Block, format_partition, partition  # noqa: E402
+from .telemetry import BlockTelemetry  # noqa: E402
 
 __all__ = [
-    "SAM", "GEARSAM", "partition", "Block", "format_partition", "available_backends", "BlockTelemetry", "SAMScaler",
-    "ScaledStepReport", "frozen_bn_stats", "accumulated_step", "compact_state_dict", "__version__",
+    "SAM", "GEARSAM", "SharpnessAware", "StepStatistics", "OPTIMIZERS", "partition", "Block", "format_partition",
+    "available_backends", "BlockTelemetry", "SAMScaler", "ScaledStepReport", "frozen_bn_stats", "accumulated_step",
+    "compact_state_dict", "__version__",
 ]  # fmt: skip

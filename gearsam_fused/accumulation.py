@@ -24,11 +24,11 @@ from torch import nn
 
 from .amp import SAMScaler
 from .bn import frozen_bn_stats
-from .optim import _SharpnessAware
+from .optim import SharpnessAware, check_sharpness_aware
 
 
 def accumulated_step(
-    optimizer: _SharpnessAware,
+    optimizer: SharpnessAware,
     loss_fn: Callable[[object], torch.Tensor],
     micro_batches: Iterable,
     *,
@@ -54,8 +54,7 @@ def accumulated_step(
 
     Returns the first-pass loss (the loss at ``w``) averaged over the micro-batches, detached, without synchronising.
     """
-    if not isinstance(optimizer, _SharpnessAware):
-        raise TypeError(f"optimizer must be a gearsam_fused SAM or GEARSAM, got {type(optimizer).__name__}")
+    check_sharpness_aware(optimizer)
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable as loss_fn(micro_batch) -> loss, got {type(loss_fn).__name__}")
     if isinstance(micro_batches, torch.Tensor) or not isinstance(micro_batches, Iterable):

@@ -4,11 +4,29 @@ All inputs and outputs are float64 tensors of shape ``[B]`` on one device. Nothi
 host, so a step stays free of synchronisation on CUDA. Float64 is used because these vectors are tiny (one entry per
 block) and the EMA is carried across the whole run: rounding it to float32 every step would make a resumed or
 re-partitioned run drift for no speed gain.
+
+The rule names below are the one spelling of each method wherever a program names it: the ``rule`` of
+:class:`~gearsam_fused.SAM` and :class:`~gearsam_fused.GEARSAM`, their state-dict tag, the ``gearsam`` command's
+``--optimizers`` and its metrics rows. Kernels never see the names: they are told ``gear=True`` or ``False``.
 """
 
 from __future__ import annotations
 
 import torch
+
+#: SAM's rule: one global scale (SAM and ASAM).
+SAM_RULE = "sam"
+#: GEAR-SAM's rule: the radius split across blocks by the EMA of their energies.
+GEAR_RULE = "gear-sam"
+#: Every allocation rule, as :func:`allocate` accepts it.
+RULES = (SAM_RULE, GEAR_RULE)
+
+
+def check_rule(rule: str) -> str:
+    """``rule`` if it names an allocation rule, else a ValueError listing them."""
+    if rule not in RULES:
+        raise ValueError(f"unknown allocation rule {rule!r}; expected one of {RULES}")
+    return rule
 
 
 def _safe_ratio(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
@@ -68,3 +86,12 @@ def sam_allocate(energy: torch.Tensor, rho: float, delta: float) -> tuple[torch.
     scale = torch.where(finite, rho / (norm + delta), 0.0).expand_as(energy).clone()
     radius = torch.where(finite, rho * _safe_ratio(energy.sqrt(), norm), 0.0)
     return scale, radius
+
+
+def allocate(
+    rule: str, energy: torch.Tensor, ema: torch.Tensor, rho: float, beta: float, delta: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(scale, radius)`` by ``rule``: :func:`gear_allocate` (which updates ``ema``) or :func:`sam_allocate`."""
+    if check_rule(rule) == GEAR_RULE:
+        return gear_allocate(energy, ema, rho, beta, delta)
+    return sam_allocate(energy, rho, delta)

@@ -28,10 +28,10 @@ from dataclasses import dataclass
 import torch
 from torch.amp.grad_scaler import OptState
 
-from .optim import _SharpnessAware
+from .optim import SharpnessAware, check_sharpness_aware
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _can_unscale(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether GradScaler's unscale kernel exists for gradients of ``dtype`` on ``device`` (torch 2.11 has none for
     bfloat16 on CUDA, though it has one on CPU): tried once on a one-element gradient."""
@@ -80,9 +80,8 @@ class SAMScaler:
     (``second_step`` still has to be called). With a disabled scaler both methods are the optimizer's own steps.
     """
 
-    def __init__(self, optimizer: _SharpnessAware, scaler: torch.amp.GradScaler):
-        if not isinstance(optimizer, _SharpnessAware):
-            raise TypeError(f"optimizer must be a gearsam_fused SAM or GEARSAM, got {type(optimizer).__name__}")
+    def __init__(self, optimizer: SharpnessAware, scaler: torch.amp.GradScaler):
+        check_sharpness_aware(optimizer)
         if not isinstance(scaler, torch.amp.GradScaler):
             raise TypeError(f"scaler must be a torch.amp.GradScaler, got {type(scaler).__name__}")
         if scaler.is_enabled():

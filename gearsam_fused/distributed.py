@@ -27,6 +27,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from .optim import SharpnessAware, check_sharpness_aware
+
 __all__ = ["sam_step"]
 
 
@@ -35,7 +37,7 @@ def _multi_process() -> bool:
 
 
 def sam_step(
-    optimizer,
+    optimizer: SharpnessAware,
     model: nn.Module,
     closure: Callable[[], torch.Tensor],
     *,
@@ -55,8 +57,7 @@ def sam_step(
         optimizer.second_step()                 # restore w, base optimizer step
 
     Args:
-        optimizer: a :class:`~gearsam_fused.SAM` or :class:`~gearsam_fused.GEARSAM` (anything with ``first_step``,
-            ``second_step``, ``cancel_on_error`` and ``zero_grad(set_to_none=...)``).
+        optimizer: a :class:`~gearsam_fused.SAM` or :class:`~gearsam_fused.GEARSAM`.
         model: the ``DistributedDataParallel`` module the closure calls. In a single process (no process group, or
             world size 1) any module is accepted and both modes are plain SAM.
         m_sharpness: perturb each rank with its local gradient (first pass not all-reduced); the update still uses
@@ -67,11 +68,7 @@ def sam_step(
 
     On return the gradients hold the (all-reduced) gradient at the perturbed point.
     """
-    if not all(callable(getattr(optimizer, name, None)) for name in ("first_step", "second_step", "cancel_on_error")):
-        raise TypeError(
-            "optimizer must be a SAM or GEARSAM optimizer (with first_step/second_step/cancel_on_error), got "
-            f"{type(optimizer).__name__}"
-        )
+    check_sharpness_aware(optimizer)
     if not callable(closure):
         raise TypeError(
             f"closure must be callable (forward + backward, returning the loss), got {type(closure).__name__}"

@@ -18,23 +18,45 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Callable, Mapping
+from typing import NamedTuple
 
 import torch
 from torch import nn
 
-from ._checks import check_real
+from .allocation import GEAR_RULE, SAM_RULE
 from .backends import make_backend, resolve_backend_name
+from .checks import check_real
 from .partition import Block, unwrap
 from .partition import partition as make_partition
 
 _STATE_KEY = "gearsam"
+# The state-dict tag of checkpoints saved before it was the rule: the class name.
+_LEGACY_TAGS = {"SAM": SAM_RULE, "GEARSAM": GEAR_RULE}
 
 
-class _SharpnessAware(torch.optim.Optimizer):
-    """Shared machinery; subclasses choose the allocation rule (``_rule``, see ``Backend.allocate``)."""
+class StepStatistics(NamedTuple):
+    """The raw statistics of the last ``first_step``: float64 ``[B]`` tensors on the optimizer's device, and rho.
 
-    _rule = ""
-    beta = 0.0  # EMA factor; only the "gear" rule reads it
+    They are the optimizer's own tensors, handed out without a copy or a synchronisation so that a step can be
+    recorded for free (:class:`~gearsam_fused.telemetry.BlockTelemetry`): read them, never write them, and copy what
+    you keep, since the next ``first_step`` updates ``ema`` in place.
+    """
+
+    energy: torch.Tensor  #: e_b
+    ema: torch.Tensor  #: GEAR-SAM's s_b (SAM keeps it at 0)
+    radius: torch.Tensor  #: rho_b
+    rho: float  #: the global radius of that step
+
+
+class SharpnessAware(torch.optim.Optimizer):
+    """What :class:`SAM` and :class:`GEARSAM` share: the two-step protocol, the state, and the telemetry views.
+    ``isinstance(opt, SharpnessAware)`` is how the library's helpers recognise them (see
+    :func:`check_sharpness_aware`). A subclass chooses its allocation ``rule``."""
+
+    #: The allocation rule (one of :data:`gearsam_fused.allocation.RULES`), also the method's name in state dicts
+    #: and on the command line.
+    rule = ""
+    beta = 0.0  # EMA factor; only GEAR-SAM's rule reads it
 
     def __init__(
         self,
@@ -84,7 +106,7 @@ class _SharpnessAware(torch.optim.Optimizer):
                 raise ValueError(f"parameter {label(p)} is passed twice")
             seen.add(id(p))
         self.blocks: list[Block] = self._blocks(model, partition, optimized, label)
-        if self._rule == "gear" and len(self.blocks) == 1 and isinstance(partition, str) and partition != "global":
+        if self.rule == GEAR_RULE and len(self.blocks) == 1 and isinstance(partition, str) and partition != "global":
             warnings.warn(
                 f"partition {partition!r} gives a single block ({self.blocks[0].name!r}), so GEARSAM is plain SAM here; "
                 "pass partition= a finer strategy, a mapping or a callable (`gearsam partition` shows the blocks)",
@@ -104,7 +126,6 @@ class _SharpnessAware(torch.optim.Optimizer):
         self._energy = zeros.clone()
         self._radius = zeros.clone()
         self._last_rho = float(rho)
-        self._perturbed = False
         self._undo: tuple | None = None  # allocation state of before a cancellable first_step
 
     @staticmethod
@@ -153,6 +174,17 @@ class _SharpnessAware(torch.optim.Optimizer):
     def block_names(self) -> list[str]:
         return [b.name for b in self.blocks]
 
+    @property
+    def perturbed(self) -> bool:
+        """Whether the parameters hold ``w + eps`` (between ``first_step`` and ``second_step``/``cancel_step``)."""
+        return self._backend.perturbed
+
+    @property
+    def step_statistics(self) -> StepStatistics:
+        """The last ``first_step``'s raw statistics on the device, without a copy (see :class:`StepStatistics`);
+        :meth:`block_stats` is the same on the host, copied and described."""
+        return StepStatistics(self._energy, self._ema, self._radius, self._last_rho)
+
     def _rho(self) -> float:
         values = {group["rho"] for group in self.param_groups}
         if len(values) != 1:
@@ -166,7 +198,7 @@ class _SharpnessAware(torch.optim.Optimizer):
         """Move every parameter with a gradient to ``w + eps`` (saving ``w``). With ``cancellable=True`` it also keeps
         the allocation state of before the step (the GEAR EMA and the telemetry, ``O(blocks)`` numbers), so that
         :meth:`cancel_step` can undo the whole step."""
-        if self._perturbed:
+        if self.perturbed:
             raise RuntimeError("first_step() called twice: call second_step() to restore the weights first")
         rho = self._rho()
         # any() stops at the first gradient it finds, so a normal step pays O(1) here.
@@ -181,10 +213,9 @@ class _SharpnessAware(torch.optim.Optimizer):
         # The EMA is updated in place by allocate, so undoing needs a copy; only cancellable steps pay for it.
         undo = (self._ema.clone(), self._energy, self._radius, self._last_rho) if cancellable else None
         energy = self._backend.block_energy(self.adaptive, self.eta)
-        scale, radius = self._backend.allocate(self._rule, energy, self._ema, rho, self.beta, self.delta)
+        scale, radius = self._backend.allocate(self.rule, energy, self._ema, rho, self.beta, self.delta)
         self._backend.perturb_(scale, self.adaptive, self.eta)
         self._energy, self._radius, self._last_rho = energy, radius, rho
-        self._perturbed = True
         self._undo = undo
         if zero_grad:
             self.zero_grad()
@@ -192,10 +223,9 @@ class _SharpnessAware(torch.optim.Optimizer):
     @torch.no_grad()
     def second_step(self, zero_grad: bool = False) -> None:
         """Restore ``w`` exactly and step the base optimizer with the gradient taken at ``w + eps``."""
-        if not self._perturbed:
+        if not self.perturbed:
             raise RuntimeError("second_step() called without a preceding first_step()")
         self._backend.restore_()
-        self._perturbed = False
         self._undo = None
         self.base_optimizer.step()
         self._opt_called = True  # tells torch LR schedulers that an optimizer step happened
@@ -208,7 +238,7 @@ class _SharpnessAware(torch.optim.Optimizer):
         and :meth:`block_stats` back to their values before it, and leave the base optimizer untouched. For a step
         whose second gradient cannot be used, e.g. a non-finite one under loss scaling (see
         :class:`gearsam_fused.amp.SAMScaler`)."""
-        if not self._perturbed:
+        if not self.perturbed:
             raise RuntimeError("cancel_step() called without a preceding first_step()")
         if self._undo is None:
             raise RuntimeError(
@@ -216,7 +246,6 @@ class _SharpnessAware(torch.optim.Optimizer):
                 "still hold w + eps, so call second_step() to finish this step"
             )
         self._backend.restore_()
-        self._perturbed = False
         ema, self._energy, self._radius, self._last_rho = self._undo
         self._ema.copy_(ema)
         self._undo = None
@@ -248,7 +277,7 @@ class _SharpnessAware(torch.optim.Optimizer):
                 loss_fn(model(x), y).backward()
             opt.second_step()
         """
-        if not self._perturbed or self._undo is None:
+        if not self.perturbed or self._undo is None:
             raise RuntimeError("cancel_on_error() belongs after first_step(cancellable=True), before second_step()")
         try:
             yield
@@ -289,26 +318,33 @@ class _SharpnessAware(torch.optim.Optimizer):
         ``non_finite``, how many blocks had a non-finite energy (a 0-d tensor; GEAR-SAM did not perturb those blocks,
         SAM perturbed nothing)."""
         # copies, also on CPU: the EMA is live optimizer state and must not change under the caller (or by them)
-        host = [t.to("cpu", copy=True) for t in (self._energy, self._ema, self._radius)]
-        return self.describe_blocks(*host, self._last_rho)
+        stats = self.step_statistics
+        host = [t.to("cpu", copy=True) for t in (stats.energy, stats.ema, stats.radius)]
+        return self.describe_blocks(*host, stats.rho)
 
     def describe_blocks(self, energy: torch.Tensor, ema: torch.Tensor, radius: torch.Tensor, rho: float) -> dict:
         """The :meth:`block_stats` dict from a step's raw energies, EMA state and radii (recorded elsewhere, e.g. by
         :class:`~gearsam_fused.telemetry.BlockTelemetry`) and its ``rho``."""
         share = radius.square() / rho**2 if rho > 0 else torch.zeros_like(radius)
         non_finite = energy.isfinite().logical_not().sum()
-        return {"energy": energy, "ema": self._score(energy, ema), "radius": radius, "share": share, "non_finite": non_finite}
+        return {
+            "energy": energy,
+            "ema": self._score(energy, ema),
+            "radius": radius,
+            "share": share,
+            "non_finite": non_finite,
+        }
 
     @staticmethod
     def _score(energy: torch.Tensor, ema: torch.Tensor) -> torch.Tensor:
         return ema
 
     def state_dict(self) -> dict:
-        if self._perturbed:
+        if self.perturbed:
             raise RuntimeError("state_dict() between first_step() and second_step(): the weights hold w + eps")
         state = self.base_optimizer.state_dict()
         state[_STATE_KEY] = {
-            "rule": type(self).__name__,
+            "rule": self.rule,
             "block_names": self.block_names,
             "ema": self._ema.detach().cpu().clone(),
             "energy": self._energy.detach().cpu().clone(),
@@ -319,14 +355,18 @@ class _SharpnessAware(torch.optim.Optimizer):
         return state
 
     def load_state_dict(self, state_dict: dict) -> None:
+        if self.perturbed:
+            raise RuntimeError("load_state_dict() between first_step() and second_step(): the weights hold w + eps")
         state_dict = dict(state_dict)
         ours = state_dict.pop(_STATE_KEY, None)
         if ours is None:
             raise ValueError(
                 f"state dict has no {_STATE_KEY!r} entry: it was not saved by {type(self).__name__}.state_dict()"
             )
-        if ours["rule"] != type(self).__name__:
-            raise ValueError(f"state dict was saved by {ours['rule']}, cannot load it into {type(self).__name__}")
+        rule = _LEGACY_TAGS.get(ours["rule"], ours["rule"])
+        if rule != self.rule:
+            saver = {r: cls.__name__ for r, cls in OPTIMIZERS.items()}.get(rule, repr(rule))
+            raise ValueError(f"state dict was saved by {saver}, cannot load it into {type(self).__name__}")
         if list(ours["block_names"]) != self.block_names:
             raise ValueError(
                 f"state dict blocks {list(ours['block_names'])} differ from this optimizer's blocks {self.block_names}"
@@ -348,7 +388,6 @@ class _SharpnessAware(torch.optim.Optimizer):
         for name in ("ema", "energy", "radius"):
             getattr(self, "_" + name).copy_(ours[name])
         self._last_rho = float(ours["last_rho"])
-        self._perturbed = False
         self._undo = None
 
 
@@ -387,7 +426,7 @@ def _labeller(param_groups: list[dict], model: nn.Module | None) -> Callable[...
     return label
 
 
-class SAM(_SharpnessAware):
+class SAM(SharpnessAware):
     """Sharpness-aware minimisation (Foret et al.) and, with ``adaptive=True``, ASAM (Kwon et al.).
 
     ``eps = rho * T**2 * g / (||T * g|| + delta)`` with ``T = |w| + eta`` for ASAM and ``T = 1`` otherwise.
@@ -404,7 +443,7 @@ class SAM(_SharpnessAware):
         delta: added to the gradient norm before dividing.
     """
 
-    _rule = "sam"
+    rule = SAM_RULE
 
     def __init__(
         self,
@@ -433,7 +472,7 @@ class SAM(_SharpnessAware):
         return energy.sqrt()
 
 
-class GEARSAM(_SharpnessAware):
+class GEARSAM(SharpnessAware):
     """GEAR-SAM: SAM whose radius is split across architecture blocks by an EMA of block gradient energy.
 
     See the module docstring for the formulas. Args as :class:`SAM`, plus:
@@ -443,7 +482,7 @@ class GEARSAM(_SharpnessAware):
         delta: stabiliser of the block direction ``g_b / (||g_b|| + delta)``; must be > 0.
     """
 
-    _rule = "gear"
+    rule = GEAR_RULE
 
     def __init__(
         self,
@@ -466,3 +505,14 @@ class GEARSAM(_SharpnessAware):
             model=model, partition=partition, base_kwargs=base_kwargs,
         )  # fmt: skip
 
+
+#: The sharpness-aware optimizers by rule: the names the ``gearsam`` command and state dicts use.
+OPTIMIZERS: dict[str, type[SharpnessAware]] = {SAM.rule: SAM, GEARSAM.rule: GEARSAM}
+
+
+def check_sharpness_aware(optimizer, name: str = "optimizer") -> SharpnessAware:
+    """``optimizer`` if it is a :class:`SAM` or :class:`GEARSAM`, else a TypeError naming what it is; ``name`` says
+    what the caller calls it."""
+    if not isinstance(optimizer, SharpnessAware):
+        raise TypeError(f"{name} must be a gearsam_fused SAM or GEARSAM, got {type(optimizer).__name__}")
+    return optimizer

@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import torch
 
-from .optim import GEARSAM, SAM
+from .optim import SharpnessAware, check_sharpness_aware
 
 #: Fields of every record :class:`BlockTelemetry` emits; each statistic is a list with one value per block.
 RECORD_FIELDS = ("step", "rho", "blocks", "energy", "ema", "radius", "share", "non_finite")
@@ -31,9 +31,14 @@ class BlockTelemetry:
       nothing that step).
     """
 
-    def __init__(self, optimizer, every: int = 25, sink: Callable[[list[dict]], None] | None = None, start: int = 0):
-        if not isinstance(optimizer, (SAM, GEARSAM)):
-            raise TypeError(f"BlockTelemetry needs a gearsam_fused SAM or GEARSAM optimizer, got {type(optimizer).__name__}")
+    def __init__(
+        self,
+        optimizer: SharpnessAware,
+        every: int = 25,
+        sink: Callable[[list[dict]], None] | None = None,
+        start: int = 0,
+    ):
+        check_sharpness_aware(optimizer)
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(f"every must be a positive int, got {every!r}")
         self.optimizer = optimizer
@@ -41,16 +46,18 @@ class BlockTelemetry:
         self.sink = sink
         self.records: list[dict] = []
         self.step = start  # steps taken before the next record; records carry 1-based step numbers
-        self._buffer = torch.empty(every, 3, len(optimizer.blocks), dtype=torch.float64, device=optimizer._ema.device)
+        self._buffer = torch.empty(
+            every, 3, len(optimizer.blocks), dtype=torch.float64, device=optimizer.step_statistics.ema.device
+        )
         self._pending: list[tuple[int, float]] = []  # (step, rho) of each buffered row, known on the host
 
     def record(self) -> None:
         """Buffer the statistics of the ``first_step`` just taken (no host synchronisation)."""
-        opt = self.optimizer
+        stats = self.optimizer.step_statistics
         row = self._buffer[len(self._pending)]
-        torch.stack((opt._energy, opt._ema, opt._radius), out=row)
+        torch.stack((stats.energy, stats.ema, stats.radius), out=row)
         self.step += 1
-        self._pending.append((self.step, opt._last_rho))
+        self._pending.append((self.step, stats.rho))
         if len(self._pending) == self.every:
             self.flush()
 

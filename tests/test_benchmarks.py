@@ -7,7 +7,18 @@ import sys
 
 MACHINE_FIELDS = {"run", "date", "commit", "cpu", "cpu_count", "gpu", "torch", "triton", "platform", "device", "quick"}
 TIMING_FIELDS = {"median_ms", "q1_ms", "q3_ms", "min_ms", "rounds"}
-SAM_STEP_FIELDS = {"set", "rule", "contender", "parameters", "tensors", "bytes_counted", "gbps", "copy_gbps", "pct_copy", "held_bytes"}
+SAM_STEP_FIELDS = {
+    "set",
+    "rule",
+    "contender",
+    "parameters",
+    "tensors",
+    "bytes_counted",
+    "gbps",
+    "copy_gbps",
+    "pct_copy",
+    "held_bytes",
+}
 
 
 def test_quick_run_appends_rows_and_prints_the_report(tmp_path):
@@ -29,9 +40,16 @@ def test_quick_run_appends_rows_and_prints_the_report(tmp_path):
         "ResNet-18", "WRN-28-1", "ViT-B/16 shapes", "GPT-2-medium shapes", "2048 small tensors",
     }  # fmt: skip
     contenders = {(r["contender"], r["rule"]) for r in steps}
-    assert {("per-tensor loop", "sam"), ("pytorch_optimizer", "sam"), ("torch", "sam"), ("torch", "gear")} <= contenders
+    assert {
+        ("per-tensor loop", "sam"),
+        ("pytorch_optimizer", "sam"),
+        ("torch", "sam"),
+        ("torch", "gear-sam"),
+    } <= contenders
     assert {r["contender"] for r in trains} == {
         "forward+backward", "base step", "SGD", "per-tensor loop SAM", "pytorch_optimizer", "SAM", "GEAR-SAM",
     }  # fmt: skip
     assert all(r["parameters"] >= 2048 and r["tensors"] >= 62 for r in steps)
-    assert "**SAM step, ResNet-18" in done.stdout and "SAM tax" in done.stdout and "vs per-tensor loop SAM" in done.stdout
+    assert (
+        "**SAM step, ResNet-18" in done.stdout and "SAM tax" in done.stdout and "vs per-tensor loop SAM" in done.stdout
+    )

@@ -26,10 +26,11 @@ from torch import nn
 from torch.func import functional_call
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from conftest import FP32_STEP_RTOL, FP64_STEP_RTOL, on_device, rel_err, tiny_resnet
 from gearsam_fused import GEARSAM, available_backends
 from gearsam_fused.backends.triton_ops import interpreter_enabled
 from gearsam_fused.distributed import sam_step
+
+from conftest import FP32_STEP_RTOL, FP64_STEP_RTOL, on_device, rel_err, tiny_resnet
 
 WORLD = 2
 PER_RANK = 4  # samples per rank and step
@@ -557,6 +558,7 @@ def test_sam_step_without_process_group_is_the_documented_loop(m_sharpness):
     model, twin = _mlp(SEED), _mlp(SEED)
     opt, twin_opt = _gearsam(model, "torch"), _gearsam(twin, "torch")
     for x, y in data:
+
         def closure():
             loss = F.cross_entropy(model(x), y)
             loss.backward()
@@ -581,7 +583,7 @@ def test_sam_step_checks_its_arguments():
         loss.backward()
         return loss
 
-    with pytest.raises(TypeError, match="first_step"):
+    with pytest.raises(TypeError, match="optimizer must be a gearsam_fused SAM or GEARSAM, got SGD"):
         sam_step(torch.optim.SGD(model.parameters(), lr=0.1), model, closure)
     with pytest.raises(TypeError, match="closure"):
         sam_step(opt, model, None)

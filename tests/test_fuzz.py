@@ -27,9 +27,11 @@ from hypothesis import HealthCheck, Phase, given, settings, target
 from hypothesis import strategies as st
 from torch import nn
 
-from conftest import ALL, FUSED, SGD_KW, NoStep
 from gearsam_fused import GEARSAM, SAM
+from gearsam_fused.allocation import GEAR_RULE, RULES
 from gearsam_fused.flat import TILE
+
+from conftest import ALL, FUSED, SGD_KW, NoStep
 
 settings.register_profile(
     "ci", max_examples=150, deadline=None, derandomize=True, database=None, print_blob=True,
@@ -118,7 +120,7 @@ class Tensor:
 
 @dataclass(frozen=True)
 class Case:
-    rule: str  # "sam" or "gear"
+    rule: str  # one of RULES
     tensors: tuple[Tensor, ...]
     n_blocks: int
     partition: str  # "mapping", "callable", "tensor" or "global"
@@ -206,7 +208,7 @@ def cases(draw, rule: str) -> Case:
         rho=draw(st.one_of(st.sampled_from([0.05, 0.5, 2.0, 0.0]), st.floats(1e-3, 2.0))),
         # beta of 1e-6 and above: a tinier one makes s ~ beta * s_prev so small that s**2 underflows (see the
         # allocation test below)
-        beta=draw(st.one_of(st.sampled_from([0.0, 0.9]), st.floats(1e-6, 0.999))) if rule == "gear" else 0.0,
+        beta=draw(st.one_of(st.sampled_from([0.0, 0.9]), st.floats(1e-6, 0.999))) if rule == GEAR_RULE else 0.0,
         delta=draw(st.sampled_from([1e-12, 1e-6, 1e-2])),
         base=draw(st.sampled_from(["sgd", "nostep"])),
         flow=flow,
@@ -280,7 +282,7 @@ def make_optimizer(case: Case, params: list[nn.Parameter], backend: str):
     base, base_kw = (torch.optim.SGD, SGD_KW) if case.base == "sgd" else (NoStep, {})
     common = dict(model=model, partition=partition, rho=case.rho, adaptive=case.adaptive, eta=case.eta,
                   delta=case.delta, backend=backend)  # fmt: skip
-    if case.rule == "gear":
+    if case.rule == GEAR_RULE:
         return GEARSAM(param_arg, base, beta=case.beta, **common, **base_kw)
     return SAM(param_arg, base, **common, **base_kw)
 
@@ -313,7 +315,7 @@ def block_of(opt) -> dict[int, int]:
 
 def own_scales(case: Case, stats: dict[str, torch.Tensor]) -> torch.Tensor:
     """The per-block scale an optimizer used, recomputed in float64 from what it reports."""
-    if case.rule == "gear":
+    if case.rule == GEAR_RULE:
         return stats["radius"] / (stats["energy"].sqrt() + case.delta)
     denominator = stats["energy"].sum().sqrt() + case.delta
     return (torch.full_like(denominator, case.rho) / denominator).expand_as(stats["energy"])  # a true division
@@ -431,7 +433,7 @@ def check_reference_stats(case, ref, ref_params, stats, previous_ema, before, gr
     close = dict(rtol=2 * REFERENCE_UNITS * UNIT[torch.float64], atol=0)
     torch.testing.assert_close(stats["energy"], energy, **close)
     e = stats["energy"]
-    if case.rule == "gear":
+    if case.rule == GEAR_RULE:
         score = case.beta * previous_ema + (1 - case.beta) * e
         norm = score.norm()
         radius = case.rho * score / norm if norm > 0 else torch.zeros_like(score)
@@ -520,7 +522,7 @@ def run_and_compare(case: Case, backend: str, device: str) -> None:
 @pytest.mark.parametrize("backend,device", FUSED)
 @PROFILE
 @given(data=st.data())
-@pytest.mark.parametrize("rule", ["gear", "sam"])
+@pytest.mark.parametrize("rule", RULES)
 def test_step_matches_reference(backend, device, rule, data):
     run_and_compare(data.draw(cases(rule), label="case"), backend, device)
 

@@ -12,12 +12,13 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import FUSED, KERNELS, kernel_module
-from gearsam_fused.allocation import gear_allocate, sam_allocate
+from gearsam_fused.allocation import GEAR_RULE, RULES, SAM_RULE, gear_allocate, sam_allocate
 from gearsam_fused.backends import BACKENDS
 from gearsam_fused.backends.reference import ReferenceBackend
 from gearsam_fused.flat import TILE
 from gearsam_fused.partition import Block
+
+from conftest import FUSED, KERNELS, kernel_module
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 
@@ -130,18 +131,22 @@ def _allocation_cases():
         "all-zero": (torch.zeros(4, dtype=torch.float64), torch.zeros(4, dtype=torch.float64)),
         "one-block": (torch.tensor([0.3], dtype=torch.float64), torch.tensor([0.1], dtype=torch.float64)),
         "3000-blocks": (many, torch.rand(3000, generator=g, dtype=torch.float64)),
-        "non-finite": (torch.tensor([4.0, math.inf, 9.0, math.nan], dtype=torch.float64), torch.tensor([1.0, 2.0, 0.5, 3.0], dtype=torch.float64)),
+        "non-finite": (
+            torch.tensor([4.0, math.inf, 9.0, math.nan], dtype=torch.float64),
+            torch.tensor([1.0, 2.0, 0.5, 3.0], dtype=torch.float64),
+        ),
     }
 
 
 @pytest.mark.parametrize("backend,device", KERNELS)
 @pytest.mark.parametrize("case", list(_allocation_cases()))
-@pytest.mark.parametrize("rule", ["gear", "sam"])
+@pytest.mark.parametrize("rule", RULES)
 def test_allocate_kernel_matches_torch_allocation(backend, device, case, rule):
     energy, ema = (t.to(device) for t in _allocation_cases()[case])
     ema_kernel, ema_torch = ema.clone(), ema.clone()
-    scale, radius = kernel_module(backend).allocate(energy, ema_kernel, rule=rule, rho=0.3, beta=0.9, delta=1e-12)
-    if rule == "gear":
+    gear = rule == GEAR_RULE
+    scale, radius = kernel_module(backend).allocate(energy, ema_kernel, gear=gear, rho=0.3, beta=0.9, delta=1e-12)
+    if gear:
         expected_scale, expected_radius = gear_allocate(energy, ema_torch, 0.3, 0.9, 1e-12)
     else:
         expected_scale, expected_radius = sam_allocate(energy, 0.3, 1e-12)
@@ -152,11 +157,11 @@ def test_allocate_kernel_matches_torch_allocation(backend, device, case, rule):
     if not energy.isfinite().all():  # such blocks are skipped: the EMA keeps their score, they get no radius
         skipped = ~energy.isfinite()
         assert torch.equal(ema_kernel[skipped], ema[skipped]) and not radius[skipped].any() and not scale[skipped].any()
-        if rule == "sam":  # SAM has one scale: a non-finite total skips the whole step
+        if rule == SAM_RULE:  # SAM has one scale: a non-finite total skips the whole step
             assert not radius.any() and not scale.any()
         else:
             assert radius[~skipped].all()
-    elif ema_kernel.any() if rule == "gear" else energy.any():
+    elif ema_kernel.any() if gear else energy.any():
         assert math.isclose(radius.square().sum().item(), 0.09, rel_tol=1e-13)  # sum_b r_b^2 = rho^2
     else:
         assert not radius.any()
@@ -174,15 +179,50 @@ def test_launchers_name_the_bad_buffer(backend, device):
     with pytest.raises(ValueError, match="param .* must match grad"):
         k.block_energy(flat, flat.double(), **tables, tile=TILE, adaptive=False, eta=0.0)
     with pytest.raises(ValueError, match="partials has 1 entries for 2 tiles"):
-        k.block_energy(flat, flat, tables["block_tiles"], torch.zeros(1, dtype=torch.float64), tile=TILE, adaptive=False, eta=0.0)
+        k.block_energy(
+            flat, flat, tables["block_tiles"], torch.zeros(1, dtype=torch.float64), tile=TILE, adaptive=False, eta=0.0
+        )
     with pytest.raises(ValueError, match="tile_block must be torch.int32"):
-        k.perturb_(flat, flat, flat.clone(), torch.ones(1, dtype=torch.float64), torch.zeros(2, dtype=torch.int64), tile=TILE, adaptive=False, eta=0.0)
+        k.perturb_(
+            flat,
+            flat,
+            flat.clone(),
+            torch.ones(1, dtype=torch.float64),
+            torch.zeros(2, dtype=torch.int64),
+            tile=TILE,
+            adaptive=False,
+            eta=0.0,
+        )
     with pytest.raises(ValueError, match="backup .* must match param"):
         k.restore_(flat, torch.zeros(TILE), tile=TILE)
     with pytest.raises(ValueError, match="scale must be a contiguous 1-D tensor"):
-        k.perturb_(flat, flat, flat.clone(), torch.ones(2, 1, dtype=torch.float64), torch.zeros(2, dtype=torch.int32), tile=TILE, adaptive=False, eta=0.0)
-    with pytest.raises(ValueError, match="unknown allocation rule 'asam'"):
-        k.allocate(torch.zeros(2, dtype=torch.float64), torch.zeros(2, dtype=torch.float64), rule="asam", rho=0.1, beta=0.9, delta=1e-12)
+        k.perturb_(
+            flat,
+            flat,
+            flat.clone(),
+            torch.ones(2, 1, dtype=torch.float64),
+            torch.zeros(2, dtype=torch.int32),
+            tile=TILE,
+            adaptive=False,
+            eta=0.0,
+        )
+    with pytest.raises(TypeError, match="gear"):
+        k.allocate(
+            torch.zeros(2, dtype=torch.float64),
+            torch.zeros(2, dtype=torch.float64),
+            gear="sam",
+            rho=0.1,
+            beta=0.9,
+            delta=1e-12,
+        )
+
+
+@pytest.mark.parametrize("backend,device", [case for case in FUSED if case.values[1] == "cpu"] + [("reference", "cpu")])
+def test_backends_refuse_an_unknown_rule(backend, device):
+    blocks = make_blocks("edge-cases", torch.float32, device)
+    zeros = torch.zeros(len(blocks), dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"unknown allocation rule 'gear'; expected one of \('sam', 'gear-sam'\)"):
+        BACKENDS[backend](blocks, torch.device(device)).allocate("gear", zeros, zeros.clone(), 0.1, 0.9, 1e-12)
 
 
 # ------------------------------------------------------------------------------------- compiled for the GPU

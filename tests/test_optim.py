@@ -9,9 +9,11 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import ALL, FP32_STEP_RTOL, SGD_KW, FP64_STEP_RTOL, batches, flat, loss_fn, rel_err, sam_step, tiny_resnet
+import gearsam_fused
 from gearsam_fused import GEARSAM, SAM, compact_state_dict, format_partition
 from gearsam_fused.allocation import gear_allocate, sam_allocate
+
+from conftest import ALL, FP32_STEP_RTOL, FP64_STEP_RTOL, SGD_KW, batches, flat, loss_fn, rel_err, sam_step, tiny_resnet
 
 STEPS = 25
 
@@ -35,7 +37,12 @@ def test_sam_matches_pytorch_optimizer(twin, adaptive, backend, device):
 # ---------------------------------------------------------------- GEAR-SAM vs a float64 re-computation of Alg. 1
 def _paper_blocks(model):
     """Coarse blocks of the tiny ResNet written out by hand (independent of gearsam_fused.partition)."""
-    prefixes = [("stem", ("conv1.", "bn1.")), ("layer1", ("layer1.",)), ("layer2", ("layer2.",)), ("classifier", ("fc.",))]
+    prefixes = [
+        ("stem", ("conv1.", "bn1.")),
+        ("layer1", ("layer1.",)),
+        ("layer2", ("layer2.",)),
+        ("classifier", ("fc.",)),
+    ]
     named = list(model.named_parameters())
     return [[p for n, p in named if n.startswith(pre)] for _, pre in prefixes], [name for name, _ in prefixes]
 
@@ -58,12 +65,19 @@ def _gear_sam_float64(model, data, rho, beta, delta, lr, momentum, weight_decay,
     for xy in data:
         g = grad_at(w, xy)
         t = w.abs() + eta if adaptive else torch.ones_like(w)
-        e = torch.stack([((t * g) ** 2).sum() for t, g in zip(t.split(sizes), g.split(sizes))]) if adaptive else torch.stack(
-            [(gb**2).sum() for gb in g.split(sizes)]
+        e = (
+            torch.stack([((t * g) ** 2).sum() for t, g in zip(t.split(sizes), g.split(sizes))])
+            if adaptive
+            else torch.stack([(gb**2).sum() for gb in g.split(sizes)])
         )
         s = beta * s + (1 - beta) * e
         r = rho * s / torch.sqrt((s**2).sum()) if (s > 0).any() else torch.zeros_like(s)
-        eps = torch.cat([r[b] * (tb**2) * gb / (torch.sqrt(e[b]) + delta) for b, (tb, gb) in enumerate(zip(t.split(sizes), g.split(sizes)))])
+        eps = torch.cat(
+            [
+                r[b] * (tb**2) * gb / (torch.sqrt(e[b]) + delta)
+                for b, (tb, gb) in enumerate(zip(t.split(sizes), g.split(sizes)))
+            ]
+        )
         G = grad_at(w + eps, xy)
         d = G + weight_decay * w
         buf = d.clone() if buf is None else momentum * buf + d
@@ -249,7 +263,10 @@ def test_param_groups_are_shared_and_lr_scheduler_works_without_warnings():
 
 def test_param_groups_dicts_and_module_params():
     model = tiny_resnet()
-    groups = [{"params": model.fc.parameters(), "lr": 0.1}, {"params": [p for n, p in model.named_parameters() if not n.startswith("fc")]}]
+    groups = [
+        {"params": model.fc.parameters(), "lr": 0.1},
+        {"params": [p for n, p in model.named_parameters() if not n.startswith("fc")]},
+    ]
     opt = GEARSAM(groups, torch.optim.SGD, model=model, rho=0.05, lr=0.01)
     assert opt.block_names == ["stem", "layer1", "layer2", "classifier"]
     assert [g["lr"] for g in opt.param_groups] == [0.1, 0.01]
@@ -321,7 +338,9 @@ def test_partition_errors_through_the_optimizer():
         GEARSAM(params, torch.optim.SGD, lr=0.1)
     with pytest.raises(ValueError, match="two partition blocks"):
         GEARSAM(params, torch.optim.SGD, partition={"a": params[:2], "b": params[1:]}, lr=0.1)
-    with pytest.raises(ValueError, match=r"'fc.bias' \(shape \(3,\)\) is optimized but in no block of the partition mapping"):
+    with pytest.raises(
+        ValueError, match=r"'fc.bias' \(shape \(3,\)\) is optimized but in no block of the partition mapping"
+    ):
         GEARSAM(model, torch.optim.SGD, partition={"a": params[:-1]}, lr=0.1)
     with pytest.raises(ValueError, match="empty partition"):
         GEARSAM(params, torch.optim.SGD, partition={}, lr=0.1)
@@ -369,7 +388,10 @@ def test_misuse_raises_clear_errors():
 
 def test_groups_must_share_rho():
     model = tiny_resnet()
-    groups = [{"params": model.fc.parameters(), "rho": 0.1}, {"params": [p for n, p in model.named_parameters() if not n.startswith("fc")]}]
+    groups = [
+        {"params": model.fc.parameters(), "rho": 0.1},
+        {"params": [p for n, p in model.named_parameters() if not n.startswith("fc")]},
+    ]
     opt = GEARSAM(groups, torch.optim.SGD, model=model, rho=0.05, lr=0.1)
     loss_fn(model, batches(1)[0]).backward()
     with pytest.raises(ValueError, match="share one rho"):
@@ -388,6 +410,59 @@ def test_load_state_dict_refuses_foreign_states():
         per_tensor.load_state_dict(gear.state_dict())
 
 
+@pytest.mark.parametrize("cls, legacy", [(SAM, "SAM"), (GEARSAM, "GEARSAM")])
+def test_a_state_tagged_with_the_class_name_still_loads(cls, legacy):
+    """The state-dict tag is the rule; a state tagged with the class name (version 0.1.0) loads the same."""
+    torch.manual_seed(0)
+    model = tiny_resnet()
+    opt = cls(model, torch.optim.SGD, lr=0.1, momentum=0.9)
+    sam_step(opt, model, batches(1)[0])
+    state = opt.state_dict()
+    assert state["gearsam"]["rule"] == cls.rule == {SAM: "sam", GEARSAM: "gear-sam"}[cls]
+    old = copy.deepcopy(state)
+    old["gearsam"]["rule"] = legacy
+    fresh = cls(model, torch.optim.SGD, lr=0.1, momentum=0.9)
+    fresh.load_state_dict(old)
+    assert torch.equal(fresh.step_statistics.ema, opt.step_statistics.ema)
+    other = GEARSAM if cls is SAM else SAM
+    old["gearsam"]["rule"] = other.__name__
+    with pytest.raises(ValueError, match=f"saved by {other.__name__}, cannot load it into {cls.__name__}"):
+        cls(model, torch.optim.SGD, lr=0.1).load_state_dict(old)
+
+
+@pytest.mark.parametrize("backend,device", ALL)
+def test_perturbed_is_one_state_and_guards_the_state_dict(backend, device):
+    model = tiny_resnet(device=device)
+    opt = GEARSAM(model, torch.optim.SGD, lr=0.1, backend=backend)
+    saved = opt.state_dict()
+    xy = batches(1, device=device)[0]
+    loss_fn(model, xy).backward()
+    opt.first_step(zero_grad=True)
+    assert opt.perturbed and opt._backend.perturbed
+    for call in (opt.state_dict, lambda: opt.load_state_dict(saved)):
+        with pytest.raises(RuntimeError, match="between first_step\\(\\) and second_step\\(\\)"):
+            call()
+    loss_fn(model, xy).backward()
+    opt.second_step()
+    assert not opt.perturbed and not opt._backend.perturbed
+    opt.load_state_dict(saved)
+
+
+def test_step_statistics_are_the_optimizers_own_tensors():
+    """No copy (telemetry records them without a synchronisation), and block_stats() describes the same numbers."""
+    torch.manual_seed(0)
+    model = tiny_resnet()
+    opt = GEARSAM(model, torch.optim.SGD, lr=0.1, rho=0.07)
+    sam_step(opt, model, batches(1)[0])
+    stats = opt.step_statistics
+    assert stats.ema is opt.step_statistics.ema and stats.rho == 0.07
+    assert all(t.dtype == torch.float64 and t.shape == (len(opt.blocks),) for t in stats[:3])
+    described = opt.block_stats()
+    for name in ("energy", "ema", "radius"):
+        assert torch.equal(described[name], getattr(stats, name).cpu())
+    assert isinstance(opt, gearsam_fused.SharpnessAware) and gearsam_fused.OPTIMIZERS[opt.rule] is GEARSAM
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
 def test_reference_precision_contract(dtype):
     """Energies in float64 from the stored gradients; eps formed in float32 (float64 for float64) and rounded once."""
@@ -399,7 +474,9 @@ def test_reference_precision_contract(dtype):
     grads = [p.grad.clone() for p in layers.parameters()]
     opt.first_step()
     stats = opt.block_stats()
-    torch.testing.assert_close(stats["energy"], torch.stack([g.double().square().sum() for g in grads]), rtol=1e-15, atol=0)
+    torch.testing.assert_close(
+        stats["energy"], torch.stack([g.double().square().sum() for g in grads]), rtol=1e-15, atol=0
+    )
     compute = torch.float64 if dtype == torch.float64 else torch.float32
     scale = (stats["radius"] / (stats["energy"].sqrt() + 1e-12)).to(compute)
     for b, (p, w, g) in enumerate(zip(layers.parameters(), weights, grads)):
@@ -415,7 +492,11 @@ SCHEDULERS = {
     "CyclicLR": lambda opt: torch.optim.lr_scheduler.CyclicLR(opt, base_lr=0.01, max_lr=0.1, step_size_up=2),
     "ReduceLROnPlateau": lambda opt: torch.optim.lr_scheduler.ReduceLROnPlateau(opt, patience=0, factor=0.5),
     "SequentialLR": lambda opt: torch.optim.lr_scheduler.SequentialLR(
-        opt, [torch.optim.lr_scheduler.LinearLR(opt, 0.1, total_iters=3), torch.optim.lr_scheduler.CosineAnnealingLR(opt, 5)],
+        opt,
+        [
+            torch.optim.lr_scheduler.LinearLR(opt, 0.1, total_iters=3),
+            torch.optim.lr_scheduler.CosineAnnealingLR(opt, 5),
+        ],
         milestones=[3],
     ),
 }
@@ -433,7 +514,7 @@ def test_schedulers_drive_the_wrapper_as_they_drive_the_base_optimizer(scheduler
         opt = GEARSAM(groups, base, model=model, **kwargs) if wrapped else base(groups, **kwargs)
         sched = SCHEDULERS[scheduler](opt)
         seen = []
-        for step, xy in enumerate(batches(8)):
+        for xy in batches(8):
             if wrapped:
                 sam_step(opt, model, xy)
             else:
@@ -473,7 +554,9 @@ def test_a_mapping_that_misses_a_parameter_names_it():
     with pytest.raises(ValueError, match=r"parameter param_groups\[1\]\['params'\]\[0\] \(shape \(\)\) is optimized "
                                          r"but in no block of the partition mapping; add it to a block"):  # fmt: skip
         GEARSAM(groups, torch.optim.SGD, model=model, partition={"all": model.parameters()}, lr=0.1)
-    opt = GEARSAM(groups, torch.optim.SGD, model=model, partition={"net": model.parameters(), "t": [temperature]}, lr=0.1)
+    opt = GEARSAM(
+        groups, torch.optim.SGD, model=model, partition={"net": model.parameters(), "t": [temperature]}, lr=0.1
+    )
     assert opt.block_names == ["net", "t"]
 
 

@@ -93,7 +93,7 @@ def test_records_continue_the_step_count_and_keep_records_without_a_sink():
 
 def test_rejects_bad_arguments():
     model = tiny_resnet()
-    with pytest.raises(TypeError, match="BlockTelemetry needs a gearsam_fused SAM or GEARSAM optimizer, got SGD"):
+    with pytest.raises(TypeError, match="optimizer must be a gearsam_fused SAM or GEARSAM, got SGD"):
         BlockTelemetry(torch.optim.SGD(model.parameters(), lr=0.1))
     opt = GEARSAM(model, torch.optim.SGD, lr=0.1)
     for every in (0, -1, 2.5, True):

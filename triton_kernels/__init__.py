@@ -17,6 +17,12 @@ restore\\_         w = backup, bit for bit                                     1
 Kernels that do arithmetic are launched with ``enable_fp_fusion=False``: no multiply-add is contracted into an FMA,
 so ``w + scale * g`` rounds exactly like the unfused formula of the reference backend, on every Triton version.
 
+Kernels that read ASAM's ``eta`` receive it twice, as ``eta32`` (a ``tl.float32`` argument) and ``eta64`` (a
+``tl.float64`` one), and use the one of their compute precision, chosen at compile time. The reference adds ``eta``
+to ``|w|`` in the compute precision, so a float32 kernel must add ``eta`` rounded to float32 (a float64 ``eta`` would
+promote the sum to float64 and round differently) and a float64 kernel must add it unrounded; a Triton scalar
+argument has one type per compiled signature, so one argument cannot serve both.
+
 Importing this package imports triton: set ``TRITON_INTERPRET=1`` before that to run the kernels on CPU tensors
 through Triton's interpreter.
 """

@@ -33,9 +33,11 @@ _CHUNK = 1024
 
 
 @triton.jit
-def _smoothed(e, s, beta):
-    """The EMA's next value, or the current one where the energy is not finite."""
-    return tl.where(e - e == 0, beta * s + (1.0 - beta) * e, s)
+def _load_smoothed(energy_ptr, ema_ptr, offsets, mask, beta):
+    """``(e, s)`` at ``offsets``: the energies and the EMA's next value (its current one where e is not finite)."""
+    e = tl.load(energy_ptr + offsets, mask=mask, other=0.0)
+    s = tl.load(ema_ptr + offsets, mask=mask, other=0.0)
+    return e, tl.where(e - e == 0, beta * s + (1.0 - beta) * e, s)
 
 
 @triton.jit
@@ -48,8 +50,7 @@ def _allocate_kernel(energy_ptr, ema_ptr, scale_ptr, radius_ptr, n_blocks, rho: 
         for start in range(0, n_blocks, CHUNK):
             offsets = start + tl.arange(0, CHUNK)
             mask = offsets < n_blocks
-            e = tl.load(energy_ptr + offsets, mask=mask, other=0.0)
-            s = _smoothed(e, tl.load(ema_ptr + offsets, mask=mask, other=0.0), beta)
+            _, s = _load_smoothed(energy_ptr, ema_ptr, offsets, mask, beta)
             largest = tl.maximum(largest, s)
         peak = tl.max(largest, axis=0)
     safe_peak = tl.where(peak > 0, peak, 1.0)
@@ -57,27 +58,25 @@ def _allocate_kernel(energy_ptr, ema_ptr, scale_ptr, radius_ptr, n_blocks, rho: 
     for start in range(0, n_blocks, CHUNK):
         offsets = start + tl.arange(0, CHUNK)
         mask = offsets < n_blocks
-        e = tl.load(energy_ptr + offsets, mask=mask, other=0.0)
         if GEAR:
-            s = _smoothed(e, tl.load(ema_ptr + offsets, mask=mask, other=0.0), beta)
+            _, s = _load_smoothed(energy_ptr, ema_ptr, offsets, mask, beta)
             t = s / safe_peak
             acc += t * t
         else:
-            acc += e
+            acc += tl.load(energy_ptr + offsets, mask=mask, other=0.0)
     norm = tl.sqrt(tl.sum(acc, axis=0))
     safe_norm = tl.where(norm > 0, norm, 1.0)
     for start in range(0, n_blocks, CHUNK):
         offsets = start + tl.arange(0, CHUNK)
         mask = offsets < n_blocks
-        e = tl.load(energy_ptr + offsets, mask=mask, other=0.0)
-        root = tl.sqrt(e)
         if GEAR:
-            finite = e - e == 0
-            s = _smoothed(e, tl.load(ema_ptr + offsets, mask=mask, other=0.0), beta)
+            e, s = _load_smoothed(energy_ptr, ema_ptr, offsets, mask, beta)
             tl.store(ema_ptr + offsets, s, mask=mask)
+            finite = e - e == 0
             radius = tl.where(finite, tl.where(norm > 0, rho * ((s / safe_peak) / safe_norm), 0.0), 0.0)
-            scale = tl.where(finite, radius / (root + delta), 0.0)
+            scale = tl.where(finite, radius / (tl.sqrt(e) + delta), 0.0)
         else:
+            root = tl.sqrt(tl.load(energy_ptr + offsets, mask=mask, other=0.0))
             finite = norm - norm == 0
             radius = tl.where(finite, tl.where(norm > 0, rho * (root / safe_norm), 0.0), 0.0)
             scale = tl.zeros([CHUNK], dtype=tl.float64) + tl.where(finite, rho / (norm + delta), 0.0)
@@ -85,11 +84,11 @@ def _allocate_kernel(energy_ptr, ema_ptr, scale_ptr, radius_ptr, n_blocks, rho: 
         tl.store(scale_ptr + offsets, scale, mask=mask)
 
 
-def allocate(energy: torch.Tensor, ema: torch.Tensor, *, rule: str, rho: float, beta: float,
+def allocate(energy: torch.Tensor, ema: torch.Tensor, *, gear: bool, rho: float, beta: float,
              delta: float) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """``(scale, radius)``, float64 ``[B]``; ``rule`` is ``"gear"`` (updates ``ema`` in place) or ``"sam"``."""
-    if rule not in ("gear", "sam"):
-        raise ValueError(f"unknown allocation rule {rule!r}; expected 'gear' or 'sam'")
+    """``(scale, radius)``, float64 ``[B]``, by the GEAR rule (``gear``, updates ``ema`` in place) or the SAM rule."""
+    if not isinstance(gear, bool):
+        raise TypeError(f"gear must be a bool, got {gear!r}")
     check_flat("energy", energy, dtype=torch.float64)
     check_same("ema", ema, "energy", energy)
     scale = torch.empty_like(energy)
@@ -97,7 +96,16 @@ def allocate(energy: torch.Tensor, ema: torch.Tensor, *, rule: str, rho: float, 
     n_blocks = energy.numel()
     if n_blocks:
         _allocate_kernel[(1,)](
-            energy, ema, scale, radius, n_blocks, rho, beta, delta, GEAR=rule == "gear", CHUNK=_CHUNK,
+            energy,
+            ema,
+            scale,
+            radius,
+            n_blocks,
+            rho,
+            beta,
+            delta,
+            GEAR=gear,
+            CHUNK=_CHUNK,
             enable_fp_fusion=False,
         )
     return scale, radius

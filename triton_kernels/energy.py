@@ -64,7 +64,14 @@ def block_energy(grad: torch.Tensor, param: torch.Tensor, block_tiles: torch.Ten
     energy = torch.empty(n_blocks, dtype=torch.float64, device=grad.device)
     if n_tiles:
         _tile_energy_kernel[(n_tiles,)](
-            grad, param, partials, eta, eta, ADAPTIVE=adaptive, TILE=tile, ACC=compute_type(grad.dtype),
+            grad,
+            param,
+            partials,
+            eta,
+            eta,
+            ADAPTIVE=adaptive,
+            TILE=tile,
+            ACC=compute_type(grad.dtype),
             enable_fp_fusion=False,
         )
     if n_blocks:

@@ -70,7 +70,16 @@ def perturb_(param: torch.Tensor, grad: torch.Tensor, backup: torch.Tensor, scal
         raise ValueError(f"tile_block has {tile_block.numel()} entries for {n_tiles} tiles")
     if n_tiles:
         _perturb_kernel[(n_tiles,)](
-            param, grad, backup, scale, tile_block, eta, eta, ADAPTIVE=adaptive, TILE=tile, COMPUTE=compute_type(param.dtype),
+            param,
+            grad,
+            backup,
+            scale,
+            tile_block,
+            eta,
+            eta,
+            ADAPTIVE=adaptive,
+            TILE=tile,
+            COMPUTE=compute_type(param.dtype),
             enable_fp_fusion=False,
         )
 

@@ -14,21 +14,22 @@ from __future__ import annotations
 
 import torch
 
-from ..allocation import gear_allocate, sam_allocate
+from ..allocation import RULES, allocate  # noqa: F401 (RULES: the rules Backend.allocate understands)
 from ..partition import Block
-
-#: Allocation rules understood by :meth:`Backend.allocate`.
-RULES = ("gear", "sam")
 
 
 class Backend:
-    """Base class. ``blocks`` is the optimizer's partition; ``device`` receives energies, EMA and radii."""
+    """Base class. ``blocks`` is the optimizer's partition; ``device`` receives energies, EMA and radii. A subclass
+    implements :meth:`block_energy`, ``_perturb``, ``_restore`` and :meth:`memory_overhead`."""
 
     name = "abstract"
 
     def __init__(self, blocks: list[Block], device: torch.device):
         self.blocks = blocks
         self.device = device
+        #: Whether the parameters hold ``w + eps``: set by :meth:`perturb_`, cleared by :meth:`restore_`. The one record
+        #: of it; the optimizer reads it from here.
+        self.perturbed = False
 
     @staticmethod
     def installed() -> bool:
@@ -45,21 +46,30 @@ class Backend:
         raise NotImplementedError
 
     def allocate(self, rule: str, energy: torch.Tensor, ema: torch.Tensor, rho: float, beta: float, delta: float):
-        """``(scale, radius)``, float64 ``[B]``, by ``rule`` (see :mod:`gearsam_fused.allocation`); ``"gear"``
-        updates ``ema`` in place. Runs on the device without reading anything back to the host."""
-        if rule == "gear":
-            return gear_allocate(energy, ema, rho, beta, delta)
-        if rule == "sam":
-            return sam_allocate(energy, rho, delta)
-        raise ValueError(f"unknown allocation rule {rule!r}; expected one of {RULES}")
+        """``(scale, radius)``, float64 ``[B]``, by ``rule`` (one of :data:`gearsam_fused.allocation.RULES`);
+        GEAR-SAM's updates ``ema`` in place. Runs on the device without reading anything back to the host."""
+        return allocate(rule, energy, ema, rho, beta, delta)
 
     def perturb_(self, scale: torch.Tensor, adaptive: bool, eta: float) -> None:
         """Save the parameters, then ``p += scale[b] * T_p**2 * g_p`` in place for every parameter with a gradient
         (using the gradients as :meth:`block_energy` last read them)."""
-        raise NotImplementedError
+        if self.perturbed:
+            raise RuntimeError("perturb_ called twice without restore_: the parameters already hold w + eps")
+        self._perturb(scale, adaptive, eta)
+        self.perturbed = True
 
     def restore_(self) -> None:
-        """Put back, bit for bit, every parameter saved by the last :meth:`perturb_`."""
+        """Put back, bit for bit, every parameter saved by the last :meth:`perturb_` (nothing if none is saved)."""
+        if self.perturbed:
+            self._restore()
+        self.perturbed = False
+
+    def _perturb(self, scale: torch.Tensor, adaptive: bool, eta: float) -> None:
+        """:meth:`perturb_`'s tensor work."""
+        raise NotImplementedError
+
+    def _restore(self) -> None:
+        """:meth:`restore_`'s tensor work."""
         raise NotImplementedError
 
     @torch.no_grad()

@@ -22,7 +22,7 @@ BUILD_HINT = (
 )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _load() -> tuple[ModuleType | None, str]:
     """The compiled module, or None and why it could not be imported."""
     try:
@@ -52,10 +52,14 @@ class CppBackend(KernelBackend):
     def check_usable(devices: set[torch.device]) -> None:
         module, why = _load()
         if module is None:
-            raise ValueError(f"backend 'cpp' needs the C++ extension gearsam_fused._C, which is not built ({why}); {BUILD_HINT}")
+            raise ValueError(
+                f"backend 'cpp' needs the C++ extension gearsam_fused._C, which is not built ({why}); {BUILD_HINT}"
+            )
         unsupported = sorted(str(d) for d in devices if d.type not in ("cpu", "cuda"))
         if unsupported:
-            raise ValueError(f"backend 'cpp' runs on CPU and CUDA tensors, but parameters are on {', '.join(unsupported)}")
+            raise ValueError(
+                f"backend 'cpp' runs on CPU and CUDA tensors, but parameters are on {', '.join(unsupported)}"
+            )
         if any(d.type == "cuda" for d in devices) and not module.built_with_cuda():
             raise ValueError(
                 "backend 'cpp' was built without CUDA kernels, but parameters are on CUDA; reinstall with nvcc on PATH "

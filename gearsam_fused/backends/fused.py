@@ -8,10 +8,11 @@ parameter tensors the model has. :class:`KernelBackend` supplies it from a modul
 from __future__ import annotations
 
 import contextlib
-from types import ModuleType
+from typing import Protocol
 
 import torch
 
+from ..allocation import GEAR_RULE, check_rule
 from ..flat import Bucket, FlatLayout
 from .base import Backend
 
@@ -20,7 +21,6 @@ class FusedBackend(Backend):
     def __init__(self, blocks, device: torch.device):
         super().__init__(blocks, device)
         self.layout = FlatLayout(blocks)
-        self._perturbed = False
 
     # ------------------------------------------------------------------ per-bucket work, by subclasses
     def _bucket_energy(self, bucket: Bucket, adaptive: bool, eta: float) -> torch.Tensor:
@@ -46,20 +46,15 @@ class FusedBackend(Backend):
             energy = torch.zeros(self.layout.n_blocks, dtype=torch.float64, device=self.device)
         return energy
 
-    def perturb_(self, scale: torch.Tensor, adaptive: bool, eta: float) -> None:
-        if self._perturbed:
-            raise RuntimeError("perturb_ called twice without restore_: the parameters already hold w + eps")
+    def _perturb(self, scale: torch.Tensor, adaptive: bool, eta: float) -> None:
         for bucket in self.layout.buckets:
             if bucket.n_tiles:
                 self._bucket_perturb(bucket, scale.to(bucket.device), adaptive, eta)
-        self._perturbed = True
 
-    def restore_(self) -> None:
-        if self._perturbed:
-            for bucket in self.layout.buckets:
-                if bucket.n_tiles:
-                    self._bucket_restore(bucket)
-        self._perturbed = False
+    def _restore(self) -> None:
+        for bucket in self.layout.buckets:
+            if bucket.n_tiles:
+                self._bucket_restore(bucket)
 
     def zero_grad_(self) -> None:
         self.layout.zero_grads_()
@@ -73,35 +68,63 @@ def _launching_on(device: torch.device):
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
+class KernelModule(Protocol):
+    """What :class:`KernelBackend` needs of a kernel module: four launchers over one bucket's flat buffers, with
+    these keyword signatures. ``gearsam_fused.triton_kernels`` and the compiled ``gearsam_fused._C`` both provide them.
+    The formulas are those of :class:`~gearsam_fused.backends.base.Backend`'s methods of the same names."""
+
+    def block_energy(
+        self, grad: torch.Tensor, param: torch.Tensor, block_tiles: torch.Tensor, partials: torch.Tensor, *,
+        tile: int, adaptive: bool, eta: float,
+    ) -> torch.Tensor: ...  # fmt: skip
+
+    def allocate(
+        self, energy: torch.Tensor, ema: torch.Tensor, *, gear: bool, rho: float, beta: float, delta: float
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def perturb_(
+        self, param: torch.Tensor, grad: torch.Tensor, backup: torch.Tensor, scale: torch.Tensor,
+        tile_block: torch.Tensor, *, tile: int, adaptive: bool, eta: float,
+    ) -> None: ...  # fmt: skip
+
+    def restore_(self, param: torch.Tensor, backup: torch.Tensor, *, tile: int) -> None: ...
+
+
 class KernelBackend(FusedBackend):
-    """A fused backend whose work is done by a kernel module with four launchers of fixed signatures::
+    """A fused backend whose tensor work is done by a :class:`KernelModule`."""
 
-        block_energy(grad, param, block_tiles, partials, *, tile, adaptive, eta) -> energy
-        allocate(energy, ema, *, rule, rho, beta, delta) -> (scale, radius)
-        perturb_(param, grad, backup, scale, tile_block, *, tile, adaptive, eta)
-        restore_(param, backup, *, tile)
-
-    ``gearsam_fused.triton_kernels`` and the compiled ``gearsam_fused._C`` both provide them.
-    """
-
-    def __init__(self, blocks, device: torch.device, kernels: ModuleType):
+    def __init__(self, blocks, device: torch.device, kernels: KernelModule):
         self.kernels = kernels
         super().__init__(blocks, device)
 
     def _bucket_energy(self, bucket: Bucket, adaptive: bool, eta: float) -> torch.Tensor:
         with _launching_on(bucket.device):
             return self.kernels.block_energy(
-                bucket.grad, bucket.param, bucket.block_tiles, bucket.partials, tile=bucket.tile, adaptive=adaptive, eta=eta
+                bucket.grad,
+                bucket.param,
+                bucket.block_tiles,
+                bucket.partials,
+                tile=bucket.tile,
+                adaptive=adaptive,
+                eta=eta,
             )
 
     def allocate(self, rule, energy, ema, rho, beta, delta):
         with _launching_on(energy.device):
-            return self.kernels.allocate(energy, ema, rule=rule, rho=rho, beta=beta, delta=delta)
+            gear = check_rule(rule) == GEAR_RULE
+            return self.kernels.allocate(energy, ema, gear=gear, rho=rho, beta=beta, delta=delta)
 
     def _bucket_perturb(self, bucket: Bucket, scale: torch.Tensor, adaptive: bool, eta: float) -> None:
         with _launching_on(bucket.device):
             self.kernels.perturb_(
-                bucket.param, bucket.grad, bucket.backup, scale, bucket.tile_block, tile=bucket.tile, adaptive=adaptive, eta=eta
+                bucket.param,
+                bucket.grad,
+                bucket.backup,
+                scale,
+                bucket.tile_block,
+                tile=bucket.tile,
+                adaptive=adaptive,
+                eta=eta,
             )
 
     def _bucket_restore(self, bucket: Bucket) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .._checks import check_dense_grad
+from ..checks import check_dense_grad
 from .base import Backend, compute_dtype
 
 
@@ -41,9 +41,7 @@ class ReferenceBackend(Backend):
         return torch.stack(energies)
 
     @torch.no_grad()
-    def perturb_(self, scale: torch.Tensor, adaptive: bool, eta: float) -> None:
-        if self._saved:
-            raise RuntimeError("perturb_ called twice without restore_: the parameters already hold w + eps")
+    def _perturb(self, scale: torch.Tensor, adaptive: bool, eta: float) -> None:
         for b, block in enumerate(self.blocks):
             for p, g in self._with_grads(block):
                 self._saved.append((p, p.detach().clone()))
@@ -56,7 +54,7 @@ class ReferenceBackend(Backend):
                 p.copy_(torch.where(s == 0, w, w + direction * s))  # a skipped block stays w, even where g is inf
 
     @torch.no_grad()
-    def restore_(self) -> None:
+    def _restore(self) -> None:
         for p, saved in self._saved:
             p.copy_(saved)
         self._saved.clear()

@@ -1,11 +1,23 @@
-"""Argument and tensor checks shared by the frontend and the backends, so each error is worded once."""
+"""Argument and tensor checks shared by the frontend, the backends and the application, so each error is worded once."""
 
 from __future__ import annotations
 
 import math
+import re
 from numbers import Real
 
 import torch
+
+
+def check_torch_version(minimum: str, found: str | None = None) -> None:
+    """ImportError unless torch (``found``, default the imported one) is release ``minimum`` or later."""
+    found = torch.__version__ if found is None else found
+
+    def release(version: str) -> tuple[int, ...]:
+        return tuple(int(part) for part in re.match(r"\d+(?:\.\d+)*", version).group().split("."))
+
+    if release(found) < release(minimum):
+        raise ImportError(f"gearsam_fused needs torch >= {minimum}, but torch {found} is installed; upgrade torch")
 
 
 def check_real(name: str, value, *, low: float, low_inclusive: bool = True, high: float | None = None) -> float:
