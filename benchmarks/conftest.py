@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gearsam_fused.machine import describe_machine
+from gearsam_fused.app.machine import describe_machine
 
 if not torch.cuda.is_available():
     # lets the triton backend run on CPU tensors (slowly) if a benchmark asks for it explicitly
@@ -29,8 +29,12 @@ _ROWS: list[dict] = []
 
 def pytest_addoption(parser):
     group = parser.getgroup("gearsam benchmarks")
-    group.addoption("--quick", action="store_true", help="small sets and few rounds: a smoke run (under two minutes on CPU)")
-    group.addoption("--results", default=str(DEFAULT_RESULTS), help="JSONL file the run appends its rows to ('' for none)")
+    group.addoption(
+        "--quick", action="store_true", help="small sets and few rounds: a smoke run (under two minutes on CPU)"
+    )
+    group.addoption(
+        "--results", default=str(DEFAULT_RESULTS), help="JSONL file the run appends its rows to ('' for none)"
+    )
 
 
 @pytest.fixture(scope="session")

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._checks import check_dense_grad
+from .checks import check_dense_grad
 from .partition import Block
 
 #: Tensor starts are multiples of this many elements (256 bytes in float32): aligned for vectorised access.
@@ -212,7 +212,9 @@ class FlatLayout:
         """Bytes allocated beyond the parameters and gradients themselves."""
         backup = sum(b.backup.nbytes for b in self.buckets)
         padding = sum(2 * b.padding * b.param.element_size() for b in self.buckets)
-        tables = sum(t.nbytes for b in self.buckets for k, t in b.tensors().items() if k not in ("param", "grad", "backup"))
+        tables = sum(
+            t.nbytes for b in self.buckets for k, t in b.tensors().items() if k not in ("param", "grad", "backup")
+        )
         grad_buffer = sum(b.grad.nbytes for b in self.buckets)
         return {"backup": backup, "padding": padding, "tables": tables, "total": backup + padding + tables,
                 "grad_buffer": grad_buffer}  # fmt: skip

@@ -304,14 +304,18 @@ def partition(model: nn.Module | None, strategy="coarse", params: Iterable[torch
     model = unwrap(model)
     if isinstance(strategy, str):
         if strategy not in STRATEGIES:
-            raise ValueError(f"unknown partition strategy {strategy!r}; expected one of {STRATEGIES}, a callable or a mapping")
+            raise ValueError(
+                f"unknown partition strategy {strategy!r}; expected one of {STRATEGIES}, a callable or a mapping"
+            )
         if strategy in ("coarse", "fine") and model is None:
             raise ValueError(
                 f"partition strategy {strategy!r} reads module names and needs the model: pass model=... "
                 "(or the nn.Module itself as params), or use 'tensor', 'global', a mapping"
             )
     elif not callable(strategy) and not isinstance(strategy, Mapping):
-        raise ValueError(f"unknown partition strategy of type {type(strategy).__name__}; expected a name, callable or mapping")
+        raise ValueError(
+            f"unknown partition strategy of type {type(strategy).__name__}; expected a name, callable or mapping"
+        )
     elif callable(strategy) and not isinstance(strategy, Mapping) and model is None:
         raise ValueError("a callable partition strategy receives parameter names and needs the model: pass model=...")
 

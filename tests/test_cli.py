@@ -12,10 +12,11 @@ import pytest
 import torch
 from PIL import Image
 
-from gearsam_fused.data import add_symmetric_noise, crop_and_flip, load_digits_split
-from gearsam_fused.plots import block_shares_figure, curves_figure
+from gearsam_fused.app.data import add_symmetric_noise, crop_and_flip, load_digits_split
+from gearsam_fused.app.metrics import METRIC_KINDS
+from gearsam_fused.app.plots import block_shares_figure, curves_figure
+from gearsam_fused.app.training import Progress, RunConfig, cosine_factor, run_experiment, stretch_cosine
 from gearsam_fused.telemetry import RECORD_FIELDS
-from gearsam_fused.training import METRIC_KINDS, Progress, RunConfig, cosine_factor, run_experiment, stretch_cosine
 
 EPOCH_FIELDS = {"kind", "optimizer", "seed", "epoch", "step", "lr", "train_loss", "train_acc", "test_loss", "test_acc",
                 "seconds", "sam_seconds"}  # fmt: skip
@@ -169,7 +170,10 @@ def test_train_resumes_from_checkpoints_exactly(tmp_path):
 def test_train_resume_refuses_to_change_what_it_computes(tmp_path):
     ok(gearsam("train", *TINY_TRAIN, "--optimizers", "sgd", "--checkpoint-every", "1", "--out", tmp_path))
     failed(gearsam("train", "--resume", tmp_path, "--lr", "0.3"), "--resume cannot change ['lr']")
-    failed(gearsam("train", "--resume", tmp_path / "nothing"), f"cannot resume {tmp_path / 'nothing'}: it has no config.json")
+    failed(
+        gearsam("train", "--resume", tmp_path / "nothing"),
+        f"cannot resume {tmp_path / 'nothing'}: it has no config.json",
+    )
 
 
 def test_train_bf16_autocast_channels_last_and_cosine_schedule(tmp_path):
@@ -272,7 +276,10 @@ def test_train_reads_the_cifar_archives(tmp_path, name, train_images):
 
 
 def test_train_says_what_is_missing(tmp_path):
-    failed(gearsam("train", "--dataset", "cifar10"), "--dataset cifar10 needs --data-dir DIR containing cifar-10-batches-py/")
+    failed(
+        gearsam("train", "--dataset", "cifar10"),
+        "--dataset cifar10 needs --data-dir DIR containing cifar-10-batches-py/",
+    )
     failed(gearsam("train", "--dataset", "cifar100", "--data-dir", tmp_path), "cifar100 not found:")
     failed(gearsam("train", "--model", "resnet1000", "--out", tmp_path / "r"), "unknown model 'resnet1000'")
     bad = gearsam("train", "--model-arg", "width")
@@ -308,7 +315,10 @@ def test_partition_prints_block_tables():
     assert [line.split()[0] for line in lines[2:8]] == ["stem", "layer1", "layer2", "layer3", "layer4", "classifier"]
     assert lines[8].split() == ["total", "62", "11,173,962", "100.00"]
     by_path = ok(gearsam("partition", "gearsam_fused.models:pyramidnet110", "--strategy", "coarse", "fine"))
-    assert "[gearsam_fused.models:pyramidnet110: coarse]" in by_path and "[gearsam_fused.models:pyramidnet110: fine]" in by_path
+    assert (
+        "[gearsam_fused.models:pyramidnet110: coarse]" in by_path
+        and "[gearsam_fused.models:pyramidnet110: fine]" in by_path
+    )
     failed(gearsam("partition", "nonexistent_model"), "unknown model 'nonexistent_model'")
     failed(gearsam("partition", "torch.nn:NoSuchLayer"), "cannot load 'torch.nn:NoSuchLayer'")
 

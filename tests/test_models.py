@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from gearsam_fused.models import MODELS, get_model
+from gearsam_fused.models import MODELS, ResNet, get_model
 
 # Parameter counts of the full-size networks (10 classes for the CIFAR ones, 1000 for the ImageNet layouts).
 FULL_SIZE = {
@@ -38,6 +38,7 @@ def test_pyramidnet110_size():
         ("pyramidnet110", dict(depth=20, alpha=12), 32),
         ("efficientnet_b0", dict(width_mult=0.25, depth_mult=0.5, num_classes=10), 64),
         ("vit_b16", dict(img_size=32, patch_size=8, dim=32, depth=2, heads=4, num_classes=10), 32),
+        ("digits_resnet", dict(width=4, in_channels=3), 8),
     ],
 )
 def test_tiny_versions_run_forward_and_backward(name, kwargs, image):
@@ -47,6 +48,16 @@ def test_tiny_versions_run_forward_and_backward(name, kwargs, image):
     assert out.shape == (2, 10)
     out.sum().backward()
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+def test_digits_resnet_is_the_demos_network():
+    torch.manual_seed(0)
+    model = get_model("digits_resnet")
+    torch.manual_seed(0)
+    demo = ResNet(blocks=(1, 1, 1), width=16, num_classes=10, in_channels=1)  # what the demo has always trained
+    assert list(model.state_dict()) == list(demo.state_dict())
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), demo.state_dict().values()))
+    assert model(torch.randn(2, 1, 8, 8)).shape == (2, 10)
 
 
 def test_unknown_model_and_bad_depth():

@@ -12,6 +12,7 @@ TINY = {
     "pyramidnet110": lambda: pyramidnet110(depth=20, alpha=12),
     "efficientnet_b0": lambda: efficientnet_b0(width_mult=0.25, num_classes=10),
     "vit_b16": lambda: vit_b16(img_size=32, patch_size=8, dim=32, depth=3, heads=2, num_classes=10),
+    "digits_resnet": lambda: MODELS["digits_resnet"](width=4),
 }
 
 
@@ -291,7 +292,10 @@ def test_callable_and_mapping_strategies():
     model = resnet18(width=4)
     blocks = partition(model, lambda name, p: "weights" if name.endswith("weight") else "biases")
     assert names(blocks) == ["weights", "biases"]
-    mapping = {"head": list(model.fc.parameters()), "rest": [p for n, p in model.named_parameters() if not n.startswith("fc")]}
+    mapping = {
+        "head": list(model.fc.parameters()),
+        "rest": [p for n, p in model.named_parameters() if not n.startswith("fc")],
+    }
     blocks = partition(model, mapping)
     assert names(blocks) == ["head", "rest"] and blocks[0].param_names == ["fc.weight", "fc.bias"]
 

@@ -1,4 +1,5 @@
-"""Model definitions kept in the repository: the paper's CIFAR networks and layouts that mirror torchvision/timm.
+"""Model definitions kept in the repository: the paper's CIFAR networks, layouts that mirror torchvision/timm, and
+the demo's small ResNet for 8x8 digits.
 
 Every factory takes size knobs (``width``, ``depth``, ...) so tests and demos can build tiny versions quickly.
 """
@@ -11,7 +12,7 @@ from torch import nn
 
 from .efficientnet import EfficientNet, efficientnet_b0
 from .pyramidnet import PyramidNet, pyramidnet110
-from .resnet import ResNet, resnet18, tv_resnet18
+from .resnet import ResNet, digits_resnet, resnet18, tv_resnet18
 from .vit import VisionTransformer, vit_b16
 from .wideresnet import WideResNet, wrn28_10
 
@@ -22,6 +23,7 @@ MODELS: dict[str, Callable[..., nn.Module]] = {
     "tv_resnet18": tv_resnet18,
     "efficientnet_b0": efficientnet_b0,
     "vit_b16": vit_b16,
+    "digits_resnet": digits_resnet,
 }
 
 
@@ -36,5 +38,5 @@ def get_model(name: str, **kwargs) -> nn.Module:
 
 __all__ = [
     "MODELS", "get_model", "ResNet", "WideResNet", "PyramidNet", "EfficientNet", "VisionTransformer",
-    "resnet18", "tv_resnet18", "wrn28_10", "pyramidnet110", "efficientnet_b0", "vit_b16",
+    "resnet18", "tv_resnet18", "wrn28_10", "pyramidnet110", "efficientnet_b0", "vit_b16", "digits_resnet",
 ]  # fmt: skip

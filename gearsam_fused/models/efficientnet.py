@@ -49,7 +49,15 @@ class MBConv(nn.Module):
 
 
 # (expand ratio, kernel, stride, channels, repeats) of EfficientNet-B0's seven stages
-_B0_STAGES = [(1, 3, 1, 16, 1), (6, 3, 2, 24, 2), (6, 5, 2, 40, 2), (6, 3, 2, 80, 3), (6, 5, 1, 112, 3), (6, 5, 2, 192, 4), (6, 3, 1, 320, 1)]
+_B0_STAGES = [
+    (1, 3, 1, 16, 1),
+    (6, 3, 2, 24, 2),
+    (6, 5, 2, 40, 2),
+    (6, 3, 2, 80, 3),
+    (6, 5, 1, 112, 3),
+    (6, 5, 2, 192, 4),
+    (6, 3, 1, 320, 1),
+]
 
 
 class EfficientNet(nn.Module):
@@ -65,7 +73,11 @@ class EfficientNet(nn.Module):
         for expand, kernel, stride, cout, repeats in _B0_STAGES:
             cout = ch(cout)
             n = max(1, math.ceil(repeats * depth_mult))
-            layers.append(nn.Sequential(*[MBConv(cin if i == 0 else cout, cout, kernel, stride if i == 0 else 1, expand) for i in range(n)]))
+            layers.append(
+                nn.Sequential(
+                    *[MBConv(cin if i == 0 else cout, cout, kernel, stride if i == 0 else 1, expand) for i in range(n)]
+                )
+            )
             cin = cout
         head = ch(1280)
         layers.append(ConvNormActivation(cin, head, 1))

@@ -35,7 +35,9 @@ class PyramidBasic(nn.Module):
 
 
 class PyramidNet(nn.Module):
-    def __init__(self, depth: int = 110, alpha: int = 270, num_classes: int = 10, act: str = "relu", in_channels: int = 3):
+    def __init__(
+        self, depth: int = 110, alpha: int = 270, num_classes: int = 10, act: str = "relu", in_channels: int = 3
+    ):
         super().__init__()
         if (depth - 2) % 6:
             raise ValueError(f"PyramidNet depth must be 6n+2 for basic units, got {depth}")

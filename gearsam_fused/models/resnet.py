@@ -50,7 +50,9 @@ class ResNet(nn.Module):
         cin = width
         for i, count in enumerate(blocks):
             cout = width * 2**i
-            units = [BasicBlock(cin if j == 0 else cout, cout, 2 if (i > 0 and j == 0) else 1, act) for j in range(count)]
+            units = [
+                BasicBlock(cin if j == 0 else cout, cout, 2 if (i > 0 and j == 0) else 1, act) for j in range(count)
+            ]
             self.add_module(f"layer{i + 1}", nn.Sequential(*units))
             cin = cout
         self.num_stages = len(blocks)
@@ -72,3 +74,8 @@ def resnet18(num_classes: int = 10, width: int = 64, blocks: tuple[int, ...] = (
 def tv_resnet18(num_classes: int = 1000, width: int = 64, **kw) -> ResNet:
     """ResNet-18 with torchvision's ImageNet stem and module names."""
     return ResNet((2, 2, 2, 2), width, num_classes, imagenet_stem=True, **kw)
+
+
+def digits_resnet(num_classes: int = 10, in_channels: int = 1, width: int = 16, **kw) -> ResNet:
+    """The demo's network: three stages, sized for 8x8 inputs."""
+    return ResNet(blocks=(1, 1, 1), width=width, num_classes=num_classes, in_channels=in_channels, **kw)

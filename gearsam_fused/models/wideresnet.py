@@ -41,7 +41,10 @@ class WideResNet(nn.Module):
         self.conv1 = conv3x3(in_channels, base)
         cin = base
         for i, cout in enumerate(widths):
-            units = [WideBasic(cin if j == 0 else cout, cout, (2 if i else 1) if j == 0 else 1, dropout, act) for j in range(n)]
+            units = [
+                WideBasic(cin if j == 0 else cout, cout, (2 if i else 1) if j == 0 else 1, dropout, act)
+                for j in range(n)
+            ]
             self.add_module(f"layer{i + 1}", nn.Sequential(*units))
             cin = cout
         self.bn = nn.BatchNorm2d(cin)

@@ -17,9 +17,11 @@ try:
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("plots need matplotlib: pip install matplotlib") from exc
 
-from .training import read_metrics
+from gearsam_fused.allocation import GEAR_RULE, SAM_RULE
 
-_TITLES = {"sgd": "SGD", "sam": "SAM", "gear-sam": "GEAR-SAM"}
+from .metrics import read_metrics
+
+_TITLES = {"sgd": "SGD", SAM_RULE: "SAM", GEAR_RULE: "GEAR-SAM"}
 _CURVES = (("train_loss", "train loss"), ("test_loss", "test loss"), ("train_acc", "train accuracy (%)"),
            ("test_acc", "test accuracy (%)"))  # fmt: skip
 
@@ -90,7 +92,8 @@ def curves_figure(rows: list[dict]) -> Figure:
 def block_shares_figure(rows: list[dict]) -> Figure:
     """Per-block budget shares over steps, one stacked panel per sharpness-aware optimizer."""
     grouped = _by_optimizer(rows)
-    names = [n for n in ("sam", "gear-sam") if n in grouped] + sorted(set(grouped) - {"sam", "gear-sam"})
+    # SAM first, so that its implicit allocation reads as the baseline of GEAR-SAM's
+    names = [n for n in (SAM_RULE, GEAR_RULE) if n in grouped] + sorted(set(grouped) - {SAM_RULE, GEAR_RULE})
     fig = Figure(figsize=(5.5 * len(names), 4.2), layout="constrained")
     axes = fig.subplots(1, len(names), sharey=True, squeeze=False)[0]
     for ax, name in zip(axes, names):
@@ -102,7 +105,7 @@ def block_shares_figure(rows: list[dict]) -> Figure:
         # mean share of each block at each step, averaged over the seeds that reached that step
         shares = [[sum(s[b] for s in per_step[t]) / len(per_step[t]) for t in steps] for b in range(len(blocks))]
         ax.stackplot(steps, shares, labels=blocks, alpha=0.85)
-        ax.set_title(f"{_TITLES.get(name, name)}" + (" (implicit allocation)" if name == "sam" else ""))
+        ax.set_title(f"{_TITLES.get(name, name)}" + (" (implicit allocation)" if name == SAM_RULE else ""))
         ax.set_xlabel("step")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         if len(steps) > 1:

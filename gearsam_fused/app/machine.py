@@ -33,19 +33,27 @@ def describe_machine(device: str | torch.device = "cpu") -> dict:
     }
 
 
-def git_commit(path: Path = Path(__file__).resolve().parent) -> str | None:
-    """Short commit of the checkout holding ``path``, with ``+changes`` when tracked files differ from it."""
+# The package's own folder: a source checkout's commit is the one its code was run from.
+_HERE = Path(__file__).resolve().parent
+
+
+def git_commit(path: Path = _HERE) -> str | None:
+    """Short commit of the checkout holding ``path``, with ``+changes`` when tracked files differ from it; None
+    outside a checkout (or without git)."""
+
+    def git(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["git", *args], cwd=path, capture_output=True, text=True, timeout=10)
+
     try:
-        done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=path, capture_output=True, text=True, timeout=10)
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=path, capture_output=True, text=True, timeout=10
-        )
+        done = git("rev-parse", "--short", "HEAD")
+        dirty = git("status", "--porcelain", "--untracked-files=no")
     except (OSError, subprocess.SubprocessError):
         return None
     return done.stdout.strip() + ("+changes" if dirty.stdout.strip() else "") if done.returncode == 0 else None
 
 
 def cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo, else what :mod:`platform` knows."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):

@@ -1,0 +1,193 @@
+"""Command line ``gearsam`` (also ``python -m gearsam_fused``): demo, train, partition, plot, bench."""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import datetime
+import subprocess
+import sys
+from pathlib import Path
+
+from gearsam_fused.backends import BACKENDS
+from gearsam_fused.partition import STRATEGIES, format_partition, partition
+
+from .data import DATASETS
+from .demo import demo_config
+from .training import AMP_MODES, OPTIMIZERS, SCHEDULES, RunConfig, call_factory, run_experiment
+
+# The source checkout's benchmarks/, beside the package: gearsam_fused/app/cli.py -> the checkout's root.
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+BACKEND_NAMES = ("auto", *BACKENDS)
+# What --resume may change in a run: how long and where it runs, never what it computes.
+RESUMABLE = {"epochs", "threads", "device", "checkpoint_every", "telemetry_every"}
+
+
+def _model_arg(text: str) -> tuple[str, object]:
+    key, sep, value = text.partition("=")
+    if not sep or not key.isidentifier():
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE with a Python name as KEY, got {text!r}")
+    try:
+        return key, ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        return key, value  # a bare word such as act=silu
+
+
+def _adder(parser: argparse.ArgumentParser, defaults: RunConfig):
+    """``parser.add_argument`` that ends the help with the command's default. Options keep None as their own
+    default, so that only the options given override the defaults (or a resumed run's settings)."""
+
+    def add(flag: str, help: str = "", **kwargs) -> None:
+        value = getattr(defaults, flag[2:].replace("-", "_"), None)
+        if isinstance(value, bool):
+            value = "on" if value else "off"
+        elif isinstance(value, list):
+            value = " ".join(map(str, value))
+        parser.add_argument(flag, help=help + ("" if value is None else f" (default: {value})"), **kwargs)
+
+    return add
+
+
+def _training_options(parser: argparse.ArgumentParser, defaults: RunConfig) -> None:
+    """Options shared by demo and train."""
+    add = _adder(parser, defaults)
+    add("--optimizers", nargs="+", choices=OPTIMIZERS, help=f"which of {', '.join(OPTIMIZERS)} to train")
+    add("--seeds", type=int, nargs="+", help="one run per optimizer and seed")
+    resumable = "; with --resume, the run's new total (see --resume)" if defaults.command == "train" else ""
+    add("--epochs", type=int, help="epochs of each run" + resumable)
+    add("--batch-size", type=int, help="images per step")
+    add("--lr", type=float, help="base learning rate (SGD with momentum 0.9)")
+    add("--rho", type=float, help="global SAM radius, >= 0")
+    add("--beta", type=float, help="GEAR-SAM's EMA factor")
+    add("--partition", choices=STRATEGIES, help="GEAR-SAM's blocks")
+    # no choices=: an unknown backend gets the library's own error, which lists them
+    add("--backend", help=f"{', '.join(BACKEND_NAMES[:-1])} or {BACKEND_NAMES[-1]}")
+    add("--label-noise", type=float, help="symmetric label noise rate on the training set, e.g. 0.2")
+    add("--telemetry-every", type=int, help="read block statistics from the device every N steps")
+    add("--threads", type=int, help="CPU threads for torch (default: torch's choice)")
+    add("--out", type=Path, help="run directory (default: runs/COMMAND-TIMESTAMP)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="gearsam", description="SAM and GEAR-SAM for PyTorch")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    demo = sub.add_parser("demo", help="train SGD, SAM and GEAR-SAM on scikit-learn's digits and compare")
+    _training_options(demo, demo_config())
+
+    train = sub.add_parser("train", help="train a model on CIFAR-10/100 or synthetic data")
+    _training_options(train, RunConfig())
+    add = _adder(train, RunConfig())
+    add("--model", help="in-repo model name (see `gearsam partition`) or package.module:factory; a factory taking "
+        "num_classes (or in_channels) gets the dataset's")  # fmt: skip
+    add(
+        "--model-arg",
+        type=_model_arg,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="keyword for the model factory, e.g. width=16 or 'blocks=(1,1)'; repeatable",
+    )
+    add("--dataset", choices=DATASETS[1:], help="training data")
+    add("--data-dir", help="folder holding cifar-10-batches-py/ or cifar-100-python/")
+    add("--synthetic-size", type=int, help="training images of --dataset synthetic")
+    add("--momentum", type=float, help="SGD momentum")
+    add("--weight-decay", type=float, help="SGD weight decay")
+    add("--schedule", choices=SCHEDULES, help="learning rate schedule over all steps")
+    add("--adaptive", action="store_const", const=True, help="ASAM scaling |w| + eta")
+    add("--device", help="cpu, cuda or cuda:N")
+    add("--amp", choices=AMP_MODES, help="bf16: forward and loss under bfloat16 autocast")
+    add("--channels-last", action="store_const", const=True, help="channels_last model and inputs; CUDA only")
+    add("--checkpoint-every", type=int, help="save a checkpoint every N epochs and at the end; 0: never")
+    add("--resume", type=Path, metavar="RUN_DIR",
+        help="continue the runs of RUN_DIR from their checkpoints; a larger --epochs extends them, and a cosine "
+        "schedule then goes on from the lr reached down to 0 at the new last step, never jumping back up (a "
+        "finished cosine run, already at lr 0, cannot be extended)")  # fmt: skip
+
+    part = sub.add_parser("partition", help="print the block table of a model for each strategy")
+    part.add_argument("model", help="an in-repo model name or package.module:factory (called without arguments)")
+    part.add_argument("--strategy", nargs="+", default=["coarse", "fine"], choices=STRATEGIES,
+                      help="one table per strategy (default: coarse fine)")  # fmt: skip
+
+    plot = sub.add_parser("plot", help="render the plots of a run directory")
+    plot.add_argument("run_dir", type=Path)
+
+    bench = sub.add_parser("bench", help="run the benchmark suite (quick mode unless --full)")
+    bench.add_argument("--full", action="store_true", help="the full suite (CPU: about 15 minutes on 2 cores) "
+                       "instead of the quick one")  # fmt: skip
+    bench.add_argument("--results", help="JSONL file to append the rows to (default benchmarks/results/runs.jsonl)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the ``gearsam`` command with ``argv`` (default: the process's arguments); returns its exit status: 0, 2
+    for bad settings (after printing ``gearsam: error: ...``), or the benchmark runner's."""
+    if hasattr(sys.stdout, "reconfigure"):  # a replaced stdout (a notebook's, a test's capture) may not have it
+        sys.stdout.reconfigure(line_buffering=True)  # a log file or CI sees each line as it is printed, not at the end
+    args = build_parser().parse_args(argv)
+    try:
+        return _run(args)
+    except ValueError as exc:
+        print(f"gearsam: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _config(args: argparse.Namespace) -> tuple[RunConfig, Path, bool]:
+    """The run's settings: the command's defaults, then (or a resumed run's config.json, then) the options given."""
+    given = {
+        f.name: getattr(args, f.name) for f in dataclasses.fields(RunConfig) if getattr(args, f.name, None) is not None
+    }
+    if getattr(args, "model_arg", None):
+        given["model_args"] = dict(args.model_arg)
+    resume = getattr(args, "resume", None)
+    if resume is not None:
+        if args.out is not None:
+            raise ValueError("--resume continues in RUN_DIR itself; drop --out")
+        if not (resume / "config.json").is_file():
+            raise ValueError(f"cannot resume {resume}: it has no config.json")
+        cfg = RunConfig.load(resume / "config.json")
+        changed = sorted(k for k, v in given.items() if k not in RESUMABLE and getattr(cfg, k) != v)
+        if changed:
+            raise ValueError(f"--resume cannot change {changed}; only {sorted(RESUMABLE)}")
+        return dataclasses.replace(cfg, **given), resume, True
+    cfg = demo_config(**given) if args.command == "demo" else RunConfig(**given)
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    return cfg, args.out or Path("runs") / f"{args.command}-{stamp}", False
+
+
+def _run(args: argparse.Namespace) -> int:
+    """Carry out the parsed command; returns its exit status."""
+    if args.command in ("demo", "train"):
+        cfg, run_dir, resume = _config(args)
+        run_experiment(cfg, run_dir, resume=resume)
+        _plot_run(run_dir)
+    elif args.command == "partition":
+        model = call_factory(args.model)
+        for strategy in args.strategy:
+            print(f"[{args.model}: {strategy}]")
+            print(format_partition(partition(model, strategy)))
+            print()
+    elif args.command == "plot":
+        from .plots import render  # matplotlib is optional: only the commands that draw need it
+
+        for path in render(args.run_dir):
+            print(f"wrote {path}")
+    elif args.command == "bench":
+        runner = BENCHMARKS / "run.py"
+        if not runner.is_file():
+            raise ValueError(f"gearsam bench runs the source checkout's benchmarks/, and {runner} does not exist")
+        extra = ([] if args.full else ["--quick"]) + (["--results", args.results] if args.results else [])
+        return subprocess.run([sys.executable, str(runner), *extra]).returncode
+    return 0
+
+
+def _plot_run(run_dir: Path) -> None:
+    """Render the plots of a finished run, or say why there are none: the run itself never needs matplotlib."""
+    try:
+        from .plots import render
+    except ImportError as exc:
+        print(f"\nno plots: {exc} (pip install matplotlib)")
+        return
+    for path in render(run_dir):
+        print(f"wrote {path}")
