@@ -22,12 +22,19 @@ Without the extension the install still works; ``backend="cpp"`` then says how t
 
 import glob
 import os
+import runpy
 import shutil
+import subprocess
+import tempfile
 import warnings
 
 from setuptools import setup
 
-PACKAGES = ["gearsam_fused", "gearsam_fused.backends", "gearsam_fused.models", "gearsam_fused.triton_kernels"]
+PACKAGES = [
+    "gearsam_fused", "gearsam_fused.app", "gearsam_fused.backends", "gearsam_fused.models",
+    "gearsam_fused.triton_kernels",
+]  # fmt: skip
+ABOUT = runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)), "gearsam_fused", "_version.py"))
 DEFAULT_CUDA_ARCHS = "8.0;9.0+PTX"
 
 
@@ -43,6 +50,31 @@ def _skip(part: str, switch: str, why: str) -> None:
     if _switch(switch) == "1":
         raise SystemExit(f"{switch}=1 but the {part} cannot be built: {why}")
     warnings.warn(f"gearsam_fused: not building the {part}: {why}", stacklevel=2)
+
+
+def _accepts(compiler: str, flags: list[str]) -> bool:
+    """Whether ``compiler`` compiles and links an empty program with ``flags``."""
+    with tempfile.TemporaryDirectory() as folder:
+        source = os.path.join(folder, "probe.cpp")
+        with open(source, "w") as fh:
+            fh.write("int main() { return 0; }\n")
+        command = [compiler, *flags, source, "-o", os.path.join(folder, "probe")]
+        try:
+            return subprocess.run(command, capture_output=True, timeout=120).returncode == 0
+        except (OSError, subprocess.SubprocessError):
+            return False
+
+
+def _cxx_flags(compiler: str) -> list[str]:
+    """The C++ flags: -fopenmp only where the compiler accepts it (a compiler that rejects the others fails the
+    build, which then says why)."""
+    # -ffp-contract=off: w + scale * g must round like the reference's separate multiply and add.
+    flags = ["-O3", "-ffp-contract=off"]
+    # OpenMP threads ATen's parallel_for in the CPU kernels; without it they are correct but single-threaded.
+    if _accepts(compiler, ["-fopenmp"]):
+        return [*flags, "-fopenmp"]
+    warnings.warn(f"gearsam_fused: {compiler!r} rejects -fopenmp, so the CPU kernels run on one thread", stacklevel=2)
+    return flags
 
 
 def _extension_build():
@@ -65,15 +97,17 @@ def _extension_build():
     if _switch("GEARSAM_BUILD_CUDA") != "0":
         if torch.version.cuda is None:
             _skip("CUDA kernels", "GEARSAM_BUILD_CUDA", "this torch is a CPU-only build")
-        elif cpp_extension.CUDA_HOME is None or shutil.which(os.path.join(cpp_extension.CUDA_HOME, "bin", "nvcc")) is None:
+        elif (
+            cpp_extension.CUDA_HOME is None
+            or shutil.which(os.path.join(cpp_extension.CUDA_HOME, "bin", "nvcc")) is None
+        ):
             _skip("CUDA kernels", "GEARSAM_BUILD_CUDA", "nvcc was not found (set CUDA_HOME or put nvcc on PATH)")
         else:
             with_cuda = True
 
+    cxx_flags = _cxx_flags(compiler)
     sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/cpu/*.cpp"))
-    # -ffp-contract=off: w + scale * g must round like the reference's separate multiply and add.
-    cxx_flags = ["-O3", "-ffp-contract=off", "-fopenmp"]
-    kwargs = dict(name="gearsam_fused._C", sources=sources, extra_link_args=["-fopenmp"])
+    kwargs = dict(name="gearsam_fused._C", sources=sources, extra_link_args=[f for f in cxx_flags if f == "-fopenmp"])
     if with_cuda:
         os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_CUDA_ARCHS)
         kwargs["sources"] += sorted(glob.glob("csrc/cuda/*.cu"))
@@ -101,19 +135,27 @@ ext_modules, cmdclass = _extension_build()
 
 setup(
     name="gearsam_fused",
-    version="0.1.0",
+    version=ABOUT["__version__"],
     description="Exact, fused sharpness-aware minimisation (SAM, ASAM, GEAR-SAM) for PyTorch",
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.9",
     packages=PACKAGES,
     package_dir={"gearsam_fused.triton_kernels": "triton_kernels"},
-    install_requires=["torch>=2.1", "numpy", "triton>=3.0; platform_system == 'Linux'"],
+    install_requires=[f"torch>={ABOUT['MIN_TORCH']}", "numpy", "triton>=3.0; platform_system == 'Linux'"],
     extras_require={
         "demo": ["scikit-learn", "matplotlib"],
-        "test": ["pytest", "pytest-benchmark", "pytorch_optimizer>=3.0", "scikit-learn", "matplotlib", "hypothesis"],
+        "test": [
+            "pytest",
+            "pytest-benchmark",
+            "pytorch_optimizer>=3.0",
+            "scikit-learn",
+            "matplotlib",
+            "hypothesis",
+            "ruff==0.17.6",  # pinned: a new release may format differently, and CI checks the format
+        ],
     },
-    entry_points={"console_scripts": ["gearsam = gearsam_fused.__main__:main"]},
+    entry_points={"console_scripts": ["gearsam = gearsam_fused.app.cli:main"]},
     ext_modules=ext_modules,
     cmdclass=cmdclass,
 )

@@ -1,7 +1,9 @@
 """setup.py's build switches, each in a real ``pip install`` of a copy of the source tree: a missing or failing
 compiler leaves a working pure-Python install with a warning, a forced part that cannot be built fails with a
-message that says why, and a bad switch value is refused."""
+message that says why, and a bad switch value is refused. Also the version and the torch minimum, each written once."""
 
+import importlib.metadata
+import runpy
 import shutil
 import subprocess
 import sys
@@ -16,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def _pip_install(tmp_path: Path, **env) -> tuple[subprocess.CompletedProcess, Path]:
     source, target = tmp_path / "source", tmp_path / "target"
     source.mkdir()
-    for name in ("setup.py", "README.md"):
+    for name in ("setup.py", "pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, source)
     skip = shutil.ignore_patterns("__pycache__", "*.so")
     for name in ("gearsam_fused", "triton_kernels", "csrc"):
@@ -45,10 +47,14 @@ def test_without_a_working_compiler_the_install_is_pure_python(tmp_path, cxx, wh
 @pytest.mark.parametrize(
     "env, message",
     [
-        (dict(CXX="no-such-compiler", GEARSAM_BUILD_CPP="1"), "GEARSAM_BUILD_CPP=1 but the C++ extension cannot be built: no C++ compiler"),
+        (
+            dict(CXX="no-such-compiler", GEARSAM_BUILD_CPP="1"),
+            "GEARSAM_BUILD_CPP=1 but the C++ extension cannot be built: no C++ compiler",
+        ),
         (dict(GEARSAM_BUILD_CPP="maybe"), "GEARSAM_BUILD_CPP must be auto, 0 or 1, got 'maybe'"),
         pytest.param(
-            dict(GEARSAM_BUILD_CUDA="1"), "GEARSAM_BUILD_CUDA=1 but the CUDA kernels cannot be built: this torch is a CPU-only build",
+            dict(GEARSAM_BUILD_CUDA="1"),
+            "GEARSAM_BUILD_CUDA=1 but the CUDA kernels cannot be built: this torch is a CPU-only build",
             marks=pytest.mark.skipif(torch.version.cuda is not None, reason="this torch is a CUDA build"),
         ),
     ],
@@ -58,3 +64,47 @@ def test_a_forced_part_that_cannot_be_built_fails_and_says_why(tmp_path, env, me
     assert done.returncode != 0
     assert message in done.stdout + done.stderr
     assert not package.exists()
+
+
+def test_a_compiler_without_openmp_gets_no_openmp_flag(tmp_path):
+    """-fopenmp is passed only where the compiler accepts it. The stand-in compiler records its arguments, refuses
+    -fopenmp, answers version queries as the real one and fails every compile, so the install ends pure-Python."""
+    calls = tmp_path / "calls.txt"
+    compiler = tmp_path / "c++"
+    compiler.write_text(
+        f'#!/bin/sh\necho "$@" >> {calls}\ncase " $* " in *" -fopenmp "*) exit 1;; esac\n'
+        'case "$1" in -v|--version|-dumpversion|-dumpfullversion) exec c++ "$@";; esac\nexit 1\n'
+    )
+    compiler.chmod(0o755)
+    done, package = _pip_install(tmp_path, CXX=str(compiler), GEARSAM_BUILD_CUDA="0")
+    assert done.returncode == 0, done.stderr[-3000:]
+    output = done.stdout + done.stderr
+    assert "rejects -fopenmp, so the CPU kernels run on one thread" in output
+    assert "not building the C++ extension: the build failed" in output
+    probe, *later = [line.split() for line in calls.read_text().splitlines()]
+    assert "-fopenmp" in probe
+    compiles = [args for args in later if "-c" in args and any(a.endswith(".cpp") for a in args)]
+    assert compiles and not any("-fopenmp" in args for args in compiles)
+
+
+def test_version_and_torch_minimum_are_written_once():
+    about = runpy.run_path(str(ROOT / "gearsam_fused" / "_version.py"))
+    import gearsam_fused
+
+    assert gearsam_fused.__version__ == about["__version__"]
+    assert importlib.metadata.version("gearsam_fused") == about["__version__"]
+    assert f"torch>={about['MIN_TORCH']}" in importlib.metadata.requires("gearsam_fused")
+    assert not any(
+        line.lstrip().startswith(('version="', "__version__ ="))
+        for line in (ROOT / "setup.py").read_text().splitlines()
+    )
+
+
+def test_an_older_torch_is_refused_at_import():
+    """The import names the minimum instead of failing later on a missing torch API (simulated: the installed torch
+    reports an older version)."""
+    code = "import torch; torch.__version__ = '2.2.2+cpu'; import gearsam_fused"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert "ImportError: gearsam_fused needs torch >= 2.3, but torch 2.2.2+cpu is installed" in done.stderr
+    assert subprocess.run([sys.executable, "-c", "import gearsam_fused"], timeout=120).returncode == 0
