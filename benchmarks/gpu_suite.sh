@@ -1,109 +1,271 @@
 #!/usr/bin/env bash
-# Everything that needs a GPU, in one command: build the extension with its CUDA kernels, run the cuda-marked tests,
-# run every kernel under compute-sanitizer, and a short CUDA training run. Each stage writes its log (and the tests a
-# JUnit XML) into the results folder and the script goes on to the next stage when one fails; the last lines are a
-# summary table, and the exit status is non-zero when any stage failed.
-#
-#   benchmarks/gpu_suite.sh [STAGE ...]        stages: build tests sanitize train (default: all four, in that order)
-#
-# Environment:
-#   RESULTS_DIR       where logs and XML go (default: benchmarks/results/gpu-raw, which git ignores)
-#   PYTEST_ARGS       extra pytest arguments for the tests stage, e.g. "-k amp" or "-x"
-#   WORKERS           pytest-xdist processes sharing the GPU (default 8; 0 runs the tests in one process)
-#   SANITIZE_TOOLS    compute-sanitizer tools (default "memcheck racecheck initcheck synccheck")
-#   SANITIZE_BIG      1 (default) also runs the > 2**31-element bfloat16 buffer under each tool
-#   STAGE_TIMEOUT     seconds before a stage is stopped (default 420)
+# Everything that needs a GPU, in one command, on a CUDA machine without internet access. See usage() below and
+# benchmarks/README.md. Each phase is time-limited and logs into RESULTS_DIR; a failing phase does not stop the next
+# one. Every run appends to RESULTS_DIR/phases.tsv and rewrites RESULTS_DIR/summary.md from it (suite_summary.py),
+# so phases split over several runs into one folder end up in one summary.
+# Exit status: 0 when every phase of this run passed, 1 when one did not, 2 for a usage error.
 set -uo pipefail
-cd "$(dirname "$0")/.."
 
-RESULTS_DIR=${RESULTS_DIR:-benchmarks/results/gpu-raw}
-WORKERS=${WORKERS:-8}
-SANITIZE_TOOLS=${SANITIZE_TOOLS:-memcheck racecheck initcheck synccheck}
-SANITIZE_BIG=${SANITIZE_BIG:-1}
-STAGE_TIMEOUT=${STAGE_TIMEOUT:-420}
-PYTHON=${PYTHON:-python3}
-mkdir -p "$RESULTS_DIR"
-summary=()
-failed=0
+PHASES=(info build tests sanitize bench train)
+# seconds per phase (PHASE_TIMEOUT sets them all, TIMEOUT_<PHASE> one of them): room for what the build (44 s) and
+# the tests (150 s) took on an H100, and small enough that info+build+tests, sanitize+train and bench each fit into
+# a run of 10 minutes
+declare -A LIMITS=([info]=60 [build]=240 [tests]=280 [sanitize]=300 [bench]=540 [train]=240)
 
-record() {  # record STAGE STATUS SECONDS [NOTE]
-  summary+=("$(printf '%-22s %-6s %5ss  %s' "$1" "$2" "$3" "${4:-}")")
-  [ "$2" = ok ] || failed=1
-}
+usage() {
+  cat <<'EOF'
+usage: benchmarks/gpu_suite.sh [RESULTS_DIR] [--only PHASE[,PHASE...]] [--dry-run]
 
-run_stage() {  # run_stage NAME LOG COMMAND...: time-limited, logged, recorded
-  local name=$1 log=$2 start status
-  shift 2
-  start=$(date +%s)
-  echo "== $name: $*" | tee -a "$log"
-  timeout --kill-after=10 "$STAGE_TIMEOUT" "$@" >>"$log" 2>&1
-  status=$?
-  local took=$(($(date +%s) - start))
-  case $status in
-    0) record "$name" ok "$took" ;;
-    124 | 137) record "$name" TIMEOUT "$took" "see $log" ;;
-    *) record "$name" FAIL "$took" "exit $status, see $log" ;;
-  esac
-  tail -n 3 "$log"
-}
+Runs the suite's phases on a CUDA machine, in this order:
+  info      GPU, driver, python, torch, CUDA, triton and nvcc versions     -> environment.txt
+  build     pip install --no-build-isolation --no-deps --use-pep517 -e . with GEARSAM_BUILD_CUDA=1,
+            then checks that gearsam_fused._C has its CUDA kernels          -> build.log
+  tests     python -m pytest -m cuda tests, with a per-test timeout       -> cuda-tests.log, cuda-tests.xml
+  sanitize  compute-sanitizer memcheck and racecheck over kernels_once.py   -> kernels.txt, sanitize-TOOL.log
+  bench     benchmarks/run.py on CUDA                                       -> bench.log, bench-runs.jsonl, bench.md
+  train     a short CUDA training run (SGD, SAM, GEAR-SAM, bf16)            -> train.log, train-run/
+Then it writes RESULTS_DIR/summary.md, covering every phase run into RESULTS_DIR so far, and prints it.
 
-stage_build() {
-  local arch
-  arch=$($PYTHON -c 'import torch; print("%d.%d" % torch.cuda.get_device_capability())') || return 1
-  $PYTHON - <<'EOF' >"$RESULTS_DIR/environment.txt" 2>&1
-import platform, subprocess, torch
-import triton
-p = torch.cuda.get_device_properties(0)
-print(f"gpu: {p.name}, {p.multi_processor_count} SMs, {p.total_memory / 2**30:.1f} GiB, capability {p.major}.{p.minor}")
-print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, triton {triton.__version__}, python {platform.python_version()}")
-print(subprocess.run(["nvidia-smi", "--query-gpu=driver_version,name", "--format=csv,noheader"], capture_output=True, text=True).stdout.strip())
-print(subprocess.run(["nvcc", "--version"], capture_output=True, text=True).stdout.strip().splitlines()[-1])
+  RESULTS_DIR   where everything goes (default: benchmarks/results/gpu-YYYY-MM-DD, today's date)
+  --only LIST   only these phases, comma-separated (repeatable); they still run in the order above
+  --dry-run     print the phases and their commands, run nothing
+  -h, --help    this text
+
+Environment:
+  PYTHON            interpreter (default: python3)
+  PHASE_TIMEOUT     seconds for every phase (default: info 60, build 240, tests 280, sanitize 300, bench 540,
+                    train 240); TIMEOUT_<PHASE>, e.g. TIMEOUT_BENCH=300, for one phase
+  WORKERS           pytest-xdist processes sharing the GPU in tests (default 8; 0: a single process)
+  TEST_TIMEOUT      seconds per test (pytest-timeout; default 300)
+  PYTEST_ARGS       extra pytest arguments for tests, e.g. "-k amp"
+  SANITIZE_TOOLS    compute-sanitizer tools (default "memcheck racecheck"; initcheck and synccheck also work)
+  SANITIZE_BIG      1: also the bfloat16 buffer of more than 2**31 elements, about 13 GiB (default 0)
+  BENCH_ARGS        extra arguments for benchmarks/run.py, e.g. --quick
+  SANITIZER         compute-sanitizer to use (default: the one on PATH, else $CUDA_HOME/bin, else /usr/local/cuda/bin)
 EOF
-  cat "$RESULTS_DIR/environment.txt"
-  run_stage build "$RESULTS_DIR/build.log" env GEARSAM_BUILD_CPP=1 GEARSAM_BUILD_CUDA=1 TORCH_CUDA_ARCH_LIST="$arch" \
-    MAX_JOBS="$(nproc)" $PYTHON -m pip install --no-build-isolation --no-deps --no-index --use-pep517 -e .
-  $PYTHON -c 'from gearsam_fused import _C; assert _C.built_with_cuda(), "the extension has no CUDA kernels"' \
-    || record "build: CUDA kernels" FAIL 0 "the extension was built without them"
 }
 
-stage_tests() {
-  local parallel=()
-  [ "$WORKERS" -gt 0 ] && parallel=(-n "$WORKERS")
-  # xunit1 keeps record_property: the AMP tests write the errors they measured into the XML
-  # shellcheck disable=SC2086
-  run_stage "tests (-m cuda)" "$RESULTS_DIR/cuda-tests.log" $PYTHON -m pytest tests -m cuda -q -rfEs "${parallel[@]}" \
-    -p no:cacheprovider --timeout=300 --durations=15 -o junit_family=xunit1 \
-    --junitxml="$RESULTS_DIR/cuda-tests.xml" ${PYTEST_ARGS:-}
+usage_error() {  # usage_error MESSAGE: exit 2 before anything runs
+  echo "gpu_suite.sh: $1" >&2
+  echo "run benchmarks/gpu_suite.sh --help for usage" >&2
+  exit 2
 }
 
-stage_sanitize() {
-  $PYTHON benchmarks/kernels_once.py --list >"$RESULTS_DIR/kernels.txt" 2>&1 || record "kernels_once --list" FAIL 0
-  local tool big=()
-  [ "$SANITIZE_BIG" = 1 ] && big=(--big)
-  for tool in $SANITIZE_TOOLS; do
-    # no caching allocator: every tensor is its own allocation, so an access past its end is out of bounds
-    run_stage "sanitize $tool" "$RESULTS_DIR/sanitize-$tool.log" env PYTORCH_NO_CUDA_MEMORY_CACHING=1 \
-      compute-sanitizer --tool "$tool" --error-exitcode 99 $PYTHON benchmarks/kernels_once.py "${big[@]}"
+declare -A SELECTED=()
+select_phases() {  # select_phases "a,b": validates every name before any phase runs
+  local name known phase names
+  [ -n "$1" ] || usage_error "--only needs at least one phase; valid phases: ${PHASES[*]}"
+  IFS=, read -r -a names <<<"$1"
+  for name in "${names[@]}"; do
+    known=0
+    for phase in "${PHASES[@]}"; do [ "$name" = "$phase" ] && known=1; done
+    [ "$known" = 1 ] || usage_error "unknown phase '$name'; valid phases: ${PHASES[*]}"
+    SELECTED[$name]=1
   done
 }
 
-stage_train() {
-  run_stage "train (cuda, bf16)" "$RESULTS_DIR/train.log" $PYTHON -m gearsam_fused train --device cuda --amp bf16 \
-    --channels-last --dataset synthetic --synthetic-size 512 --epochs 2 --optimizers sgd sam gear-sam \
-    --out "$RESULTS_DIR/train-run"
+DRY_RUN=0
+RESULTS_ARG=
+parse_args() {
+  while [ $# -gt 0 ]; do
+    case $1 in
+      -h | --help) usage; exit 0 ;;
+      --dry-run) DRY_RUN=1 ;;
+      --only) [ $# -ge 2 ] && [[ $2 != -* ]] || usage_error "--only needs a list of phases; valid phases: ${PHASES[*]}"
+        select_phases "$2"; shift ;;
+      --only=*) select_phases "${1#--only=}" ;;
+      -*) usage_error "unknown option '$1'" ;;
+      *) [ -z "$RESULTS_ARG" ] || usage_error "one RESULTS_DIR only, got '$RESULTS_ARG' and '$1'"
+        # phases used to be positional: a bare phase name is far more likely that than a results folder
+        [[ " ${PHASES[*]} " != *" $1 "* ]] || usage_error "'$1' is a phase: use --only $1 (./$1 for a folder)"
+        RESULTS_ARG=$1 ;;
+    esac
+    shift
+  done
+  if [ ${#SELECTED[@]} -eq 0 ]; then
+    for phase in "${PHASES[@]}"; do SELECTED[$phase]=1; done
+  fi
 }
 
-stages=("$@")
-[ ${#stages[@]} -gt 0 ] || stages=(build tests sanitize train)
-for stage in "${stages[@]}"; do
-  case $stage in
-    build | tests | sanitize | train) "stage_$stage" ;;
-    *) echo "unknown stage '$stage'; expected build, tests, sanitize or train" >&2; exit 2 ;;
-  esac
+parse_args "$@"
+# a relative RESULTS_DIR is the caller's, not the repository root's, where the script moves to
+case $RESULTS_ARG in
+  "") RESULTS_DIR= ;;
+  /*) RESULTS_DIR=$RESULTS_ARG ;;
+  *) RESULTS_DIR=$PWD/${RESULTS_ARG#./} ;;
+esac
+cd "$(dirname "$0")/.." || exit 2
+ROOT=$PWD
+RESULTS_DIR=${RESULTS_DIR:-$ROOT/benchmarks/results/gpu-$(date +%Y-%m-%d)}
+RESULTS_DIR=${RESULTS_DIR%/}
+RECORDS=$RESULTS_DIR/phases.tsv
+
+PYTHON=${PYTHON:-python3}
+WORKERS=${WORKERS:-8}
+TEST_TIMEOUT=${TEST_TIMEOUT:-300}
+PYTEST_ARGS=${PYTEST_ARGS:-}
+SANITIZE_TOOLS=${SANITIZE_TOOLS:-memcheck racecheck}
+SANITIZE_BIG=${SANITIZE_BIG:-0}
+BENCH_ARGS=${BENCH_ARGS:-}
+# compute-sanitizer ships with the toolkit, which is not always on PATH
+SANITIZER=${SANITIZER:-$(command -v compute-sanitizer || echo "${CUDA_HOME:-/usr/local/cuda}/bin/compute-sanitizer")}
+RUN_ID=$(date -u +%Y-%m-%dT%H:%M:%SZ)
+SUITE_FAILED=0
+TAIL_LINES=3
+
+dry() { [ "$DRY_RUN" = 1 ]; }
+
+quote() {  # quote WORD...: the words as a shell line, single-quoting only those that need it
+  local word out=()
+  for word in "$@"; do
+    if [[ $word =~ ^[A-Za-z0-9_./=:,+@%-]+$ ]]; then out+=("$word"); else out+=("'${word//\'/\'\\\'\'}'"); fi
+  done
+  echo "${out[*]}"
+}
+
+phase_limit() {  # phase_limit PHASE: seconds the phase may take
+  local override="TIMEOUT_${1^^}"
+  echo "${!override:-${PHASE_TIMEOUT:-${LIMITS[$1]}}}"
+}
+
+record() {  # record PHASE STEP STATUS SECONDS LOG NOTE: one line of phases.tsv
+  [ -s "$RECORDS" ] || printf 'run\tphase\tstep\tstatus\tseconds\tlog\tnote\n' >"$RECORDS"
+  printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$RUN_ID" "$1" "$2" "$3" "$4" "$5" "$6" >>"$RECORDS"
+}
+
+declare -A TOUCHED=()
+step() {  # step NAME LOG COMMAND...: COMMAND, given what is left of the phase's time, output appended to LOG
+  local name=$1 log=$2 left start status took note=${STEP_NOTE:-}
+  shift 2
+  if dry; then
+    echo "   $(quote "$@")  >> $log"
+    return 0
+  fi
+  left=$((PHASE_DEADLINE - $(date +%s)))
+  if [ "$left" -le 0 ]; then
+    record "$PHASE" "$name" TIMEOUT 0 "$log" "not started: no time left in the phase"
+    PHASE_FAILED=1
+    echo "   $name: not started, no time left in the phase"
+    return 1
+  fi
+  # a log holds this run's output only: a phase run again replaces the earlier result, and its log with it
+  [ -n "${TOUCHED[$log]:-}" ] || : >"$RESULTS_DIR/$log"
+  TOUCHED[$log]=1
+  echo "== $PHASE $name ($RUN_ID): $(quote "$@")" >>"$RESULTS_DIR/$log"
+  echo "   $name: $(quote "$@")"
+  start=$(date +%s)
+  timeout --kill-after=10 "$left" "$@" >>"$RESULTS_DIR/$log" 2>&1
+  status=$?
+  took=$(($(date +%s) - start))
+  # 124: timeout stopped it; 137 (SIGKILL) is timeout's --kill-after only when the time was up
+  if [ "$status" = 0 ]; then
+    record "$PHASE" "$name" ok "$took" "$log" "$note"
+  elif [ "$status" = 124 ] || { [ "$status" = 137 ] && [ "$took" -ge "$left" ]; }; then
+    record "$PHASE" "$name" TIMEOUT "$took" "$log" "stopped at the phase's limit${note:+; $note}"
+  else
+    record "$PHASE" "$name" FAIL "$took" "$log" "exit $status${note:+; $note}"
+  fi
+  [ "$status" = 0 ] || PHASE_FAILED=1
+  tail -n "$TAIL_LINES" "$RESULTS_DIR/$log" | sed 's/^/   | /'
+  return "$status"
+}
+
+phase_info() {
+  local TAIL_LINES=40
+  step environment environment.txt "$PYTHON" benchmarks/suite_summary.py environment
+}
+
+gpu_capability() {  # "9.0" for an H100: the build then compiles for this GPU only, not for setup.py's default list
+  timeout 60 "$PYTHON" -c 'import torch; print("%d.%d" % torch.cuda.get_device_capability())' 2>/dev/null
+}
+
+phase_build() {
+  local arch=${TORCH_CUDA_ARCH_LIST:-}
+  if [ -z "$arch" ]; then
+    if dry; then arch='<capability of GPU 0>'; else arch=$(gpu_capability); fi
+  fi
+  # --use-pep517: pip's legacy develop path re-invoked pip with build isolation, which needs the network
+  step "pip install" build.log env GEARSAM_BUILD_CPP=1 GEARSAM_BUILD_CUDA=1 ${arch:+"TORCH_CUDA_ARCH_LIST=$arch"} \
+    MAX_JOBS="$(nproc)" "$PYTHON" -m pip install --no-build-isolation --no-deps --no-index --use-pep517 -e .
+  step "CUDA kernels" build.log "$PYTHON" -c \
+    'from gearsam_fused import _C; assert _C.built_with_cuda(), "the extension was built without its CUDA kernels"'
+}
+
+phase_tests() {
+  local parallel=()
+  [ "$WORKERS" -gt 0 ] && parallel=(-n "$WORKERS")
+  # an XML left by an earlier run would be counted if this one stops before writing its own
+  dry || rm -f "$RESULTS_DIR/cuda-tests.xml"
+  # xunit1 keeps record_property: the AMP tests write the errors they measured into the XML
+  # shellcheck disable=SC2086
+  step "pytest -m cuda" cuda-tests.log "$PYTHON" -m pytest -m cuda tests -q -rfEs "${parallel[@]}" \
+    -p no:cacheprovider --timeout="$TEST_TIMEOUT" --durations=15 -o junit_family=xunit1 \
+    --junitxml="$RESULTS_DIR/cuda-tests.xml" $PYTEST_ARGS
+}
+
+phase_sanitize() {
+  local tool big=()
+  [ "$SANITIZE_BIG" = 1 ] && big=(--big)
+  # the kernels launched, by the profiler: it does not run under the sanitizer
+  step "kernels --list" kernels.txt "$PYTHON" benchmarks/kernels_once.py --list
+  for tool in $SANITIZE_TOOLS; do
+    # no caching allocator: every tensor is its own allocation, so an access past its end is out of bounds
+    step "$tool" "sanitize-$tool.log" env PYTORCH_NO_CUDA_MEMORY_CACHING=1 "$SANITIZER" --tool "$tool" \
+      --error-exitcode 99 "$PYTHON" benchmarks/kernels_once.py "${big[@]}"
+  done
+}
+
+phase_bench() {
+  # the peer contender is optional: without it the suite skips its rows, and the summary says why
+  local STEP_NOTE=
+  dry || "$PYTHON" -c 'import pytorch_optimizer' 2>/dev/null \
+    || STEP_NOTE="pytorch_optimizer is not installed: its contender is skipped"
+  # shellcheck disable=SC2086
+  step "run.py" bench.log "$PYTHON" benchmarks/run.py --results "$RESULTS_DIR/bench-runs.jsonl" \
+    --report "$RESULTS_DIR/bench.md" $BENCH_ARGS
+}
+
+phase_train() {
+  step "gearsam train" train.log "$PYTHON" -m gearsam_fused train --device cuda --amp bf16 --channels-last \
+    --dataset synthetic --synthetic-size 512 --epochs 2 --optimizers sgd sam gear-sam --out "$RESULTS_DIR/train-run"
+}
+
+run_phase() {  # run_phase PHASE: its commands between a "started" and a "finished" record
+  local start
+  PHASE=$1
+  PHASE_DEADLINE=$(($(date +%s) + $(phase_limit "$PHASE")))
+  PHASE_FAILED=0
+  if dry; then
+    echo "== $PHASE (limit $(phase_limit "$PHASE") s)"
+    "phase_$PHASE"
+    return
+  fi
+  echo "== $PHASE (limit $(phase_limit "$PHASE") s, logs in $RESULTS_DIR)"
+  start=$(date +%s)
+  record "$PHASE" - started 0 "" ""
+  "phase_$PHASE"
+  record "$PHASE" - finished $(($(date +%s) - start)) "" ""
+  [ "$PHASE_FAILED" = 0 ] || SUITE_FAILED=1
+}
+
+if dry; then
+  echo "gpu_suite.sh dry run, nothing is run; results would go to $RESULTS_DIR"
+else
+  mkdir -p "$RESULTS_DIR" || exit 1
+fi
+for phase in "${PHASES[@]}"; do
+  if [ -n "${SELECTED[$phase]:-}" ]; then
+    run_phase "$phase"
+  elif dry; then
+    echo "== $phase: not selected"
+  fi
 done
 
+summary=("$PYTHON" benchmarks/suite_summary.py summary "$RESULTS_DIR" --phases "$(IFS=,; echo "${PHASES[*]}")")
+if dry; then
+  echo "then: $(quote "${summary[@]}")"
+  exit 0
+fi
 echo
-echo "== gpu_suite summary ($(date -u +%Y-%m-%dT%H:%MZ), results in $RESULTS_DIR)"
-printf '%s\n' "${summary[@]}"
-grep -h -E '^[0-9]+ (passed|failed)|passed|failed' "$RESULTS_DIR/cuda-tests.log" 2>/dev/null | tail -n 1
-exit $failed
+"${summary[@]}" || { echo "suite_summary.py failed; the records are in $RECORDS"; cat "$RECORDS"; SUITE_FAILED=1; }
+exit "$SUITE_FAILED"

@@ -3,14 +3,15 @@
     python benchmarks/run.py              full run (CPU: about 15 minutes on 2 cores)
     python benchmarks/run.py --quick      smoke run, small sets and few rounds (under two minutes on CPU)
     python benchmarks/run.py --results PATH    append to PATH instead of benchmarks/results/runs.jsonl
+    python benchmarks/run.py --report PATH     also write the report (Markdown) to PATH
 
-Then ``python benchmarks/report.py`` renders any run again (``--run ID``).
+A peer contender that is not installed (``pytorch_optimizer``) is skipped, and the run says so before the pytest
+output and under the report. Then ``python benchmarks/report.py`` renders any run again (``--run ID``).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -18,13 +19,21 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from report import DEFAULT_RESULTS, load_runs, render  # noqa: E402
+from report import DEFAULT_RESULTS, load_runs, render  # noqa: E402 (found through the path set just above)
+
+
+def peer_notes() -> list[str]:
+    """One note per peer contender that is not installed here (its benchmarks are skipped); empty when none is."""
+    from contenders import not_installed  # imports torch: only when a run starts
+
+    return [f"note: {note}" for note in not_installed().values()]
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Run the gearsam_fused benchmark suite")
     parser.add_argument("--quick", action="store_true", help="small sets and few rounds")
     parser.add_argument("--results", default=str(DEFAULT_RESULTS), help="JSONL file to append the rows to")
+    parser.add_argument("--report", help="also write the rendered report (Markdown) to this file")
     parser.add_argument("pytest_args", nargs="*", help="extra arguments for pytest (after --)")
     args = parser.parse_args(argv)
     results = Path(args.results).resolve()
@@ -32,14 +41,20 @@ def main(argv: list[str] | None = None) -> int:
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(HERE / "bench_sam_step.py"),
                str(HERE / "bench_train_step.py"), f"--results={results}", "--benchmark-disable-gc",
                *(["--quick"] if args.quick else []), *args.pytest_args]  # fmt: skip
-    done = subprocess.run(command, cwd=HERE)
+    notes = peer_notes()
+    for note in notes:
+        print(note, flush=True)
+    done = subprocess.run(command, cwd=HERE, check=False)
     if done.returncode != 0:
         return done.returncode
     new = [rows for run, rows in load_runs(results).items() if run not in known]
     if not new:
         print(f"no rows were added to {results}", file=sys.stderr)
         return 1
-    print(render(new[-1], str(results)))
+    report = "\n".join([render(new[-1], str(results)), *notes])
+    print(report)
+    if args.report:
+        Path(args.report).write_text(report + "\n", encoding="utf-8")
     return 0
 
 

@@ -1,0 +1,319 @@
+"""``benchmarks/gpu_suite.sh`` and its summary writer on a machine without a GPU: argument handling, the dry run,
+the records and summary of runs split over several invocations, and the benchmark suite without pytorch_optimizer."""
+
+from __future__ import annotations
+
+import datetime
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCHMARKS = ROOT / "benchmarks"
+SCRIPT = BENCHMARKS / "gpu_suite.sh"
+PHASES = ["info", "build", "tests", "sanitize", "bench", "train"]
+NOTE = "pytorch_optimizer is not installed: its contender is skipped"
+KNOBS = {"PHASE_TIMEOUT", "WORKERS", "TEST_TIMEOUT", "PYTEST_ARGS", "SANITIZE_TOOLS", "SANITIZE_BIG", "BENCH_ARGS",
+         "SANITIZER", "TORCH_CUDA_ARCH_LIST"}  # fmt: skip
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(f"gpu_suite_test_{name}", BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+summary = _load("suite_summary")
+
+
+def suite(*args: str, cwd: Path = ROOT, **env: str) -> subprocess.CompletedProcess:
+    """Runs gpu_suite.sh with ``args``, the suite's knobs taken from ``env`` only; returns the finished process."""
+    base = {k: v for k, v in os.environ.items() if k not in KNOBS and not k.startswith("TIMEOUT_")}
+    return subprocess.run(
+        ["bash", str(SCRIPT), *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**base, "PYTHON": sys.executable, **env},
+        check=False,
+    )
+
+
+def listed_phases(stdout: str) -> list[tuple[str, bool]]:
+    """(phase, selected) for each ``== PHASE`` line of a dry run, in printed order."""
+    return [
+        (m[1], m[2] != ": not selected")
+        for m in re.finditer(r"^== (\w+)(: not selected| \(limit)", stdout, re.MULTILINE)
+    ]
+
+
+# argument handling
+
+
+@pytest.mark.parametrize("only", ["tests,bogus", "bogus", ",tests"])
+def test_an_unknown_phase_exits_2_naming_it_before_anything_runs(tmp_path, only):
+    out = tmp_path / "results"
+    done = suite(str(out), "--only", only)
+    assert done.returncode == 2
+    bad = next(name for name in only.split(",") if name not in PHASES)
+    assert f"unknown phase '{bad}'" in done.stderr
+    assert "valid phases: " + " ".join(PHASES) in done.stderr
+    assert done.stdout == "" and not out.exists()
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--only"], "--only needs a list of phases"),
+        (["--only="], "--only needs at least one phase"),
+        (["--frobnicate"], "unknown option '--frobnicate'"),
+        (["a", "b"], "one RESULTS_DIR only, got 'a' and 'b'"),
+        (["tests"], "'tests' is a phase: use --only tests"),  # the old interface took phases as arguments
+    ],
+)
+def test_usage_errors_exit_2(args, message):
+    done = suite(*args, "--dry-run")
+    assert done.returncode == 2 and message in done.stderr and done.stdout == ""
+
+
+def test_help_prints_the_usage_and_the_phases():
+    done = suite("--help")
+    assert done.returncode == 0
+    assert done.stdout.startswith("usage: benchmarks/gpu_suite.sh [RESULTS_DIR] [--only PHASE[,PHASE...]] [--dry-run]")
+    block = done.stdout.split("in this order:\n")[1].split("\nThen")[0]
+    assert re.findall(r"^  (\w+) ", block, re.MULTILINE) == PHASES
+
+
+def test_the_dry_run_lists_every_phase_in_order_with_its_commands(tmp_path):
+    out = tmp_path / "results"
+    done = suite(str(out), "--dry-run")
+    assert done.returncode == 0, done.stderr
+    assert listed_phases(done.stdout) == [(phase, True) for phase in PHASES]
+    text = done.stdout
+    for fragment in [
+        "suite_summary.py environment",
+        "GEARSAM_BUILD_CUDA=1",
+        "pip install --no-build-isolation --no-deps --no-index --use-pep517 -e .",
+        "_C.built_with_cuda()",
+        "-m pytest -m cuda tests",
+        "--timeout=300",
+        f"--junitxml={out}/cuda-tests.xml",
+        "--tool memcheck --error-exitcode 99",
+        "--tool racecheck --error-exitcode 99",
+        "benchmarks/kernels_once.py",
+        f"benchmarks/run.py --results {out}/bench-runs.jsonl --report {out}/bench.md",
+        "gearsam_fused train --device cuda",
+        f"suite_summary.py summary {out} --phases {','.join(PHASES)}",
+    ]:
+        assert fragment in text, fragment
+    assert text.index("--tool memcheck") < text.index("--tool racecheck")
+    assert not out.exists()  # nothing ran
+
+
+@pytest.mark.parametrize(
+    "args, picked",
+    [
+        (["--only", "bench,tests"], ["tests", "bench"]),
+        (["--only=train", "--only", "info"], ["info", "train"]),
+        (["--only", "sanitize,sanitize"], ["sanitize"]),
+    ],
+)
+def test_only_picks_phases_and_keeps_the_suite_order(args, picked):
+    done = suite(*args, "--dry-run")
+    assert done.returncode == 0, done.stderr
+    assert listed_phases(done.stdout) == [(phase, phase in picked) for phase in PHASES]
+
+
+def test_the_dry_run_takes_its_knobs_from_the_environment():
+    done = suite("--dry-run", "--only", "tests,sanitize", SANITIZE_TOOLS="initcheck", SANITIZE_BIG="1", WORKERS="0",
+                 TIMEOUT_TESTS="77")  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "== tests (limit 77 s)" in done.stdout and " -n " not in done.stdout
+    assert "--tool initcheck" in done.stdout and "kernels_once.py --big" in done.stdout
+    assert "memcheck" not in done.stdout
+
+
+def test_results_dir_is_the_first_positional_argument_else_a_dated_default(tmp_path):
+    days = {datetime.date.today().isoformat()}
+    done = suite("--dry-run", "--only", "bench")
+    days.add(datetime.date.today().isoformat())  # the test may straddle midnight
+    first = done.stdout.splitlines()[0]
+    assert any(first.endswith(f"results would go to {ROOT}/benchmarks/results/gpu-{day}") for day in days), first
+    relative = suite("here/out/", "--dry-run", "--only", "bench", cwd=tmp_path)  # the caller's directory, not the root
+    assert relative.stdout.splitlines()[0].endswith(f"results would go to {tmp_path}/here/out")
+    assert f"--results {tmp_path}/here/out/bench-runs.jsonl" in relative.stdout
+
+
+# the summary writer
+
+JUNIT = """<?xml version="1.0" encoding="utf-8"?>
+<testsuites name="pytest tests"><testsuite name="pytest" errors="1" failures="1" skipped="2" tests="7">
+<testcase classname="tests.test_amp" name="test_a[torch-cuda]" file="tests/test_amp.py" time="0.1"/>
+<testcase classname="tests.test_amp" name="test_b[triton-cuda]" file="tests/test_amp.py" time="0.1"/>
+<testcase classname="tests.test_kernels" name="test_c" time="0.1"/>
+<testcase classname="tests.test_kernels" name="test_d[cpp-cuda]" file="tests/test_kernels.py">
+  <failure message="assert 1 == 2">assert 1 == 2</failure></testcase>
+<testcase classname="tests.test_kernels" name="test_e" file="tests/test_kernels.py">
+  <skipped type="pytest.skip" message="needs a CUDA GPU">skipped</skipped></testcase>
+<testcase classname="tests.test_kernels" name="test_f" file="tests/test_kernels.py">
+  <skipped type="pytest.xfail" message="known">xfail</skipped></testcase>
+<testcase classname="tests.test_optim" name="test_g" file="tests/test_optim.py">
+  <error message="failed on setup with RuntimeError">RuntimeError</error></testcase>
+</testsuite></testsuites>
+"""
+HEADER = "run\tphase\tstep\tstatus\tseconds\tlog\tnote\n"
+
+
+def records(run: str, *phases: tuple[str, list[tuple[str, str, int, str, str]], int | None]) -> str:
+    """phases.tsv lines for one run: per phase its steps (name, status, seconds, log, note) and its wall time (None:
+    the run stopped inside the phase, so no ``finished`` line)."""
+    lines = []
+    for phase, steps, seconds in phases:
+        lines.append(f"{run}\t{phase}\t-\tstarted\t0\t\t")
+        lines += [f"{run}\t{phase}\t{name}\t{status}\t{s}\t{log}\t{note}" for name, status, s, log, note in steps]
+        if seconds is not None:
+            lines.append(f"{run}\t{phase}\t-\tfinished\t{seconds}\t\t")
+    return "\n".join(lines) + "\n"
+
+
+def table(text: str) -> dict[str, list[str]]:
+    """phase -> its cells (status, seconds, run, notes) in the summary's table."""
+    rows = [line.strip("|").split(" | ") for line in text.splitlines() if line.startswith("| ")]
+    return {cells[0].strip(): [c.strip() for c in cells[1:]] for cells in rows if cells[0].strip() in PHASES}
+
+
+def test_junit_counts(tmp_path):
+    path = tmp_path / "cuda-tests.xml"
+    path.write_text(JUNIT)
+    assert summary.junit_counts(path) == {"passed": 3, "failed": 1, "skipped": 2, "errors": 1}
+    assert summary.unsuccessful_tests(path) == [
+        "tests/test_kernels.py::test_d[cpp-cuda]",
+        "tests/test_optim.py::test_g",
+    ]
+    assert summary.junit_counts(tmp_path / "missing.xml") is None
+    (tmp_path / "cut.xml").write_text(JUNIT[:300])  # a run stopped while writing
+    assert summary.junit_counts(tmp_path / "cut.xml") is None
+
+
+def test_phase_statuses_and_test_counts_in_the_summary(tmp_path):
+    (tmp_path / "cuda-tests.xml").write_text(JUNIT)
+    (tmp_path / "build.log").write_text("")
+    (tmp_path / "phases.tsv").write_text(
+        HEADER
+        + records(
+            "R1",
+            ("info", [("environment", "ok", 2, "environment.txt", "")], 2),
+            ("build", [("pip install", "ok", 40, "build.log", ""),
+                       ("CUDA kernels", "FAIL", 1, "build.log", "exit 1")], 41),
+            ("tests", [("pytest -m cuda", "FAIL", 150, "cuda-tests.log", "exit 1")], 151),
+            ("sanitize", [("kernels --list", "ok", 9, "kernels.txt", ""),
+                          ("memcheck", "TIMEOUT", 400, "m.log", "")], 420),
+            ("bench", [("run.py", "ok", 300, "bench.log", NOTE)], None),
+        )
+    )  # fmt: skip
+    text = summary.write_summary(tmp_path)
+    assert (tmp_path / "summary.md").read_text() == text
+    rows = table(text)
+    assert list(rows) == PHASES
+    assert rows["info"][:3] == ["ok", "2", "R1"]
+    assert rows["build"][:2] == ["FAIL", "41"] and "CUDA kernels FAIL 1 s (exit 1)" in rows["build"][3]
+    assert "logs: `build.log`" in rows["build"][3]  # the log that exists
+    assert rows["tests"][:2] == ["FAIL", "151"] and "3 passed, 1 failed, 2 skipped, 1 errors" in rows["tests"][3]
+    assert rows["sanitize"][:2] == ["TIMEOUT", "420"]
+    assert rows["bench"][0] == "FAIL" and "did not finish" in rows["bench"][3] and NOTE in rows["bench"][3]
+    assert rows["train"] == ["skipped-not-selected", "", "", ""]
+    assert "Tests (`cuda-tests.xml`): 3 passed, 1 failed, 2 skipped, 1 errors." in text
+    assert "- tests/test_kernels.py::test_d[cpp-cuda]\n- tests/test_optim.py::test_g" in text
+
+
+def test_a_second_run_adds_to_the_first_and_replaces_the_phases_it_repeats(tmp_path):
+    path = tmp_path / "phases.tsv"
+    path.write_text(
+        HEADER
+        + records(
+            "R1",
+            ("build", [("pip install", "ok", 40, "build.log", "")], 41),
+            ("tests", [("pytest -m cuda", "FAIL", 150, "cuda-tests.log", "exit 1")], 151),
+        )
+    )
+    first = table(summary.render(tmp_path))
+    assert first["tests"][:3] == ["FAIL", "151", "R1"] and first["sanitize"][0] == "skipped-not-selected"
+    with path.open("a") as f:
+        f.write(
+            records(
+                "R2",
+                ("tests", [("pytest -m cuda", "ok", 140, "cuda-tests.log", "")], 141),
+                ("sanitize", [("memcheck", "ok", 60, "m.log", "")], 61),
+            )
+        )
+    second = table(summary.render(tmp_path))
+    assert second["build"][:3] == ["ok", "41", "R1"]
+    assert second["tests"][:3] == ["ok", "141", "R2"]
+    assert second["sanitize"][:3] == ["ok", "61", "R2"]
+    assert [second[p][0] for p in ("info", "bench", "train")] == ["skipped-not-selected"] * 3
+
+
+def test_runs_split_over_two_invocations_of_the_script_share_one_summary(tmp_path):
+    # PHASE_TIMEOUT=0 leaves no time to start a phase's commands: the records and the summary are all that runs
+    first = suite(str(tmp_path), "--only", "tests", PHASE_TIMEOUT="0")
+    second = suite(str(tmp_path), "--only", "bench,train", PHASE_TIMEOUT="0")
+    assert first.returncode == 1 and second.returncode == 1, first.stderr + second.stderr
+    lines = (tmp_path / "phases.tsv").read_text().splitlines()
+    assert lines[0] == HEADER.strip()
+    assert [line.split("\t")[1:4:2] for line in lines[1:] if "\tstarted\t" in line] == [
+        ["tests", "started"], ["bench", "started"], ["train", "started"],
+    ]  # fmt: skip
+    text = (tmp_path / "summary.md").read_text()
+    assert text in second.stdout
+    rows = table(text)
+    statuses = {phase: cells[0] for phase, cells in rows.items()}
+    assert statuses == {"info": "skipped-not-selected", "build": "skipped-not-selected", "tests": "TIMEOUT",
+                        "sanitize": "skipped-not-selected", "bench": "TIMEOUT", "train": "TIMEOUT"}  # fmt: skip
+    assert "not started: no time left in the phase" in rows["bench"][3]
+    assert "no readable cuda-tests.xml" in rows["tests"][3]
+
+
+# the benchmark suite without pytorch_optimizer
+
+
+def test_the_benchmarks_skip_pytorch_optimizer_with_a_note_when_it_is_not_installed(tmp_path):
+    (tmp_path / "pytorch_optimizer.py").write_text('raise ImportError("not installed, for this test")\n')
+    path = os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH", "")) if p)
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "bench_sam_step.py", "bench_train_step.py",
+         "--quick", "--results=", f"--benchmark-storage=file://{tmp_path}/storage", "-k", "pytorch_optimizer", "-rs"],
+        cwd=BENCHMARKS, capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": path},
+        check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    # every pytorch_optimizer benchmark of both files is skipped, each with the note, and nothing else ran
+    assert re.search(r"^\d+ skipped, \d+ deselected in ", done.stdout, re.MULTILINE), done.stdout[-2000:]
+    skipped = re.findall(r"^SKIPPED \[\d+\] (\w+)\.py:\d+: (.*)$", done.stdout, re.MULTILINE)
+    assert {file for file, _ in skipped} == {"bench_sam_step", "bench_train_step"}
+    assert {reason for _, reason in skipped} == {NOTE}
+
+
+def test_contenders_and_run_say_when_pytorch_optimizer_is_not_installed(monkeypatch):
+    monkeypatch.setitem(sys.modules, "pytorch_optimizer", None)  # import raises ImportError
+    monkeypatch.syspath_prepend(str(BENCHMARKS))  # run.py imports its neighbours by name; sys.path is restored
+    neighbours = ("contenders", "report")
+    for name in neighbours:
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    try:
+        run = _load("run")
+        assert run.peer_notes() == [f"note: {NOTE}"]
+        contenders = sys.modules["contenders"]
+        assert contenders.not_installed() == {"pytorch_optimizer": NOTE}
+        assert "pytorch_optimizer" not in contenders.available("cpu")
+        assert "per-tensor loop" in contenders.available("cpu")
+    finally:
+        for name in neighbours:  # the benchmarks' modules, imported by plain name, leave with their folder
+            sys.modules.pop(name, None)
