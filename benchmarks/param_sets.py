@@ -51,7 +51,10 @@ class ShapeList(nn.Module):
     def __init__(self, blocks: dict[str, list[tuple[int, ...]]]):
         super().__init__()
         self.blocks = nn.ModuleDict(
-            {name: nn.ParameterList(nn.Parameter(torch.randn(shape) * 0.02) for shape in shapes) for name, shapes in blocks.items()}
+            {
+                name: nn.ParameterList(nn.Parameter(torch.randn(shape) * 0.02) for shape in shapes)
+                for name, shapes in blocks.items()
+            }
         )
 
     def partition(self) -> dict[str, list[nn.Parameter]]:
@@ -75,7 +78,9 @@ def many_small_tensors(n: int = 2048) -> ShapeList:
     """``n`` tensors of 64 to 1024 elements (biases, norms, small heads) in 16 blocks: where per-tensor loops pay most."""
     sizes = (64, 128, 256, 512, 1024)
     per_block = n // 16
-    return ShapeList({f"group{b}": [(sizes[(b * per_block + i) % len(sizes)],) for i in range(per_block)] for b in range(16)})
+    return ShapeList(
+        {f"group{b}": [(sizes[(b * per_block + i) % len(sizes)],) for i in range(per_block)] for b in range(16)}
+    )
 
 
 def _scaled(width: int, params_at_width: Callable[[int], float], limit: float, smallest: int = 8) -> int:

@@ -29,7 +29,13 @@ def variants():
             yield (
                 f"tile_energy[{storage},adaptive={adaptive}]",
                 energy._tile_energy_kernel,
-                {"grad_ptr": f"*{storage}", "param_ptr": f"*{storage}", "partial_ptr": "*fp64", "eta32": "fp32", "eta64": "fp64"},
+                {
+                    "grad_ptr": f"*{storage}",
+                    "param_ptr": f"*{storage}",
+                    "partial_ptr": "*fp64",
+                    "eta32": "fp32",
+                    "eta64": "fp64",
+                },
                 {"ADAPTIVE": adaptive, "TILE": TILE, "ACC": compute},
             )
             yield (
@@ -39,7 +45,12 @@ def variants():
                  "tile_block_ptr": "*i32", "eta32": "fp32", "eta64": "fp64"},
                 {"ADAPTIVE": adaptive, "TILE": TILE, "COMPUTE": compute},
             )  # fmt: skip
-        yield f"restore[{storage}]", perturb._restore_kernel, {"param_ptr": f"*{storage}", "backup_ptr": f"*{storage}"}, {"TILE": TILE}
+        yield (
+            f"restore[{storage}]",
+            perturb._restore_kernel,
+            {"param_ptr": f"*{storage}", "backup_ptr": f"*{storage}"},
+            {"TILE": TILE},
+        )
     yield (
         "block_sum",
         energy._block_sum_kernel,
@@ -60,7 +71,9 @@ def compile_all(capability: int) -> dict:
     target = GPUTarget("cuda", capability, 32)
     report = {}
     for name, kernel, signature, constexprs in variants():
-        source = ASTSource(fn=kernel, signature={**signature, **{k: "constexpr" for k in constexprs}}, constexprs=constexprs)
+        source = ASTSource(
+            fn=kernel, signature={**signature, **{k: "constexpr" for k in constexprs}}, constexprs=constexprs
+        )
         ptx = triton.compile(source, target=target, options={"enable_fp_fusion": False}).asm["ptx"]
         report[name] = {
             "ptx_lines": ptx.count("\n"),

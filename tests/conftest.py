@@ -22,6 +22,7 @@ from gearsam_fused.backends.cpp_ops import cpp_built_with_cuda, cpp_installed  #
 from gearsam_fused.backends.triton_ops import interpreter_enabled, triton_installed  # noqa: E402
 from gearsam_fused.models import ResNet  # noqa: E402
 
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "cuda: needs a CUDA GPU (skipped without one)")
 
@@ -89,7 +90,10 @@ def tiny_resnet(seed: int = 0, dtype: torch.dtype = torch.float32, device: str =
 def batches(n: int, dtype: torch.dtype = torch.float32, batch: int = 16, seed: int = 1, device: str = "cpu"):
     g = torch.Generator().manual_seed(seed)
     return [
-        (torch.randn(batch, 3, 8, 8, generator=g).to(device, dtype), torch.randint(0, 3, (batch,), generator=g).to(device))
+        (
+            torch.randn(batch, 3, 8, 8, generator=g).to(device, dtype),
+            torch.randint(0, 3, (batch,), generator=g).to(device),
+        )
         for _ in range(n)
     ]
 

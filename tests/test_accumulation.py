@@ -8,10 +8,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from conftest import ALL, FP32_STEP_RTOL, SGD_KW, batches, flat, loss_fn, rel_err, sam_step, tiny_resnet
 from gearsam_fused import GEARSAM, SAM
 from gearsam_fused.accumulation import accumulated_step
 from gearsam_fused.amp import SAMScaler
+
+from conftest import ALL, FP32_STEP_RTOL, SGD_KW, batches, flat, loss_fn, rel_err, sam_step, tiny_resnet
 
 STEPS = 8
 BATCH = 24

@@ -6,10 +6,11 @@ import copy
 import pytest
 import torch
 
-from conftest import ALL, FP32_STEP_RTOL, SGD_KW, batches, flat, loss_fn, rel_err, sam_step, tiny_resnet
 from gearsam_fused import GEARSAM, SAM
 from gearsam_fused.amp import SAMScaler, ScaledStepReport, _can_unscale
 from gearsam_fused.distributed import sam_step as distributed_sam_step
+
+from conftest import ALL, FP32_STEP_RTOL, SGD_KW, batches, flat, loss_fn, rel_err, sam_step, tiny_resnet
 
 # Weights in float32 with an autocast forward: the fused perturbations round like the reference's, so the bf16/fp16
 # forward sees the same weights and the float32 step bound holds. On an H100 (torch 2.11, CUDA 13.0, deterministic
@@ -370,7 +371,9 @@ def test_parameters_whose_gradients_torch_cannot_unscale_are_refused_up_front(mo
 
     def without_bf16(grads, found_inf, inv_scale):
         if grads[0].dtype == torch.bfloat16:
-            raise NotImplementedError("\"_amp_foreach_non_finite_check_and_unscale_cpu\" not implemented for 'BFloat16'")
+            raise NotImplementedError(
+                "\"_amp_foreach_non_finite_check_and_unscale_cpu\" not implemented for 'BFloat16'"
+            )
         return unscale(grads, found_inf, inv_scale)
 
     monkeypatch.setattr(torch, "_amp_foreach_non_finite_check_and_unscale_", without_bf16)

@@ -8,16 +8,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from conftest import ALL, SGD_KW, batches, loss_fn, tiny_resnet
 from gearsam_fused import GEARSAM, SAM
 from gearsam_fused.bn import frozen_bn_stats
+
+from conftest import ALL, SGD_KW, batches, loss_fn, tiny_resnet
 
 
 class Net(nn.Module):
     """A small network around one BatchNorm layer of the given kind, fed inputs of the shape it expects."""
 
     SHAPES = {
-        nn.BatchNorm1d: (8, 5), nn.BatchNorm2d: (8, 5, 3, 3), nn.BatchNorm3d: (8, 5, 2, 3, 3), nn.SyncBatchNorm: (8, 5, 3, 3)
+        nn.BatchNorm1d: (8, 5),
+        nn.BatchNorm2d: (8, 5, 3, 3),
+        nn.BatchNorm3d: (8, 5, 2, 3, 3),
+        nn.SyncBatchNorm: (8, 5, 3, 3),
     }
 
     def __init__(self, kind, momentum=0.1):
@@ -89,8 +93,11 @@ def test_every_batchnorm_kind_normalises_with_batch_stats_and_keeps_its_buffers(
     opt.first_step(zero_grad=True)
 
     seen = {}
+
     def record(m, args, out):  # what the layer saw in the second pass, at the perturbed weights
-        seen.update(input=args[0].detach(), output=out.detach(), weight=m.weight.detach().clone(), bias=m.bias.detach().clone())
+        seen.update(
+            input=args[0].detach(), output=out.detach(), weight=m.weight.detach().clone(), bias=m.bias.detach().clone()
+        )
 
     model.norm.register_forward_hook(record)
     with frozen_bn_stats(model) as frozen:
@@ -112,7 +119,10 @@ def test_every_batchnorm_kind_normalises_with_batch_stats_and_keeps_its_buffers(
 
 def test_settings_come_back_exactly_even_after_an_exception():
     model = nn.Sequential(
-        nn.BatchNorm1d(4, momentum=0.3), nn.BatchNorm1d(4, momentum=None), nn.BatchNorm1d(4, track_running_stats=False), nn.BatchNorm1d(4)
+        nn.BatchNorm1d(4, momentum=0.3),
+        nn.BatchNorm1d(4, momentum=None),
+        nn.BatchNorm1d(4, track_running_stats=False),
+        nn.BatchNorm1d(4),
     )
     model[3].eval()
     settings = [(m.track_running_stats, m.momentum, m.training) for m in model]

@@ -14,10 +14,11 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import SGD_KW, flat
 from gearsam_fused import GEARSAM, SAM
 from gearsam_fused.backends import cpp_ops, resolve_backend_name
 from gearsam_fused.backends.cpp_ops import cpp_built_with_cuda, cpp_installed
+
+from conftest import SGD_KW, flat
 
 CSRC = Path(__file__).resolve().parents[1] / "csrc"
 needs_cpp = pytest.mark.skipif(not cpp_installed(), reason="the C++ extension is not built")
@@ -117,7 +118,9 @@ def test_missing_extension_says_how_to_build_it(monkeypatch):
 @needs_cpp
 @pytest.mark.skipif(cpp_built_with_cuda(), reason="this build has CUDA kernels")
 def test_cpu_only_build_refuses_cuda_parameters():
-    with pytest.raises(ValueError, match=r"built without CUDA kernels, but parameters are on CUDA; reinstall with nvcc"):
+    with pytest.raises(
+        ValueError, match=r"built without CUDA kernels, but parameters are on CUDA; reinstall with nvcc"
+    ):
         resolve_backend_name("cpp", {torch.device("cuda", 0)})
     from gearsam_fused import _C
 

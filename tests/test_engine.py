@@ -10,11 +10,24 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from conftest import FP32_STEP_RTOL, FUSED, SGD_KW, NoStep, batches, flat, loss_fn, on_device, rel_err, sam_step, tiny_resnet
 from gearsam_fused import GEARSAM, SAM, available_backends
 from gearsam_fused.backends import resolve_backend_name
 from gearsam_fused.backends.cpp_ops import cpp_built_with_cuda, cpp_installed
 from gearsam_fused.backends.triton_ops import triton_installed
+
+from conftest import (
+    FP32_STEP_RTOL,
+    FUSED,
+    SGD_KW,
+    NoStep,
+    batches,
+    flat,
+    loss_fn,
+    on_device,
+    rel_err,
+    sam_step,
+    tiny_resnet,
+)
 
 STEPS = 30
 
@@ -31,7 +44,9 @@ def _pair(cls, backend, device, **kw):
 
 # ------------------------------------------------------------------------------------------- trajectories
 @pytest.mark.parametrize("backend,device", FUSED)
-@pytest.mark.parametrize("cls,kw", [(SAM, {}), (GEARSAM, {}), (GEARSAM, {"partition": "tensor"})], ids=["sam", "gear", "gear-tensor"])
+@pytest.mark.parametrize(
+    "cls,kw", [(SAM, {}), (GEARSAM, {}), (GEARSAM, {"partition": "tensor"})], ids=["sam", "gear", "gear-tensor"]
+)
 @pytest.mark.parametrize("adaptive", [False, True], ids=["plain", "adaptive"])
 def test_trajectory_matches_reference(backend, device, cls, kw, adaptive):
     (model, opt), (ref_model, ref) = _pair(cls, backend, device, rho=0.05, adaptive=adaptive, eta=0.01, **kw)
@@ -134,7 +149,9 @@ class CountDeviceWork(TorchDispatchMode):
         if cpp_installed():
             from gearsam_fused import _C
 
-            self._originals += [(_C, name, getattr(_C, name)) for name in ("block_energy", "allocate", "perturb_", "restore_")]
+            self._originals += [
+                (_C, name, getattr(_C, name)) for name in ("block_energy", "allocate", "perturb_", "restore_")
+            ]
         for owner, name, original in self._originals:
             setattr(owner, name, self._counted(original))
         return super().__enter__()
@@ -239,7 +256,10 @@ def test_parameters_in_two_dtypes(backend, device, strategy):
     ref_model = copy.deepcopy(model)
     opt = GEARSAM(model, torch.optim.SGD, partition=strategy, rho=0.05, backend=backend, **SGD_KW)
     ref = GEARSAM(ref_model, torch.optim.SGD, partition=strategy, rho=0.05, backend="reference", **SGD_KW)
-    assert {(b.dtype, b.device.type) for b in opt._backend.layout.buckets} == {(torch.float32, device), (torch.float64, device)}
+    assert {(b.dtype, b.device.type) for b in opt._backend.layout.buckets} == {
+        (torch.float32, device),
+        (torch.float64, device),
+    }
     g = torch.Generator().manual_seed(1)
     for _ in range(STEPS):
         x, y = torch.randn(16, 6, generator=g).to(device), torch.randint(0, 3, (16,), generator=g).to(device)

@@ -6,9 +6,10 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import FUSED, SGD_KW, NoStep, batches, loss_fn, on_device, tiny_resnet
 from gearsam_fused import GEARSAM, SAM
 from gearsam_fused.flat import ALIGN, TILE
+
+from conftest import FUSED, SGD_KW, NoStep, batches, loss_fn, on_device, tiny_resnet
 
 
 def _buckets(opt):
@@ -73,7 +74,9 @@ def test_gradients_land_in_the_flat_buffer_and_are_rehomed_after_set_to_none(bac
     opt.zero_grad(set_to_none=False)
     assert all(_in_buffer(p.grad, bucket.grad) for p in model.parameters()) and not bucket.grad.any()
     loss_fn(model, xy).backward()
-    assert all(_in_buffer(p.grad, bucket.grad) for p in model.parameters()) and bucket.grad.any()  # accumulated in place
+    assert (
+        all(_in_buffer(p.grad, bucket.grad) for p in model.parameters()) and bucket.grad.any()
+    )  # accumulated in place
     opt.second_step()
 
 

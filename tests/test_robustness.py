@@ -9,9 +9,10 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import ALL, CUDA, FP32_STEP_RTOL, SGD_KW, batches, flat, loss_fn, rel_err, sam_step, tiny_resnet
 from gearsam_fused import GEARSAM, SAM
 from gearsam_fused.models import ResNet
+
+from conftest import ALL, CUDA, FP32_STEP_RTOL, SGD_KW, batches, flat, loss_fn, rel_err, sam_step, tiny_resnet
 
 
 def twin_runs(make_model, backend, device, steps=3, rule=GEARSAM, **kwargs):
@@ -55,7 +56,9 @@ def test_sparse_gradients_raise_type_error_on_every_backend(backend, device):
     emb = nn.Embedding(10, 3, sparse=True).to(device)
     opt = SAM(emb.parameters(), torch.optim.SGD, lr=0.1, backend=backend)
     emb(torch.tensor([1, 2], device=device)).sum().backward()
-    with pytest.raises(TypeError, match=r"SAM does not support sparse gradients \('param0' has a torch.sparse_coo grad\)"):
+    with pytest.raises(
+        TypeError, match=r"SAM does not support sparse gradients \('param0' has a torch.sparse_coo grad\)"
+    ):
         opt.first_step()
 
 
@@ -63,7 +66,12 @@ def test_sparse_gradients_raise_type_error_on_every_backend(backend, device):
 def test_duplicate_parameters_are_refused(backend, device):
     layer = nn.Linear(2, 2).to(device)
     with pytest.raises(ValueError, match="some parameters appear in more than one parameter group"):
-        SAM([{"params": [layer.weight]}, {"params": [layer.weight, layer.bias]}], torch.optim.SGD, lr=0.1, backend=backend)
+        SAM(
+            [{"params": [layer.weight]}, {"params": [layer.weight, layer.bias]}],
+            torch.optim.SGD,
+            lr=0.1,
+            backend=backend,
+        )
     with pytest.raises(ValueError, match=r"parameter param_groups\[0\]\['params'\]\[0\] \(shape \(2, 2\); pass model= to "
                                          r"name it\) is passed twice"):  # fmt: skip
         SAM([layer.weight, layer.bias, layer.weight], torch.optim.SGD, lr=0.1, backend=backend)
@@ -93,7 +101,9 @@ def test_parameters_unfrozen_after_construction_are_reported(backend, device):
     opt = GEARSAM(model.parameters(), torch.optim.SGD, model=model, backend=backend, **SGD_KW)
     model.fc.requires_grad_(True)
     loss_fn(model, batches(1, device=device)[0]).backward()
-    with pytest.raises(RuntimeError, match=r"'fc.weight' \(shape \(3, 8\)\) has a gradient but was frozen when the optimizer was built"):
+    with pytest.raises(
+        RuntimeError, match=r"'fc.weight' \(shape \(3, 8\)\) has a gradient but was frozen when the optimizer was built"
+    ):
         opt.first_step()
 
 
@@ -156,7 +166,10 @@ def test_a_non_finite_gradient_skips_its_block_for_one_step(backend, device, fil
     ema = opt.block_stats()["ema"]
     loss_fn(model, data[1]).backward()
     model.fc.weight.grad[0, 0] = fill
-    head, body = [p.detach().clone() for p in model.fc.parameters()], [p.detach().clone() for p in model.layer1.parameters()]
+    head, body = (
+        [p.detach().clone() for p in model.fc.parameters()],
+        [p.detach().clone() for p in model.layer1.parameters()],
+    )
     opt.first_step(zero_grad=True)
     stats = opt.block_stats()
     assert opt.block_names[-1] == "classifier" and stats["non_finite"].item() == 1
@@ -260,7 +273,9 @@ def test_resume_in_a_fresh_process_continues_bitwise(tmp_path, backend, device):
     for xy in data[4:]:
         sam_step(opt, model, xy)
     tests = str(__import__("pathlib").Path(__file__).parent)
-    script = RESUME_SCRIPT.format(tests=tests, path=str(tmp_path / "checkpoint.pt"), backend=backend, out=str(tmp_path / "out.pt"))
+    script = RESUME_SCRIPT.format(
+        tests=tests, path=str(tmp_path / "checkpoint.pt"), backend=backend, out=str(tmp_path / "out.pt")
+    )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     resumed = torch.load(tmp_path / "out.pt")
@@ -274,7 +289,10 @@ def test_loading_a_state_of_other_parameters_fails_clearly():
     sam_step(opt, model, batches(1)[0])
     state = opt.state_dict()
     wider = GEARSAM(ResNet(blocks=(1, 1), width=6, num_classes=3, act="silu"), torch.optim.SGD, **SGD_KW)
-    with pytest.raises(ValueError, match=r"block 'stem' parameter 0 \('conv1.weight'\) has shape \(6, 3, 3, 3\); the state was saved for \(4, 3, 3, 3\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"block 'stem' parameter 0 \('conv1.weight'\) has shape \(6, 3, 3, 3\); the state was saved for \(4, 3, 3, 3\)",
+    ):
         wider.load_state_dict(state)
     fewer = GEARSAM(model, torch.optim.SGD, partition="coarse", **SGD_KW)
     state["gearsam"]["shapes"][-1] = state["gearsam"]["shapes"][-1][:1]
