@@ -10,16 +10,19 @@ import torch
 from .optim import SharpnessAware, check_sharpness_aware
 
 #: Fields of every record :class:`BlockTelemetry` emits; each statistic is a list with one value per block.
-RECORD_FIELDS = ("step", "rho", "blocks", "energy", "ema", "radius", "share", "non_finite")
+RECORD_FIELDS = (
+    "step", "rho", "blocks", "energy", "ema", "radius", "share", "non_finite", "loss", "perturbed_loss", "sharpness",
+)  # fmt: skip
 
 
 class BlockTelemetry:
     """Records ``e_b``, the allocation score, ``rho_b`` and the budget share ``rho_b**2 / rho**2`` after every
     ``first_step`` and hands them to ``sink`` every ``every`` steps.
 
-    :meth:`record` (call it right after ``first_step``) writes the step's energies, EMA and radii into row ``k`` of a
-    ``[every, 3, B]`` float64 buffer on the optimizer's device with one ``torch.stack(..., out=)``; nothing is read
-    back. When the buffer is full, or on :meth:`flush`, all pending rows reach the host in one copy, the only
+    :meth:`record` (call it after ``first_step``, before the next one) writes the step's energies, EMA and radii
+    into row ``k`` of an ``[every, 3 * B + 2]`` float64 buffer on the optimizer's device with one
+    ``torch.stack(..., out=)``, and the step's two losses, when given, into the row's last two entries; nothing is
+    read back. When the buffer is full, or on :meth:`flush`, all pending rows reach the host in one copy, the only
     synchronisation, once per ``every`` steps. ``sink`` (default: append to :attr:`records`) then receives them as
     dicts with :data:`RECORD_FIELDS`:
 
@@ -28,7 +31,9 @@ class BlockTelemetry:
     - per block: ``energy`` e_b, ``ema`` the allocation score (GEAR-SAM's EMA s_b; SAM's implicit ``sqrt(e_b)``),
       ``radius`` rho_b and ``share`` rho_b**2 / rho**2 (all 0 when rho is 0);
     - ``non_finite``: how many blocks had a non-finite energy that step (GEAR-SAM did not perturb them; SAM perturbed
-      nothing that step).
+      nothing that step);
+    - ``loss`` L(w), ``perturbed_loss`` L(w + eps) and ``sharpness``, the realized sharpness L(w + eps) - L(w): the
+      two losses the step computed anyway, so it costs no extra pass (None when :meth:`record` was not given them).
     """
 
     def __init__(
@@ -46,18 +51,27 @@ class BlockTelemetry:
         self.sink = sink
         self.records: list[dict] = []
         self.step = start  # steps taken before the next record; records carry 1-based step numbers
-        self._buffer = torch.empty(
-            every, 3, len(optimizer.blocks), dtype=torch.float64, device=optimizer.step_statistics.ema.device
-        )
-        self._pending: list[tuple[int, float]] = []  # (step, rho) of each buffered row, known on the host
+        self._blocks = len(optimizer.blocks)
+        device = optimizer.step_statistics.ema.device
+        self._buffer = torch.empty(every, 3 * self._blocks + 2, dtype=torch.float64, device=device)
+        # each row's (statistics, losses) views, made once so that recording a step is one stack
+        self._rows = [(row[: 3 * self._blocks].view(3, self._blocks), row[3 * self._blocks :]) for row in self._buffer]
+        # (step, rho, whether the losses were given) of each buffered row, known on the host
+        self._pending: list[tuple[int, float, bool]] = []
 
-    def record(self) -> None:
-        """Buffer the statistics of the ``first_step`` just taken (no host synchronisation)."""
+    def record(self, loss: torch.Tensor | None = None, perturbed_loss: torch.Tensor | None = None) -> None:
+        """Buffer the statistics of the last ``first_step`` (no host synchronisation). ``loss`` and
+        ``perturbed_loss``, the step's losses at ``w`` and at ``w + eps`` (scalar tensors), give its realized
+        sharpness: call this after the second pass to pass them."""
+        if (loss is None) != (perturbed_loss is None):
+            raise ValueError("pass both loss and perturbed_loss (the losses at w and at w + eps), or neither")
         stats = self.optimizer.step_statistics
-        row = self._buffer[len(self._pending)]
-        torch.stack((stats.energy, stats.ema, stats.radius), out=row)
+        statistics, losses = self._rows[len(self._pending)]
+        torch.stack((stats.energy, stats.ema, stats.radius), out=statistics)
+        if loss is not None:
+            losses.copy_(torch.stack((loss.detach().reshape(()), perturbed_loss.detach().reshape(()))))
         self.step += 1
-        self._pending.append((self.step, stats.rho))
+        self._pending.append((self.step, stats.rho, loss is not None))
         if len(self._pending) == self.every:
             self.flush()
 
@@ -68,9 +82,15 @@ class BlockTelemetry:
         rows = self._buffer[: len(self._pending)].to("cpu", copy=True)
         names = self.optimizer.block_names
         records = []
-        for (step, rho), (energy, ema, radius) in zip(self._pending, rows):
+        for (step, rho, with_losses), row in zip(self._pending, rows):
+            energy, ema, radius = row[: 3 * self._blocks].view(3, self._blocks)
             stats = self.optimizer.describe_blocks(energy, ema, radius, rho)
-            records.append({"step": step, "rho": rho, "blocks": names, **{k: v.tolist() for k, v in stats.items()}})
+            loss, perturbed = row[3 * self._blocks :].tolist() if with_losses else (None, None)
+            sharpness = perturbed - loss if with_losses else None
+            records.append({
+                "step": step, "rho": rho, "blocks": names, **{k: v.tolist() for k, v in stats.items()},
+                "loss": loss, "perturbed_loss": perturbed, "sharpness": sharpness,
+            })  # fmt: skip
         self._pending.clear()
         if self.sink is None:
             self.records.extend(records)

@@ -18,7 +18,7 @@ from gearsam_fused.app.plots import block_shares_figure, curves_figure
 from gearsam_fused.app.training import Progress, RunConfig, cosine_factor, run_experiment, stretch_cosine
 from gearsam_fused.telemetry import RECORD_FIELDS
 
-EPOCH_FIELDS = {"kind", "optimizer", "seed", "epoch", "step", "lr", "train_loss", "train_acc", "test_loss", "test_acc",
+EPOCH_FIELDS = {"kind", "optimizer", "seed", "epoch", "step", "lr", "train_loss", "train_acc", "test_loss", "test_acc", "train_sharpness",
                 "seconds", "sam_seconds"}  # fmt: skip
 RESULT_FIELDS = {"kind", "optimizer", "seed", "epochs", "step", "test_loss", "test_acc", "seconds", "sam_seconds"}
 TIMES = {"seconds", "sam_seconds"}  # the only fields that differ between two runs of the same settings
@@ -111,6 +111,7 @@ def test_demo_writes_documented_metrics(demo_run):
         if r["kind"] == "epoch":
             assert set(r) == EPOCH_FIELDS and r["step"] == r["epoch"] * steps_per_epoch
             assert 0.0 <= r["train_acc"] <= 1.0 and r["train_loss"] > 0 and r["seconds"] > 0
+            assert (r["train_sharpness"] is None) == (r["optimizer"] == "sgd")
         elif r["kind"] == "result":
             assert set(r) == RESULT_FIELDS and r["epochs"] == 2
         else:
@@ -118,11 +119,20 @@ def test_demo_writes_documented_metrics(demo_run):
             assert r["blocks"] == ["stem", "layer1", "layer2", "layer3", "classifier"]
             assert all(len(r[k]) == 5 for k in ("energy", "ema", "radius", "share"))
             assert sum(r["share"]) == pytest.approx(1.0, abs=1e-9) and r["rho"] == 0.05
+            assert r["sharpness"] == pytest.approx(r["perturbed_loss"] - r["loss"], abs=0) and r["loss"] > 0
     assert sum(r["kind"] == "epoch" for r in rows) == 3 * 2 * 2 and sum(r["kind"] == "result" for r in rows) == 6
     for name in ("sam", "gear-sam"):
         for seed in (0, 1):
             steps = [r["step"] for r in rows if r["kind"] == "blocks" and (r["optimizer"], r["seed"]) == (name, seed)]
             assert steps == list(range(1, 2 * steps_per_epoch + 1))  # every step once, in order
+            # the epoch's realized sharpness is the per-image mean of its steps' (batches of 64, the last of 30)
+            sizes = [64] * (steps_per_epoch - 1) + [1438 - 64 * (steps_per_epoch - 1)]
+            blocks = [r for r in rows if r["kind"] == "blocks" and (r["optimizer"], r["seed"]) == (name, seed)]
+            epoch_rows = [r for r in rows if r["kind"] == "epoch" and (r["optimizer"], r["seed"]) == (name, seed)]
+            for epoch in epoch_rows:
+                mine = blocks[(epoch["epoch"] - 1) * steps_per_epoch : epoch["epoch"] * steps_per_epoch]
+                mean = sum(size * r["sharpness"] for size, r in zip(sizes, mine)) / 1438
+                assert epoch["train_sharpness"] == pytest.approx(mean, rel=1e-4, abs=1e-7)
     # the allocation rules are visible in the records: GEAR-SAM's score is an EMA, SAM's the block gradient norm
     first = {r["optimizer"]: r for r in rows if r["kind"] == "blocks" and r["step"] == 1 and r["seed"] == 0}
     assert first["sam"]["ema"] == pytest.approx([math.sqrt(e) for e in first["sam"]["energy"]], rel=1e-12)
@@ -422,6 +432,16 @@ def test_curves_show_accuracy_in_percent_and_one_epoch_readably():
     assert left <= 0 and right >= 2  # not 0.95 to 1.05
     assert all(float(t).is_integer() for t in test_acc.get_xticks())
     assert train_acc.lines[0].get_marker() == "o" and train_acc.lines[0].get_markersize() >= 5
+
+
+def test_curves_add_the_realized_sharpness_of_sharpness_aware_runs():
+    rows = [epoch_row(e, optimizer=name, train_sharpness=None if name == "sgd" else 0.01 * e)
+            for name in ("sgd", "gear-sam") for e in (1, 2)]  # fmt: skip
+    fig = curves_figure(rows)
+    assert len(fig.axes) == 5
+    (sharpness,) = [ax for ax in fig.axes if "sharpness" in ax.get_title()]
+    assert [line.get_label() for line in sharpness.lines] == ["GEAR-SAM"]  # SGD has none
+    assert list(sharpness.lines[0].get_ydata()) == pytest.approx([0.01, 0.02])
 
 
 def test_block_shares_of_a_short_run_tick_whole_steps():

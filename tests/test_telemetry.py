@@ -74,11 +74,42 @@ def test_recording_reads_nothing_back_and_a_flush_reads_once():
         during_record.append(ops.ops)
 
     sam_steps(opt, model, 3, record)
-    # a view of the buffer's row and one write into it per step; nothing is read back
-    assert during_record == [["aten::select", "aten::stack"]] * 3
+    # one write into the buffer's row per step; nothing is read back
+    assert during_record == [["aten::stack"]] * 3
     with RecordOps() as ops:
         records = telemetry.flush()
     assert len(records) == 3 and [op for op in ops.ops if op in HOST_READS] == ["aten::_to_copy"]
+
+
+@pytest.mark.parametrize("backend, device", ALL)
+def test_realized_sharpness_comes_from_the_two_losses_without_a_read_back(backend, device):
+    model = tiny_resnet(device=device)
+    opt = GEARSAM(model, torch.optim.SGD, rho=0.1, backend=backend, **SGD_KW)
+    telemetry = BlockTelemetry(opt, every=5)
+    g = torch.Generator().manual_seed(1)
+    losses, host_reads = [], []
+    for step in range(4):
+        x, y = torch.randn(4, 3, 8, 8, generator=g).to(device), torch.randint(0, 3, (4,), generator=g).to(device)
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.first_step(zero_grad=True)
+        perturbed = F.cross_entropy(model(x), y)
+        perturbed.backward()
+        opt.second_step(zero_grad=True)
+        given = (loss, perturbed) if step != 2 else ()  # a step recorded without its losses
+        with RecordOps() as ops:
+            telemetry.record(*given)
+        host_reads += [op for op in ops.ops if op in HOST_READS]
+        losses.append((loss.item(), perturbed.item()) if given else None)
+    assert host_reads == []
+    for record_, pair in zip(telemetry.flush(), losses):
+        if pair is None:
+            assert record_["loss"] is record_["perturbed_loss"] is record_["sharpness"] is None
+        else:
+            assert (record_["loss"], record_["perturbed_loss"]) == pair  # float32 losses, exact in float64
+            assert record_["sharpness"] == pair[1] - pair[0]
+    with pytest.raises(ValueError, match="pass both loss and perturbed_loss"):
+        telemetry.record(loss)
 
 
 def test_records_continue_the_step_count_and_keep_records_without_a_sink():

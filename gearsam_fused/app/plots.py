@@ -24,6 +24,7 @@ from .metrics import read_metrics
 _TITLES = {"sgd": "SGD", SAM_RULE: "SAM", GEAR_RULE: "GEAR-SAM"}
 _CURVES = (("train_loss", "train loss"), ("test_loss", "test loss"), ("train_acc", "train accuracy (%)"),
            ("test_acc", "test accuracy (%)"))  # fmt: skip
+_SHARPNESS = ("train_sharpness", "realized sharpness L(w + ε) − L(w)")
 
 
 def render(run_dir: str | Path) -> list[Path]:
@@ -56,29 +57,38 @@ def _by_optimizer(rows: list[dict]) -> dict[str, list[dict]]:
 
 
 def curves_figure(rows: list[dict]) -> Figure:
-    """Loss and accuracy (%) over epochs. Losses start at 0 and accuracies span 0-100%, so a short or flat run is not
+    """Loss and accuracy (%) over epochs, and the realized sharpness L(w + eps) - L(w) of the sharpness-aware runs when
+    the rows have it (a third column). Losses start at 0 and accuracies span 0-100%, so a short or flat run is not
     blown up into noise; the epoch axis reaches one epoch past either end, so a single epoch still reads as a point
     in a plot."""
-    fig = Figure(figsize=(10, 7), layout="constrained")
-    axes = fig.subplots(2, 2, sharex=True).ravel()
+    sharpness = any(row.get("train_sharpness") is not None for row in rows)
+    curves = _CURVES + (_SHARPNESS,) if sharpness else _CURVES
+    fig = Figure(figsize=(15 if sharpness else 10, 7), layout="constrained")
+    grid = fig.subplots(2, 3 if sharpness else 2, sharex=True)
+    axes = list(grid[:, :2].ravel())  # train loss, test loss, train accuracy, test accuracy
+    if sharpness:
+        axes.append(grid[0, 2])
+        fig.delaxes(grid[1, 2])
     epochs = {row["epoch"] for row in rows}
     for name, runs in _by_optimizer(rows).items():
         per_epoch = defaultdict(list)
         for row in runs:
             per_epoch[row["epoch"]].append(row)
         x = sorted(per_epoch)
-        for ax, (key, _) in zip(axes, _CURVES):
+        for ax, (key, _) in zip(axes, curves):
+            if any(r.get(key) is None for r in runs):  # SGD has no realized sharpness
+                continue
             scale = 100.0 if key.endswith("_acc") else 1.0
             values = [[scale * r[key] for r in per_epoch[e]] for e in x]
             mean = [sum(v) / len(v) for v in values]
             (line,) = ax.plot(x, mean, marker="o", markersize=3 if len(x) > 5 else 6, label=_TITLES.get(name, name))
             ax.fill_between(x, [min(v) for v in values], [max(v) for v in values], color=line.get_color(), alpha=0.2)
-    for ax, (key, label) in zip(axes, _CURVES):
+    for ax, (key, label) in zip(axes, curves):
         ax.set_title(label)
         ax.grid(alpha=0.3)
         if key.endswith("_acc"):
             ax.set_ylim(0, 100)
-        else:
+        elif key.endswith("_loss"):
             ax.set_ylim(bottom=0, top=max(ax.get_ylim()[1], 1e-3))
     axes[0].set_xlim(min(epochs) - 1, max(epochs) + 1)
     for ax in axes[2:]:

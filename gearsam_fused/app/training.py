@@ -508,15 +508,18 @@ def _train_epoch(run: TrainingRun) -> None:
     # an epoch's batches (order and augmentation) depend on nothing else, so a resumed run draws the same ones
     order_gen = torch.Generator().manual_seed(run.seed * 1_000_003 + run.epoch)
     loss_sum = torch.zeros((), device=run.device)
+    sharpness_sum = torch.zeros((), device=run.device)
     correct = torch.zeros((), dtype=torch.int64, device=run.device)
     images = len(run.train[1])
     for idx in torch.randperm(images, generator=order_gen).split(run.cfg.batch_size):
-        batch_loss, batch_correct = _train_batch(run, idx.to(run.device), order_gen)
+        batch_loss, batch_correct, batch_sharpness = _train_batch(run, idx.to(run.device), order_gen)
         loss_sum += batch_loss
+        sharpness_sum += batch_sharpness
         correct += batch_correct
     if run.telemetry is not None:
         run.telemetry.flush()
     train_loss, train_acc = (loss_sum / images).item(), (correct / images).item()
+    train_sharpness = (sharpness_sum / images).item() if run.sharpness_aware else None
     run.seconds += time.perf_counter() - epoch_start
     test_loss, test_acc = (t.item() for t in evaluate(run.model, *run.test, run.cfg))
     run.epoch += 1
@@ -524,47 +527,52 @@ def _train_epoch(run: TrainingRun) -> None:
     run.metrics.write([{
         "kind": "epoch", **run.tag, "epoch": run.epoch, "step": run.step, "lr": run.scheduler.get_last_lr()[0],
         "train_loss": train_loss, "train_acc": train_acc, "test_loss": test_loss, "test_acc": test_acc,
-        "seconds": run.seconds, "sam_seconds": run.sam_seconds,
+        "train_sharpness": train_sharpness, "seconds": run.seconds, "sam_seconds": run.sam_seconds,
     }])  # fmt: skip
     run.progress.update(0, f"epoch {run.epoch}/{run.cfg.epochs} loss {train_loss:.3f} test acc {100 * test_acc:.1f}%")
 
 
-def _train_batch(run: TrainingRun, idx: torch.Tensor, order_gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def _train_batch(run: TrainingRun, idx: torch.Tensor, order_gen: torch.Generator) -> tuple[torch.Tensor, ...]:
     """One optimizer step on the training images ``idx`` (cropped and flipped from ``order_gen`` where the dataset
-    asks for it); returns the batch's summed loss and its number of correct predictions, as device tensors."""
+    asks for it); returns the batch's summed loss, its number of correct predictions and its summed realized sharpness
+    L(w + eps) - L(w) (0 for SGD), as device tensors."""
     xb, yb = run.train[0][idx], run.train[1][idx]
     if run.augment:
         xb = crop_and_flip(xb, order_gen)
     logits, loss = _forward(run.model, xb, yb, run.cfg)
     loss.backward()
     batch_loss, batch_correct = loss.detach().float() * len(idx), (logits.argmax(1) == yb).sum()
+    batch_sharpness = torch.zeros((), device=run.device)
     if run.sharpness_aware:
-        _sam_step(run, xb, yb)
+        batch_sharpness = (_sam_step(run, xb, yb, loss).float() - loss.detach().float()) * len(idx)
     else:
         run.optimizer.step()
         run.optimizer.zero_grad()
     run.scheduler.step()
     run.step += 1
     run.progress.update()
-    return batch_loss, batch_correct
+    return batch_loss, batch_correct, batch_sharpness
 
 
-def _sam_step(run: TrainingRun, xb: torch.Tensor, yb: torch.Tensor) -> None:
-    """The rest of a SAM/GEAR-SAM step once the batch's gradients are in: perturb, forward and backward again at the
-    perturbed weights, then restore and update. Only ``first_step`` and ``second_step`` are timed."""
+def _sam_step(run: TrainingRun, xb: torch.Tensor, yb: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+    """The rest of a SAM/GEAR-SAM step once the batch's gradients (of ``loss``) are in: perturb, forward and backward
+    again at the perturbed weights, then restore and update; returns the loss at the perturbed weights, detached.
+    Only ``first_step`` and ``second_step`` are timed."""
     opt = run.optimizer
     run.in_optimizer.start()
     opt.first_step()
     run.in_optimizer.stop()
-    run.telemetry.record()
     # zeroing in place keeps the gradients as views of a fused backend's flat buffer: no copies
     opt.zero_grad(set_to_none=False)
     with frozen_bn_stats(run.model):  # BatchNorm statistics come from the first pass only
-        _forward(run.model, xb, yb, run.cfg)[1].backward()
+        perturbed = _forward(run.model, xb, yb, run.cfg)[1]
+        perturbed.backward()
     run.in_optimizer.start()
     opt.second_step()
     run.in_optimizer.stop()
+    run.telemetry.record(loss, perturbed)  # the step's statistics stay readable until the next first_step
     opt.zero_grad(set_to_none=False)
+    return perturbed.detach()
 
 
 def _save_checkpoint(run: TrainingRun) -> None:
