@@ -1,4 +1,5 @@
-"""Command line ``gearsam`` (also ``python -m gearsam_fused``): demo, train, partition, plot, bench."""
+"""Command line ``gearsam`` (also ``python -m gearsam_fused``): demo, train, reproduce, hessian, partition, plot,
+bench."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from gearsam_fused.partition import STRATEGIES, format_partition, partition
 
 from .data import DATASETS
 from .demo import demo_config
+from .probe import ProbeSettings, probe_run
+from .studies import STUDIES, run_study
 from .training import AMP_MODES, OPTIMIZERS, SCHEDULES, RunConfig, call_factory, run_experiment
 
 # The source checkout's benchmarks/, beside the package: gearsam_fused/app/cli.py -> the checkout's root.
@@ -78,32 +81,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = sub.add_parser("train", help="train a model on CIFAR-10/100 or synthetic data")
     _training_options(train, RunConfig())
-    add = _adder(train, RunConfig())
-    add("--model", help="in-repo model name (see `gearsam partition`) or package.module:factory; a factory taking "
-        "num_classes (or in_channels) gets the dataset's")  # fmt: skip
-    add(
-        "--model-arg",
-        type=_model_arg,
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="keyword for the model factory, e.g. width=16 or 'blocks=(1,1)'; repeatable",
-    )
-    add("--dataset", choices=DATASETS[1:], help="training data")
-    add("--data-dir", help="folder holding cifar-10-batches-py/ or cifar-100-python/")
-    add("--synthetic-size", type=int, help="training images of --dataset synthetic")
-    add("--momentum", type=float, help="SGD momentum")
-    add("--weight-decay", type=float, help="SGD weight decay")
-    add("--schedule", choices=SCHEDULES, help="learning rate schedule over all steps")
-    add("--adaptive", action="store_const", const=True, help="ASAM scaling |w| + eta")
-    add("--device", help="cpu, cuda or cuda:N")
-    add("--amp", choices=AMP_MODES, help="bf16: forward and loss under bfloat16 autocast")
-    add("--channels-last", action="store_const", const=True, help="channels_last model and inputs; CUDA only")
-    add("--checkpoint-every", type=int, help="save a checkpoint every N epochs and at the end; 0: never")
-    add("--resume", type=Path, metavar="RUN_DIR",
+    _model_options(train, RunConfig())
+    _adder(train, RunConfig())(
+        "--resume", type=Path, metavar="RUN_DIR",
         help="continue the runs of RUN_DIR from their checkpoints; a larger --epochs extends them, and a cosine "
         "schedule then goes on from the lr reached down to 0 at the new last step, never jumping back up (a "
         "finished cosine run, already at lr 0, cannot be extended)")  # fmt: skip
+
+    _study_commands(sub)
 
     part = sub.add_parser("partition", help="print the block table of a model for each strategy")
     part.add_argument("model", help="an in-repo model name or package.module:factory (called without arguments)")
@@ -118,6 +103,77 @@ def build_parser() -> argparse.ArgumentParser:
                        "instead of the quick one")  # fmt: skip
     bench.add_argument("--results", help="JSONL file to append the rows to (default benchmarks/results/runs.jsonl)")
     return parser
+
+
+def _study_commands(sub) -> None:
+    """``reproduce`` and ``hessian``: the paper's studies and the Hessian probe."""
+    reproduce = sub.add_parser("reproduce", help="one of the paper's studies: a grid of runs, a table, a figure")
+    reproduce.add_argument(
+        "study", choices=list(STUDIES), help="; ".join(f"{k}: {s.about}" for k, s in STUDIES.items())
+    )
+    _training_options(reproduce, demo_config())
+    _model_options(reproduce, demo_config())
+    reproduce.add_argument(
+        "--values", nargs="+", type=_literal, help="the grid of the varied setting (default: the paper's)"
+    )
+    _probe_options(reproduce)
+    hessian = sub.add_parser("hessian", help="the Hessian spectrum of a run directory's trained models")
+    hessian.add_argument("run_dir", type=Path, help="a run trained with --checkpoint-every")
+    _probe_options(hessian)
+
+
+def _probe_options(parser: argparse.ArgumentParser) -> None:
+    """The Hessian probe's budget (see ``gearsam_fused.app.probe.ProbeSettings``)."""
+    defaults = ProbeSettings()
+    parser.add_argument("--k", type=int, default=defaults.k, help=f"top eigenvalues (default: {defaults.k})")
+    parser.add_argument("--probe-batches", type=int, default=defaults.batches,
+                        help=f"test batches the Hessian averages over (default: {defaults.batches})")  # fmt: skip
+    parser.add_argument("--probe-batch-size", type=int, default=defaults.batch_size,
+                        help=f"images per probe batch (default: {defaults.batch_size})")  # fmt: skip
+    parser.add_argument("--max-iter", type=int, default=defaults.max_iter,
+                        help=f"Hessian-vector products per eigenvalue, at most (default: {defaults.max_iter})")  # fmt: skip
+    parser.add_argument("--trace-samples", type=int, default=defaults.trace_samples,
+                        help=f"Hutchinson samples of the trace (default: {defaults.trace_samples})")  # fmt: skip
+
+
+def _probe_settings(args: argparse.Namespace) -> ProbeSettings:
+    return ProbeSettings(k=args.k, batches=args.probe_batches, batch_size=args.probe_batch_size,
+                         max_iter=args.max_iter, trace_samples=args.trace_samples)  # fmt: skip
+
+
+def _literal(text: str):
+    """A grid value: a number where it reads as one, else the word (a partition strategy)."""
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text
+
+
+def _model_options(parser: argparse.ArgumentParser, defaults: RunConfig) -> None:
+    """Options of train and reproduce beyond demo's: the model, the data, the device and the schedule."""
+    add = _adder(parser, defaults)
+    add("--model", help="in-repo model name (see `gearsam partition`) or package.module:factory; a factory taking "
+        "num_classes (or in_channels) gets the dataset's")  # fmt: skip
+    add(
+        "--model-arg",
+        type=_model_arg,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="keyword for the model factory, e.g. width=16 or 'blocks=(1,1)'; repeatable",
+    )
+    # train does not offer the digits, which only the demo's small network suits; the studies default to them
+    add("--dataset", choices=DATASETS[1:] if defaults.command == "train" else DATASETS, help="training data")
+    add("--data-dir", help="folder holding cifar-10-batches-py/ or cifar-100-python/")
+    add("--synthetic-size", type=int, help="training images of --dataset synthetic")
+    add("--momentum", type=float, help="SGD momentum")
+    add("--weight-decay", type=float, help="SGD weight decay")
+    add("--schedule", choices=SCHEDULES, help="learning rate schedule over all steps")
+    add("--adaptive", action="store_const", const=True, help="ASAM scaling |w| + eta")
+    add("--device", help="cpu, cuda or cuda:N")
+    add("--amp", choices=AMP_MODES, help="bf16: forward and loss under bfloat16 autocast")
+    add("--channels-last", action="store_const", const=True, help="channels_last model and inputs; CUDA only")
+    add("--checkpoint-every", type=int, help="save a checkpoint every N epochs and at the end; 0: never")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -151,9 +207,10 @@ def _config(args: argparse.Namespace) -> tuple[RunConfig, Path, bool]:
         if changed:
             raise ValueError(f"--resume cannot change {changed}; only {sorted(RESUMABLE)}")
         return dataclasses.replace(cfg, **given), resume, True
-    cfg = demo_config(**given) if args.command == "demo" else RunConfig(**given)
+    cfg = RunConfig(**given) if args.command == "train" else demo_config(**given)
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    return cfg, args.out or Path("runs") / f"{args.command}-{stamp}", False
+    what = f"{args.command}-{args.study}" if args.command == "reproduce" else args.command
+    return cfg, args.out or Path("runs") / f"{what}-{stamp}", False
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -162,6 +219,15 @@ def _run(args: argparse.Namespace) -> int:
         cfg, run_dir, resume = _config(args)
         run_experiment(cfg, run_dir, resume=resume)
         _plot_run(run_dir)
+    elif args.command == "reproduce":
+        cfg, study_dir, _ = _config(args)
+        run_study(args.study, cfg, study_dir, values=args.values, probe=_probe_settings(args))
+        print((study_dir / "study.md").read_text())
+        _plot(study_dir, "render_study")
+    elif args.command == "hessian":
+        probe_run(args.run_dir, _probe_settings(args))
+        print((args.run_dir / "hessian.md").read_text())
+        _plot(args.run_dir, "render_hessian")
     elif args.command == "partition":
         model = call_factory(args.model)
         for strategy in args.strategy:
@@ -184,10 +250,16 @@ def _run(args: argparse.Namespace) -> int:
 
 def _plot_run(run_dir: Path) -> None:
     """Render the plots of a finished run, or say why there are none: the run itself never needs matplotlib."""
+    _plot(run_dir, "render")
+
+
+def _plot(folder: Path, renderer: str) -> None:
+    """Draw ``folder``'s plots with ``plots.<renderer>`` and name them, or say why there are none."""
     try:
-        from .plots import render
+        from . import plots
     except ImportError as exc:
         print(f"\nno plots: {exc} (pip install matplotlib)")
         return
-    for path in render(run_dir):
+    written = getattr(plots, renderer)(folder)
+    for path in written if isinstance(written, list) else [written]:
         print(f"wrote {path}")

@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import json
 from collections import defaultdict
 from pathlib import Path
 
@@ -125,3 +126,58 @@ def block_shares_figure(rows: list[dict]) -> Figure:
     axes[0].set_ylabel("budget share  rho_b² / rho²")
     axes[-1].legend(loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize="small", title="block")
     return fig
+
+
+def study_figure(numbers: dict) -> Figure:
+    """A study's test accuracy (%) against the varied setting, one line per optimizer (bars: ± std over seeds)."""
+    fig = Figure(figsize=(7, 4.5), layout="constrained")
+    ax = fig.subplots()
+    values = list(dict.fromkeys(row["value"] for row in numbers["accuracy"]))
+    for name in dict.fromkeys(row["optimizer"] for row in numbers["accuracy"]):
+        mine = {row["value"]: row for row in numbers["accuracy"] if row["optimizer"] == name}
+        x = [i for i, v in enumerate(values) if v in mine]
+        ax.errorbar(x, [mine[values[i]]["mean"] for i in x], yerr=[mine[values[i]]["std"] for i in x], marker="o",
+                    capsize=3, label=_TITLES.get(name, name))  # fmt: skip
+    ax.set_xticks(range(len(values)), [str(v) for v in values])
+    ax.set_xlabel(numbers["setting"])
+    ax.set_ylabel("test accuracy (%)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.suptitle(numbers["about"])
+    return fig
+
+
+def hessian_figure(rows: list[dict]) -> Figure:
+    """Histograms of the top Hessian eigenvalues per optimizer (every seed's), on shared bins."""
+    fig = Figure(figsize=(7, 4.5), layout="constrained")
+    ax = fig.subplots()
+    pooled = {name: [e for r in rows if r["optimizer"] == name for e in r["eigenvalues"]] for name in
+              dict.fromkeys(r["optimizer"] for r in rows)}  # fmt: skip
+    everything = [e for values in pooled.values() for e in values]
+    low, high = min(everything), max(everything)
+    bins = [low + (high - low) * i / 20 for i in range(21)] if high > low else 10
+    for name, values in pooled.items():
+        ax.hist(values, bins=bins, alpha=0.5, label=f"{_TITLES.get(name, name)} (max {max(values):.3g})")
+    ax.set_xlabel("eigenvalue")
+    ax.set_ylabel("count")
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.suptitle(f"top-{len(rows[0]['eigenvalues'])} Hessian eigenvalues")
+    return fig
+
+
+def render_study(study_dir: str | Path) -> list[Path]:
+    """Write ``study.png`` (and ``hessian.png`` for each probed run) of a study directory; returns their paths."""
+    study_dir = Path(study_dir)
+    numbers = json.loads((study_dir / "study.json").read_text())
+    written = [_save(study_figure(numbers), study_dir / "study.png")]
+    for rows_file in sorted(study_dir.glob("*/hessian.jsonl")):
+        written.append(render_hessian(rows_file.parent))
+    return written
+
+
+def render_hessian(run_dir: str | Path) -> Path:
+    """Write ``hessian.png`` of a probed run directory; returns its path."""
+    rows = [json.loads(line) for line in (Path(run_dir) / "hessian.jsonl").read_text().splitlines() if line]
+    return _save(hessian_figure(rows), Path(run_dir) / "hessian.png")

@@ -1,0 +1,88 @@
+"""``gearsam reproduce`` and ``gearsam hessian`` at tiny settings: the numbers they write are those of the runs and
+of the probe, and the figures are real plots."""
+
+import json
+
+import pytest
+import torch
+from test_cli import assert_real_plot, failed, gearsam, metrics, ok
+
+from gearsam_fused.analysis import hessian_eigenvalues
+from gearsam_fused.app.data import load_dataset
+from gearsam_fused.app.probe import ProbeSettings, probe_run
+from gearsam_fused.app.studies import STUDIES, summarize_study
+from gearsam_fused.app.training import RunConfig, build_model
+
+
+def test_paired_differences_are_per_seed():
+    results = {0.2: [
+        {"optimizer": "sgd", "seed": 0, "test_acc": 0.50}, {"optimizer": "sgd", "seed": 1, "test_acc": 0.70},
+        {"optimizer": "sam", "seed": 0, "test_acc": 0.60}, {"optimizer": "sam", "seed": 1, "test_acc": 0.75},
+    ]}  # fmt: skip
+    numbers = summarize_study(STUDIES["label-noise"], (0.2,), ("sgd", "sam"), results)
+    sgd, sam = numbers["accuracy"]
+    assert (sgd["mean"], sam["mean"]) == pytest.approx((60.0, 67.5))
+    assert sgd["std"] == pytest.approx(14.142135623730951)  # the seeds disagree by 20 points
+    (pair,) = numbers["paired_differences"]
+    assert pair["pair"] == "sam - sgd" and pair["per_seed"] == pytest.approx({"0": 10.0, "1": 5.0})
+    assert (pair["mean"], pair["std"]) == pytest.approx((7.5, 3.5355339059327378))  # tighter than either spread
+
+
+def test_reproduce_runs_the_grid_and_tables_the_runs(tmp_path):
+    out = tmp_path / "study"
+    args = ("reproduce", "label-noise", "--values", 0.0, 0.5, "--optimizers", "sgd", "gear-sam", "--epochs", 1,
+            "--seeds", 0, 1, "--batch-size", 256, "--threads", 1, "--out", out)  # fmt: skip
+    stdout = ok(gearsam(*args))
+    numbers = json.loads((out / "study.json").read_text())
+    assert numbers["setting"] == "label_noise"
+    assert [(r["value"], r["optimizer"]) for r in numbers["accuracy"]] == [
+        (0.0, "sgd"), (0.0, "gear-sam"), (0.5, "sgd"), (0.5, "gear-sam"),
+    ]  # fmt: skip
+    for row in numbers["accuracy"]:
+        run_dir = out / f"label_noise={row['value']}"
+        assert json.loads((run_dir / "config.json").read_text())["label_noise"] == row["value"]
+        results = [r for r in metrics(run_dir) if r["kind"] == "result" and r["optimizer"] == row["optimizer"]]
+        assert row["per_seed"] == {str(r["seed"]): 100.0 * r["test_acc"] for r in results}
+    pairs = [(r["value"], r["pair"]) for r in numbers["paired_differences"]]
+    assert pairs == [(0.0, "gear-sam - sgd"), (0.5, "gear-sam - sgd")]
+    assert "| 0.5 | gear-sam - sgd |" in (out / "study.md").read_text() and "| 0.5 | gear-sam - sgd |" in stdout
+    assert_real_plot(out / "study.png")
+
+
+def test_reproduce_refuses_a_value_the_setting_cannot_take(tmp_path):
+    failed(gearsam("reproduce", "partition", "--values", "blocks", "--epochs", 1, "--out", tmp_path / "x"),
+           "partition must be one of")  # fmt: skip
+
+
+def test_hessian_probes_each_checkpoint_as_the_library_does(tmp_path):
+    """``reproduce hessian`` trains, keeps the final weights and probes them; ``hessian RUN_DIR`` probes them again."""
+    probe = ("--k", 2, "--max-iter", 4, "--trace-samples", 1, "--probe-batches", 1, "--probe-batch-size", 32)
+    stdout = ok(gearsam("reproduce", "hessian", "--optimizers", "sgd", "sam", "--epochs", 1, "--seeds", 0,
+                        "--batch-size", 256, "--threads", 1, *probe, "--out", tmp_path / "study"))  # fmt: skip
+    run_dir = tmp_path / "study" / "label_noise=0.0"
+    rows = [json.loads(line) for line in (run_dir / "hessian.jsonl").read_text().splitlines()]
+    assert [(r["optimizer"], r["seed"]) for r in rows] == [("sgd", 0), ("sam", 0)]
+    cfg = RunConfig.load(run_dir / "config.json")
+    data = load_dataset(cfg.dataset, cfg.data_dir, cfg.synthetic_size)
+    batch = tuple(t[:32] for t in data.test)
+    for row in rows:
+        model = build_model(cfg, data)
+        model.load_state_dict(torch.load(run_dir / "checkpoints" / f"{row['optimizer']}-seed0.pt")["model"])
+        expected = hessian_eigenvalues(model, lambda m, b: torch.nn.functional.cross_entropy(m(b[0]), b[1]), [batch],
+                                       2, max_iter=4, tol=ProbeSettings().tol, seed=0)  # fmt: skip
+        assert row["eigenvalues"] == pytest.approx(expected, rel=1e-5)
+        assert row["max_eigenvalue"] == row["eigenvalues"][0] >= row["eigenvalues"][1]
+    study = json.loads((tmp_path / "study" / "study.json").read_text())
+    assert study["hessian"] == {"0.0": rows} and "top-2 mean" in stdout
+    assert_real_plot(run_dir / "hessian.png")
+    ok(gearsam("hessian", run_dir, "--k", 1, "--max-iter", 2, "--trace-samples", 1, "--probe-batches", 1))
+    again = [json.loads(line) for line in (run_dir / "hessian.jsonl").read_text().splitlines()]
+    assert [len(r["eigenvalues"]) for r in again] == [1, 1] and "top-1 mean" in (run_dir / "hessian.md").read_text()
+
+
+def test_hessian_needs_checkpoints(tmp_path):
+    run_dir = tmp_path / "run"
+    ok(gearsam("demo", "--optimizers", "sgd", "--epochs", 1, "--seeds", 0, "--batch-size", 256, "--out", run_dir))
+    failed(gearsam("hessian", run_dir), f"{run_dir} has no checkpoints: train with --checkpoint-every N")
+    with pytest.raises(ValueError, match="is not a run directory"):
+        probe_run(tmp_path, ProbeSettings())
