@@ -38,6 +38,7 @@ class Study:
     optimizers: tuple[str, ...]
     about: str
     base: tuple = ()
+    reference: object = None  # the value each other is compared with, seed by seed (one-optimizer studies)
 
 
 #: Every study's defaults beyond the demo's. With a constant lr the last epoch's accuracy on noisy labels swings by
@@ -51,10 +52,11 @@ _NOISY = (("label_noise", 0.4),)
 STUDIES = {
     "label-noise": Study("label_noise", (0.0, 0.2, 0.4, 0.6, 0.8), (SGD, SAM_RULE, GEAR_RULE),
                          "symmetric label noise on the training set (paper: Robustness to Label Noise)"),
+    # the global partition, a single block, is SAM itself
     "partition": Study("partition", STRATEGIES, (GEAR_RULE,), "GEAR-SAM's partition of the network into blocks",
-                       _NOISY),
+                       _NOISY, "global"),
     "rho": Study("rho", (0.10, 0.15, 0.20, 0.25, 0.30), (SAM_RULE, GEAR_RULE), "the global radius rho", _NOISY),
-    "beta": Study("beta", (0.80, 0.85, 0.90, 0.95, 0.99), (GEAR_RULE,), "GEAR-SAM's EMA factor beta", _NOISY),
+    "beta": Study("beta", (0.80, 0.85, 0.90, 0.95, 0.99), (GEAR_RULE,), "GEAR-SAM's EMA factor beta", _NOISY, 0.90),
     # one value, the configured label noise: the study is the probe of the trained models
     "hessian": Study("label_noise", (), (SGD, SAM_RULE, GEAR_RULE),
                      "the Hessian spectrum of the trained models (paper: Top Eigenvalues of Hessian)",
@@ -102,20 +104,29 @@ def run_study(name: str, cfg: RunConfig, study_dir: Path, *, values=None, probe:
 
 
 def summarize_study(study: Study, values, optimizers, results: dict) -> dict:
-    """Accuracy (%) per value and optimizer (mean, std, per seed) and per-seed paired differences between each pair
-    of optimizers at each value."""
-    rows, pairs = [], []
+    """Accuracy (%) per value and optimizer (mean, std, per seed) and per-seed paired differences: between each pair
+    of optimizers at each value, and each optimizer's at each value against its own at the study's ``reference``."""
+    accuracy = {
+        v: {o: {r["seed"]: 100.0 * r["test_acc"] for r in results[v] if r["optimizer"] == o} for o in optimizers}
+        for v in values
+    }
+    rows = [{"value": v, "optimizer": o, **_stats(accuracy[v][o])} for v in values for o in optimizers]
+    pairs = []
     for value in values:
-        accuracy = {
-            o: {r["seed"]: 100.0 * r["test_acc"] for r in results[value] if r["optimizer"] == o} for o in optimizers
-        }
-        for name in optimizers:
-            rows.append({"value": value, "optimizer": name, **_stats(accuracy[name])})
         for first, second in itertools.combinations(optimizers, 2):
-            seeds = sorted(set(accuracy[first]) & set(accuracy[second]))
-            differences = {s: accuracy[second][s] - accuracy[first][s] for s in seeds}
-            pairs.append({"value": value, "pair": f"{second} - {first}", **_stats(differences)})
+            pairs.append({"value": value, "pair": f"{second} - {first}", **_paired(accuracy[value][second],
+                                                                                   accuracy[value][first])})  # fmt: skip
+        if study.reference in values and value != study.reference:
+            for name in optimizers:
+                pairs.append({"value": value, "pair": f"{name} - {name} at {study.setting}={study.reference}",
+                              **_paired(accuracy[value][name], accuracy[study.reference][name])})  # fmt: skip
     return {"setting": study.setting, "about": study.about, "accuracy": rows, "paired_differences": pairs}
+
+
+def _paired(minuend: dict, subtrahend: dict) -> dict:
+    """:func:`_stats` of the per-seed differences over the seeds both have."""
+    seeds = sorted(set(minuend) & set(subtrahend))
+    return _stats({s: minuend[s] - subtrahend[s] for s in seeds})
 
 
 def _stats(per_seed: dict) -> dict:
