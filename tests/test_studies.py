@@ -10,7 +10,7 @@ from test_cli import assert_real_plot, failed, gearsam, metrics, ok
 from gearsam_fused.analysis import hessian_eigenvalues
 from gearsam_fused.app.data import load_dataset
 from gearsam_fused.app.probe import ProbeSettings, probe_run
-from gearsam_fused.app.studies import STUDIES, summarize_study
+from gearsam_fused.app.studies import STUDIES, study_config, summarize_study
 from gearsam_fused.app.training import RunConfig, build_model
 
 
@@ -86,3 +86,23 @@ def test_hessian_needs_checkpoints(tmp_path):
     failed(gearsam("hessian", run_dir), f"{run_dir} has no checkpoints: train with --checkpoint-every N")
     with pytest.raises(ValueError, match="is not a run directory"):
         probe_run(tmp_path, ProbeSettings())
+
+
+def test_study_defaults_then_the_options_given():
+    cfg = study_config("rho")
+    assert (cfg.dataset, cfg.schedule, cfg.seeds, cfg.label_noise) == ("digits", "cosine", [0, 1, 2, 3, 4], 0.4)
+    assert study_config("label-noise").label_noise == 0.0 and study_config("hessian").seeds == [0, 1, 2]
+    given = study_config("beta", label_noise=0.0, seeds=[7])
+    assert (given.label_noise, given.seeds, given.schedule) == (0.0, [7], "cosine")
+
+
+def test_a_one_optimizer_study_compares_each_value_with_its_reference():
+    accuracies = {"coarse": [0.80, 0.90], "global": [0.70, 0.85]}
+    results = {
+        value: [{"optimizer": "gear-sam", "seed": seed, "test_acc": acc} for seed, acc in enumerate(accs)]
+        for value, accs in accuracies.items()
+    }
+    numbers = summarize_study(STUDIES["partition"], ("coarse", "global"), ("gear-sam",), results)
+    (pair,) = numbers["paired_differences"]
+    assert pair["value"] == "coarse" and pair["pair"] == "gear-sam - gear-sam at partition=global"
+    assert pair["per_seed"] == pytest.approx({"0": 10.0, "1": 5.0})
