@@ -470,3 +470,22 @@ def test_crop_and_flip_moves_whole_images():
             assert set(plane.flatten().tolist()) <= set(source[channel].flatten().tolist()) | {0.0}
     same = crop_and_flip(x, torch.Generator().manual_seed(0), pad=2)
     assert torch.equal(out, same)
+
+
+def test_the_library_never_imports_the_application():
+    """Every module of the library imports without pulling in gearsam_fused.app (the command line's package)."""
+    code = (
+        "import importlib, pkgutil, sys\n"
+        "def load(package):\n"
+        "    for m in pkgutil.iter_modules(importlib.import_module(package).__path__):\n"
+        "        if m.name not in ('app', '__main__', 'triton_kernels'):\n"
+        "            name = f'{package}.{m.name}'\n"
+        "            load(name) if m.ispkg else importlib.import_module(name)\n"
+        "load('gearsam_fused')\n"
+        "print(len([m for m in sys.modules if m.startswith('gearsam_fused.')]))\n"
+        "print(sorted(m for m in sys.modules if m.startswith('gearsam_fused.app')))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    imported, app = done.stdout.split("\n")[:2]
+    assert int(imported) >= 20 and app == "[]"  # the optimizer, helpers, backends and models, and no app
