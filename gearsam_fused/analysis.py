@@ -24,6 +24,8 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
+from .checks import check_real
+
 __all__ = ["hessian_eigenvalues", "hessian_trace", "hessian_vector_product"]
 
 LossFn = Callable[[nn.Module, object], torch.Tensor]
@@ -43,7 +45,8 @@ def hessian_eigenvalues(
     ``batches``, sorted from largest to smallest. Each takes at most ``max_iter`` Hessian-vector products; the same
     ``seed`` gives the same result."""
     params = _trainable(model)
-    _check_probe(batches, k=k, max_iter=max_iter, tol=tol)
+    _check_probe(batches, k=k, max_iter=max_iter)
+    check_real("tol", tol, low=0.0, low_inclusive=False, high=1.0)
     size = sum(p.numel() for p in params)
     if k > size:
         raise ValueError(f"k={k} eigenvalues asked of a Hessian of size {size}")
@@ -62,7 +65,7 @@ def hessian_trace(model: nn.Module, loss_fn: LossFn, batches: Sequence, *, sampl
     """Hutchinson's estimate of the trace of the same Hessian as :func:`hessian_eigenvalues`, averaged over
     ``samples`` Rademacher vectors drawn from ``seed``; exact for a diagonal Hessian."""
     params = _trainable(model)
-    _check_probe(batches, k=1, max_iter=samples, tol=0.5)
+    _check_probe(batches, samples=samples)
     generator = torch.Generator().manual_seed(seed)
     total = 0.0
     with _eval_mode(model):
@@ -126,14 +129,13 @@ def _trainable(model: nn.Module) -> list[torch.Tensor]:
     return params
 
 
-def _check_probe(batches: Sequence, *, k: int, max_iter: int, tol: float) -> None:
+def _check_probe(batches: Sequence, **counts: int) -> None:
+    """ValueError unless ``batches`` is a non-empty sequence and every one of ``counts`` a positive int."""
     if isinstance(batches, torch.Tensor) or not isinstance(batches, Sequence) or not batches:
         raise ValueError("batches must be a non-empty sequence (a list of batches, each passed to loss_fn)")
-    for name, value in (("k", k), ("max_iter", max_iter)):
+    for name, value in counts.items():
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
-    if not (isinstance(tol, (int, float)) and 0 < tol < 1):
-        raise ValueError(f"tol must lie in (0, 1), got {tol!r}")
 
 
 @contextlib.contextmanager

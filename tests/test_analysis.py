@@ -142,6 +142,8 @@ def test_bad_arguments_are_named():
         hessian_eigenvalues(model, loss_fn, [])
     with pytest.raises(ValueError, match="tol must lie in"):
         hessian_eigenvalues(model, loss_fn, batches, tol=0)
+    with pytest.raises(ValueError, match="samples must be a positive int, got 0"):
+        hessian_trace(model, loss_fn, batches, samples=0)
     with pytest.raises(TypeError, match="model must be an nn.Module"):
         hessian_trace(lambda x: x, loss_fn, batches)
     model.weight.requires_grad_(False)

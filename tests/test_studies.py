@@ -54,6 +54,14 @@ def test_reproduce_refuses_a_value_the_setting_cannot_take(tmp_path):
            "partition must be one of")  # fmt: skip
 
 
+def _probe(run_dir, cfg, data, optimizer: str, batch) -> list[float]:
+    """The top two eigenvalues of the run's final weights of ``optimizer``, computed here by the library."""
+    model = build_model(cfg, data)
+    model.load_state_dict(torch.load(run_dir / "checkpoints" / f"{optimizer}-seed0.pt")["model"])
+    return hessian_eigenvalues(model, lambda m, b: torch.nn.functional.cross_entropy(m(b[0]), b[1]), [batch], 2,
+                               max_iter=4, tol=ProbeSettings().tol, seed=0)  # fmt: skip
+
+
 def test_hessian_probes_each_checkpoint_as_the_library_does(tmp_path):
     """``reproduce hessian`` trains, keeps the final weights and probes them; ``hessian RUN_DIR`` probes them again."""
     probe = ("--k", 2, "--max-iter", 4, "--trace-samples", 1, "--probe-batches", 1, "--probe-batch-size", 32)
@@ -65,12 +73,14 @@ def test_hessian_probes_each_checkpoint_as_the_library_does(tmp_path):
     cfg = RunConfig.load(run_dir / "config.json")
     data = load_dataset(cfg.dataset, cfg.data_dir, cfg.synthetic_size)
     batch = tuple(t[:32] for t in data.test)
-    for row in rows:
-        model = build_model(cfg, data)
-        model.load_state_dict(torch.load(run_dir / "checkpoints" / f"{row['optimizer']}-seed0.pt")["model"])
-        expected = hessian_eigenvalues(model, lambda m, b: torch.nn.functional.cross_entropy(m(b[0]), b[1]), [batch],
-                                       2, max_iter=4, tol=ProbeSettings().tol, seed=0)  # fmt: skip
-        assert row["eigenvalues"] == pytest.approx(expected, rel=1e-5)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the run probed: float32 sums then add up in the same order
+    try:
+        expected = [_probe(run_dir, cfg, data, row["optimizer"], batch) for row in rows]
+    finally:
+        torch.set_num_threads(threads)
+    for row, eigenvalues in zip(rows, expected):
+        assert row["eigenvalues"] == pytest.approx(eigenvalues, rel=1e-5)
         assert row["max_eigenvalue"] == row["eigenvalues"][0] >= row["eigenvalues"][1]
     study = json.loads((tmp_path / "study" / "study.json").read_text())
     assert study["hessian"] == {"0.0": rows} and "top-2 mean" in stdout

@@ -179,5 +179,5 @@ def render_study(study_dir: str | Path) -> list[Path]:
 
 def render_hessian(run_dir: str | Path) -> Path:
     """Write ``hessian.png`` of a probed run directory; returns its path."""
-    rows = [json.loads(line) for line in (Path(run_dir) / "hessian.jsonl").read_text().splitlines() if line]
+    rows = read_metrics(Path(run_dir) / "hessian.jsonl")
     return _save(hessian_figure(rows), Path(run_dir) / "hessian.png")

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from ..allocation import RULES, allocate  # noqa: F401 (RULES: the rules Backend.allocate understands)
+from ..allocation import allocate
 from ..partition import Block
 
 
