@@ -24,30 +24,10 @@ from gearsam_fused.allocation import RULES, SAM_RULE
 
 import contenders
 import param_sets
-from conftest import DEVICE, synchronize, warm_up
+from conftest import DEVICE, cuda_event_median_ms, cuda_launches, synchronize, warm_up
 
 BYTES_PER_PARAM = 28
 NOT_INSTALLED = contenders.not_installed()  # peers shown as skipped, with the note, instead of left out
-
-
-def _cuda_event_median_ms(step, n: int = 50) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(n):
-        step()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / n
-
-
-def _cuda_launches(step) -> int:
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        step()
-        torch.cuda.synchronize()
-    return sum(1 for e in prof.events() if e.device_type.name == "CUDA")
 
 
 @pytest.mark.parametrize("set_key", param_sets.SET_KEYS)
@@ -81,8 +61,8 @@ def test_sam_step(benchmark, record, quick, copy_bandwidth, contender, rule, set
         synchronised_step()
         extra = {
             "peak_extra_bytes": torch.cuda.max_memory_allocated() - before,
-            "launches": _cuda_launches(step),
-            "cuda_event_median_ms": _cuda_event_median_ms(step),
+            "launches": cuda_launches(step),
+            "cuda_event_median_ms": cuda_event_median_ms(step),
         }
     benchmark.group = f"{rule} step, {params.name}, {DEVICE}"
     rounds = 3 if quick else max(5, min(30, int(3e8 / params.numel)))

@@ -62,6 +62,28 @@ def warm_up(step, min_steps: int = 3, min_seconds: float = 0.5) -> None:
         done += 1
 
 
+def cuda_event_median_ms(step, n: int = 50) -> float:
+    """Milliseconds per call of ``step``, by CUDA events around ``n`` back-to-back calls."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(n):
+        step()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / n
+
+
+def cuda_launches(step) -> int:
+    """CUDA kernels one call of ``step`` launches (torch profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type.name == "CUDA")
+
+
 @pytest.fixture(scope="session")
 def copy_bandwidth(quick) -> float:
     """GB/s of one large device-to-device copy (bytes read plus bytes written), median of 10: the yardstick for

@@ -11,8 +11,9 @@ contender              what it is
 ``cpp``                gearsam_fused's compiled kernels (when the extension is built; on CUDA, when built with it)
 =====================  =========================================================================================
 
-The first two implement SAM only; ours run both rules (``sam`` and ``gear-sam``). All run with a base optimizer that does
-nothing, so a step measures the SAM machinery alone: energies, allocation, perturbation and restore.
+The first two implement SAM only; ours run both rules (``sam`` and ``gear-sam``). :func:`make` builds them with a base
+optimizer that does nothing, so a step measures the SAM machinery alone: energies, allocation, perturbation and
+restore. ``bench_whole_step.py`` builds the same implementations around a real base optimizer (torch's SGD or AdamW).
 """
 
 from __future__ import annotations
@@ -41,13 +42,15 @@ class PerTensorLoopSAM:
 
     first_step:  n = || stack(||g_p|| for every p) ||;  for every p: backup_p = clone(p);  p += (rho / (n + 1e-12)) g_p
     second_step: for every p: p.data = backup_p;  then the base optimizer's step
+
+    The base optimizer is built as ``base_optimizer(params, **base_kwargs)`` (by default one that does nothing).
     """
 
-    def __init__(self, params, base_optimizer=NoStep, rho: float = 0.05):
+    def __init__(self, params, base_optimizer=NoStep, rho: float = 0.05, **base_kwargs):
         self.params = [p for p in params if p.requires_grad]
         self.rho = rho
         self.backups: dict[torch.nn.Parameter, torch.Tensor] = {}
-        self.base_optimizer = base_optimizer(self.params)
+        self.base_optimizer = base_optimizer(self.params, **base_kwargs)
 
     @torch.no_grad()
     def first_step(self):

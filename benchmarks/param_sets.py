@@ -12,7 +12,11 @@ WRN-28-10                  CIFAR WideResNet-28-10                               
 ViT-B/16                   ViT-B/16 at 224 px                                    86.6M              152
 GPT-2-medium shapes        24 transformer layers, d=1024, 50257-token vocab      354.5M             292
 2048 small tensors         64 to 1024 elements each                              0.8M               2048
+2000 tensors x 4096        4096 elements each, in 16 blocks (whole step only)    8.2M               2000
 =========================  ====================================================  =================  ===========
+
+:data:`SET_KEYS` are the sets of the SAM-step benchmark; :data:`WHOLE_STEP_SET_KEYS` adds the last one for the
+whole-step benchmark (quick mode builds it with 512 elements per tensor).
 """
 
 from __future__ import annotations
@@ -83,6 +87,12 @@ def many_small_tensors(n: int = 2048) -> ShapeList:
     )
 
 
+def many_equal_tensors(n: int = 2000, size: int = 4096) -> ShapeList:
+    """``n`` tensors of ``size`` elements each in 16 blocks: mid-sized tensors, many of them, where a per-tensor base
+    step pays its per-tensor overhead (a launch each on CUDA) and a fused one streams."""
+    return ShapeList({f"group{b}": [(size,)] * (n // 16 + (b < n % 16)) for b in range(16)})
+
+
 def _scaled(width: int, params_at_width: Callable[[int], float], limit: float, smallest: int = 8) -> int:
     """The largest width, halving from ``width`` down to ``smallest``, whose parameter count is within ``limit``."""
     while width // 2 >= smallest and params_at_width(width) > limit:
@@ -120,10 +130,20 @@ def _builders(limit: int) -> dict[str, Callable[[], tuple[str, nn.Module, object
         model = many_small_tensors(2048)
         return "2048 small tensors", model, model.partition()
 
-    return {"resnet18": resnet, "wrn28_10": wrn, "vit_b16": vit, "gpt2_medium": gpt, "small_tensors": small}
+    def equal():
+        size = _scaled(4096, lambda s: 2000 * s, limit, smallest=64)
+        model = many_equal_tensors(2000, size)
+        return f"2000 tensors x {size}", model, model.partition()
+
+    return {
+        "resnet18": resnet, "wrn28_10": wrn, "vit_b16": vit, "gpt2_medium": gpt, "small_tensors": small,
+        "tensors_4096": equal,
+    }  # fmt: skip
 
 
 SET_KEYS = ["resnet18", "wrn28_10", "vit_b16", "gpt2_medium", "small_tensors"]
+#: The whole-step benchmark's sets: the SAM-step sets and 2000 tensors of 4096 elements.
+WHOLE_STEP_SET_KEYS = [*SET_KEYS, "tensors_4096"]
 
 
 def build(key: str, device: str, quick: bool, seed: int = 0) -> ParamSet:

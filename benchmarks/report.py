@@ -4,7 +4,8 @@
 
 Without ``--run`` it renders the newest full (non-quick) run for the device, or the newest run of any kind if there
 is no full one. Ratios are the headline: each fused contender against the per-tensor loop and against
-pytorch_optimizer, measured in the same run.
+pytorch_optimizer, measured in the same run, and for the whole step (SAM with its base optimizer's update) against the
+base optimizer's step alone.
 """
 
 from __future__ import annotations
@@ -82,6 +83,44 @@ def sam_step_tables(rows: list[dict]) -> list[str]:
     return lines
 
 
+def whole_step_tables(rows: list[dict]) -> list[str]:
+    """Per (set, base optimizer): every contender's whole step (SAM and the base optimizer's update), against the
+    per-tensor implementations and against the base optimizer's step alone."""
+    groups: dict[tuple[str, str], list[dict]] = defaultdict(list)
+    for row in rows:
+        if row["benchmark"] == "bench_whole_step":
+            groups[(row["set"], row["base"])].append(row)
+    lines = []
+    for (name, base), group in groups.items():
+        first = group[0]
+        by = {r["contender"]: r["median_ms"] for r in group}
+        loop, peer, bare = by.get("per-tensor loop"), by.get("pytorch_optimizer"), by.get("bare base step")
+        lines += [
+            f"**Whole step, {base}, {name}** ({first['parameters'] / 1e6:.1f}M parameters in {first['tensors']} "
+            f"tensors; {first['bytes_counted'] // first['parameters']} bytes counted per parameter; copy bandwidth "
+            f"{first['copy_gbps']:.0f} GB/s)",
+            "",
+            "| contender | median ms | IQR ms | vs per-tensor loop | vs pytorch_optimizer | / bare base step | GB/s | % of copy | launches |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for r in group:
+            over_bare = f"{r['median_ms'] / bare:.2f}x" if bare else "-"
+            lines.append(
+                f"| {r['contender']} | {r['median_ms']:.3f} | {r['q3_ms'] - r['q1_ms']:.3f} | {_ratio(loop, r['median_ms'])} | "
+                f"{_ratio(peer, r['median_ms'])} | {over_bare} | {r['gbps']:.1f} | {r['pct_copy']:.0f} | "
+                f"{r.get('launches', '-')} |"
+            )
+        lines.append("")
+    if lines:
+        lines += [
+            "Whole step = `first_step` + `second_step` with the base optimizer's update. \"vs\" columns: the other's median "
+            "over this one's (above 1x: this one is faster); \"/ bare base step\": this median over the base optimizer's "
+            "step alone (`foreach=True`, no SAM). GB/s from the counted bytes (SGD 40, AdamW 48 per parameter).",
+            "",
+        ]
+    return lines
+
+
 def train_step_table(rows: list[dict]) -> list[str]:
     steps = [r for r in rows if r["benchmark"] == "bench_train_step"]
     if not steps:
@@ -109,7 +148,7 @@ def train_step_table(rows: list[dict]) -> list[str]:
 
 def render(rows: list[dict], source: str) -> str:
     lines = [f"Measured on {_where(rows[0])}. Source: `{source}`.", ""]
-    return "\n".join(lines + sam_step_tables(rows) + train_step_table(rows))
+    return "\n".join(lines + sam_step_tables(rows) + whole_step_tables(rows) + train_step_table(rows))
 
 
 def main(argv: list[str] | None = None) -> int:

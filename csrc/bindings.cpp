@@ -22,5 +22,36 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "backup = param; param += scale[tile_block[tile]] * T^2 * grad, in place.");
   m.def("restore_", &gearsam::restore_, no_gil, py::arg("param"), py::arg("backup"), py::kw_only(), py::arg("tile"),
         "param = backup, bit for bit.");
+  // The base steps take their hyperparameters as flat keywords, like the Triton launchers, and pack them here.
+  m.def(
+      "sgd_step_",
+      [](const at::Tensor& param, const at::Tensor& grad, const at::Tensor& backup,
+         const c10::optional<at::Tensor>& momentum_buffer, int64_t tile, double lr, double weight_decay,
+         double momentum, double dampening, bool nesterov, bool maximize, bool first) {
+        gearsam::sgd_step_(param, grad, backup, momentum_buffer, tile,
+                           {lr, weight_decay, momentum, dampening, nesterov, maximize, first});
+      },
+      no_gil, py::arg("param"), py::arg("grad"), py::arg("backup"), py::arg("momentum_buffer").none(true),
+      py::kw_only(), py::arg("tile"), py::arg("lr"), py::arg("weight_decay"), py::arg("momentum"),
+      py::arg("dampening"), py::arg("nesterov"), py::arg("maximize"), py::arg("first"),
+      "param = backup after one step of torch.optim.SGD on grad, bit for bit; momentum_buffer (given iff momentum "
+      "!= 0) is updated in place, or set to the step's gradient when first.");
+  m.def(
+      "adam_step_",
+      [](const at::Tensor& param, const at::Tensor& grad, const at::Tensor& backup, const at::Tensor& exp_avg,
+         const at::Tensor& exp_avg_sq, const c10::optional<at::Tensor>& max_exp_avg_sq, int64_t tile, double beta1,
+         double beta2, double eps, double weight_decay, bool decoupled, bool amsgrad, bool maximize, double step_size,
+         double bias_correction2_sqrt, double decay) {
+        gearsam::adam_step_(param, grad, backup, exp_avg, exp_avg_sq, max_exp_avg_sq, tile,
+                            {beta1, beta2, eps, weight_decay, decoupled, amsgrad, maximize, step_size,
+                             bias_correction2_sqrt, decay});
+      },
+      no_gil, py::arg("param"), py::arg("grad"), py::arg("backup"), py::arg("exp_avg"), py::arg("exp_avg_sq"),
+      py::arg("max_exp_avg_sq").none(true), py::kw_only(), py::arg("tile"), py::arg("beta1"), py::arg("beta2"),
+      py::arg("eps"), py::arg("weight_decay"), py::arg("decoupled"), py::arg("amsgrad"), py::arg("maximize"),
+      py::arg("step_size"), py::arg("bias_correction2_sqrt"), py::arg("decay"),
+      "param = backup after one step of torch.optim.Adam (AdamW when decoupled) on grad, bit for bit; exp_avg, "
+      "exp_avg_sq and max_exp_avg_sq (given iff amsgrad) are updated in place. step_size = lr / (1 - beta1^k), "
+      "bias_correction2_sqrt = (1 - beta2^k)^0.5 and decay = 1 - lr * weight_decay, computed in Python as torch does.");
   m.def("built_with_cuda", &gearsam::built_with_cuda, "Whether this build contains the CUDA kernels.");
 }

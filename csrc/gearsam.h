@@ -5,6 +5,12 @@
 //   perturb_      backup = w;  w <- w + scale[block] * T^2 g    T = |w| + eta (ASAM) or 1
 //   restore_      w <- backup                                   a copy of the stored bits
 //
+// and, to end the step in one pass, restore_ fused with the base optimizer's update (reads backup, never param;
+// bit for bit what torch's own optimizer gives on the CPU after restore_):
+//
+//   sgd_step_     w <- backup - lr * d, momentum buffer         torch.optim.SGD
+//   adam_step_    w <- backup - step_size * m / denom, m, v     torch.optim.Adam / AdamW
+//
 // ops.cpp checks the arguments and calls the implementation for the tensors' device: namespace cpu (cpu/*.cpp) or
 // namespace cuda (cuda/*.cu, declared and compiled only when WITH_CUDA is defined). Every implementation receives tensors that
 // ops.cpp has already checked, and allocates nothing.
@@ -12,6 +18,9 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <c10/util/Optional.h>
+
+#include <cmath>
 #include <tuple>
 
 namespace gearsam {
@@ -24,6 +33,71 @@ void perturb_(const at::Tensor& param, const at::Tensor& grad, const at::Tensor&
               const at::Tensor& tile_block, int64_t tile, bool adaptive, double eta);
 void restore_(const at::Tensor& param, const at::Tensor& backup, int64_t tile);
 
+// The hyperparameters of the fused base steps as Python passes them (double). step_size, bias_correction2_sqrt and
+// decay are what torch's Adam derives from lr, the betas and the step count in Python, so the caller computes them
+// the same way: lr / (1 - beta1^k), (1 - beta2^k)^0.5, 1 - lr * weight_decay.
+struct SgdOptions {
+  double lr, weight_decay, momentum, dampening;
+  bool nesterov, maximize, first;
+};
+struct AdamOptions {
+  double beta1, beta2, eps, weight_decay;
+  bool decoupled, amsgrad, maximize;
+  double step_size, bias_correction2_sqrt, decay;
+};
+
+void sgd_step_(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& backup,
+               const c10::optional<at::Tensor>& momentum_buffer, int64_t tile, const SgdOptions& options);
+void adam_step_(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& backup, const at::Tensor& exp_avg,
+                const at::Tensor& exp_avg_sq, const c10::optional<at::Tensor>& max_exp_avg_sq, int64_t tile,
+                const AdamOptions& options);
+
+// The options with every scalar rounded once to the buffers' type T, as torch rounds a Python-scalar alpha or value
+// (differences such as 1 - dampening are taken in double first, as Python does). Both implementations start from
+// these, so the CPU and CUDA kernels multiply by the very same constants. Plain values: they are kernel arguments.
+template <typename T>
+struct SgdConstants {
+  T neg_lr, weight_decay, momentum, one_minus_dampening;
+  bool l2, with_momentum, nesterov, maximize, first;
+
+  explicit SgdConstants(const SgdOptions& o)
+      : neg_lr(static_cast<T>(-o.lr)),
+        weight_decay(static_cast<T>(o.weight_decay)),
+        momentum(static_cast<T>(o.momentum)),
+        one_minus_dampening(static_cast<T>(1.0 - o.dampening)),
+        l2(o.weight_decay != 0),  // tested in double, as torch tests the Python float
+        with_momentum(o.momentum != 0),
+        nesterov(o.nesterov),
+        maximize(o.maximize),
+        first(o.first) {}
+};
+
+template <typename T>
+struct AdamConstants {
+  // lerp_weight is 1 - beta1 where |1 - beta1| < 0.5, else (1 - beta1) - 1 rounded in T: ATen's lerp takes the
+  // second form for large weights, and the branch depends on the weight alone, so it is chosen here once.
+  T weight_decay, decay, lerp_weight, beta2, one_minus_beta2, eps, bias_correction2_sqrt, neg_step_size;
+  bool l2, decoupled, small_weight, amsgrad, maximize;
+
+  explicit AdamConstants(const AdamOptions& o)
+      : weight_decay(static_cast<T>(o.weight_decay)),
+        decay(static_cast<T>(o.decay)),
+        lerp_weight(static_cast<T>(1.0 - o.beta1)),
+        beta2(static_cast<T>(o.beta2)),
+        one_minus_beta2(static_cast<T>(1.0 - o.beta2)),
+        eps(static_cast<T>(o.eps)),
+        bias_correction2_sqrt(static_cast<T>(o.bias_correction2_sqrt)),
+        neg_step_size(static_cast<T>(-o.step_size)),
+        l2(o.weight_decay != 0 && !o.decoupled),
+        decoupled(o.weight_decay != 0 && o.decoupled),
+        small_weight(std::abs(lerp_weight) < T(0.5)),
+        amsgrad(o.amsgrad),
+        maximize(o.maximize) {
+    if (!small_weight) lerp_weight = lerp_weight - T(1);
+  }
+};
+
+// momentum_buffer and max_exp_avg_sq are undefined tensors where the optimizer has none.
 #define GEARSAM_DEVICE_IMPLEMENTATIONS                                                                              \
   void block_energy(const at::Tensor& grad, const at::Tensor& param, const at::Tensor& block_tiles,                 \
                     const at::Tensor& partials, const at::Tensor& energy, int64_t tile, bool adaptive, double eta); \
@@ -31,7 +105,12 @@ void restore_(const at::Tensor& param, const at::Tensor& backup, int64_t tile);
                 bool gear, double rho, double beta, double delta);                                                   \
   void perturb(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& backup, const at::Tensor& scale,  \
                const at::Tensor& tile_block, int64_t tile, bool adaptive, double eta);                              \
-  void restore(const at::Tensor& param, const at::Tensor& backup);
+  void restore(const at::Tensor& param, const at::Tensor& backup);                                                   \
+  void sgd_step(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& backup,                           \
+                const at::Tensor& momentum_buffer, int64_t tile, const SgdOptions& options);                         \
+  void adam_step(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& backup,                          \
+                 const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq, const at::Tensor& max_exp_avg_sq,          \
+                 int64_t tile, const AdamOptions& options);
 
 namespace cpu {
 GEARSAM_DEVICE_IMPLEMENTATIONS

@@ -71,6 +71,24 @@ void check_floating(const char* name, const at::Tensor& t) {
                     " must be float32, float64, float16 or bfloat16, got ", dtype_name(type));
 }
 
+// The fused base steps compute in the buffers' own type, as torch's optimizers do; bf16 and fp16 would need their
+// own rounding rules to stay bitwise equal to torch, so they are refused rather than approximated.
+void check_base_step_dtype(const at::Tensor& param) {
+  const auto type = param.scalar_type();
+  TORCH_CHECK_VALUE(type == at::kFloat || type == at::kDouble,
+                    "fused base step supports float32 and float64 buffers, got ", dtype_name(type), " for param");
+}
+
+// A state buffer the optimizer keeps exactly when `needed` (`why` says when that is): given without it or missing
+// with it means the caller's state and options disagree, which no kernel can resolve.
+void check_optional_state(const char* name, const c10::optional<at::Tensor>& t, bool needed, const char* why,
+                          const at::Tensor& param) {
+  const bool given = t.has_value() && t->defined();
+  TORCH_CHECK_VALUE(!needed || given, name, " is required when ", why, ", got None");
+  TORCH_CHECK_VALUE(needed || !given, name, " must be None unless ", why);
+  if (given) check_same(name, *t, "param", param);
+}
+
 bool on_cuda(const at::Tensor& t) {
   if (t.is_cpu()) return false;
   TORCH_CHECK_VALUE(t.is_cuda(), "tensors on ", t.device(), " are not supported; use CPU or CUDA tensors");
@@ -137,6 +155,34 @@ void restore_(const at::Tensor& param, const at::Tensor& backup, int64_t tile) {
   check_same("backup", backup, "param", param);
   if (param.numel() == 0) return;
   GEARSAM_ON_DEVICE_OF(param, restore, param, backup);
+}
+
+void sgd_step_(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& backup,
+               const c10::optional<at::Tensor>& momentum_buffer, int64_t tile, const SgdOptions& options) {
+  check_tile(tile);
+  check_flat("param", param, tile);
+  check_base_step_dtype(param);
+  check_same("grad", grad, "param", param);
+  check_same("backup", backup, "param", param);
+  check_optional_state("momentum_buffer", momentum_buffer, options.momentum != 0, "momentum != 0", param);
+  if (param.numel() == 0) return;
+  GEARSAM_ON_DEVICE_OF(param, sgd_step, param, grad, backup, momentum_buffer.value_or(at::Tensor()), tile, options);
+}
+
+void adam_step_(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& backup, const at::Tensor& exp_avg,
+                const at::Tensor& exp_avg_sq, const c10::optional<at::Tensor>& max_exp_avg_sq, int64_t tile,
+                const AdamOptions& options) {
+  check_tile(tile);
+  check_flat("param", param, tile);
+  check_base_step_dtype(param);
+  check_same("grad", grad, "param", param);
+  check_same("backup", backup, "param", param);
+  check_same("exp_avg", exp_avg, "param", param);
+  check_same("exp_avg_sq", exp_avg_sq, "param", param);
+  check_optional_state("max_exp_avg_sq", max_exp_avg_sq, options.amsgrad, "amsgrad=True", param);
+  if (param.numel() == 0) return;
+  GEARSAM_ON_DEVICE_OF(param, adam_step, param, grad, backup, exp_avg, exp_avg_sq,
+                       max_exp_avg_sq.value_or(at::Tensor()), tile, options);
 }
 
 bool built_with_cuda() {

@@ -1,6 +1,7 @@
-"""Flat layout: each (device, dtype) bucket of parameters re-homed as views of one contiguous buffer.
+"""Flat layout: each (device, dtype, param group) bucket of parameters re-homed as views of one contiguous buffer.
 
-A bucket holds three buffers of the same length, ``param``, ``grad`` and ``backup``, laid out by block::
+A bucket holds three buffers of the same length, ``param``, ``grad`` and ``backup``, laid out by block (and, made on
+first use, one buffer per optimizer-state tensor, e.g. Adam's ``exp_avg``, with per-parameter views)::
 
     | block 0: w0 .. w1 .. w2 ..... | block 1: w3 .. w4 ... | block 2 (empty here) | block 3: ...
       ^ tensor starts on multiples of ALIGN elements
@@ -12,6 +13,8 @@ A bucket holds three buffers of the same length, ``param``, ``grad`` and ``backu
 * Blocks start on tile boundaries, so a kernel tile of ``TILE`` elements lies in exactly one block; the tables
   ``tile_block`` (tile -> block) and ``block_tiles`` (block -> tile range) are built once and live on the device.
 * Padding is zero in ``param`` and ``grad`` and stays zero: a perturbation adds ``scale * 0`` there.
+* Parameters of different param groups never share a bucket, so one set of hyperparameters (lr, weight decay, ...)
+  holds for a whole bucket and a base-optimizer update can run over it in one pass.
 
 Gradients stop being views when someone sets them to None (``zero_grad(set_to_none=True)``) or assigns a new tensor;
 parameters stop being views when someone assigns ``p.data``. :meth:`FlatLayout.sync` detects both before the buffers
@@ -20,6 +23,7 @@ are read and puts the values back in place (re-homing the tensor), so a kernel n
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -78,11 +82,13 @@ class _Slot:
 
 
 class Bucket:
-    """The parameters of one (device, dtype), their flat buffers and the tile tables of their blocks."""
+    """The parameters of one (device, dtype, param group), their flat buffers and the tile tables of their blocks."""
 
     def __init__(self, device: torch.device, dtype: torch.dtype, members: list[tuple[int, str, torch.Tensor]],
-                 n_blocks: int, tile: int = TILE, align: int = ALIGN):  # fmt: skip
+                 n_blocks: int, tile: int = TILE, align: int = ALIGN, group: int = 0):  # fmt: skip
         self.device, self.dtype, self.tile = device, dtype, tile
+        #: index of the param group every parameter of this bucket belongs to
+        self.group = group
         # members arrive in block order, so offsets come out in the same order as they do
         per_block: dict[int, list[torch.Tensor]] = {}
         for b, _, p in members:
@@ -106,6 +112,10 @@ class Bucket:
         self.block_tiles = torch.cat([counts.new_zeros(1), counts.cumsum(0)]).to(device)
         self.tile_block = torch.repeat_interleave(torch.arange(n_blocks, dtype=torch.int32), counts).to(device)
         self.partials = torch.empty(self.n_tiles, dtype=torch.float64, device=device)  # per-tile energies
+        #: flat optimizer-state buffers by state name, and every slot's view of each (see :meth:`state_buffer`)
+        self.state: dict[str, torch.Tensor] = {}
+        self.state_views: dict[str, list[torch.Tensor]] = {}
+        self._counts: tuple[torch.Tensor, list[torch.Tensor]] | None = None
 
         self.slots: list[_Slot] = []
         with torch.no_grad():
@@ -125,27 +135,52 @@ class Bucket:
     def padding(self) -> int:
         return self.numel - sum(s.view.numel() for s in self.slots)
 
+    def state_buffer(self, key: str) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The flat buffer of optimizer state ``key`` (zeros when first asked for) and each slot's view of it, laid
+        out like ``param``: a state tensor of a parameter is a view at the parameter's place."""
+        if key not in self.state:
+            flat = torch.zeros_like(self.param)
+            self.state[key] = flat
+            self.state_views[key] = [torch.as_strided(flat, s.view.shape, s.view.stride(), s.view.storage_offset())
+                                     for s in self.slots]  # fmt: skip
+        return self.state[key], self.state_views[key]
+
+    def step_counts(self, dtype: torch.dtype) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """A CPU vector of per-slot step counts (zeros when first asked for) and each slot's 0-d view of it: torch's
+        Adam keeps ``state["step"]`` as such a CPU scalar per parameter; as views of one vector they are all advanced
+        by one operation, and read without touching the device."""
+        if self._counts is None:
+            counts = torch.zeros(len(self.slots), dtype=dtype)
+            self._counts = counts, list(counts.unbind())
+        return self._counts
+
     def tensors(self) -> dict[str, torch.Tensor]:
         """Every tensor the bucket allocated, by role."""
         return {
             "param": self.param, "grad": self.grad, "backup": self.backup, "partials": self.partials,
             "tiles_per_block": self.tiles_per_block, "block_tiles": self.block_tiles, "tile_block": self.tile_block,
+            **{f"state.{key}": flat for key, flat in self.state.items()},
         }  # fmt: skip
 
 
 class FlatLayout:
-    """Re-homes the parameters of ``blocks`` into per-(device, dtype) buckets; see the module docstring."""
+    """Re-homes the parameters of ``blocks`` into per-(device, dtype, param group) buckets; see the module docstring.
+    ``param_group`` maps ``id(p)`` to the index of ``p``'s param group (all in group 0 when not given)."""
 
-    def __init__(self, blocks: list[Block], tile: int = TILE, align: int = ALIGN):
+    def __init__(self, blocks: list[Block], tile: int = TILE, align: int = ALIGN,
+                 param_group: Mapping[int, int] | None = None):  # fmt: skip
         if tile <= 0 or tile & (tile - 1):
             raise ValueError(f"tile must be a power of two, got {tile}")
-        groups: dict[tuple[torch.device, torch.dtype], list[tuple[int, str, torch.Tensor]]] = {}
+        param_group = param_group or {}
+        keyed: dict[tuple[torch.device, torch.dtype, int], list[tuple[int, str, torch.Tensor]]] = {}
         for b, block in enumerate(blocks):
             for name, p in zip(block.param_names, block.params):
                 _dense_layout(name, p)
-                groups.setdefault((p.device, p.dtype), []).append((b, name, p))
+                keyed.setdefault((p.device, p.dtype, param_group.get(id(p), 0)), []).append((b, name, p))
         self.n_blocks = len(blocks)
-        self.buckets = [Bucket(dev, dt, members, len(blocks), tile, align) for (dev, dt), members in groups.items()]
+        self.buckets = [
+            Bucket(dev, dt, members, len(blocks), tile, align, group) for (dev, dt, group), members in keyed.items()
+        ]
 
     # ------------------------------------------------------------------ keeping the views honest
     @torch.no_grad()
@@ -211,9 +246,13 @@ class FlatLayout:
     def memory_overhead(self) -> dict[str, int]:
         """Bytes allocated beyond the parameters and gradients themselves."""
         backup = sum(b.backup.nbytes for b in self.buckets)
-        padding = sum(2 * b.padding * b.param.element_size() for b in self.buckets)
+        # param, grad and every flat state buffer carry the same padding; the state itself is the base optimizer's
+        padding = sum((2 + len(b.state)) * b.padding * b.param.element_size() for b in self.buckets)
         tables = sum(
-            t.nbytes for b in self.buckets for k, t in b.tensors().items() if k not in ("param", "grad", "backup")
+            t.nbytes
+            for b in self.buckets
+            for k, t in b.tensors().items()
+            if k not in ("param", "grad", "backup") and not k.startswith("state.")
         )
         grad_buffer = sum(b.grad.nbytes for b in self.buckets)
         return {"backup": backup, "padding": padding, "tables": tables, "total": backup + padding + tables,

@@ -25,6 +25,7 @@ from torch import nn
 
 from .allocation import GEAR_RULE, SAM_RULE
 from .backends import make_backend, resolve_backend_name
+from .base_step import BASE_STEPS, FUSED, PER_TENSOR, FlatBaseStep, run_step_hooks
 from .checks import check_real
 from .partition import Block, unwrap
 from .partition import partition as make_partition
@@ -70,9 +71,13 @@ class SharpnessAware(torch.optim.Optimizer):
         backend: str,
         model: nn.Module | None,
         partition,
+        base_step: str,
         base_kwargs: dict,
     ):
         check_real("rho", rho, low=0.0)
+        if base_step not in BASE_STEPS:
+            raise ValueError(f"base_step must be one of {BASE_STEPS}, got {base_step!r}")
+        self.base_step = base_step
         self.eta = check_real("eta", eta, low=0.0)
         self.delta = check_real("delta", delta, low=0.0, low_inclusive=False)
         if not isinstance(adaptive, bool):
@@ -119,7 +124,10 @@ class SharpnessAware(torch.optim.Optimizer):
         self._outside_blocks = [(label(p), p) for p in optimized if id(p) not in in_blocks]
         device = next(p for b in self.blocks for p in b.params).device
         self.backend_name = resolve_backend_name(backend, {p.device for b in self.blocks for p in b.params})
-        self._backend = make_backend(self.backend_name, self.blocks, device)
+        param_group = {id(p): g for g, group in enumerate(self.param_groups) for p in group["params"]}
+        self._backend = make_backend(self.backend_name, self.blocks, device, param_group)
+        self._flat_step, self._flat_step_why_not = self._make_flat_step()
+        self._last_base_step = FUSED if self._flat_step is not None else PER_TENSOR
 
         zeros = torch.zeros(len(self.blocks), dtype=torch.float64, device=device)
         self._ema = zeros.clone()
@@ -127,6 +135,20 @@ class SharpnessAware(torch.optim.Optimizer):
         self._radius = zeros.clone()
         self._last_rho = float(rho)
         self._undo: tuple | None = None  # allocation state of before a cancellable first_step
+
+    def _make_flat_step(self) -> tuple[FlatBaseStep | None, str]:
+        """The fused base step over the backend's buckets, or None and why not (an error if it was asked for)."""
+        if self.base_step == PER_TENSOR:
+            return None, "base_step='per-tensor' was asked for"
+        if not self._backend.fuses_base_step:
+            why_not = f"backend {self.backend_name!r} steps the base optimizer per tensor"
+        else:
+            why_not = FlatBaseStep.why_not(self.base_optimizer)
+        if why_not and self.base_step == FUSED:
+            raise ValueError(f"base_step='fused' cannot be honoured: {why_not}")
+        if why_not:
+            return None, why_not
+        return FlatBaseStep(self.base_optimizer, self._backend.layout), ""
 
     @staticmethod
     def _blocks(model: nn.Module | None, strategy, optimized: list[torch.Tensor], label) -> list[Block]:
@@ -180,6 +202,21 @@ class SharpnessAware(torch.optim.Optimizer):
         return self._backend.perturbed
 
     @property
+    def base_step_mode(self) -> str:
+        """How the last :meth:`second_step` ran the base optimizer (before the first, how it will if it can):
+        ``"fused"``, restored and updated over the flat buffers in one pass per bucket (torch's SGD, Adam and AdamW on
+        a flat-buffer backend), or ``"per-tensor"``, restored and then stepped by the base optimizer itself.
+        :attr:`base_step_reason` says why a step was not fused."""
+        return self._last_base_step
+
+    @property
+    def base_step_reason(self) -> str:
+        """Why the last :meth:`second_step` stepped the base optimizer per tensor ("" when it was fused)."""
+        if self._last_base_step == FUSED:
+            return ""
+        return self._flat_step_why_not or self._flat_step.reason
+
+    @property
     def step_statistics(self) -> StepStatistics:
         """The last ``first_step``'s raw statistics on the device, without a copy (see :class:`StepStatistics`);
         :meth:`block_stats` is the same on the host, copied and described."""
@@ -222,12 +259,25 @@ class SharpnessAware(torch.optim.Optimizer):
 
     @torch.no_grad()
     def second_step(self, zero_grad: bool = False) -> None:
-        """Restore ``w`` exactly and step the base optimizer with the gradient taken at ``w + eps``."""
+        """Restore ``w`` exactly and step the base optimizer with the gradient taken at ``w + eps``: in one pass over
+        the flat buffers where the base step is fused (see :attr:`base_step_mode`), else by its own ``step()``."""
         if not self.perturbed:
             raise RuntimeError("second_step() called without a preceding first_step()")
-        self._backend.restore_()
+        updates = self._flat_step.plan() if self._flat_step is not None else None
+        if updates is None and self.base_step == FUSED:
+            self._backend.restore_()  # w, not w + eps, stays in the model
+            raise RuntimeError(f"base_step='fused' cannot be honoured this step: {self._flat_step.reason}")
+        if updates is None:
+            self._backend.restore_()
+            self.base_optimizer.step()
+        else:
+            run_step_hooks(self.base_optimizer, "pre")
+            self._backend.restore_and_update_(updates)
+            self._flat_step.finish(updates)
+            self.base_optimizer._opt_called = True  # as its step() would have: a scheduler may be attached to it
+            run_step_hooks(self.base_optimizer, "post")
+        self._last_base_step = PER_TENSOR if updates is None else FUSED
         self._undo = None
-        self.base_optimizer.step()
         self._opt_called = True  # tells torch LR schedulers that an optimizer step happened
         if zero_grad:
             self.zero_grad()
@@ -441,6 +491,10 @@ class SAM(SharpnessAware):
         model, partition: only used to report SAM's implicit per-block radii in :meth:`block_stats`
             (default: ``"coarse"`` when a model is known, else ``"global"``). The step does not depend on them.
         delta: added to the gradient norm before dividing.
+        base_step: ``"auto"`` runs torch's SGD, Adam and AdamW fused with the restore over the flat buffers where it
+            can and per tensor elsewhere (:attr:`base_step_mode` says which ran, :attr:`base_step_reason` why);
+            ``"fused"`` makes a step that cannot be fused an error; ``"per-tensor"`` always calls the base optimizer's
+            own ``step()``.
     """
 
     rule = SAM_RULE
@@ -457,13 +511,14 @@ class SAM(SharpnessAware):
         model: nn.Module | None = None,
         partition=None,
         delta: float = 1e-12,
+        base_step: str = "auto",
         **base_kwargs,
     ):
         if partition is None:
             partition = "coarse" if isinstance(params, nn.Module) or model is not None else "global"
         super().__init__(
             params, base_optimizer, rho=rho, adaptive=adaptive, eta=eta, delta=delta, backend=backend,
-            model=model, partition=partition, base_kwargs=base_kwargs,
+            model=model, partition=partition, base_step=base_step, base_kwargs=base_kwargs,
         )  # fmt: skip
 
     @staticmethod
@@ -480,6 +535,7 @@ class GEARSAM(SharpnessAware):
         partition: a strategy accepted by :func:`gearsam_fused.partition`.
         beta: EMA factor in [0, 1).
         delta: stabiliser of the block direction ``g_b / (||g_b|| + delta)``; must be > 0.
+        base_step: as :class:`SAM`'s.
     """
 
     rule = GEAR_RULE
@@ -497,12 +553,13 @@ class GEARSAM(SharpnessAware):
         adaptive: bool = False,
         eta: float = 0.0,
         backend: str = "auto",
+        base_step: str = "auto",
         **base_kwargs,
     ):
         self.beta = check_real("beta", beta, low=0.0, high=1.0)
         super().__init__(
             params, base_optimizer, rho=rho, adaptive=adaptive, eta=eta, delta=delta, backend=backend,
-            model=model, partition=partition, base_kwargs=base_kwargs,
+            model=model, partition=partition, base_step=base_step, base_kwargs=base_kwargs,
         )  # fmt: skip
 
 

@@ -17,7 +17,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from gearsam_fused.flat import TILE
-from gearsam_fused.triton_kernels import allocation, energy, perturb
+from gearsam_fused.triton_kernels import allocation, base_step, energy, perturb
 
 FLOATS = {"fp32": tl.float32, "bf16": tl.float32, "fp16": tl.float32, "fp64": tl.float64}  # storage -> compute
 
@@ -57,6 +57,7 @@ def variants():
         {"partial_ptr": "*fp64", "block_tiles_ptr": "*i64", "energy_ptr": "*fp64"},
         {"CHUNK": energy._BLOCK_CHUNK},
     )
+    yield from base_step_variants()
     for gear in (True, False):
         yield (
             f"allocate[gear={gear}]",
@@ -64,6 +65,31 @@ def variants():
             {"energy_ptr": "*fp64", "ema_ptr": "*fp64", "scale_ptr": "*fp64", "radius_ptr": "*fp64", "n_blocks": "i32",
              "rho": "fp64", "beta": "fp64", "delta": "fp64"},
             {"GEAR": gear, "CHUNK": allocation._CHUNK},
+        )  # fmt: skip
+
+
+def base_step_variants():
+    """The fused base steps per storage dtype, with every optional branch compiled in."""
+
+    def arguments(pointers, scalars, storage):
+        pairs = {f"{n}{bits}": f"fp{bits}" for n in scalars for bits in ("32", "64")}
+        return {**{f"{n}_ptr": f"*{storage}" for n in pointers}, **pairs}
+
+    for storage in ("fp32", "fp64"):
+        yield (
+            f"sgd_step[{storage}]",
+            base_step._sgd_kernel,
+            arguments(("param", "grad", "backup", "buf"), ("neg_lr", "wd", "momentum", "keep"), storage),
+            {"HAS_WEIGHT_DECAY": True, "HAS_MOMENTUM": True, "NESTEROV": True, "MAXIMIZE": True, "FIRST": False,
+             "TILE": TILE, "COMPUTE": FLOATS[storage]},
+        )  # fmt: skip
+        yield (
+            f"adam_step[{storage}]",
+            base_step._adam_kernel,
+            arguments(("param", "grad", "backup", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"),
+                      ("wt", "beta2_", "keep2_", "eps", "wd", "decay", "neg_step", "bc2_"), storage),
+            {"HAS_WEIGHT_DECAY": True, "DECOUPLED": True, "AMSGRAD": True, "MAXIMIZE": True, "LERP_SMALL": True,
+             "TILE": TILE, "COMPUTE": FLOATS[storage]},
         )  # fmt: skip
 
 
@@ -78,6 +104,8 @@ def compile_all(capability: int) -> dict:
         report[name] = {
             "ptx_lines": ptx.count("\n"),
             "atomics": sum(line.strip().startswith(("atom.", "red.")) for line in ptx.splitlines()),
+            # approximate division or square root (what float32 `/` and tl.sqrt compile to on NVIDIA GPUs)
+            "approx": sum(".approx" in line or "div.full" in line for line in ptx.splitlines()),
         }
     return report
 

@@ -20,6 +20,19 @@ SAM_STEP_FIELDS = {
     "held_bytes",
 }
 
+WHOLE_STEP_FIELDS = {
+    "set",
+    "base",
+    "contender",
+    "parameters",
+    "tensors",
+    "bytes_counted",
+    "gbps",
+    "copy_gbps",
+    "pct_copy",
+}
+BYTES_PER_PARAM = {"SGD": 40, "AdamW": 48}  # a fused step's floor: energy 4 + perturb 16 + restore-and-update 20 or 28
+
 
 def test_quick_run_appends_rows_and_prints_the_report(tmp_path):
     results = tmp_path / "runs.jsonl"
@@ -33,6 +46,7 @@ def test_quick_run_appends_rows_and_prints_the_report(tmp_path):
     assert len({r["run"] for r in rows}) == 1 and all(r["quick"] for r in rows)
     steps = [r for r in rows if r["benchmark"] == "bench_sam_step"]
     trains = [r for r in rows if r["benchmark"] == "bench_train_step"]
+    wholes = [r for r in rows if r["benchmark"] == "bench_whole_step"]
     for row in steps:
         assert MACHINE_FIELDS | TIMING_FIELDS | SAM_STEP_FIELDS <= row.keys(), row.keys()
         assert row["median_ms"] > 0 and row["gbps"] > 0 and row["held_bytes"] > 0
@@ -50,6 +64,25 @@ def test_quick_run_appends_rows_and_prints_the_report(tmp_path):
         "forward+backward", "base step", "SGD", "per-tensor loop SAM", "pytorch_optimizer", "SAM", "GEAR-SAM",
     }  # fmt: skip
     assert all(r["parameters"] >= 2048 and r["tensors"] >= 62 for r in steps)
+    # the whole step: quick mode's sets, both base optimizers, and for each set and base every contender
+    for row in wholes:
+        assert MACHINE_FIELDS | TIMING_FIELDS | WHOLE_STEP_FIELDS <= row.keys(), row.keys()
+        assert row["median_ms"] > 0 and row["gbps"] > 0
+        assert row["bytes_counted"] == BYTES_PER_PARAM[row["base"]] * row["parameters"]
+    assert {r["set"].split(" (")[0] for r in wholes} == {"ResNet-18", "2048 small tensors", "2000 tensors x 512"}
+    expected = {
+        "per-tensor loop", "pytorch_optimizer", "torch", "torch, base per tensor", "bare base step",
+    }  # fmt: skip
+    for key in {(r["set"], r["base"]) for r in wholes}:
+        assert expected <= {r["contender"] for r in wholes if (r["set"], r["base"]) == key}, key
+    assert {r["base"] for r in wholes} == {"SGD", "AdamW"}
+    # our rows say which path the base step took, and it is the one their name says
+    ours = [r for r in wholes if r["contender"].split(", ")[0] in ("torch", "cpp", "triton")]
+    assert ours and all(
+        r["base_step_mode"] == ("per-tensor" if r["contender"].endswith(", base per tensor") else "fused") for r in ours
+    )
     assert (
         "**SAM step, ResNet-18" in done.stdout and "SAM tax" in done.stdout and "vs per-tensor loop SAM" in done.stdout
     )
+    assert "**Whole step, SGD, ResNet-18" in done.stdout and "**Whole step, AdamW, 2000 tensors x 512" in done.stdout
+    assert "/ bare base step" in done.stdout

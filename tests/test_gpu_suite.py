@@ -288,16 +288,17 @@ def test_the_benchmarks_skip_pytorch_optimizer_with_a_note_when_it_is_not_instal
     (tmp_path / "pytorch_optimizer.py").write_text('raise ImportError("not installed, for this test")\n')
     path = os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH", "")) if p)
     done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "bench_sam_step.py", "bench_train_step.py",
-         "--quick", "--results=", f"--benchmark-storage=file://{tmp_path}/storage", "-k", "pytorch_optimizer", "-rs"],
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "bench_sam_step.py", "bench_whole_step.py",
+         "bench_train_step.py", "--quick", "--results=", f"--benchmark-storage=file://{tmp_path}/storage",
+         "-k", "pytorch_optimizer", "-rs"],
         cwd=BENCHMARKS, capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": path},
         check=False,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    # every pytorch_optimizer benchmark of both files is skipped, each with the note, and nothing else ran
+    # every pytorch_optimizer benchmark of the three files is skipped, each with the note, and nothing else ran
     assert re.search(r"^\d+ skipped, \d+ deselected in ", done.stdout, re.MULTILINE), done.stdout[-2000:]
     skipped = re.findall(r"^SKIPPED \[\d+\] (\w+)\.py:\d+: (.*)$", done.stdout, re.MULTILINE)
-    assert {file for file, _ in skipped} == {"bench_sam_step", "bench_train_step"}
+    assert {file for file, _ in skipped} == {"bench_sam_step", "bench_whole_step", "bench_train_step"}
     assert {reason for _, reason in skipped} == {NOTE}
 
 

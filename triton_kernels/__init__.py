@@ -12,6 +12,8 @@ block_energy      e_b = sum_{i in b} (T_i g_i)^2, deterministic               2 
 allocate          EMA update, radii and per-block scales (GEAR or SAM rule)   1 (one program)
 perturb\\_         backup = w;  w += scale[block] * T^2 g                      1
 restore\\_         w = backup, bit for bit                                     1
+sgd_step\\_        w = backup, then torch's SGD step on w and its momentum     1
+adam_step\\_       w = backup, then torch's Adam(W) step on w and its moments  1
 ================  ==========================================================  =====================
 
 Kernels that do arithmetic are launched with ``enable_fp_fusion=False``: no multiply-add is contracted into an FMA,
@@ -28,7 +30,8 @@ through Triton's interpreter.
 """
 
 from .allocation import allocate
+from .base_step import adam_step_, sgd_step_
 from .energy import block_energy
 from .perturb import perturb_, restore_
 
-__all__ = ["allocate", "block_energy", "perturb_", "restore_"]
+__all__ = ["adam_step_", "allocate", "block_energy", "perturb_", "restore_", "sgd_step_"]

@@ -304,7 +304,9 @@ class TrainingRun:
     epoch: int = 0  # epochs done
     step: int = 0  # steps done
     seconds: float = 0.0  # training time so far, without evaluation
-    sam_seconds: float = 0.0  # of it, in first_step + second_step minus the base optimizer's step
+    # of it, in first_step + second_step minus the base optimizer's step (with a fused base step, minus the fused
+    # restore and update, around which the base optimizer's step hooks run)
+    sam_seconds: float = 0.0
     telemetry: BlockTelemetry | None = None  # SAM/GEAR-SAM runs only
     progress: Progress | None = None
 

@@ -15,6 +15,8 @@ the extension is built for every device in use; otherwise ``torch``.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 
 from ..partition import Block
@@ -57,6 +59,8 @@ def resolve_backend_name(name: str, devices: set[torch.device]) -> str:
     return name
 
 
-def make_backend(name: str, blocks: list[Block], device: torch.device) -> Backend:
-    """The backend ``name`` (already resolved) over ``blocks``; ``device`` receives energies and radii."""
-    return BACKENDS[name](blocks, device)
+def make_backend(name: str, blocks: list[Block], device: torch.device,
+                 param_group: Mapping[int, int] | None = None) -> Backend:  # fmt: skip
+    """The backend ``name`` (already resolved) over ``blocks``; ``device`` receives energies and radii;
+    ``param_group`` maps ``id(p)`` to its param group's index (buckets never mix groups)."""
+    return BACKENDS[name](blocks, device, param_group)

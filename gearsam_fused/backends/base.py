@@ -8,9 +8,16 @@ only how the tensor work is done. One step is::
     perturb_(scale, adaptive, eta)                             # parameters now hold w + eps
     ...                                                        # the caller's second backward
     restore_()                                                 # parameters hold w again, bit for bit
+
+or, in place of ``restore_()`` and the base optimizer's own step, where the backend fuses the base step
+(:attr:`Backend.fuses_base_step`; see :mod:`gearsam_fused.base_step`)::
+
+    restore_and_update_(updates)                               # w restored and updated by SGD/Adam(W), one pass
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 import torch
 
@@ -19,14 +26,19 @@ from ..partition import Block
 
 
 class Backend:
-    """Base class. ``blocks`` is the optimizer's partition; ``device`` receives energies, EMA and radii. A subclass
-    implements :meth:`block_energy`, ``_perturb``, ``_restore`` and :meth:`memory_overhead`."""
+    """Base class. ``blocks`` is the optimizer's partition; ``device`` receives energies, EMA and radii;
+    ``param_group`` maps ``id(p)`` to the index of ``p``'s param group. A subclass implements :meth:`block_energy`,
+    ``_perturb``, ``_restore`` and :meth:`memory_overhead`, and, if it sets :attr:`fuses_base_step`,
+    ``_restore_and_update``."""
 
     name = "abstract"
+    #: Whether :meth:`restore_and_update_` can run (the backend keeps flat buckets and their optimizer state).
+    fuses_base_step = False
 
-    def __init__(self, blocks: list[Block], device: torch.device):
+    def __init__(self, blocks: list[Block], device: torch.device, param_group: Mapping[int, int] | None = None):
         self.blocks = blocks
         self.device = device
+        self.param_group = param_group
         #: Whether the parameters hold ``w + eps``: set by :meth:`perturb_`, cleared by :meth:`restore_`. The one record
         #: of it; the optimizer reads it from here.
         self.perturbed = False
@@ -63,6 +75,19 @@ class Backend:
         if self.perturbed:
             self._restore()
         self.perturbed = False
+
+    def restore_and_update_(self, updates: list) -> None:
+        """:meth:`restore_` and the base optimizer's update in one pass per bucket: for each
+        :class:`~gearsam_fused.base_step.BucketUpdate`, ``w <- update(backup, grad, state)`` written to the
+        parameters and the state (the parameters' perturbed values are never read)."""
+        if not self.perturbed:
+            raise RuntimeError("restore_and_update_ without perturb_: there is no saved w to update from")
+        self._restore_and_update(updates)
+        self.perturbed = False
+
+    def _restore_and_update(self, updates: list) -> None:
+        """:meth:`restore_and_update_`'s tensor work."""
+        raise NotImplementedError(f"backend {self.name!r} does not fuse the base optimizer's step")
 
     def _perturb(self, scale: torch.Tensor, adaptive: bool, eta: float) -> None:
         """:meth:`perturb_`'s tensor work."""

@@ -67,6 +67,6 @@ class CppBackend(KernelBackend):
                 "backend='triton' or 'torch'"
             )
 
-    def __init__(self, blocks, device: torch.device):
+    def __init__(self, blocks, device: torch.device, param_group=None):
         self.check_usable({p.device for block in blocks for p in block.params})
-        super().__init__(blocks, device, _load()[0])
+        super().__init__(blocks, device, _load()[0], param_group)

@@ -1,7 +1,7 @@
 """What the flat-buffer backends share: the layout, keeping it in sync, and the step flow over buckets.
 
 A subclass supplies the tensor work for one bucket (:meth:`FusedBackend._bucket_energy`, ``_bucket_perturb``,
-``_bucket_restore``); everything here costs a constant number of device operations per bucket, however many
+``_bucket_restore``, ``_bucket_restore_and_update``); everything here costs a constant number of device operations per bucket, however many
 parameter tensors the model has. :class:`KernelBackend` supplies it from a module of kernel launchers.
 """
 
@@ -13,14 +13,17 @@ from typing import Protocol
 import torch
 
 from ..allocation import GEAR_RULE, check_rule
+from ..base_step import BucketUpdate
 from ..flat import Bucket, FlatLayout
 from .base import Backend
 
 
 class FusedBackend(Backend):
-    def __init__(self, blocks, device: torch.device):
-        super().__init__(blocks, device)
-        self.layout = FlatLayout(blocks)
+    fuses_base_step = True
+
+    def __init__(self, blocks, device: torch.device, param_group=None):
+        super().__init__(blocks, device, param_group)
+        self.layout = FlatLayout(blocks, param_group=param_group)
 
     # ------------------------------------------------------------------ per-bucket work, by subclasses
     def _bucket_energy(self, bucket: Bucket, adaptive: bool, eta: float) -> torch.Tensor:
@@ -31,6 +34,9 @@ class FusedBackend(Backend):
         raise NotImplementedError
 
     def _bucket_restore(self, bucket: Bucket) -> None:
+        raise NotImplementedError
+
+    def _bucket_restore_and_update(self, update: BucketUpdate) -> None:
         raise NotImplementedError
 
     # ------------------------------------------------------------------ the Backend contract
@@ -56,6 +62,10 @@ class FusedBackend(Backend):
             if bucket.n_tiles:
                 self._bucket_restore(bucket)
 
+    def _restore_and_update(self, updates: list[BucketUpdate]) -> None:
+        for update in updates:
+            self._bucket_restore_and_update(update)
+
     def zero_grad_(self) -> None:
         self.layout.zero_grads_()
 
@@ -69,7 +79,7 @@ def _launching_on(device: torch.device):
 
 
 class KernelModule(Protocol):
-    """What :class:`KernelBackend` needs of a kernel module: four launchers over one bucket's flat buffers, with
+    """What :class:`KernelBackend` needs of a kernel module: six launchers over one bucket's flat buffers, with
     these keyword signatures. ``gearsam_fused.triton_kernels`` and the compiled ``gearsam_fused._C`` both provide them.
     The formulas are those of :class:`~gearsam_fused.backends.base.Backend`'s methods of the same names."""
 
@@ -89,13 +99,27 @@ class KernelModule(Protocol):
 
     def restore_(self, param: torch.Tensor, backup: torch.Tensor, *, tile: int) -> None: ...
 
+    # The base optimizer's update folded into the restore (formulas in gearsam_fused.triton_kernels.base_step).
+    def sgd_step_(
+        self, param: torch.Tensor, grad: torch.Tensor, backup: torch.Tensor, momentum_buffer: torch.Tensor | None, *,
+        tile: int, lr: float, weight_decay: float, momentum: float, dampening: float, nesterov: bool, maximize: bool,
+        first: bool,
+    ) -> None: ...  # fmt: skip
+
+    def adam_step_(
+        self, param: torch.Tensor, grad: torch.Tensor, backup: torch.Tensor, exp_avg: torch.Tensor,
+        exp_avg_sq: torch.Tensor, max_exp_avg_sq: torch.Tensor | None, *, tile: int, beta1: float, beta2: float,
+        eps: float, weight_decay: float, decoupled: bool, amsgrad: bool, maximize: bool, step_size: float,
+        bias_correction2_sqrt: float, decay: float,
+    ) -> None: ...  # fmt: skip
+
 
 class KernelBackend(FusedBackend):
     """A fused backend whose tensor work is done by a :class:`KernelModule`."""
 
-    def __init__(self, blocks, device: torch.device, kernels: KernelModule):
+    def __init__(self, blocks, device: torch.device, kernels: KernelModule, param_group=None):
         self.kernels = kernels
-        super().__init__(blocks, device)
+        super().__init__(blocks, device, param_group)
 
     def _bucket_energy(self, bucket: Bucket, adaptive: bool, eta: float) -> torch.Tensor:
         with _launching_on(bucket.device):
@@ -130,3 +154,10 @@ class KernelBackend(FusedBackend):
     def _bucket_restore(self, bucket: Bucket) -> None:
         with _launching_on(bucket.device):
             self.kernels.restore_(bucket.param, bucket.backup, tile=bucket.tile)
+
+    def _bucket_restore_and_update(self, update: BucketUpdate) -> None:
+        bucket = update.bucket
+        launcher = self.kernels.sgd_step_ if update.kind == "sgd" else self.kernels.adam_step_
+        with _launching_on(bucket.device):
+            launcher(bucket.param, bucket.grad, bucket.backup, *update.state, tile=bucket.tile,
+                     **update.kernel_arguments())  # fmt: skip

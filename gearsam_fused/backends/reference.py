@@ -17,8 +17,8 @@ from .base import Backend, compute_dtype
 class ReferenceBackend(Backend):
     name = "reference"
 
-    def __init__(self, blocks, device: torch.device):
-        super().__init__(blocks, device)
+    def __init__(self, blocks, device: torch.device, param_group=None):
+        super().__init__(blocks, device, param_group)
         self._saved: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def _with_grads(self, block):

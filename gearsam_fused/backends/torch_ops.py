@@ -6,17 +6,22 @@ Portable (any device torch runs on) and exact to the same contract as the Triton
     e_b       = sum_{t in block b} partial_t             torch.segment_reduce over the block's tile range
     backup    = w;   w <- w + scale[block(i)] * T_i^2 * g_i   in float32 (float64), one addcmul; w where scale is 0
     w         <- backup
+    w, state  <- torch's SGD/Adam(W) update of backup over the whole bucket  (torch's own operations, in place)
 
 with ``T = |w| + eta`` for ASAM and 1 otherwise. The number of operations does not depend on how many tensors the
 model has; every reduction has a fixed order, so results are deterministic. ``addcmul`` may contract the multiply and
 add into one FMA, so ``w + eps`` can differ from the reference's separately rounded formula by one unit in the last
-place (the Triton backend matches it bit for bit).
+place (the Triton backend matches it bit for bit). The fused base step runs the operations of torch's single-tensor
+update (``foreach=False``) on the whole flat buffer: they are element-wise, so it equals torch's optimizer stepping
+the pieces bit for bit. They read ``w`` from the backup, so the restore costs no pass of its own, and write their
+intermediates into the parameter buffer, so nothing is allocated (a few passes, where the compiled kernels take one).
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..base_step import BucketUpdate
 from ..flat import Bucket
 from .base import compute_dtype
 from .fused import FusedBackend
@@ -62,3 +67,48 @@ class TorchBackend(FusedBackend):
     @torch.no_grad()
     def _bucket_restore(self, bucket: Bucket) -> None:
         bucket.param.copy_(bucket.backup)
+
+    @torch.no_grad()
+    def _bucket_restore_and_update(self, update: BucketUpdate) -> None:
+        # torch's own single-tensor update, operation for operation, written with out= so that nothing is allocated:
+        # w is read from the backup, the parameter buffer holds the intermediates until it receives the new w
+        bucket, h = update.bucket, update.hyper
+        w, scratch = bucket.backup, bucket.param
+        g = bucket.grad
+        if h["maximize"]:
+            g = torch.neg(g, out=scratch)
+        if update.kind == "sgd":
+            self._sgd(update, w, g, scratch)
+        else:
+            self._adam(update, w, g, scratch)
+
+    @staticmethod
+    def _sgd(update: BucketUpdate, w: torch.Tensor, g: torch.Tensor, scratch: torch.Tensor) -> None:
+        h, buf = update.hyper, update.state[0]
+        if h["weight_decay"] != 0:
+            g = torch.add(g, w, alpha=h["weight_decay"], out=scratch)
+        if h["momentum"] != 0:
+            if update.step == 1:
+                buf.copy_(g)
+            else:
+                buf.mul_(h["momentum"]).add_(g, alpha=1 - h["dampening"])
+            g = torch.add(g, buf, alpha=h["momentum"], out=scratch) if h["nesterov"] else buf
+        torch.add(w, g, alpha=-h["lr"], out=scratch)
+
+    @staticmethod
+    def _adam(update: BucketUpdate, w: torch.Tensor, g: torch.Tensor, scratch: torch.Tensor) -> None:
+        h, (exp_avg, exp_avg_sq, max_exp_avg_sq) = update.hyper, update.state
+        k = update.kernel_arguments()  # step_size, bias_correction2_sqrt and decay, as torch computes them
+        if h["weight_decay"] != 0:
+            if h["decoupled_weight_decay"]:
+                w = w.mul_(k["decay"])  # the backup is not needed after this step
+            else:
+                g = torch.add(g, w, alpha=h["weight_decay"], out=scratch)
+        beta1, beta2 = h["betas"]
+        exp_avg.lerp_(g, 1 - beta1)
+        exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        second = exp_avg_sq
+        if h["amsgrad"]:
+            second = torch.maximum(max_exp_avg_sq, exp_avg_sq, out=max_exp_avg_sq)
+        denom = torch.sqrt(second, out=scratch).div_(k["bias_correction2_sqrt"]).add_(h["eps"])
+        torch.addcdiv(w, exp_avg, denom, value=-k["step_size"], out=scratch)

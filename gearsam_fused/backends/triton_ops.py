@@ -42,8 +42,8 @@ class TritonBackend(KernelBackend):
                 "through Triton's interpreter)"
             )
 
-    def __init__(self, blocks, device: torch.device):
+    def __init__(self, blocks, device: torch.device, param_group=None):
         self.check_usable({p.device for block in blocks for p in block.params})
         from .. import triton_kernels  # imports triton: only when this backend is actually used
 
-        super().__init__(blocks, device, triton_kernels)
+        super().__init__(blocks, device, triton_kernels, param_group)

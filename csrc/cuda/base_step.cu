@@ -1,0 +1,165 @@
+// SAM's restore fused with the base optimizer's update on CUDA: one pass reads backup (w; param holds w + eps and is
+// never read), writes param and the optimizer state. Per element, in the buffers' type, each scalar rounded once to it
+// (SgdConstants / AdamConstants), fma_rn rounding once and every other operation through its own _rn intrinsic, so
+// nvcc can neither contract nor approximate anything:
+//
+//   sgd:   g = grad (negated if maximize);  g = fma(wd, w, g) if wd != 0
+//          b = g (first) or fma(1 - dampening, g, buf * momentum);  buf = b;  d = fma(momentum, b, g) (nesterov) or b
+//          (d = g without momentum);  w <- fma(-lr, d, w)
+//   adam:  g = grad (negated if maximize);  w = w * decay (AdamW) or g = fma(wd, w, g) (Adam), if wd != 0
+//          m = lerp(m, g, 1 - beta1);  v = fma((1 - beta2) * g, g, v * beta2);  vmax = max(vmax, v) (amsgrad)
+//          w <- w + (-step_size * m) / (sqrt(v or vmax) / bias_correction2_sqrt + eps)      sqrt correctly rounded
+//
+// These are the roundings of ATen's CPU kernels (a true division by bias_correction2_sqrt, not torch's CUDA multiply
+// by its reciprocal), so a step gives the same bits on either device; the one exception is the square root, which
+// the CPU kernel takes from ATen (see cpu/base_step.cpp). Grid-stride over 16-byte vectors with 64-bit indices.
+
+#include <ATen/Dispatch.h>
+
+#include "../gearsam.h"
+#include "common.cuh"
+
+namespace gearsam::cuda {
+namespace {
+
+// torch.maximum's rule: NaN from either side wins, so a NaN second moment stays visible instead of being dropped.
+template <typename T>
+__device__ __forceinline__ T nan_max(T a, T b) {
+  return (a < b || isnan(b)) ? b : a;
+}
+
+template <typename scalar_t, int Vec>
+__global__ void sgd_kernel(scalar_t* __restrict__ param, const scalar_t* __restrict__ grad,
+                           const scalar_t* __restrict__ backup, scalar_t* __restrict__ momentum_buffer,
+                           int64_t n_vectors, SgdConstants<scalar_t> c) {
+  using pack_t = Pack<scalar_t, Vec>;
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t v = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; v < n_vectors; v += stride) {
+    const int64_t i = v * Vec;
+    const pack_t w = *reinterpret_cast<const pack_t*>(backup + i);
+    const pack_t g = *reinterpret_cast<const pack_t*>(grad + i);
+    pack_t buf, out;
+    // first: torch clones the gradient into the new buffer, so the old contents (zeros, garbage) are never read
+    if (c.with_momentum && !c.first) buf = *reinterpret_cast<const pack_t*>(momentum_buffer + i);
+#pragma unroll
+    for (int k = 0; k < Vec; ++k) {
+      scalar_t gk = c.maximize ? -g.v[k] : g.v[k];
+      if (c.l2) gk = fma_rn(c.weight_decay, w.v[k], gk);
+      scalar_t d = gk;
+      if (c.with_momentum) {
+        const scalar_t b = c.first ? gk : fma_rn(c.one_minus_dampening, gk, mul_rn(buf.v[k], c.momentum));
+        buf.v[k] = b;
+        d = c.nesterov ? fma_rn(c.momentum, b, gk) : b;
+      }
+      out.v[k] = fma_rn(c.neg_lr, d, w.v[k]);
+    }
+    *reinterpret_cast<pack_t*>(param + i) = out;
+    if (c.with_momentum) *reinterpret_cast<pack_t*>(momentum_buffer + i) = buf;
+  }
+}
+
+template <typename scalar_t, int Vec>
+__global__ void adam_kernel(scalar_t* __restrict__ param, const scalar_t* __restrict__ grad,
+                            const scalar_t* __restrict__ backup, scalar_t* __restrict__ exp_avg,
+                            scalar_t* __restrict__ exp_avg_sq, scalar_t* __restrict__ max_exp_avg_sq,
+                            int64_t n_vectors, AdamConstants<scalar_t> c) {
+  using pack_t = Pack<scalar_t, Vec>;
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t v = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; v < n_vectors; v += stride) {
+    const int64_t i = v * Vec;
+    const pack_t w = *reinterpret_cast<const pack_t*>(backup + i);
+    const pack_t g = *reinterpret_cast<const pack_t*>(grad + i);
+    pack_t m = *reinterpret_cast<const pack_t*>(exp_avg + i);
+    pack_t sq = *reinterpret_cast<const pack_t*>(exp_avg_sq + i);
+    pack_t sq_max, out;
+    if (c.amsgrad) sq_max = *reinterpret_cast<const pack_t*>(max_exp_avg_sq + i);
+#pragma unroll
+    for (int k = 0; k < Vec; ++k) {
+      scalar_t wk = w.v[k];
+      scalar_t gk = c.maximize ? -g.v[k] : g.v[k];
+      if (c.decoupled)
+        wk = mul_rn(wk, c.decay);
+      else if (c.l2)
+        gk = fma_rn(c.weight_decay, wk, gk);
+      // ATen's lerp: from m for a small weight, from the end point g otherwise (lerp_weight is then weight - 1)
+      const scalar_t diff = sub_rn(gk, m.v[k]);
+      m.v[k] = fma_rn(c.lerp_weight, diff, c.small_weight ? m.v[k] : gk);
+      sq.v[k] = fma_rn(mul_rn(c.one_minus_beta2, gk), gk, mul_rn(sq.v[k], c.beta2));
+      scalar_t second = sq.v[k];
+      if (c.amsgrad) {
+        second = nan_max(sq_max.v[k], second);
+        sq_max.v[k] = second;
+      }
+      const scalar_t denom = add_rn(div_rn(sqrt_rn(second), c.bias_correction2_sqrt), c.eps);
+      out.v[k] = add_rn(wk, div_rn(mul_rn(c.neg_step_size, m.v[k]), denom));
+    }
+    *reinterpret_cast<pack_t*>(param + i) = out;
+    *reinterpret_cast<pack_t*>(exp_avg + i) = m;
+    *reinterpret_cast<pack_t*>(exp_avg_sq + i) = sq;
+    if (c.amsgrad) *reinterpret_cast<pack_t*>(max_exp_avg_sq + i) = sq_max;
+  }
+}
+
+// Enough threads for one vector each, capped by grid_for: the kernels loop over the rest.
+inline int blocks_for(int64_t n_vectors, const at::Tensor& param) {
+  return grid_for((n_vectors + kThreads - 1) / kThreads, param.get_device());
+}
+
+template <typename scalar_t, int Vec>
+void launch_sgd(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& backup,
+                const at::Tensor& momentum_buffer, const SgdOptions& options, cudaStream_t stream) {
+  const int64_t n_vectors = param.numel() / Vec;
+  const SgdConstants<scalar_t> c(options);
+  sgd_kernel<scalar_t, Vec><<<blocks_for(n_vectors, param), kThreads, 0, stream>>>(
+      param.mutable_data_ptr<scalar_t>(), grad.const_data_ptr<scalar_t>(), backup.const_data_ptr<scalar_t>(),
+      c.with_momentum ? momentum_buffer.mutable_data_ptr<scalar_t>() : nullptr, n_vectors, c);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <typename scalar_t, int Vec>
+void launch_adam(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& backup, const at::Tensor& exp_avg,
+                 const at::Tensor& exp_avg_sq, const at::Tensor& max_exp_avg_sq, const AdamOptions& options,
+                 cudaStream_t stream) {
+  const int64_t n_vectors = param.numel() / Vec;
+  const AdamConstants<scalar_t> c(options);
+  adam_kernel<scalar_t, Vec><<<blocks_for(n_vectors, param), kThreads, 0, stream>>>(
+      param.mutable_data_ptr<scalar_t>(), grad.const_data_ptr<scalar_t>(), backup.const_data_ptr<scalar_t>(),
+      exp_avg.mutable_data_ptr<scalar_t>(), exp_avg_sq.mutable_data_ptr<scalar_t>(),
+      c.amsgrad ? max_exp_avg_sq.mutable_data_ptr<scalar_t>() : nullptr, n_vectors, c);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// Data pointer of an optional buffer, null where it is absent (null is aligned, so it never blocks vector access).
+const void* data_or_null(const at::Tensor& t) { return t.defined() ? t.const_data_ptr() : nullptr; }
+
+}  // namespace
+
+void sgd_step(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& backup,
+              const at::Tensor& momentum_buffer, int64_t tile, const SgdOptions& options) {
+  const c10::cuda::CUDAGuard guard(param.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  AT_DISPATCH_FLOATING_TYPES(param.scalar_type(), "gearsam_sgd_step_cuda", [&] {
+    constexpr int vec = kVec<scalar_t>;
+    const bool wide = vectorizable<vec>(
+        tile, {param.const_data_ptr(), grad.const_data_ptr(), backup.const_data_ptr(), data_or_null(momentum_buffer)});
+    wide ? launch_sgd<scalar_t, vec>(param, grad, backup, momentum_buffer, options, stream)
+         : launch_sgd<scalar_t, 1>(param, grad, backup, momentum_buffer, options, stream);
+  });
+}
+
+void adam_step(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& backup, const at::Tensor& exp_avg,
+               const at::Tensor& exp_avg_sq, const at::Tensor& max_exp_avg_sq, int64_t tile,
+               const AdamOptions& options) {
+  const c10::cuda::CUDAGuard guard(param.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  AT_DISPATCH_FLOATING_TYPES(param.scalar_type(), "gearsam_adam_step_cuda", [&] {
+    constexpr int vec = kVec<scalar_t>;
+    const bool wide = vectorizable<vec>(tile, {param.const_data_ptr(), grad.const_data_ptr(), backup.const_data_ptr(),
+                                               exp_avg.const_data_ptr(), exp_avg_sq.const_data_ptr(),
+                                               data_or_null(max_exp_avg_sq)});
+    wide ? launch_adam<scalar_t, vec>(param, grad, backup, exp_avg, exp_avg_sq, max_exp_avg_sq, options, stream)
+         : launch_adam<scalar_t, 1>(param, grad, backup, exp_avg, exp_avg_sq, max_exp_avg_sq, options, stream);
+  });
+}
+
+}  // namespace gearsam::cuda

@@ -1,0 +1,255 @@
+"""The base optimizer's step over flat buckets, folded into SAM's restore.
+
+torch's SGD, Adam and AdamW are element-wise: the update of a flat buffer is the update of its pieces. So when the
+base optimizer is one of them, ``second_step`` can restore ``w`` and apply the update to a whole bucket in one pass
+(:meth:`gearsam_fused.backends.base.Backend.restore_and_update_`) instead of restoring, then stepping tensor by tensor.
+The optimizer's state lives in flat buffers laid out like the parameters
+(:meth:`gearsam_fused.flat.Bucket.state_buffer`), and every parameter's ``optimizer.state[p]`` holds views of them, so
+``state_dict()``, LR schedulers and the optimizer's own ``step()`` see torch's per-parameter state as always.
+
+Anything else takes torch's own step after a plain restore, automatically: other optimizer classes (including
+subclasses, which may change the step), flags whose semantics the flat update does not reproduce (``fused``,
+``capturable``, ``differentiable``, hyperparameters that are tensors on a device or need gradients), dtypes other than
+float32 and float64 (torch rounds every intermediate to a low-precision parameter's dtype), and steps in which a
+parameter has no gradient (torch skips it) or the parameters' states are not all at the same step. The reason is
+recorded (:attr:`FlatBaseStep.reason`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from itertools import chain
+
+import torch
+
+from .flat import Bucket, FlatLayout
+
+#: The mode names of ``opt.base_step_mode``, and with "auto" the values of the optimizers' ``base_step`` argument.
+FUSED, PER_TENSOR = "fused", "per-tensor"
+BASE_STEPS = ("auto", FUSED, PER_TENSOR)
+#: The torch optimizers whose step is fused, by the update they run (exact classes: a subclass may change the step).
+FUSED_OPTIMIZERS: dict[type, str] = {torch.optim.SGD: "sgd", torch.optim.Adam: "adam", torch.optim.AdamW: "adam"}
+_FLOAT_DTYPES = (torch.float32, torch.float64)
+# Flags whose semantics the flat update does not reproduce, and why.
+_UNFUSED_FLAGS = {
+    "fused": "fused=True asks for torch's own fused kernel",
+    "capturable": "capturable=True keeps the step count on the device (for CUDA graphs)",
+    "differentiable": "differentiable=True needs autograd through the update",
+}
+
+
+@dataclass
+class BucketUpdate:
+    """One bucket's share of a fused base step: the update ``kind`` (``"sgd"`` or ``"adam"``), the group's
+    hyperparameters as Python numbers (``hyper``), the flat state buffers in the kernels' argument order (None for an
+    unused one), and ``step``: Adam's step count after this update (1 for the first); SGD's is 1 when its momentum
+    buffer starts from this step's gradient, else 2."""
+
+    bucket: Bucket
+    kind: str
+    hyper: dict
+    state: list[torch.Tensor | None]
+    step: int
+
+    def kernel_arguments(self) -> dict:
+        """The keyword arguments of the kernel modules' ``sgd_step_``/``adam_step_`` (besides ``tile``); derived
+        scalars are computed in float64 exactly as torch computes them."""
+        h = self.hyper
+        if self.kind == "sgd":
+            names = ("lr", "weight_decay", "momentum", "dampening", "nesterov", "maximize")
+            return {**{k: h[k] for k in names}, "first": self.step == 1}
+        beta1, beta2 = h["betas"]
+        step = float(self.step)  # torch reads the step count as a Python float
+        return {
+            "beta1": beta1, "beta2": beta2, "eps": h["eps"], "weight_decay": h["weight_decay"],
+            "decoupled": h["decoupled_weight_decay"], "amsgrad": h["amsgrad"], "maximize": h["maximize"],
+            "step_size": h["lr"] / (1 - beta1**step), "bias_correction2_sqrt": (1 - beta2**step) ** 0.5,
+            "decay": 1 - h["lr"] * h["weight_decay"],
+        }  # fmt: skip
+
+
+def _plain(name: str, value):
+    """``value`` as a Python number, or None when it is a tensor whose value cannot be read for free (on a device,
+    or needing gradients)."""
+    if isinstance(value, torch.Tensor):
+        if value.requires_grad or value.device.type != "cpu" or value.numel() != 1:
+            return None
+        return value.item()
+    return value
+
+
+class FlatBaseStep:
+    """Steps ``optimizer`` (one of :data:`FUSED_OPTIMIZERS`) over the buckets of ``layout``.
+
+    Each step, :meth:`plan` checks what the flat update needs and hands the backend one :class:`BucketUpdate` per
+    bucket, or returns None after setting :attr:`reason`; after the backend's update, :meth:`finish` advances the
+    step counts."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, layout: FlatLayout):
+        self.optimizer = optimizer
+        self.kind = FUSED_OPTIMIZERS[type(optimizer)]
+        self.layout = layout
+        #: why the last :meth:`plan` declined ("" when it did not)
+        self.reason = ""
+
+    @staticmethod
+    def why_not(optimizer: torch.optim.Optimizer) -> str:
+        """Why ``optimizer`` can never be fused ("" when it can be)."""
+        if type(optimizer) not in FUSED_OPTIMIZERS:
+            covered = ", ".join(cls.__name__ for cls in FUSED_OPTIMIZERS)
+            return f"the fused base step covers torch's {covered}; {type(optimizer).__name__} steps per tensor"
+        return ""
+
+    def plan(self) -> list[BucketUpdate] | None:
+        self.layout.sync()  # the second backward may have made new gradient tensors: the update reads the buffers
+        updates = []
+        for bucket in self.layout.buckets:
+            if bucket.n_tiles == 0:
+                continue
+            update = self._plan_bucket(bucket)
+            if update is None:
+                return None
+            updates.append(update)
+        self.reason = ""
+        return updates
+
+    def finish(self, updates: list[BucketUpdate]) -> None:
+        """Record the step: advance Adam's per-parameter step counts (one operation per bucket)."""
+        for update in updates:
+            if update.kind == "adam":
+                update.bucket.step_counts(_step_dtype())[0].add_(1)
+
+    def _decline(self, reason: str) -> None:
+        self.reason = reason
+        return None
+
+    def _plan_bucket(self, bucket: Bucket) -> BucketUpdate | None:
+        group = self.optimizer.param_groups[bucket.group]
+        if bucket.dtype not in _FLOAT_DTYPES:
+            dtype = str(bucket.dtype).removeprefix("torch.")
+            return self._decline(f"{dtype} parameters: torch's optimizer rounds every intermediate to {dtype}")
+        hyper = self._hyper(group, bucket.group)
+        if hyper is None:
+            return None
+        for slot in bucket.slots:
+            if slot.param.grad is None:
+                return self._decline(f"parameter {slot.name!r} has no gradient: torch's optimizer skips it this step")
+        keys = self._state_keys(hyper)
+        if self.kind == "sgd":
+            first = self._adopt(bucket, keys)
+            if first is None:
+                return None
+            state = [bucket.state_buffer(keys[0])[0]] if keys else [None]
+            return BucketUpdate(bucket, "sgd", hyper, state, 1 if first else 2)
+        fresh = self._adopt(bucket, keys)
+        if fresh is None:
+            return None
+        counts = self._adopt_counts(bucket, fresh)
+        if counts is None:
+            return None
+        state = [bucket.state_buffer(k)[0] for k in keys] + ([] if hyper["amsgrad"] else [None])
+        return BucketUpdate(bucket, "adam", hyper, state, counts + 1)
+
+    def _hyper(self, group: dict, index: int) -> dict | None:
+        for flag, why in _UNFUSED_FLAGS.items():
+            if group.get(flag):
+                return self._decline(f"param group {index}: {why}")
+        if self.kind == "sgd":
+            names = ("lr", "weight_decay", "momentum", "dampening", "nesterov", "maximize")
+        else:
+            names = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize")
+        hyper = {}
+        for name in names:
+            value = group[name]
+            value = tuple(_plain(name, v) for v in value) if name == "betas" else _plain(name, value)
+            if value is None or (isinstance(value, tuple) and None in value):
+                return self._decline(
+                    f"param group {index}: {name} is a tensor that needs gradients or lives on a device, so the "
+                    "update cannot read it without a synchronisation"
+                )
+            hyper[name] = value
+        if self.kind == "adam":
+            hyper["decoupled_weight_decay"] = bool(
+                group.get("decoupled_weight_decay", isinstance(self.optimizer, torch.optim.AdamW))
+            )
+        return hyper
+
+    def _state_keys(self, hyper: dict) -> list[str]:
+        if self.kind == "sgd":
+            return ["momentum_buffer"] if hyper["momentum"] != 0 else []
+        return ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if hyper["amsgrad"] else [])
+
+    def _adopt(self, bucket: Bucket, keys: list[str]) -> bool | None:
+        """Make every parameter's state tensors views of the bucket's flat buffers (copying in any state that was
+        replaced, e.g. by ``load_state_dict``). True when no parameter had state yet (their views are then
+        installed), False when all had; None (declined) when only some had."""
+        state = self.optimizer.state
+        entries = [state.get(slot.param) for slot in bucket.slots]  # one lookup per tensor: hashing one is slow
+        views = {key: bucket.state_buffer(key)[1] for key in keys}
+        # the common case, every state tensor already ours, costs one identity test per tensor and key
+        if entries and all(e is not None and e.get(k) is v for k, vs in views.items() for e, v in zip(entries, vs)):
+            return False
+        have = [bool(e) and all(e.get(k) is not None for k in keys) for e in entries]
+        if not keys:
+            return not any(have)
+        if any(have) and not all(have):
+            return self._decline(
+                f"param group {bucket.group}: some parameters have optimizer state and others none (some were "
+                "stepped without the others)"
+            )
+        fresh = not have[0]
+        for i, slot in enumerate(bucket.slots):
+            entry = state[slot.param]
+            for key, slot_views in views.items():
+                view, current = slot_views[i], entry.get(key)
+                if current is not view:
+                    view.zero_() if fresh else view.copy_(current)
+                    entry[key] = view
+        return fresh
+
+    def _adopt_counts(self, bucket: Bucket, fresh: bool) -> int | None:
+        """Adam's step count, the same for every parameter of the bucket (declined otherwise), after making each
+        ``state[p]["step"]`` a view of the bucket's CPU count vector."""
+        counts, views = bucket.step_counts(_step_dtype())
+        state = self.optimizer.state
+        entries = [state[slot.param] for slot in bucket.slots]
+        if fresh:
+            counts.zero_()
+        if fresh or not all(e.get("step") is v for e, v in zip(entries, views)):
+            for entry, view in zip(entries, views):
+                current = entry.get("step")
+                if current is not view:
+                    if current is not None and not fresh:
+                        view.copy_(current)
+                    # first in the entry, as torch's Adam orders its state (and so its state dicts)
+                    rest = {k: entry.pop(k) for k in list(entry) if k != "step"}
+                    entry.pop("step", None)
+                    entry.update(step=view, **rest)
+        low, high = counts.aminmax()
+        if low != high:
+            return self._decline(
+                f"param group {bucket.group}: its parameters are at different Adam steps ({int(low)} to {int(high)})"
+            )
+        value = float(low)
+        if not math.isfinite(value) or value != int(value):
+            return self._decline(f"param group {bucket.group}: step count {value} is not a whole number")
+        return int(value)
+
+
+def _step_dtype() -> torch.dtype:
+    # torch's Adam keeps its CPU step counts in float64 when that is the default dtype, else float32
+    return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+
+
+def run_step_hooks(optimizer: torch.optim.Optimizer, stage: str) -> None:
+    """Call the step hooks torch would call around ``optimizer.step()`` (``stage`` "pre" or "post"): registered on
+    the optimizer or globally. A fused base step does not call ``step()``, and a user's hook must still run."""
+    from torch.optim import optimizer as module
+
+    if stage == "pre":
+        hooks = chain(module._global_optimizer_pre_hooks.values(), optimizer._optimizer_step_pre_hooks.values())
+    else:
+        hooks = chain(optimizer._optimizer_step_post_hooks.values(), module._global_optimizer_post_hooks.values())
+    for hook in hooks:
+        hook(optimizer, (optimizer,), {})

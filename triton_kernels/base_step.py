@@ -1,0 +1,251 @@
+"""SAM's restore folded into the base optimizer's update: one pass over a flat bucket after the second backward.
+
+``param`` holds ``w + eps`` and ``backup`` holds ``w``; each kernel reads ``backup`` (never ``param``), applies torch's
+update to it and writes ``param`` and the optimizer state. C is the buffers' dtype (float32 or float64), ``C(x)`` a
+host scalar rounded once to C, ``fma`` a single rounding; every other operation rounds on its own::
+
+    sgd_step_:   g = ±grad;  g = fma(C(wd), w, g) if wd
+                 b = g (first step) or fma(C(1 - dampening), g, buf * C(momentum));  buf = b     if momentum
+                 d = fma(C(momentum), b, g) if nesterov else b (momentum) or g (no momentum)
+                 w <- fma(C(-lr), d, w)
+
+    adam_step_:  g = ±grad;  w = w * C(decay) (AdamW) or g = fma(C(wd), w, g) (Adam)               if wd
+                 m = lerp(m, g, C(1 - beta1));  v = fma(C(1 - beta2) * g, g, v * C(beta2))
+                 vmax = max(vmax, v) (amsgrad);  denom = sqrt(vmax or v) / C(bias_correction2_sqrt) + C(eps)
+                 w <- w + (C(-step_size) * m) / denom
+
+These round exactly like ATen's CPU kernels behind ``torch.optim.SGD`` / ``Adam`` / ``AdamW`` with ``foreach=False``
+(``add(alpha=s)`` is one fma, ``lerp`` is one fma on either side of weight 1/2, ``addcmul`` rounds ``value * t1``
+before its fma), so the fused step gives the same bits as a restore followed by torch's step.
+
+One program per tile; the state tensors a configuration does not use are never loaded or stored.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import check_flat, check_same, compute_type
+
+
+@triton.jit
+def _scalar(x32, x64, COMPUTE: tl.constexpr):
+    """The host scalar as a COMPUTE value, rounded once: x64 for float64 kernels, x32 otherwise.
+
+    Materialised as a typed value rather than left to implicit promotion, so that arithmetic between two scalars
+    (``wt - 1``) runs in COMPUTE under the interpreter too, where scalar arguments arrive as Python doubles whatever
+    their annotation."""
+    return tl.full([], x64 if COMPUTE == tl.float64 else x32, COMPUTE)
+
+
+@triton.jit
+def _div(x, y, COMPUTE: tl.constexpr):
+    """x / y correctly rounded: a float32 ``/`` compiles to an approximate division on NVIDIA GPUs."""
+    if COMPUTE == tl.float64:
+        return x / y
+    else:
+        return tl.div_rn(x, y)
+
+
+@triton.jit
+def _sqrt(x, COMPUTE: tl.constexpr):
+    """sqrt(x) correctly rounded: a float32 ``tl.sqrt`` compiles to an approximate root on NVIDIA GPUs."""
+    if COMPUTE == tl.float64:
+        return tl.sqrt(x)
+    else:
+        return tl.sqrt_rn(x)
+
+
+@triton.jit
+def _sgd_kernel(param_ptr, grad_ptr, backup_ptr, buf_ptr, neg_lr32: tl.float32, neg_lr64: tl.float64,
+                wd32: tl.float32, wd64: tl.float64, momentum32: tl.float32, momentum64: tl.float64,
+                keep32: tl.float32, keep64: tl.float64, HAS_WEIGHT_DECAY: tl.constexpr, HAS_MOMENTUM: tl.constexpr,
+                NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr, FIRST: tl.constexpr, TILE: tl.constexpr,
+                COMPUTE: tl.constexpr):  # fmt: skip
+    """w = backup;  g = -grad if MAXIMIZE else grad;  g = fma(wd, w, g) if HAS_WEIGHT_DECAY;
+    with HAS_MOMENTUM: buf = g if FIRST else fma(keep, g, buf * momentum), d = fma(momentum, buf, g) if NESTEROV
+    else buf;  without: d = g.  param = fma(neg_lr, d, w).  keep is 1 - dampening, neg_lr is -lr."""
+    offsets = tl.program_id(0).to(tl.int64) * TILE + tl.arange(0, TILE)
+    w = tl.load(backup_ptr + offsets)
+    g = tl.load(grad_ptr + offsets)
+    if MAXIMIZE:
+        g = -g  # a sign flip, as torch's neg: +0 becomes -0
+    if HAS_WEIGHT_DECAY:
+        g = tl.fma(_scalar(wd32, wd64, COMPUTE), w, g)
+    if HAS_MOMENTUM:
+        momentum = _scalar(momentum32, momentum64, COMPUTE)
+        if FIRST:
+            buf = g  # torch's first step clones the gradient: no dampening
+        else:
+            buf = tl.fma(_scalar(keep32, keep64, COMPUTE), g, tl.load(buf_ptr + offsets) * momentum)
+        tl.store(buf_ptr + offsets, buf)
+        if NESTEROV:
+            g = tl.fma(momentum, buf, g)
+        else:
+            g = buf
+    tl.store(param_ptr + offsets, tl.fma(_scalar(neg_lr32, neg_lr64, COMPUTE), g, w))
+
+
+@triton.jit
+def _adam_kernel(param_ptr, grad_ptr, backup_ptr, exp_avg_ptr, exp_avg_sq_ptr, max_exp_avg_sq_ptr,
+                 wt32: tl.float32, wt64: tl.float64, beta2_32: tl.float32, beta2_64: tl.float64,
+                 keep2_32: tl.float32, keep2_64: tl.float64, eps32: tl.float32, eps64: tl.float64,
+                 wd32: tl.float32, wd64: tl.float64, decay32: tl.float32, decay64: tl.float64,
+                 neg_step32: tl.float32, neg_step64: tl.float64, bc2_32: tl.float32, bc2_64: tl.float64,
+                 HAS_WEIGHT_DECAY: tl.constexpr, DECOUPLED: tl.constexpr, AMSGRAD: tl.constexpr,
+                 MAXIMIZE: tl.constexpr, LERP_SMALL: tl.constexpr, TILE: tl.constexpr,
+                 COMPUTE: tl.constexpr):  # fmt: skip
+    """w = backup;  g = -grad if MAXIMIZE else grad;  with HAS_WEIGHT_DECAY: w = w * decay if DECOUPLED else
+    g = fma(wd, w, g);  m = fma(wt, g - m, m) if LERP_SMALL else fma(wt - 1, g - m, g);
+    v = fma(keep2 * g, g, v * beta2);  vmax = max(vmax, v) if AMSGRAD;
+    param = w + (neg_step * m) / (sqrt(vmax if AMSGRAD else v) / bc2 + eps).  wt is 1 - beta1, keep2 is 1 - beta2."""
+    offsets = tl.program_id(0).to(tl.int64) * TILE + tl.arange(0, TILE)
+    w = tl.load(backup_ptr + offsets)
+    g = tl.load(grad_ptr + offsets)
+    if MAXIMIZE:
+        g = -g
+    if HAS_WEIGHT_DECAY:
+        if DECOUPLED:
+            w = w * _scalar(decay32, decay64, COMPUTE)
+        else:
+            g = tl.fma(_scalar(wd32, wd64, COMPUTE), w, g)
+    # ATen's lerp: anchored at m for a small weight, at g for a large one (the weight rounded to C decides)
+    m = tl.load(exp_avg_ptr + offsets)
+    wt = _scalar(wt32, wt64, COMPUTE)
+    diff = g - m
+    if LERP_SMALL:
+        m = tl.fma(wt, diff, m)
+    else:
+        m = tl.fma(wt - 1.0, diff, g)
+    v = tl.load(exp_avg_sq_ptr + offsets) * _scalar(beta2_32, beta2_64, COMPUTE)
+    v = tl.fma(_scalar(keep2_32, keep2_64, COMPUTE) * g, g, v)
+    tl.store(exp_avg_ptr + offsets, m)
+    tl.store(exp_avg_sq_ptr + offsets, v)
+    second = v
+    if AMSGRAD:
+        # torch.maximum propagates NaN; Triton's default maximum would drop it
+        second = tl.maximum(tl.load(max_exp_avg_sq_ptr + offsets), v, propagate_nan=tl.PropagateNan.ALL)
+        tl.store(max_exp_avg_sq_ptr + offsets, second)
+    denom = _div(_sqrt(second, COMPUTE), _scalar(bc2_32, bc2_64, COMPUTE), COMPUTE) + _scalar(eps32, eps64, COMPUTE)
+    update = _div(_scalar(neg_step32, neg_step64, COMPUTE) * m, denom, COMPUTE)
+    tl.store(param_ptr + offsets, w + update)
+
+
+def _check_base_buffers(param: torch.Tensor, tile: int, **buffers: torch.Tensor | None) -> None:
+    """param flat in a whole number of tiles and float32 / float64; every given buffer like it."""
+    check_flat("param", param, tile)
+    if param.dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"fused base step supports float32 and float64 buffers, got {param.dtype}")
+    for name, t in buffers.items():
+        if t is not None:
+            # same shape alone would let a strided view through
+            check_flat(name, t)
+            check_same(name, t, "param", param)
+
+
+def _in_compute(x: float, dtype: torch.dtype) -> float:
+    """x rounded to ``dtype`` (float32 or float64), back as a Python float."""
+    return torch.tensor(x, dtype=torch.float64).to(dtype).item()
+
+
+def sgd_step_(param: torch.Tensor, grad: torch.Tensor, backup: torch.Tensor, momentum_buffer: torch.Tensor | None,
+              *, tile: int, lr: float, weight_decay: float, momentum: float, dampening: float, nesterov: bool,
+              maximize: bool, first: bool) -> None:  # fmt: skip
+    """``param`` <- torch's SGD step taken from ``backup``; ``momentum_buffer`` (given iff ``momentum != 0``) updated
+    in place, and only written, not read, on the ``first`` step. ``grad`` and ``backup`` are only read."""
+    _check_base_buffers(param, tile, grad=grad, backup=backup, momentum_buffer=momentum_buffer)
+    if (momentum_buffer is None) != (momentum == 0):
+        raise ValueError(
+            f"momentum_buffer must be given exactly when momentum != 0 (momentum={momentum}, "
+            f"momentum_buffer {'missing' if momentum_buffer is None else 'given'})"
+        )
+    n_tiles = param.numel() // tile
+    if not n_tiles:
+        return
+    # the differences are taken in double, as torch takes them, and rounded to C in the kernel
+    neg_lr, keep = -lr, 1.0 - dampening
+    _sgd_kernel[(n_tiles,)](
+        param,
+        grad,
+        backup,
+        param if momentum_buffer is None else momentum_buffer,  # a placeholder pointer, never dereferenced
+        neg_lr,
+        neg_lr,
+        weight_decay,
+        weight_decay,
+        momentum,
+        momentum,
+        keep,
+        keep,
+        HAS_WEIGHT_DECAY=weight_decay != 0,
+        HAS_MOMENTUM=momentum != 0,
+        NESTEROV=bool(nesterov),
+        MAXIMIZE=bool(maximize),
+        FIRST=bool(first),
+        TILE=tile,
+        COMPUTE=compute_type(param.dtype),
+        enable_fp_fusion=False,
+    )
+
+
+def adam_step_(param: torch.Tensor, grad: torch.Tensor, backup: torch.Tensor, exp_avg: torch.Tensor,
+               exp_avg_sq: torch.Tensor, max_exp_avg_sq: torch.Tensor | None, *, tile: int, beta1: float,
+               beta2: float, eps: float, weight_decay: float, decoupled: bool, amsgrad: bool, maximize: bool,
+               step_size: float, bias_correction2_sqrt: float, decay: float) -> None:  # fmt: skip
+    """``param`` <- torch's Adam (AdamW if ``decoupled``) step taken from ``backup``; the moments (and
+    ``max_exp_avg_sq``, given iff ``amsgrad``) updated in place. The caller computes, in double as torch does,
+    ``step_size = lr / (1 - beta1**step)``, ``bias_correction2_sqrt = (1 - beta2**step)**0.5`` and
+    ``decay = 1 - lr * weight_decay`` (used by AdamW only)."""
+    _check_base_buffers(
+        param,
+        tile,
+        grad=grad,
+        backup=backup,
+        exp_avg=exp_avg,
+        exp_avg_sq=exp_avg_sq,
+        max_exp_avg_sq=max_exp_avg_sq,
+    )
+    if (max_exp_avg_sq is None) == bool(amsgrad):
+        raise ValueError(
+            f"max_exp_avg_sq must be given exactly when amsgrad is set (amsgrad={amsgrad}, "
+            f"max_exp_avg_sq {'missing' if max_exp_avg_sq is None else 'given'})"
+        )
+    n_tiles = param.numel() // tile
+    if not n_tiles:
+        return
+    wt, keep2, neg_step = 1.0 - beta1, 1.0 - beta2, -step_size
+    _adam_kernel[(n_tiles,)](
+        param,
+        grad,
+        backup,
+        exp_avg,
+        exp_avg_sq,
+        exp_avg_sq if max_exp_avg_sq is None else max_exp_avg_sq,  # a placeholder pointer, never dereferenced
+        wt,
+        wt,
+        beta2,
+        beta2,
+        keep2,
+        keep2,
+        eps,
+        eps,
+        weight_decay,
+        weight_decay,
+        decay,
+        decay,
+        neg_step,
+        neg_step,
+        bias_correction2_sqrt,
+        bias_correction2_sqrt,
+        HAS_WEIGHT_DECAY=weight_decay != 0,
+        DECOUPLED=bool(decoupled),
+        AMSGRAD=bool(amsgrad),
+        MAXIMIZE=bool(maximize),
+        # ATen picks the lerp's anchor from the weight as rounded to C, so decide on that value
+        LERP_SMALL=abs(_in_compute(wt, param.dtype)) < 0.5,
+        TILE=tile,
+        COMPUTE=compute_type(param.dtype),
+        enable_fp_fusion=False,
+    )
