@@ -5,7 +5,7 @@
 
 For the ``triton`` and ``cpp`` backends, every dtype (float32, bfloat16, float16, float64), plain and adaptive, GEAR
 and SAM allocation, it runs one whole step through the backend: block energy (tile partials, then block sums),
-allocation, perturb, restore. The blocks hold parameters of 1, 7 and 4097 elements, an empty block, a block whose
+allocation, perturb, restore; and the fused base steps (SGD, Adam(W)) against torch's own. The blocks hold parameters of 1, 7 and 4097 elements, an empty block, a block whose
 gradient is all zeros, a parameter without a gradient and one exactly a tile long. The C++ kernels also have a
 scalar variant for buffers that do not allow 16-byte access; it runs on a tile of 7 elements and on buffers that
 start one element past an aligned address. A parameter of 3000 tiles makes every C++ thread block loop over several
@@ -123,6 +123,59 @@ def check_many_tiles(name: str) -> None:
     backend.restore_()
 
 
+def check_base_steps(name: str) -> None:
+    """The fused base steps (``sgd_step_``, ``adam_step_``) with every optional buffer in use, float32 and float64, on
+    one tile, on 3000 tiles (every thread loops) and, for the C++ kernels' scalar variant, on a tile of 7 and on
+    buffers one element off alignment; each against torch's CPU optimizer on the same values."""
+    kernels = __import__("gearsam_fused.triton_kernels" if name == "triton" else "gearsam_fused._C", fromlist=["_"])
+    shapes = [(TILE, 1, 0), (TILE, 3000, 0)] + ([(7, 3, 0), (TILE, 3, 1)] if name == "cpp" else [])
+    g = torch.Generator().manual_seed(3)
+    for dtype in (torch.float32, torch.float64):
+        for tile, n_tiles, offset in shapes:
+            n = tile * n_tiles
+
+            def buffers(count, scale=1.0):
+                # one allocation per buffer, sliced past its start, so a wrong offset reads outside it
+                made = [scale * torch.rand(n + offset, generator=g, dtype=dtype) for _ in range(count)]
+                return [t[offset:] for t in made], [t.to("cuda")[offset:] for t in made]
+
+            (w, grad, buf), (w_d, grad_d, buf_d) = buffers(3)
+            param_d = torch.full_like(w_d, float("nan"))
+            kernels.sgd_step_(param_d, grad_d, w_d, buf_d, tile=tile, lr=0.1, weight_decay=1e-3, momentum=0.9,
+                              dampening=0.0, nesterov=True, maximize=True, first=False)  # fmt: skip
+            p = nn.Parameter(w.clone())
+            p.grad = grad.clone()
+            sgd = torch.optim.SGD([p], lr=0.1, weight_decay=1e-3, momentum=0.9, nesterov=True,
+                                  maximize=True, foreach=False)  # fmt: skip
+            sgd.state[p]["momentum_buffer"] = buf.clone()
+            sgd.step()
+            where = f"{name} sgd_step_ {dtype} tile={tile} x {n_tiles} offset={offset}"
+            assert torch.equal(param_d.cpu(), p.detach()), where
+            assert torch.equal(buf_d.cpu(), sgd.state[p]["momentum_buffer"]), where
+
+            (w, grad, m, v), (w_d, grad_d, m_d, v_d) = buffers(4)
+            vmax_d = v_d * 1.5
+            param_d = torch.full_like(w_d, float("nan"))
+            step, lr, beta1, beta2 = 5, 1e-3, 0.9, 0.999
+            kernels.adam_step_(param_d, grad_d, w_d, m_d, v_d, vmax_d, tile=tile, beta1=beta1, beta2=beta2, eps=1e-8,
+                               weight_decay=0.01, decoupled=True, amsgrad=True, maximize=False,
+                               step_size=lr / (1 - beta1**step), bias_correction2_sqrt=(1 - beta2**step) ** 0.5,
+                               decay=1 - lr * 0.01)  # fmt: skip
+            p = nn.Parameter(w.clone())
+            p.grad = grad.clone()
+            adamw = torch.optim.AdamW([p], lr=lr, weight_decay=0.01, amsgrad=True, foreach=False)
+            adamw.state[p].update(step=torch.tensor(step - 1.0), exp_avg=m.clone(), exp_avg_sq=v.clone(),
+                                  max_exp_avg_sq=v * 1.5)  # fmt: skip
+            adamw.step()
+            where = f"{name} adam_step_ {dtype} tile={tile} x {n_tiles} offset={offset}"
+            assert torch.equal(m_d.cpu(), adamw.state[p]["exp_avg"]), where
+            assert torch.equal(v_d.cpu(), adamw.state[p]["exp_avg_sq"]), where
+            # the square root is correctly rounded on CUDA and may be an ulp off on the CPU (see tests/test_base_step)
+            eps = torch.finfo(dtype).eps
+            torch.testing.assert_close(param_d.cpu(), p.detach(), rtol=2 * eps, atol=4 * eps * lr / (1 - beta1**step),
+                                       msg=lambda msg: f"{where}: {msg}")  # fmt: skip
+
+
 def check_big(name: str) -> None:
     """A bfloat16 buffer past 2**31 elements: the last elements are read and written where they belong."""
     n = 2**31 + 3 * TILE + 5
@@ -164,6 +217,7 @@ def main() -> int:
                     if name == "cpp":
                         check_scalar_cpp_kernels(dtype, adaptive)
             check_many_tiles(name)
+            check_base_steps(name)
             if args.big:
                 check_big(name)
         torch.cuda.synchronize()
