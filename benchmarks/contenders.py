@@ -9,6 +9,7 @@ contender              what it is
 ``torch``              gearsam_fused's vectorised flat-buffer backend
 ``triton``             gearsam_fused's Triton kernels (CUDA only)
 ``cpp``                gearsam_fused's compiled kernels (when the extension is built; on CUDA, when built with it)
+``sharded``            gearsam_fused's backend for FSDP2 shards: temporary flat copies, tensors left in place
 =====================  =========================================================================================
 
 The first two implement SAM only; ours run both rules (``sam`` and ``gear-sam``). :func:`make` builds them with a base
@@ -24,7 +25,7 @@ from gearsam_fused import GEARSAM, OPTIMIZERS
 from gearsam_fused.backends import BACKENDS
 
 SAM_ONLY = ("per-tensor loop", "pytorch_optimizer")
-OURS = ("reference", "torch", "triton", "cpp")
+OURS = ("reference", "torch", "triton", "cpp", "sharded")
 
 
 class NoStep(torch.optim.Optimizer):

@@ -32,6 +32,15 @@ from .optim import SharpnessAware, check_sharpness_aware
 __all__ = ["sam_step"]
 
 
+def _is_fully_sharded(model: nn.Module) -> bool:
+    """Whether ``model`` is a module ``fully_shard`` (FSDP2) has sharded: it reduces gradients itself."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch < 2.6, or a build without distributed support
+        return False
+    return isinstance(model, FSDPModule)
+
+
 def _multi_process() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
@@ -58,8 +67,9 @@ def sam_step(
 
     Args:
         optimizer: a :class:`~gearsam_fused.SAM` or :class:`~gearsam_fused.GEARSAM`.
-        model: the ``DistributedDataParallel`` module the closure calls. In a single process (no process group, or
-            world size 1) any module is accepted and both modes are plain SAM.
+        model: the ``DistributedDataParallel`` module the closure calls, or a model sharded by ``fully_shard``
+            (FSDP2; plain SAM only). In a single process (no process group, or world size 1) any module is accepted
+            and both modes are plain SAM.
         m_sharpness: perturb each rank with its local gradient (first pass not all-reduced); the update still uses
             the all-reduced gradient at the perturbed points, so the ranks stay identical. Not available with
             ``DistributedDataParallel(static_graph=True)``, which fails under ``no_sync()``.
@@ -76,11 +86,18 @@ def sam_step(
     if not isinstance(m_sharpness, bool):
         raise TypeError(f"m_sharpness must be a bool, got {m_sharpness!r}")
     wrapped = isinstance(model, DistributedDataParallel)
-    if not wrapped and _multi_process():
-        # Without DDP's hooks neither pass would be all-reduced and the ranks would drift apart silently.
+    sharded = _is_fully_sharded(model)
+    if not wrapped and not sharded and _multi_process():
+        # Without DDP's (or FSDP2's) hooks neither pass would be reduced and the ranks would drift apart silently.
         raise TypeError(
-            f"model must be the DistributedDataParallel module that closure runs forward through, got "
-            f"{type(model).__name__} while {dist.get_world_size()} processes are training"
+            f"model must be the DistributedDataParallel or fully_shard (FSDP2) module that closure runs forward "
+            f"through, got {type(model).__name__} while {dist.get_world_size()} processes are training"
+        )
+    if m_sharpness and sharded:
+        raise ValueError(
+            "m_sharpness is not supported on a fully_shard (FSDP2) model: each rank only holds shards of the "
+            "parameters, so a perturbation from its own mini-batch's gradient would need that whole gradient on "
+            "every rank; use DistributedDataParallel for m-sharpness"
         )
     if m_sharpness and wrapped and model.static_graph:
         # DDP's static graph asserts inside backward under no_sync() (pytorch/pytorch#143580): refuse up front

@@ -29,6 +29,7 @@ from .base_step import BASE_STEPS, FUSED, PER_TENSOR, FlatBaseStep, run_step_hoo
 from .checks import check_real
 from .partition import Block, unwrap
 from .partition import partition as make_partition
+from .sharding import is_sharded, reduction_groups, sum_over
 
 _STATE_KEY = "gearsam"
 # The state-dict tag of checkpoints saved before it was the rule: the class name.
@@ -88,6 +89,13 @@ class SharpnessAware(torch.optim.Optimizer):
                 "base_optimizer must be an optimizer class (or factory) such as torch.optim.SGD, called as "
                 f"base_optimizer(param_groups, **kwargs); got {base_optimizer!r}"
             )
+        if _is_zero(base_optimizer):
+            raise ValueError(
+                "ZeroRedundancyOptimizer as base optimizer is not supported: it keeps its own param groups and "
+                "state (its state_dict() needs consolidate_state_dict() on every rank first) and may re-home the "
+                "parameters into buckets of its own, as the flat-buffer backends do. To shard optimizer state, "
+                "shard the model with fully_shard (FSDP2), which SAM and GEAR-SAM support"
+            )
         if isinstance(params, nn.Module):
             if model is not None and model is not params:
                 raise ValueError("params is an nn.Module and model is a different module; pass only one of them")
@@ -123,7 +131,11 @@ class SharpnessAware(torch.optim.Optimizer):
         # SAM step ignores it. Checked in first_step (usually an empty list).
         self._outside_blocks = [(label(p), p) for p in optimized if id(p) not in in_blocks]
         device = next(p for b in self.blocks for p in b.params).device
-        self.backend_name = resolve_backend_name(backend, {p.device for b in self.blocks for p in b.params})
+        # sharded parameters (FSDP2): energies are summed over the ranks that hold the shards
+        self._shard_groups = reduction_groups((label(p), p) for p in optimized)
+        self.backend_name = resolve_backend_name(
+            backend, {p.device for b in self.blocks for p in b.params}, sharded=any(map(is_sharded, optimized))
+        )
         param_group = {id(p): g for g, group in enumerate(self.param_groups) for p in group["params"]}
         self._backend = make_backend(self.backend_name, self.blocks, device, param_group)
         self._flat_step, self._flat_step_why_not = self._make_flat_step()
@@ -249,7 +261,7 @@ class SharpnessAware(torch.optim.Optimizer):
                 )
         # The EMA is updated in place by allocate, so undoing needs a copy; only cancellable steps pay for it.
         undo = (self._ema.clone(), self._energy, self._radius, self._last_rho) if cancellable else None
-        energy = self._backend.block_energy(self.adaptive, self.eta)
+        energy = sum_over(self._shard_groups, self._backend.block_energy(self.adaptive, self.eta))
         scale, radius = self._backend.allocate(self.rule, energy, self._ema, rho, self.beta, self.delta)
         self._backend.perturb_(scale, self.adaptive, self.eta)
         self._energy, self._radius, self._last_rho = energy, radius, rho
@@ -308,13 +320,39 @@ class SharpnessAware(torch.optim.Optimizer):
         if closure is None:
             raise RuntimeError(
                 f"{type(self).__name__}.step() needs a closure that recomputes the loss and its gradients "
-                "(or call first_step() and second_step() yourself)"
+                "(or call first_step() and second_step() yourself); to create the optimizer state before loading a "
+                "checkpoint with torch.distributed.checkpoint, call init_state() first"
             )
         self.first_step(zero_grad=True, cancellable=True)
         with self.cancel_on_error(), torch.enable_grad():
             loss = closure()
         self.second_step()
         return loss
+
+    @torch.no_grad()
+    def init_state(self) -> None:
+        """Create the base optimizer's state as its first step would, without moving any parameter, so that a
+        checkpoint can be loaded into a fresh optimizer in place: ``torch.distributed.checkpoint`` loads only into
+        state that exists (``get_optimizer_state_dict``/``set_optimizer_state_dict`` would otherwise call ``step()``
+        without a closure to create it). Runs the base optimizer's ``step()`` once on zero gradients with every
+        learning rate at 0, as torch's checkpoint code does for plain optimizers (so until the checkpoint overwrites
+        it, Adam's step count reads 1), then clears the gradients. Does nothing when the state exists."""
+        if self.state:
+            return
+        params = [p for group in self.param_groups for p in group["params"] if p.requires_grad]
+        if self.perturbed or any(p.grad is not None for p in params):
+            raise RuntimeError("init_state() belongs to a fresh optimizer, before any backward pass")
+        lrs = [group["lr"] for group in self.param_groups]
+        try:
+            for p in params:
+                p.grad = torch.zeros_like(p)
+            for group in self.param_groups:
+                group["lr"] = torch.zeros_like(group["lr"]) if isinstance(group["lr"], torch.Tensor) else 0.0
+            self.base_optimizer.step()
+        finally:
+            for group, lr in zip(self.param_groups, lrs):
+                group["lr"] = lr
+            self.zero_grad(set_to_none=True)
 
     @contextlib.contextmanager
     def cancel_on_error(self):
@@ -390,10 +428,14 @@ class SharpnessAware(torch.optim.Optimizer):
         return ema
 
     def state_dict(self) -> dict:
+        """The base optimizer's state dict (torch's per-parameter format), with this optimizer's own state (the rule,
+        blocks, GEAR EMA, last energies and radii) under ``"gearsam"`` in the first param group: tools that keep only
+        ``"state"`` and ``"param_groups"`` (``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict``)
+        keep it too, and a plain torch optimizer that loads the dict ignores it."""
         if self.perturbed:
             raise RuntimeError("state_dict() between first_step() and second_step(): the weights hold w + eps")
         state = self.base_optimizer.state_dict()
-        state[_STATE_KEY] = {
+        state["param_groups"][0][_STATE_KEY] = {
             "rule": self.rule,
             "block_names": self.block_names,
             "ema": self._ema.detach().cpu().clone(),
@@ -407,8 +449,7 @@ class SharpnessAware(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         if self.perturbed:
             raise RuntimeError("load_state_dict() between first_step() and second_step(): the weights hold w + eps")
-        state_dict = dict(state_dict)
-        ours = state_dict.pop(_STATE_KEY, None)
+        state_dict, ours = _split_state(state_dict)
         if ours is None:
             raise ValueError(
                 f"state dict has no {_STATE_KEY!r} entry: it was not saved by {type(self).__name__}.state_dict()"
@@ -441,6 +482,18 @@ class SharpnessAware(torch.optim.Optimizer):
         self._undo = None
 
 
+def _split_state(state_dict: dict) -> tuple[dict, dict | None]:
+    """(the base optimizer's part of ``state_dict``, this library's entry or None), without changing the caller's
+    dict; the entry is read from the first param group, or from the top level where earlier versions put it."""
+    state_dict = dict(state_dict)
+    ours = state_dict.pop(_STATE_KEY, None)
+    groups = [dict(group) for group in state_dict.get("param_groups", [])]
+    if groups and _STATE_KEY in groups[0]:
+        ours = groups[0].pop(_STATE_KEY)
+    state_dict["param_groups"] = groups
+    return state_dict, ours
+
+
 def _covering(mapping: Mapping, trainable: list[torch.Tensor], label) -> dict:
     """``mapping`` with its parameter lists materialised, after checking that it places every trainable parameter
     (the error names the first one it misses)."""
@@ -453,6 +506,16 @@ def _covering(mapping: Mapping, trainable: list[torch.Tensor], label) -> dict:
             "or leave it out of the optimizer"
         )
     return mapping
+
+
+def _is_zero(factory) -> bool:
+    """Whether ``factory`` builds a ``ZeroRedundancyOptimizer`` (the class, a subclass, or a partial of either)."""
+    try:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+    except ImportError:  # a torch built without distributed support
+        return False
+    factory = getattr(factory, "func", factory)  # functools.partial
+    return isinstance(factory, type) and issubclass(factory, ZeroRedundancyOptimizer)
 
 
 def _labeller(param_groups: list[dict], model: nn.Module | None) -> Callable[..., str]:

@@ -10,16 +10,10 @@ is summed in another order), so that comparison has a per-step fp32 tolerance.
 
 from __future__ import annotations
 
-import datetime
-import os
-import socket
-import tempfile
-import time
 from typing import NamedTuple
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
@@ -31,6 +25,7 @@ from gearsam_fused.backends.triton_ops import interpreter_enabled
 from gearsam_fused.distributed import sam_step
 
 from conftest import FP32_STEP_RTOL, FP64_STEP_RTOL, on_device, rel_err, tiny_resnet
+from ranks import run_ranks
 
 WORLD = 2
 PER_RANK = 4  # samples per rank and step
@@ -38,50 +33,6 @@ STEPS = 3
 SEED = 100  # rank r builds its model from SEED + r: DDP's broadcast from rank 0 must make them equal
 HP = dict(rho=0.05, beta=0.9, delta=1e-12)
 SGD = dict(lr=0.1, momentum=0.9, weight_decay=5e-4)
-TIMEOUT_S = 300
-
-
-# ------------------------------------------------------------------------------ running a function on every rank
-def _loopback_interface() -> str | None:
-    names = [name for _, name in socket.if_nameindex()] if hasattr(socket, "if_nameindex") else []
-    return next((n for n in names if n.startswith("lo")), None)
-
-
-def _entry(rank: int, port: int, out: str, fn, args: tuple) -> None:
-    torch.set_num_threads(1)
-    loopback = _loopback_interface()
-    if loopback is not None:
-        # gloo otherwise connects through whatever address the host name resolves to
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback)
-    timeout = datetime.timedelta(seconds=TIMEOUT_S)
-    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD, timeout=timeout)
-    try:
-        result = fn(rank, *args)
-    finally:
-        dist.destroy_process_group()
-    torch.save(result, os.path.join(out, f"rank{rank}.pt"))
-
-
-def run_ranks(fn, *args) -> list:
-    """``[fn(0, *args), fn(1, *args)]``, each run in its own process of one gloo group on 127.0.0.1.
-
-    A rank that raises makes this raise ``torch.multiprocessing.ProcessRaisedException`` carrying its traceback; a
-    run that outlives ``TIMEOUT_S`` is killed and raises ``TimeoutError``."""
-    # the parent owns the rendezvous store on a port the OS picked, so no port can be taken between choice and use
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    with tempfile.TemporaryDirectory() as out:
-        context = mp.start_processes(
-            _entry, args=(store.port, out, fn, args), nprocs=WORLD, join=False, start_method="spawn"
-        )
-        deadline = time.monotonic() + TIMEOUT_S
-        while not context.join(timeout=1):
-            if time.monotonic() > deadline:
-                for process in context.processes:
-                    process.kill()
-                    process.join()
-                raise TimeoutError(f"{fn.__name__} did not finish on {WORLD} ranks within {TIMEOUT_S} s")
-        return [torch.load(os.path.join(out, f"rank{r}.pt")) for r in range(WORLD)]
 
 
 _RESULTS: list = []
@@ -91,7 +42,7 @@ def everything() -> list[dict]:
     """Every rank's results of :func:`_everything`, computed on the first call; its failure fails every caller."""
     if not _RESULTS:
         try:
-            _RESULTS.append((True, run_ranks(_everything)))
+            _RESULTS.append((True, run_ranks(_everything, world=WORLD)))
         except Exception as exc:  # noqa: BLE001 - re-raised below, in every test that needs the run
             _RESULTS.append((False, exc))
     ok, value = _RESULTS[0]
@@ -107,7 +58,7 @@ def _boom(rank: int) -> None:
 
 def test_a_failing_rank_fails_the_test_with_its_traceback():
     with pytest.raises(mp.ProcessRaisedException) as info:
-        run_ranks(_boom)
+        run_ranks(_boom, world=WORLD)
     message = str(info.value)
     assert "Traceback" in message and "in _boom" in message and "rank 1 fails on purpose" in message
 
@@ -218,7 +169,7 @@ CONFIGS = [
     for v in (False, True)
     for o in (False, True)
 ]
-BACKENDS = [on_device(b, "cpu") for b in ("reference", "torch", "triton", "cpp")]
+BACKENDS = [on_device(b, "cpu") for b in ("reference", "torch", "triton", "cpp", "sharded")]
 CASES = [pytest.param(b.values[0], c, marks=b.marks, id=f"{b.values[0]}-{c.id}") for b in BACKENDS for c in CONFIGS]
 BACKEND_CASES = [pytest.param(b.values[0], marks=b.marks, id=b.values[0]) for b in BACKENDS]
 
@@ -349,7 +300,7 @@ def test_plain_equals_one_process_on_the_concatenated_batch(backend):
     assert rel_err(reference[-1].double(), w0.double()) > 1e-3  # the runs really moved
 
 
-@pytest.mark.parametrize("backend", [c for c in BACKEND_CASES if c.values[0] != "reference"])
+@pytest.mark.parametrize("backend", [c for c in BACKEND_CASES if c.values[0] not in ("reference", "sharded")])
 @pytest.mark.parametrize("set_to_none", [True, False], ids=["none", "zeros"])
 @pytest.mark.parametrize("bucket_view", [False, True], ids=["copy", "bucketview"])
 def test_flat_buffers_and_ddp_buckets_coexist(backend, set_to_none, bucket_view):

@@ -206,6 +206,13 @@ def test_launches_per_step_do_not_grow_with_the_number_of_tensors(backend, devic
         assert 0 < many.total <= 45, many.torch_ops
 
 
+def test_the_sharded_backends_operations_do_not_grow_with_the_number_of_tensors():
+    """It leaves the tensors in place and gathers them with one torch.cat per pass: the same torch operations for 6
+    tensors as for 600 (on CUDA, cat and _foreach_copy_ batch many tensors per launch)."""
+    few, many = (_steady_state_step(n, "sharded", "cpu", CountDeviceWork()) for n in (6, 600))
+    assert few.torch_ops == many.torch_ops and 0 < many.total <= 70, many.torch_ops
+
+
 def test_launch_counter_sees_per_tensor_work():
     """The counter is not blind: the per-tensor reference backend's count grows with the tensors."""
     few, many = (_steady_state_step(n, "reference", "cpu", CountDeviceWork()) for n in (6, 600))
@@ -275,7 +282,7 @@ def test_parameters_in_two_dtypes(backend, device, strategy):
 
 # ------------------------------------------------------------------------------------------- dispatch
 def test_auto_picks_once_and_says_which():
-    expected = ["reference", "torch"] + ["triton"] * triton_installed() + ["cpp"] * cpp_installed()
+    expected = ["reference", "torch"] + ["triton"] * triton_installed() + ["cpp"] * cpp_installed() + ["sharded"]
     assert available_backends() == expected
     on_cpu = "cpp" if cpp_installed() else "torch"  # the compiled kernels when they are built
     opt = SAM(tiny_resnet(), torch.optim.SGD, lr=0.1)
@@ -292,7 +299,9 @@ def test_triton_on_cpu_without_the_interpreter_is_refused(monkeypatch):
 
 
 # ------------------------------------------------------------------------------------------- host sync
-@pytest.mark.parametrize("backend,device", [on_device(b, "cuda") for b in ("reference", "torch", "triton", "cpp")])
+@pytest.mark.parametrize(
+    "backend,device", [on_device(b, "cuda") for b in ("reference", "torch", "triton", "cpp", "sharded")]
+)
 @pytest.mark.parametrize("cls", [SAM, GEARSAM])
 def test_no_host_synchronisation_inside_a_step(backend, device, cls):
     @contextlib.contextmanager

@@ -303,7 +303,7 @@ def test_state_dict_round_trip_continues_bitwise(backend, device):
     sched2 = torch.optim.lr_scheduler.CosineAnnealingLR(opt2, T_max=12)
     opt2.load_state_dict(saved["opt"])
     sched2.load_state_dict(saved["sched"])
-    assert torch.equal(opt2.block_stats()["ema"], saved["opt"]["gearsam"]["ema"].cpu())
+    assert torch.equal(opt2.block_stats()["ema"], saved["opt"]["param_groups"][0]["gearsam"]["ema"].cpu())
     for xy in data[6:]:
         sam_step(opt2, resumed, xy)
         sched2.step()
@@ -410,16 +410,53 @@ def test_load_state_dict_refuses_foreign_states():
         per_tensor.load_state_dict(gear.state_dict())
 
 
+@pytest.mark.parametrize("backend,device", [c for c in ALL if c.values[1] == "cpu"])
+def test_init_state_creates_the_state_a_checkpoint_loads_into_and_moves_nothing(backend, device):
+    """For loading in place (torch.distributed.checkpoint): the base optimizer's state exists afterwards, no parameter
+    moved (AdamW with weight decay would move them at any learning rate but 0), the learning rates are back, and the
+    saved state loaded over it continues exactly as the run that saved it."""
+    model, data = tiny_resnet(), batches(4)
+    opt = GEARSAM(model, torch.optim.AdamW, rho=0.05, backend=backend, lr=1e-2, weight_decay=0.1)
+    for xy in data[:2]:
+        sam_step(opt, model, xy)
+    saved_model, saved = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
+    fresh = tiny_resnet(seed=1)
+    fresh_opt = GEARSAM(fresh, torch.optim.AdamW, rho=0.05, backend=backend, lr=1e-2, weight_decay=0.1)
+    with pytest.raises(RuntimeError, match="call init_state"):
+        fresh_opt.step()
+    before = flat(fresh)
+    fresh_opt.init_state()
+    assert torch.equal(flat(fresh), before) and all(p.grad is None for p in fresh.parameters())
+    assert len(fresh_opt.state) == len(list(fresh.parameters())) and fresh_opt.param_groups[0]["lr"] == 1e-2
+    fresh_opt.init_state()  # the state exists: nothing to do
+    fresh.load_state_dict(saved_model)
+    fresh_opt.load_state_dict(saved)
+    for xy in data[2:]:
+        sam_step(opt, model, xy)
+        sam_step(fresh_opt, fresh, xy)
+    assert torch.equal(flat(fresh), flat(model))
+
+
+def test_init_state_refuses_an_optimizer_in_use():
+    model = tiny_resnet()
+    opt = SAM(model, torch.optim.AdamW, lr=1e-2)
+    loss_fn(model, batches(1)[0]).backward()
+    with pytest.raises(RuntimeError, match=r"init_state\(\) belongs to a fresh optimizer"):
+        opt.init_state()
+
+
 @pytest.mark.parametrize("cls, legacy", [(SAM, "SAM"), (GEARSAM, "GEARSAM")])
 def test_a_state_tagged_with_the_class_name_still_loads(cls, legacy):
-    """The state-dict tag is the rule; a state tagged with the class name (version 0.1.0) loads the same."""
+    """The state-dict tag is the rule; a state as version 0.1.0 saved it (tagged with the class name, at the top level
+    of the dict rather than in the first param group) loads the same."""
     torch.manual_seed(0)
     model = tiny_resnet()
     opt = cls(model, torch.optim.SGD, lr=0.1, momentum=0.9)
     sam_step(opt, model, batches(1)[0])
     state = opt.state_dict()
-    assert state["gearsam"]["rule"] == cls.rule == {SAM: "sam", GEARSAM: "gear-sam"}[cls]
+    assert state["param_groups"][0]["gearsam"]["rule"] == cls.rule == {SAM: "sam", GEARSAM: "gear-sam"}[cls]
     old = copy.deepcopy(state)
+    old["gearsam"] = old["param_groups"][0].pop("gearsam")
     old["gearsam"]["rule"] = legacy
     fresh = cls(model, torch.optim.SGD, lr=0.1, momentum=0.9)
     fresh.load_state_dict(old)

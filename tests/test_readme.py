@@ -17,7 +17,8 @@ def test_readme_python_examples_run():
     x, y = torch.randn(4, 3, 32, 32), torch.randint(0, 10, (4,))
     namespace = {"model": resnet18(width=4), "loader": [(x, y)], "x": x, "y": y}
     distributed = [code for code in blocks if code.startswith("# needs: torch.distributed")]
-    assert len(distributed) == 1  # it needs a process group; test_ddp.py runs the same loop under two processes
+    # they need a process group: test_ddp.py runs the DDP loop under two processes, test_fsdp.py runs the FSDP2 block
+    assert len(distributed) == 2
     for code in blocks:
         if code not in distributed:
             exec(compile(code, str(README), "exec"), namespace)

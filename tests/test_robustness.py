@@ -295,7 +295,8 @@ def test_loading_a_state_of_other_parameters_fails_clearly():
     ):
         wider.load_state_dict(state)
     fewer = GEARSAM(model, torch.optim.SGD, partition="coarse", **SGD_KW)
-    state["gearsam"]["shapes"][-1] = state["gearsam"]["shapes"][-1][:1]
+    ours = state["param_groups"][0]["gearsam"]
+    ours["shapes"][-1] = ours["shapes"][-1][:1]
     with pytest.raises(ValueError, match=r"block 'classifier' has 2 parameters; the state was saved for 1"):
         fewer.load_state_dict(state)
 

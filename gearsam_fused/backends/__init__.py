@@ -7,10 +7,12 @@ name           what does the tensor work                                        
 ``torch``      vectorised torch ops over flat per-(device, dtype) buffers       any device
 ``triton``     Triton kernels over the same flat buffers                        CUDA (CPU: interpreter)
 ``cpp``        compiled C++/CUDA kernels (``gearsam_fused._C``) over them       CPU, and CUDA if built so
+``sharded``    torch ops over temporary flat copies, tensors left in place      any device; FSDP2 shards
 =============  ===============================================================  ==========================
 
-``"auto"`` picks ``triton`` when every parameter is on a CUDA device and triton is installed; otherwise ``cpp`` when
-the extension is built for every device in use; otherwise ``torch``.
+``"auto"`` picks ``sharded`` for sharded parameters (DTensors, e.g. FSDP2's), whose storage the flat-buffer backends
+may not take over; otherwise ``triton`` when every parameter is on a CUDA device and triton is installed; otherwise
+``cpp`` when the extension is built for every device in use; otherwise ``torch``.
 """
 
 from __future__ import annotations
@@ -23,13 +25,17 @@ from ..partition import Block
 from .base import Backend
 from .cpp_ops import CppBackend
 from .reference import ReferenceBackend
+from .sharded import ShardedBackend
 from .torch_ops import TorchBackend
 from .triton_ops import TritonBackend
 
 #: Every backend of the library, by name (see :func:`available_backends` for those this installation can run).
 BACKENDS: dict[str, type[Backend]] = {
     "reference": ReferenceBackend, "torch": TorchBackend, "triton": TritonBackend, "cpp": CppBackend,
+    "sharded": ShardedBackend,
 }  # fmt: skip
+#: The backends that leave every parameter where it is (the others re-home them into flat buffers).
+IN_PLACE_BACKENDS = ("reference", "sharded")
 
 
 def available_backends() -> list[str]:
@@ -45,10 +51,19 @@ def _usable(name: str, devices: set[torch.device]) -> bool:
     return True
 
 
-def resolve_backend_name(name: str, devices: set[torch.device]) -> str:
-    """Turn ``"auto"`` into a concrete backend for parameters on ``devices``; check any other name."""
+def resolve_backend_name(name: str, devices: set[torch.device], sharded: bool = False) -> str:
+    """Turn ``"auto"`` into a concrete backend for parameters on ``devices`` (``sharded``: DTensors, such as FSDP2's
+    shards); check any other name."""
     if not isinstance(name, str):
         raise TypeError(f"backend must be a string, got {type(name).__name__}")
+    if sharded and name == "auto":
+        return "sharded"
+    if sharded and name in BACKENDS and name not in IN_PLACE_BACKENDS:
+        raise ValueError(
+            f"backend {name!r} re-homes parameters into flat buffers of its own, but these parameters are sharded "
+            "DTensors (FSDP2) whose shards FSDP2 keeps in its own buffers and all-gathers from; use backend='auto' "
+            f"(or one of {list(IN_PLACE_BACKENDS)})"
+        )
     if name == "auto":
         if all(d.type == "cuda" for d in devices) and TritonBackend.installed():
             return "triton"

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..checks import check_dense_grad
+from ..sharding import local
 from .base import Backend, compute_dtype
 
 
@@ -22,10 +23,11 @@ class ReferenceBackend(Backend):
         self._saved: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def _with_grads(self, block):
+        # a sharded parameter (DTensor) is worked on through its local shard; the optimizer sums the energies
         for name, p in zip(block.param_names, block.params):
             g = check_dense_grad(p.grad, repr(name))
             if g is not None:
-                yield p, g
+                yield local(p), local(g)
 
     @torch.no_grad()
     def block_energy(self, adaptive: bool, eta: float) -> torch.Tensor:
@@ -61,5 +63,5 @@ class ReferenceBackend(Backend):
 
     def memory_overhead(self) -> dict[str, int]:
         # One clone per parameter that has a gradient, held from perturb_ to restore_; bounded by all of them.
-        backup = sum(p.nbytes for block in self.blocks for p in block.params)
+        backup = sum(local(p).nbytes for block in self.blocks for p in block.params)
         return {"backup": backup, "padding": 0, "tables": 0, "total": backup, "grad_buffer": 0}
