@@ -31,8 +31,8 @@ import warnings
 from setuptools import setup
 
 PACKAGES = [
-    "gearsam_fused", "gearsam_fused.app", "gearsam_fused.backends", "gearsam_fused.models",
-    "gearsam_fused.triton_kernels",
+    "gearsam_fused", "gearsam_fused.app", "gearsam_fused.backends", "gearsam_fused.integrations",
+    "gearsam_fused.models", "gearsam_fused.triton_kernels",
 ]  # fmt: skip
 ABOUT = runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)), "gearsam_fused", "_version.py"))
 DEFAULT_CUDA_ARCHS = "8.0;9.0+PTX"
@@ -145,6 +145,7 @@ setup(
     install_requires=[f"torch>={ABOUT['MIN_TORCH']}", "numpy", "triton>=3.0; platform_system == 'Linux'"],
     extras_require={
         "demo": ["scikit-learn", "matplotlib"],
+        "transformers": ["transformers>=4.46", "accelerate>=1.0"],
         "test": [
             "pytest",
             "pytest-benchmark",
@@ -152,6 +153,8 @@ setup(
             "scikit-learn",
             "matplotlib",
             "hypothesis",
+            "transformers>=4.46",
+            "accelerate>=1.0",
             "ruff==0.17.6",  # pinned: a new release may format differently, and CI checks the format
         ],
     },

@@ -121,6 +121,27 @@ def whole_step_tables(rows: list[dict]) -> list[str]:
     return lines
 
 
+def trainer_table(rows: list[dict]) -> list[str]:
+    """The Hugging Face Trainer's optimizer step, plain and with SAMTrainer, on the same GPT-2."""
+    steps = [r for r in rows if r["benchmark"] == "bench_trainer"]
+    if not steps:
+        return []
+    plain = next((r["step_ms"] for r in steps if r["contender"] == "Trainer"), None)
+    first = steps[0]
+    lines = [
+        f"**Hugging Face Trainer step** (GPT-2 of {first['parameters'] / 1e6:.2f}M parameters, {first['micro_batches']} "
+        f"micro-batches of {first['batch']} x {first['seq']} tokens per step, AdamW, max_grad_norm 1.0"
+        f"{', bf16' if first['bf16'] else ''}; {first['steps']} steps per round)",
+        "",
+        "| contender | ms per step | / Trainer |",
+        "|---|---:|---:|",
+    ]
+    for r in steps:
+        lines.append(f"| {r['contender']} | {r['step_ms']:.1f} | {r['step_ms'] / plain:.2f}x |" if plain else
+                     f"| {r['contender']} | {r['step_ms']:.1f} | - |")  # fmt: skip
+    return lines + ["", "SAM runs forward and backward twice per step, so about 2x is its floor.", ""]
+
+
 def train_step_table(rows: list[dict]) -> list[str]:
     steps = [r for r in rows if r["benchmark"] == "bench_train_step"]
     if not steps:
@@ -148,7 +169,9 @@ def train_step_table(rows: list[dict]) -> list[str]:
 
 def render(rows: list[dict], source: str) -> str:
     lines = [f"Measured on {_where(rows[0])}. Source: `{source}`.", ""]
-    return "\n".join(lines + sam_step_tables(rows) + whole_step_tables(rows) + train_step_table(rows))
+    return "\n".join(
+        lines + sam_step_tables(rows) + whole_step_tables(rows) + train_step_table(rows) + trainer_table(rows)
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

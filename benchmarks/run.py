@@ -39,7 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     results = Path(args.results).resolve()
     known = set(load_runs(results)) if results.exists() else set()
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(HERE / "bench_sam_step.py"),
-               str(HERE / "bench_whole_step.py"), str(HERE / "bench_train_step.py"), f"--results={results}",
+               str(HERE / "bench_whole_step.py"), str(HERE / "bench_train_step.py"), str(HERE / "bench_trainer.py"),
+               f"--results={results}",
                "--benchmark-disable-gc", *(["--quick"] if args.quick else []), *args.pytest_args]  # fmt: skip
     notes = peer_notes()
     for note in notes:

@@ -86,3 +86,8 @@ def test_quick_run_appends_rows_and_prints_the_report(tmp_path):
     )
     assert "**Whole step, SGD, ResNet-18" in done.stdout and "**Whole step, AdamW, 2000 tensors x 512" in done.stdout
     assert "/ bare base step" in done.stdout
+    # the Hugging Face Trainer's step, plain and with SAMTrainer
+    trainers = [r for r in rows if r["benchmark"] == "bench_trainer"]
+    assert {r["contender"] for r in trainers} == {"Trainer", "SAMTrainer sam", "SAMTrainer gear-sam"}
+    assert all(r["step_ms"] > 0 and r["steps"] == 2 for r in trainers)
+    assert "**Hugging Face Trainer step" in done.stdout and "/ Trainer" in done.stdout

@@ -1,0 +1,159 @@
+"""SAM, ASAM and GEAR-SAM in Hugging Face ``transformers.Trainer``: :class:`SAMTrainer`.
+
+The Trainer runs forward and backward once per micro-batch (``training_step``), then, once per accumulation window,
+clips the gradient and calls ``optimizer.step()``. :class:`SAMTrainer` keeps that loop and adds SAM's second pass::
+
+    window of micro-batches m_1..m_k (the Trainer's first pass accumulates g(w) over them)
+    last micro-batch: first_step()                 w -> w + eps, from the accumulated first gradient
+                      forward + backward m_1..m_k  at w + eps, the same micro-batches, the same loss scaling
+    the Trainer:      clip (the second gradient only), optimizer.step() = second_step(): restore w, base step,
+                      LR scheduler step, zero_grad
+
+The optimizer is built from ``TrainingArguments`` as the Trainer builds its own (``optim``, learning rate, weight
+decay on the Trainer's decay parameters only) and wrapped in SAM or GEAR-SAM; the Trainer steps it through
+:class:`SecondStep`, whose state dict is the SAM optimizer's, so checkpoints and ``resume_from_checkpoint`` carry the
+GEAR EMA. ``rho`` and each block's share of the radius go into the Trainer's logs (``sam/rho``, ``sam/share/<block>``),
+and so into its reporting integrations.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+from transformers import Trainer
+
+from ..bn import frozen_bn_stats
+from ..optim import GEARSAM, SAM, SharpnessAware
+
+#: The flavours :class:`SAMTrainer` accepts: optimizer class and whether it is adaptive (ASAM).
+FLAVOURS = {"sam": (SAM, False), "asam": (SAM, True), "gear-sam": (GEARSAM, False)}
+
+
+class SecondStep(torch.optim.Optimizer):
+    """The optimizer the Trainer steps: ``step()`` is ``sam.second_step()`` (restore ``w``, then the base optimizer's
+    step with the gradient taken at ``w + eps``). Its ``param_groups``, ``state`` and state dict are ``sam``'s, so the
+    Trainer's LR scheduler and checkpoints work on it as on any optimizer."""
+
+    def __init__(self, sam: SharpnessAware):
+        self.sam = sam
+        super().__init__(sam.param_groups, sam.defaults)  # the same group dicts: a scheduler's lr reaches sam
+        self.state = sam.state
+
+    def step(self, closure=None):
+        if closure is not None:
+            raise ValueError("SecondStep.step() takes no closure: SAMTrainer runs the second pass itself")
+        self.sam.second_step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.sam.zero_grad(set_to_none)
+
+    def state_dict(self) -> dict:
+        return self.sam.state_dict()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.sam.load_state_dict(state_dict)
+        self.param_groups, self.state = self.sam.param_groups, self.sam.state
+
+
+class SAMTrainer(Trainer):
+    """``transformers.Trainer`` training with SAM, ASAM or GEAR-SAM around the optimizer ``TrainingArguments`` select.
+
+    Args (besides the Trainer's own):
+        sam: ``"sam"``, ``"asam"`` or ``"gear-sam"``.
+        rho: the radius; ``beta``: GEAR-SAM's EMA factor; ``eta``: ASAM's ``T = |w| + eta``.
+        partition: the blocks (:func:`gearsam_fused.partition`; GEAR-SAM allocates over them, SAM reports them).
+        backend: as :class:`gearsam_fused.SAM`'s.
+
+    Gradient accumulation, ``max_grad_norm`` (applied to the second gradient), bf16, LR schedulers and checkpoints
+    work as in the Trainer. BatchNorm running statistics see the first pass only. ``fp16=True`` is refused: the
+    Trainer's loss scaler would skip the base step after an overflow in the second pass but leave ``w + eps`` in the
+    model; use ``bf16=True``.
+    """
+
+    def __init__(self, *args, sam: str = "gear-sam", rho: float = 0.05, beta: float = 0.9, eta: float = 0.01,
+                 partition="coarse", backend: str = "auto", **kwargs):  # fmt: skip
+        if sam not in FLAVOURS:
+            raise ValueError(f"sam must be one of {list(FLAVOURS)}, got {sam!r}")
+        self.sam_settings = dict(sam=sam, rho=rho, beta=beta, eta=eta, partition=partition, backend=backend)
+        self._window: list[tuple[dict, object]] = []  # the micro-batches of the current accumulation window
+        self._second_step: SecondStep | None = None  # what the Trainer steps (it may wrap it: accelerate does)
+        super().__init__(*args, **kwargs)
+        if self.args.fp16:
+            raise ValueError(
+                "SAMTrainer does not support fp16=True: after an overflow in the second pass the Trainer's loss "
+                "scaler skips the optimizer step, which would leave w + eps in the model; use bf16=True"
+            )
+        if isinstance(self.optimizer, SharpnessAware):
+            self.optimizer = self._second_step = SecondStep(self.optimizer)
+        elif isinstance(self.optimizer, SecondStep):
+            self._second_step = self.optimizer
+        elif self.optimizer is not None:
+            raise TypeError(
+                f"SAMTrainer needs a SAM or GEARSAM optimizer, or none (it builds one from TrainingArguments); got "
+                f"{type(self.optimizer).__name__}"
+            )
+
+    @property
+    def sam(self) -> SharpnessAware:
+        """The SAM / GEAR-SAM optimizer (after ``create_optimizer``)."""
+        if self._second_step is None:
+            raise RuntimeError("the optimizer is built when training starts (or by create_optimizer())")
+        return self._second_step.sam
+
+    def create_optimizer(self, model: nn.Module | None = None):
+        if self.optimizer is None:
+            model = self.model if model is None else model
+            self.optimizer = self._second_step = SecondStep(self._build_sam(model))
+        return self.optimizer
+
+    def _build_sam(self, model: nn.Module) -> SharpnessAware:
+        decay = set(self.get_decay_parameter_names(model))
+        trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        groups = [
+            {"params": [p for n, p in trainable if n in decay], "weight_decay": self.args.weight_decay},
+            {"params": [p for n, p in trainable if n not in decay], "weight_decay": 0.0},
+        ]
+        groups = [g for g in groups if g["params"]]
+        if self.optimizer_cls_and_kwargs is not None:
+            base, kwargs = self.optimizer_cls_and_kwargs
+        else:
+            base, kwargs = self.get_optimizer_cls_and_kwargs(self.args, model)
+        for key in ("params", "model", "optimizer_dict"):
+            if key in kwargs:
+                raise ValueError(
+                    f"optim={self.args.optim!r} lays out its own parameters ({key!r}); SAMTrainer wraps optimizers "
+                    "built from param groups (adamw_torch, sgd, adafactor, ...)"
+                )
+        s = self.sam_settings
+        cls, adaptive = FLAVOURS[s["sam"]]
+        extra = {"beta": s["beta"]} if cls is GEARSAM else {}
+        return cls(groups, base, model=model, rho=s["rho"], adaptive=adaptive, eta=s["eta"] if adaptive else 0.0,
+                   partition=s["partition"], backend=s["backend"], **extra, **kwargs)  # fmt: skip
+
+    def training_step(self, model: nn.Module, inputs: dict, num_items_in_batch=None) -> torch.Tensor:
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        self._window.append((inputs, num_items_in_batch))
+        if self.accelerator.sync_gradients:  # the window's last micro-batch: the Trainer clips and steps next
+            window, self._window = self._window, []
+            self._second_pass(model, window)
+        return loss  # the first pass's, as the Trainer logs it
+
+    def _second_pass(self, model: nn.Module, window: list[tuple[dict, object]]) -> None:
+        sam = self.sam
+        sam.first_step(zero_grad=True, cancellable=True)
+        with sam.cancel_on_error(), frozen_bn_stats(model):
+            for i, (inputs, num_items_in_batch) in enumerate(window):
+                # under DDP only the last backward of the window all-reduces, as in the first pass
+                last = i == len(window) - 1
+                with contextlib.nullcontext() if last else self.accelerator.no_sync(model):
+                    super().training_step(model, inputs, num_items_in_batch)
+
+    def log(self, logs: dict[str, float], *args, **kwargs) -> None:
+        if "loss" in logs and self._second_step is not None:  # a training log
+            stats = self.sam.block_stats()  # one synchronisation, at logging time only
+            logs["sam/rho"] = self.sam.step_statistics.rho
+            for name, share in zip(self.sam.block_names, stats["share"].tolist()):
+                logs[f"sam/share/{name}"] = share
+        super().log(logs, *args, **kwargs)

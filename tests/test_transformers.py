@@ -1,0 +1,284 @@
+"""Hugging Face ``Trainer`` with SAM, ASAM and GEAR-SAM (:class:`gearsam_fused.integrations.transformers.SAMTrainer`):
+the Trainer's run equals the manual two-pass loop over the same micro-batches, with and without gradient accumulation
+and clipping; a run resumed from a checkpoint equals the uninterrupted one; the blocks of the architectures it
+trains. Tiny models built from configs, synthetic tokens, nothing downloaded."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+transformers = pytest.importorskip("transformers")
+from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments, get_scheduler  # noqa: E402
+
+from gearsam_fused import GEARSAM, SAM, partition  # noqa: E402
+from gearsam_fused.integrations.transformers import SAMTrainer  # noqa: E402
+
+from conftest import FP32_STEP_RTOL, flat, rel_err  # noqa: E402
+
+SEQ, N_SEQ = 12, 24
+
+
+def gpt2() -> GPT2LMHeadModel:
+    torch.manual_seed(0)
+    config = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16, resid_pdrop=0.0,
+                        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)  # fmt: skip
+    return GPT2LMHeadModel(config)
+
+
+class Tokens(torch.utils.data.Dataset):
+    def __init__(self):
+        self.ids = torch.randint(0, 64, (N_SEQ, SEQ), generator=torch.Generator().manual_seed(1))
+
+    def __len__(self):
+        return N_SEQ
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+class Recording(SAMTrainer):
+    """Records every micro-batch of the first pass, with the token count the Trainer normalises its loss by."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.seen = []
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        self.seen.append(({k: v.clone() for k, v in inputs.items()}, num_items_in_batch))
+        return super().training_step(model, inputs, num_items_in_batch)
+
+
+def arguments(tmp_path, **overrides) -> TrainingArguments:
+    kw = dict(output_dir=str(tmp_path), per_device_train_batch_size=2, gradient_accumulation_steps=1, max_steps=8,
+              learning_rate=3e-3, weight_decay=0.01, max_grad_norm=0.0, logging_steps=1, save_strategy="no",
+              report_to=[], seed=0, use_cpu=True, disable_tqdm=True, dataloader_num_workers=0)  # fmt: skip
+    return TrainingArguments(**{**kw, **overrides})
+
+
+def manual_run(trainer: Recording, sam: str, steps: int, ga: int, clip: float) -> nn.Module:
+    """The two-pass loop by hand over the micro-batches the Trainer saw: the same optimizer, param groups, schedule
+    and loss normalisation."""
+    model = gpt2()
+    decay = set(trainer.get_decay_parameter_names(model))
+    groups = [
+        {"params": [p for n, p in model.named_parameters() if n in decay], "weight_decay": trainer.args.weight_decay},
+        {"params": [p for n, p in model.named_parameters() if n not in decay], "weight_decay": 0.0},
+    ]
+    cls = GEARSAM if sam == "gear-sam" else SAM
+    extra = {"beta": 0.9} if cls is GEARSAM else {"adaptive": sam == "asam", "eta": 0.01 if sam == "asam" else 0.0}
+    base, kwargs = trainer.get_optimizer_cls_and_kwargs(trainer.args, model)  # transformers 5: AdamW, fused=True
+    opt = cls(groups, base, model=model, rho=0.05, **extra, **kwargs)
+    schedule = get_scheduler("linear", opt, num_warmup_steps=0, num_training_steps=steps)
+
+    def backward(inputs, num_items):
+        if num_items is not None:  # the Trainer passes the window's token count to a model that accepts it
+            model(**inputs, num_items_in_batch=num_items).loss.backward()
+        else:
+            (model(**inputs).loss / ga).backward()
+
+    for step in range(steps):
+        window = trainer.seen[step * ga : (step + 1) * ga]
+        for inputs, num_items in window:
+            backward(inputs, num_items)
+        opt.first_step(zero_grad=True)
+        for inputs, num_items in window:
+            backward(inputs, num_items)
+        if clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.second_step(zero_grad=True)
+        schedule.step()
+    return model
+
+
+@pytest.mark.parametrize("sam", ["sam", "asam", "gear-sam"])
+@pytest.mark.parametrize("ga,clip", [(1, 0.0), (3, 0.0), (2, 0.05)], ids=["plain", "accumulation", "acc-clip"])
+def test_trainer_equals_the_manual_two_pass_loop(tmp_path, sam, ga, clip):
+    steps = 6
+    model = gpt2()
+    trainer = Recording(model=model, args=arguments(tmp_path, gradient_accumulation_steps=ga, max_steps=steps,
+                                                    max_grad_norm=clip), train_dataset=Tokens(), sam=sam)  # fmt: skip
+    trainer.train()
+    assert len(trainer.seen) == steps * ga
+    want = manual_run(trainer, sam, steps, ga, clip)
+    assert rel_err(flat(model), flat(want)) <= FP32_STEP_RTOL
+    assert rel_err(flat(model), flat(gpt2())) > 1e-3  # it trained
+
+
+def test_bf16_as_the_trainer_sets_it_up(tmp_path):
+    """bf16=True: the Trainer runs both passes under bfloat16 autocast; the step works on the float32 weights, and the
+    run stays near the float32 one (bfloat16 rounding apart)."""
+    runs = {}
+    for bf16 in (False, True):
+        model = gpt2()
+        SAMTrainer(
+            model=model, args=arguments(tmp_path / str(bf16), max_steps=4, bf16=bf16), train_dataset=Tokens()
+        ).train()
+        runs[bf16] = model
+    assert next(runs[True].parameters()).dtype == torch.float32
+    assert 0 < rel_err(flat(runs[True]), flat(runs[False])) < 2e-2
+    assert rel_err(flat(runs[True]), flat(gpt2())) > 1e-3
+
+
+def test_logs_carry_rho_and_every_blocks_share(tmp_path):
+    trainer = SAMTrainer(model=gpt2(), args=arguments(tmp_path, max_steps=3), train_dataset=Tokens())
+    trainer.train()
+    logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert len(logs) == 3
+    for entry in logs:
+        shares = [entry[f"sam/share/{name}"] for name in trainer.sam.block_names]
+        assert entry["sam/rho"] == 0.05 and sum(shares) == pytest.approx(1.0, abs=1e-6)
+    assert trainer.sam.block_names == ["stem", "transformer.h.0", "transformer.h.1", "classifier"]
+
+
+def test_resume_from_checkpoint_continues_exactly(tmp_path):
+    """Saved at step 3 of 6 (SAM state and GEAR EMA in the Trainer's optimizer checkpoint), resumed by a new Trainer
+    on a model with other weights: the same weights as the uninterrupted run, bit for bit."""
+    common = dict(max_steps=6, gradient_accumulation_steps=2, max_grad_norm=0.05, save_strategy="steps", save_steps=3)
+    model = gpt2()
+    SAMTrainer(model=model, args=arguments(tmp_path / "run", **common), train_dataset=Tokens()).train()
+    torch.manual_seed(123)
+    resumed = GPT2LMHeadModel(gpt2().config)
+    trainer = SAMTrainer(model=resumed, args=arguments(tmp_path / "resumed", **common), train_dataset=Tokens())
+    trainer.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-3"))
+    assert torch.equal(flat(resumed), flat(model))
+
+
+def test_a_wrapped_model_keeps_the_bare_models_blocks_and_a_given_optimizer_is_used(tmp_path):
+    model = gpt2()
+    opt = SAM(torch.compile(model), torch.optim.AdamW, lr=1e-3)
+    trainer = SAMTrainer(model=model, args=arguments(tmp_path, max_steps=1), train_dataset=Tokens(),
+                         optimizers=(opt, None))  # fmt: skip
+    trainer.train()
+    assert trainer.sam is opt and opt.block_names == ["stem", "transformer.h.0", "transformer.h.1", "classifier"]
+
+
+def test_what_cannot_work_is_refused_with_the_reason(tmp_path):
+    with pytest.raises(ValueError, match="sam must be one of"):
+        SAMTrainer(model=gpt2(), args=arguments(tmp_path), train_dataset=Tokens(), sam="lookahead")
+    with pytest.raises(TypeError, match="needs a SAM or GEARSAM optimizer"):
+        model = gpt2()
+        SAMTrainer(model=model, args=arguments(tmp_path), train_dataset=Tokens(),
+                   optimizers=(torch.optim.SGD(model.parameters(), lr=0.1), None))  # fmt: skip
+
+
+# ------------------------------------------------------------------------------ a small CNN through the Trainer
+class SmallCNN(nn.Module):
+    """A Trainer-style model: keyword inputs, returns the loss first."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.SiLU())
+        self.stage = nn.Sequential(nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.SiLU()))
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, pixel_values, labels):
+        logits = self.head(self.stage(self.stem(pixel_values)).mean((2, 3)))
+        return {"loss": nn.functional.cross_entropy(logits, labels), "logits": logits}
+
+
+class Images(torch.utils.data.Dataset):
+    def __init__(self):
+        g = torch.Generator().manual_seed(2)
+        self.x, self.y = torch.randn(16, 3, 8, 8, generator=g), torch.randint(0, 4, (16,), generator=g)
+
+    def __len__(self):
+        return len(self.y)
+
+    def __getitem__(self, i):
+        return {"pixel_values": self.x[i], "labels": self.y[i]}
+
+
+def test_a_cnn_with_batchnorm_equals_the_manual_loop_with_frozen_statistics(tmp_path):
+    from gearsam_fused import frozen_bn_stats
+
+    torch.manual_seed(0)
+    model = SmallCNN()
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    trainer = Recording(model=model, args=arguments(tmp_path, max_steps=4, gradient_accumulation_steps=2,
+                                                    max_grad_norm=1.0, optim="sgd", learning_rate=0.05),
+                        train_dataset=Images())  # fmt: skip
+    trainer.train()
+    twin = SmallCNN()
+    twin.load_state_dict(start)
+    base, kwargs = trainer.get_optimizer_cls_and_kwargs(trainer.args, twin)
+    decay = set(trainer.get_decay_parameter_names(twin))
+    groups = [{"params": [p for n, p in twin.named_parameters() if n in decay], "weight_decay": 0.01},
+              {"params": [p for n, p in twin.named_parameters() if n not in decay], "weight_decay": 0.0}]  # fmt: skip
+    opt = GEARSAM(groups, base, model=twin, rho=0.05, beta=0.9, **kwargs)
+    schedule = get_scheduler("linear", opt, num_warmup_steps=0, num_training_steps=4)
+    for step in range(4):
+        window = trainer.seen[2 * step : 2 * step + 2]
+        for inputs, _ in window:
+            (twin(**inputs)["loss"] / 2).backward()
+        opt.first_step(zero_grad=True)
+        with frozen_bn_stats(twin):
+            for inputs, _ in window:
+                (twin(**inputs)["loss"] / 2).backward()
+        torch.nn.utils.clip_grad_norm_(twin.parameters(), 1.0)
+        opt.second_step(zero_grad=True)
+        schedule.step()
+    assert rel_err(flat(model), flat(twin)) <= FP32_STEP_RTOL
+    assert torch.equal(model.stem[1].running_mean, twin.stem[1].running_mean)
+    assert trainer.sam.block_names == ["stem", "stage", "classifier"]
+
+
+# ------------------------------------------------------------------------------ the blocks of HF architectures
+def tiny(family: str) -> nn.Module:
+    common = dict(num_hidden_layers=2, hidden_size=32, num_attention_heads=2, intermediate_size=64)
+    if family == "gpt2":
+        return gpt2()
+    if family == "bert":
+        return transformers.BertForSequenceClassification(
+            transformers.BertConfig(vocab_size=64, max_position_embeddings=16, num_labels=3, **common)
+        )
+    if family == "roberta":
+        return transformers.RobertaForMaskedLM(
+            transformers.RobertaConfig(vocab_size=64, max_position_embeddings=20, **common)
+        )
+    if family == "llama":
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(vocab_size=64, num_key_value_heads=1, **common))
+    return transformers.ViTForImageClassification(
+        transformers.ViTConfig(image_size=16, patch_size=4, num_labels=3, **common)
+    )
+
+
+BLOCKS = {
+    "gpt2": ("coarse", ["stem", "transformer.h.0", "transformer.h.1", "classifier"]),
+    "bert": ("coarse", ["stem", "bert.encoder.layer.0", "bert.encoder.layer.1", "classifier"]),
+    "roberta": ("coarse", ["stem", "roberta.encoder.layer.0", "roberta.encoder.layer.1", "classifier"]),
+    "llama": ("coarse", ["stem", "model.layers.0", "model.layers.1", "classifier"]),
+    "vit": ("fine", ["vit.embeddings", "vit.layers.0", "vit.layers.1", "classifier"]),
+}
+
+
+@pytest.mark.parametrize("family", list(BLOCKS))
+def test_the_blocks_of_each_architecture_family(family):
+    """Embeddings, each transformer layer, then the final norm with the head (ViT: "coarse" keeps its layers in one
+    block, "fine" gives one per layer)."""
+    strategy, names = BLOCKS[family]
+    model = tiny(family)
+    blocks = partition(model, strategy)
+    assert [b.name for b in blocks] == names
+    first, last = blocks[0].param_names, blocks[-1].param_names
+    assert any("emb" in n or "wte" in n for n in first), first
+    # the final norm and the head (GPT-2's head is tied to the embedding, so its last block is the final norm)
+    assert any(k in n for n in last for k in ("norm", "ln_f", "head", "classifier")), last
+
+
+def test_the_readme_example_runs(tmp_path, monkeypatch):
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    (block,) = [
+        b for b in re.findall(r"```python\n(.*?)```", readme, flags=re.S) if b.startswith("# needs: transformers")
+    ]
+    monkeypatch.chdir(tmp_path)  # it writes to "out"
+    namespace = {"dataset": Tokens()}
+    exec(compile(block, "README.md", "exec"), namespace)
+    trainer = namespace["trainer"]
+    layers = [f"transformer.h.{i}" for i in range(4)]
+    assert trainer.state.global_step == 20 and trainer.sam.block_names == ["stem", *layers, "classifier"]
+    assert any("sam/share/stem" in entry for entry in trainer.state.log_history)
