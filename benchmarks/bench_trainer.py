@@ -4,8 +4,7 @@ A GPT-2 built from a config (4 layers, width 128, a 1000-token vocabulary; on CU
 on synthetic token sequences with ``optim="adamw_torch"``, ``max_grad_norm=1.0`` and two micro-batches per step. A
 round is one ``trainer.train()`` of ``STEPS`` optimizer steps on a freshly built Trainer (the Trainer's own set-up
 inside ``train()`` is timed with them); a row's ``step_ms`` is its median over the steps. SAM doubles the forward and
-backward passes, so the floor of "/ Trainer" is about 2x; what lies above it is the SAM machinery and the Trainer
-integration.
+backward passes, while the data loading, clipping, the optimizer step and the Trainer's own work run once per step.
 """
 
 from __future__ import annotations

@@ -139,7 +139,9 @@ def trainer_table(rows: list[dict]) -> list[str]:
     for r in steps:
         lines.append(f"| {r['contender']} | {r['step_ms']:.1f} | {r['step_ms'] / plain:.2f}x |" if plain else
                      f"| {r['contender']} | {r['step_ms']:.1f} | - |")  # fmt: skip
-    return lines + ["", "SAM runs forward and backward twice per step, so about 2x is its floor.", ""]
+    note = ("SAM runs the forward and backward passes twice per step; the data loading, clipping, optimizer step and "
+            "the Trainer's own work run once.")  # fmt: skip
+    return lines + ["", note, ""]
 
 
 def train_step_table(rows: list[dict]) -> list[str]:
