@@ -146,6 +146,7 @@ setup(
     extras_require={
         "demo": ["scikit-learn", "matplotlib"],
         "transformers": ["transformers>=4.46", "accelerate>=1.0"],
+        "lightning": ["lightning>=2.2"],
         "test": [
             "pytest",
             "pytest-benchmark",
@@ -155,6 +156,7 @@ setup(
             "hypothesis",
             "transformers>=4.46",
             "accelerate>=1.0",
+            "lightning>=2.2",
             "ruff==0.17.6",  # pinned: a new release may format differently, and CI checks the format
         ],
     },

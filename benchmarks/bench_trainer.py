@@ -1,4 +1,5 @@
-"""Hugging Face ``Trainer`` steps: the plain Trainer against :class:`SAMTrainer` (SAM and GEAR-SAM) on the same model.
+"""Trainer steps: the Hugging Face ``Trainer`` against :class:`SAMTrainer` (SAM and GEAR-SAM), and a Lightning fit
+against the same module with :class:`SharpnessAwareMixin` (GEAR-SAM), on the same model.
 
 A GPT-2 built from a config (4 layers, width 128, a 1000-token vocabulary; on CUDA width 768, GPT-2 small's) trains
 on synthetic token sequences with ``optim="adamw_torch"``, ``max_grad_norm=1.0`` and two micro-batches per step. A
@@ -69,6 +70,61 @@ def test_trainer_step(benchmark, record, quick, tmp_path, contender):
         iterations=1,
     )
     parameters = sum(p.numel() for p in _trainer(contender, setting, 1, str(tmp_path)).model.parameters())
+    fields = dict(contender=contender, steps=steps, step_ms=benchmark.stats.stats.median * 1e3 / steps,
+                  parameters=parameters, micro_batches=2, batch=setting["batch"], seq=SEQ, bf16=setting["bf16"])  # fmt: skip
+    benchmark.extra_info.update(fields)
+    record(**fields)
+
+
+# ------------------------------------------------------------------------------ Lightning
+LIGHTNING = ("LightningModule", "LightningModule + SharpnessAwareMixin gear-sam")
+
+
+def _lightning_fit(name: str, setting: dict, steps: int):
+    """(the fit to time, its module): ``steps`` steps of two micro-batches, AdamW (GEAR-SAM around it with the mixin),
+    clipping at 1.0, on the GPT-2 of :func:`_trainer`."""
+    import lightning.pytorch as L
+
+    from gearsam_fused import GEARSAM
+    from gearsam_fused.integrations.lightning import SharpnessAwareMixin
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=setting["n_layer"], n_embd=setting["n_embd"], n_head=setting["n_head"],
+                                     vocab_size=setting["vocab"], n_positions=SEQ)  # fmt: skip
+    sam = name != LIGHTNING[0]
+
+    class Module(*((SharpnessAwareMixin,) if sam else ()), L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = transformers.GPT2LMHeadModel(config)
+
+        def training_step(self, batch, batch_idx):
+            return self.net(**batch).loss
+
+        def configure_optimizers(self):
+            if sam:
+                return GEARSAM(self.net, torch.optim.AdamW, lr=1e-4)
+            return torch.optim.AdamW(self.net.parameters(), lr=1e-4)
+
+    data = Tokens(2 * steps * setting["batch"], setting["vocab"])
+    loader = torch.utils.data.DataLoader(data, batch_size=setting["batch"])
+    fit = L.Trainer(max_steps=steps, accumulate_grad_batches=2, gradient_clip_val=1.0, logger=False,
+                    enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                    accelerator=DEVICE, devices=1, precision="bf16-mixed" if setting["bf16"] else "32-true")  # fmt: skip
+    module = Module()
+    return (lambda: fit.fit(module, train_dataloaders=loader)), module
+
+
+@pytest.mark.parametrize("contender", LIGHTNING)
+def test_lightning_step(benchmark, record, quick, contender):
+    pytest.importorskip("lightning")
+    setting = _setting(quick)
+    steps = QUICK_STEPS if quick else STEPS
+    _lightning_fit(contender, setting, 2)[0]()  # warm-up
+    benchmark.group = f"Lightning step, GPT-2 {setting['n_layer']}x{setting['n_embd']}, {DEVICE}"
+    benchmark.pedantic(lambda fit: fit(), setup=lambda: ((_lightning_fit(contender, setting, steps)[0],), {}),
+                       rounds=2 if quick else 5, iterations=1)  # fmt: skip
+    parameters = sum(p.numel() for p in _lightning_fit(contender, setting, 1)[1].parameters())
     fields = dict(contender=contender, steps=steps, step_ms=benchmark.stats.stats.median * 1e3 / steps,
                   parameters=parameters, micro_batches=2, batch=setting["batch"], seq=SEQ, bf16=setting["bf16"])  # fmt: skip
     benchmark.extra_info.update(fields)

@@ -121,26 +121,33 @@ def whole_step_tables(rows: list[dict]) -> list[str]:
     return lines
 
 
-def trainer_table(rows: list[dict]) -> list[str]:
-    """The Hugging Face Trainer's optimizer step, plain and with SAMTrainer, on the same GPT-2."""
-    steps = [r for r in rows if r["benchmark"] == "bench_trainer"]
-    if not steps:
-        return []
-    plain = next((r["step_ms"] for r in steps if r["contender"] == "Trainer"), None)
+def trainer_tables(rows: list[dict]) -> list[str]:
+    """The trainers' optimizer steps, plain and with SAM, on the same GPT-2: Hugging Face's, then Lightning's."""
+    lines = []
+    for title, test, plain_name in (("Hugging Face Trainer step", "test_trainer_step", "Trainer"),
+                                    ("Lightning step", "test_lightning_step", "LightningModule")):  # fmt: skip
+        steps = [r for r in rows if r["benchmark"] == "bench_trainer" and r["test"].startswith(test)]
+        if steps:
+            lines += _trainer_table(title, steps, plain_name)
+    return lines
+
+
+def _trainer_table(title: str, steps: list[dict], plain_name: str) -> list[str]:
+    plain = next((r["step_ms"] for r in steps if r["contender"] == plain_name), None)
     first = steps[0]
     lines = [
-        f"**Hugging Face Trainer step** (GPT-2 of {first['parameters'] / 1e6:.2f}M parameters, {first['micro_batches']} "
+        f"**{title}** (GPT-2 of {first['parameters'] / 1e6:.2f}M parameters, {first['micro_batches']} "
         f"micro-batches of {first['batch']} x {first['seq']} tokens per step, AdamW, max_grad_norm 1.0"
         f"{', bf16' if first['bf16'] else ''}; {first['steps']} steps per round)",
         "",
-        "| contender | ms per step | / Trainer |",
+        f"| contender | ms per step | / {plain_name} |",
         "|---|---:|---:|",
     ]
     for r in steps:
         lines.append(f"| {r['contender']} | {r['step_ms']:.1f} | {r['step_ms'] / plain:.2f}x |" if plain else
                      f"| {r['contender']} | {r['step_ms']:.1f} | - |")  # fmt: skip
     note = ("SAM runs the forward and backward passes twice per step; the data loading, clipping, optimizer step and "
-            "the Trainer's own work run once.")  # fmt: skip
+            "the trainer's own work run once.")  # fmt: skip
     return lines + ["", note, ""]
 
 
@@ -172,7 +179,7 @@ def train_step_table(rows: list[dict]) -> list[str]:
 def render(rows: list[dict], source: str) -> str:
     lines = [f"Measured on {_where(rows[0])}. Source: `{source}`.", ""]
     return "\n".join(
-        lines + sam_step_tables(rows) + whole_step_tables(rows) + train_step_table(rows) + trainer_table(rows)
+        lines + sam_step_tables(rows) + whole_step_tables(rows) + train_step_table(rows) + trainer_tables(rows)
     )
 
 

@@ -88,6 +88,10 @@ def test_quick_run_appends_rows_and_prints_the_report(tmp_path):
     assert "/ bare base step" in done.stdout
     # the Hugging Face Trainer's step, plain and with SAMTrainer
     trainers = [r for r in rows if r["benchmark"] == "bench_trainer"]
-    assert {r["contender"] for r in trainers} == {"Trainer", "SAMTrainer sam", "SAMTrainer gear-sam"}
+    assert {r["contender"] for r in trainers} == {
+        "Trainer", "SAMTrainer sam", "SAMTrainer gear-sam", "LightningModule",
+        "LightningModule + SharpnessAwareMixin gear-sam",
+    }  # fmt: skip
     assert all(r["step_ms"] > 0 and r["steps"] == 2 for r in trainers)
-    assert "**Hugging Face Trainer step" in done.stdout and "/ Trainer" in done.stdout
+    assert "**Hugging Face Trainer step" in done.stdout and "/ Trainer |" in done.stdout
+    assert "**Lightning step" in done.stdout and "/ LightningModule |" in done.stdout

@@ -17,9 +17,9 @@ def test_readme_python_examples_run():
     x, y = torch.randn(4, 3, 32, 32), torch.randint(0, 10, (4,))
     namespace = {"model": resnet18(width=4), "loader": [(x, y)], "x": x, "y": y}
     # run elsewhere: test_ddp.py runs the DDP loop under two processes, test_fsdp.py the FSDP2 block (a process
-    # group), test_transformers.py the Trainer block (an optional package)
+    # group), test_transformers.py and test_lightning.py the integrations' blocks (optional packages)
     elsewhere = [code for code in blocks if code.startswith("# needs:")]
-    assert len(elsewhere) == 3
+    assert len(elsewhere) == 4
     for code in blocks:
         if code not in elsewhere:
             exec(compile(code, str(README), "exec"), namespace)

@@ -60,9 +60,9 @@ def arguments(tmp_path, **overrides) -> TrainingArguments:
     return TrainingArguments(**{**kw, **overrides})
 
 
-def manual_run(trainer: Recording, sam: str, steps: int, ga: int, clip: float) -> nn.Module:
+def manual_run(trainer: Recording, sam: str, steps: int, ga: int, clip: float, skip=frozenset()) -> nn.Module:
     """The two-pass loop by hand over the micro-batches the Trainer saw: the same optimizer, param groups, schedule
-    and loss normalisation."""
+    and loss normalisation. The steps in ``skip`` are left out (no update, no schedule step)."""
     model = gpt2()
     decay = set(trainer.get_decay_parameter_names(model))
     groups = [
@@ -82,6 +82,8 @@ def manual_run(trainer: Recording, sam: str, steps: int, ga: int, clip: float) -
             (model(**inputs).loss / ga).backward()
 
     for step in range(steps):
+        if step in skip:
+            continue
         window = trainer.seen[step * ga : (step + 1) * ga]
         for inputs, num_items in window:
             backward(inputs, num_items)
@@ -122,6 +124,36 @@ def test_bf16_as_the_trainer_sets_it_up(tmp_path):
     assert next(runs[True].parameters()).dtype == torch.float32
     assert 0 < rel_err(flat(runs[True]), flat(runs[False])) < 2e-2
     assert rel_err(flat(runs[True]), flat(gpt2())) > 1e-3
+
+
+class Overflowing(Recording):
+    """Multiplies the loss by inf in one pass (``"first"`` or ``"second"``) of one optimizer step."""
+
+    def __init__(self, *args, overflow_at: tuple[int, str], **kwargs):
+        super().__init__(*args, **kwargs)
+        self.overflow_at = overflow_at
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        which = "second" if self.sam.perturbed else "first"
+        return loss * float("inf") if (self.state.global_step, which) == self.overflow_at else loss
+
+
+@pytest.mark.parametrize("which", ["first", "second"])
+def test_a_loss_scaler_skips_the_whole_step_after_an_overflow_in_either_pass(tmp_path, which):
+    """fp16's loss scaling (a GradScaler in the Trainer's accelerator, as on a GPU): scaling by a power of two is
+    exact, so the run equals the manual loop; the step whose first or second pass overflows is skipped whole (the
+    weights, the GEAR EMA and the LR schedule as before it) and the scale is lowered once."""
+    steps, skipped = 4, 2
+    model = gpt2()
+    trainer = Overflowing(model=model, args=arguments(tmp_path, max_steps=steps), train_dataset=Tokens(),
+                          overflow_at=(skipped, which))  # fmt: skip
+    trainer.accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1000)
+    trainer.train()
+    assert trainer.accelerator.scaler.get_scale() == 2.0**9
+    assert not trainer.sam.perturbed
+    want = manual_run(trainer, "gear-sam", steps, 1, 0.0, skip={skipped})
+    assert rel_err(flat(model), flat(want)) <= FP32_STEP_RTOL
 
 
 def test_logs_carry_rho_and_every_blocks_share(tmp_path):

@@ -22,7 +22,7 @@ import contextlib
 
 import torch
 from torch import nn
-from transformers import Trainer
+from transformers import Trainer, TrainerCallback
 
 from ..bn import frozen_bn_stats
 from ..optim import GEARSAM, SAM, SharpnessAware
@@ -66,10 +66,11 @@ class SAMTrainer(Trainer):
         partition: the blocks (:func:`gearsam_fused.partition`; GEAR-SAM allocates over them, SAM reports them).
         backend: as :class:`gearsam_fused.SAM`'s.
 
-    Gradient accumulation, ``max_grad_norm`` (applied to the second gradient), bf16, LR schedulers and checkpoints
-    work as in the Trainer. BatchNorm running statistics see the first pass only. ``fp16=True`` is refused: the
-    Trainer's loss scaler would skip the base step after an overflow in the second pass but leave ``w + eps`` in the
-    model; use ``bf16=True``.
+    Gradient accumulation, ``max_grad_norm`` (applied to the second gradient), bf16, fp16 with the Trainer's loss
+    scaler, LR schedulers and checkpoints work as in the Trainer. BatchNorm running statistics see the first pass
+    only. With a loss scaler, an overflow in either pass skips the whole step, as the scaler skips a plain step: an
+    overflow in the first pass leaves the weights unperturbed and the second pass out; one in the second pass makes
+    the scaler skip ``optimizer.step()``, and the perturbation is undone (weights, GEAR EMA) right after.
     """
 
     def __init__(self, *args, sam: str = "gear-sam", rho: float = 0.05, beta: float = 0.9, eta: float = 0.01,
@@ -80,11 +81,7 @@ class SAMTrainer(Trainer):
         self._window: list[tuple[dict, object]] = []  # the micro-batches of the current accumulation window
         self._second_step: SecondStep | None = None  # what the Trainer steps (it may wrap it: accelerate does)
         super().__init__(*args, **kwargs)
-        if self.args.fp16:
-            raise ValueError(
-                "SAMTrainer does not support fp16=True: after an overflow in the second pass the Trainer's loss "
-                "scaler skips the optimizer step, which would leave w + eps in the model; use bf16=True"
-            )
+        self.add_callback(_UndoSkippedStep(self))
         if isinstance(self.optimizer, SharpnessAware):
             self.optimizer = self._second_step = SecondStep(self.optimizer)
         elif isinstance(self.optimizer, SecondStep):
@@ -141,8 +138,16 @@ class SAMTrainer(Trainer):
         return loss  # the first pass's, as the Trainer logs it
 
     def _second_pass(self, model: nn.Module, window: list[tuple[dict, object]]) -> None:
-        sam = self.sam
-        sam.first_step(zero_grad=True, cancellable=True)
+        sam, scaler = self.sam, self.accelerator.scaler
+        if scaler is not None:
+            scaler.unscale_(sam)  # the first pass's gradients, unscaled once (recorded for the scaler's update)
+        sam.first_step(cancellable=True)
+        if scaler is not None and not bool(sam.step_statistics.energy.isfinite().all()):  # one synchronisation
+            # the first pass overflowed: no perturbation, no second pass; the gradients stay non-finite, so the
+            # Trainer's scaler skips this step and lowers the scale, as for any overflow
+            sam.cancel_step()
+            return
+        sam.zero_grad()
         with sam.cancel_on_error(), frozen_bn_stats(model):
             for i, (inputs, num_items_in_batch) in enumerate(window):
                 # under DDP only the last backward of the window all-reduces, as in the first pass
@@ -157,3 +162,17 @@ class SAMTrainer(Trainer):
             for name, share in zip(self.sam.block_names, stats["share"].tolist()):
                 logs[f"sam/share/{name}"] = share
         super().log(logs, *args, **kwargs)
+
+
+class _UndoSkippedStep(TrainerCallback):
+    """After ``optimizer.step()``: a loss scaler that found the second gradient non-finite skipped it, so the weights
+    still hold ``w + eps``; undo the perturbation (weights and GEAR EMA), as a skipped step leaves everything as it
+    was."""
+
+    def __init__(self, trainer: SAMTrainer):
+        self.trainer = trainer
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        second_step = self.trainer._second_step
+        if second_step is not None and second_step.sam.perturbed:
+            second_step.sam.cancel_step()
