@@ -6,6 +6,8 @@ trains. Tiny models built from configs, synthetic tokens, nothing downloaded."""
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -164,6 +166,7 @@ def test_logs_carry_rho_and_every_blocks_share(tmp_path):
     for entry in logs:
         shares = [entry[f"sam/share/{name}"] for name in trainer.sam.block_names]
         assert entry["sam/rho"] == 0.05 and sum(shares) == pytest.approx(1.0, abs=1e-6)
+        assert 0.2 < entry["sam/overhead"] < 1  # the perturbation and the second pass: about half of a step
     assert trainer.sam.block_names == ["stem", "transformer.h.0", "transformer.h.1", "classifier"]
 
 
@@ -314,3 +317,9 @@ def test_the_readme_example_runs(tmp_path, monkeypatch):
     layers = [f"transformer.h.{i}" for i in range(4)]
     assert trainer.state.global_step == 20 and trainer.sam.block_names == ["stem", *layers, "classifier"]
     assert any("sam/share/stem" in entry for entry in trainer.state.log_history)
+
+
+def test_importing_the_library_imports_no_trainer_framework():
+    code = "import sys, gearsam_fused; print(sorted({'transformers', 'lightning', 'accelerate'} & set(sys.modules)))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout + done.stderr

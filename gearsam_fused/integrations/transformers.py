@@ -12,13 +12,14 @@ clips the gradient and calls ``optimizer.step()``. :class:`SAMTrainer` keeps tha
 The optimizer is built from ``TrainingArguments`` as the Trainer builds its own (``optim``, learning rate, weight
 decay on the Trainer's decay parameters only) and wrapped in SAM or GEAR-SAM; the Trainer steps it through
 :class:`SecondStep`, whose state dict is the SAM optimizer's, so checkpoints and ``resume_from_checkpoint`` carry the
-GEAR EMA. ``rho`` and each block's share of the radius go into the Trainer's logs (``sam/rho``, ``sam/share/<block>``),
-and so into its reporting integrations.
+GEAR EMA. ``rho``, each block's share of the radius and the share of the step time SAM's own work took go into the
+Trainer's logs (``sam/rho``, ``sam/share/<block>``, ``sam/overhead``), and so into its reporting integrations.
 """
 
 from __future__ import annotations
 
 import contextlib
+import time
 
 import torch
 from torch import nn
@@ -80,6 +81,7 @@ class SAMTrainer(Trainer):
         self.sam_settings = dict(sam=sam, rho=rho, beta=beta, eta=eta, partition=partition, backend=backend)
         self._window: list[tuple[dict, object]] = []  # the micro-batches of the current accumulation window
         self._second_step: SecondStep | None = None  # what the Trainer steps (it may wrap it: accelerate does)
+        self._clock = _StepClock()
         super().__init__(*args, **kwargs)
         self.add_callback(_UndoSkippedStep(self))
         if isinstance(self.optimizer, SharpnessAware):
@@ -130,11 +132,15 @@ class SAMTrainer(Trainer):
                    partition=s["partition"], backend=s["backend"], **extra, **kwargs)  # fmt: skip
 
     def training_step(self, model: nn.Module, inputs: dict, num_items_in_batch=None) -> torch.Tensor:
+        if not self._window:
+            self._clock.mark("start", self.args.device)
         loss = super().training_step(model, inputs, num_items_in_batch)
         self._window.append((inputs, num_items_in_batch))
         if self.accelerator.sync_gradients:  # the window's last micro-batch: the Trainer clips and steps next
             window, self._window = self._window, []
+            self._clock.mark("sam", self.args.device)
             self._second_pass(model, window)
+            self._clock.mark("sam_end", self.args.device)
         return loss  # the first pass's, as the Trainer logs it
 
     def _second_pass(self, model: nn.Module, window: list[tuple[dict, object]]) -> None:
@@ -161,6 +167,9 @@ class SAMTrainer(Trainer):
             logs["sam/rho"] = self.sam.step_statistics.rho
             for name, share in zip(self.sam.block_names, stats["share"].tolist()):
                 logs[f"sam/share/{name}"] = share
+            overhead = self._clock.share("sam", "sam_end")
+            if overhead is not None:
+                logs["sam/overhead"] = overhead
         super().log(logs, *args, **kwargs)
 
 
@@ -176,3 +185,40 @@ class _UndoSkippedStep(TrainerCallback):
         second_step = self.trainer._second_step
         if second_step is not None and second_step.sam.perturbed:
             second_step.sam.cancel_step()
+        self.trainer._clock.mark("end", args.device)
+
+
+class _StepClock:
+    """Marks in each optimizer step ("start", "sam", "sam_end", "end") on the clock of the device doing the work:
+    CUDA events on a GPU (recorded without waiting for the GPU, read at logging time), ``time.perf_counter()``
+    elsewhere."""
+
+    def __init__(self):
+        self.steps: list[dict] = []
+
+    def mark(self, name: str, device: torch.device) -> None:
+        if name == "start":
+            self.steps.append({})
+        if not self.steps:
+            return
+        if device.type == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.steps[-1][name] = event
+        else:
+            self.steps[-1][name] = time.perf_counter()
+
+    def share(self, begin: str, end: str) -> float | None:
+        """Of the time of the steps marked since the last call, the share spent between ``begin`` and ``end`` (None
+        when no step was complete); forgets them."""
+        done = [m for m in self.steps if {"start", begin, end, "end"} <= m.keys()]
+        self.steps = [m for m in self.steps if "end" not in m]
+        total = sum(_seconds(m["start"], m["end"]) for m in done)
+        return sum(_seconds(m[begin], m[end]) for m in done) / total if total > 0 else None
+
+
+def _seconds(a, b) -> float:
+    if isinstance(a, float):
+        return b - a
+    b.synchronize()
+    return a.elapsed_time(b) / 1e3
