@@ -20,17 +20,8 @@ SAM_STEP_FIELDS = {
     "held_bytes",
 }
 
-WHOLE_STEP_FIELDS = {
-    "set",
-    "base",
-    "contender",
-    "parameters",
-    "tensors",
-    "bytes_counted",
-    "gbps",
-    "copy_gbps",
-    "pct_copy",
-}
+# the whole step's rows: per base optimizer instead of per rule, and no memory column
+WHOLE_STEP_FIELDS = (SAM_STEP_FIELDS - {"rule", "held_bytes"}) | {"base"}
 BYTES_PER_PARAM = {"SGD": 40, "AdamW": 48}  # a fused step's floor: energy 4 + perturb 16 + restore-and-update 20 or 28
 
 
