@@ -41,11 +41,16 @@ def _setting(quick: bool) -> dict:
     return {"n_layer": 4, "n_embd": width, "n_head": 4, "vocab": 1000, "batch": 4 if quick else 8, "bf16": False}
 
 
-def _trainer(name: str, setting: dict, steps: int, out: str):
+def _gpt2(setting: dict):
+    """The benchmarked GPT-2, the same weights every time."""
     torch.manual_seed(0)
     config = transformers.GPT2Config(n_layer=setting["n_layer"], n_embd=setting["n_embd"], n_head=setting["n_head"],
                                      vocab_size=setting["vocab"], n_positions=SEQ)  # fmt: skip
-    model = transformers.GPT2LMHeadModel(config)
+    return transformers.GPT2LMHeadModel(config)
+
+
+def _trainer(name: str, setting: dict, steps: int, out: str):
+    model = _gpt2(setting)
     args = transformers.TrainingArguments(
         out, max_steps=steps, per_device_train_batch_size=setting["batch"], gradient_accumulation_steps=2,
         max_grad_norm=1.0, learning_rate=1e-4, optim="adamw_torch", bf16=setting["bf16"], save_strategy="no",
@@ -69,7 +74,7 @@ def test_trainer_step(benchmark, record, quick, tmp_path, contender):
         rounds=2 if quick else 5,
         iterations=1,
     )
-    parameters = sum(p.numel() for p in _trainer(contender, setting, 1, str(tmp_path)).model.parameters())
+    parameters = sum(p.numel() for p in _gpt2(setting).parameters())
     fields = dict(contender=contender, steps=steps, step_ms=benchmark.stats.stats.median * 1e3 / steps,
                   parameters=parameters, micro_batches=2, batch=setting["batch"], seq=SEQ, bf16=setting["bf16"])  # fmt: skip
     benchmark.extra_info.update(fields)
@@ -81,22 +86,19 @@ LIGHTNING = ("LightningModule", "LightningModule + SharpnessAwareMixin gear-sam"
 
 
 def _lightning_fit(name: str, setting: dict, steps: int):
-    """(the fit to time, its module): ``steps`` steps of two micro-batches, AdamW (GEAR-SAM around it with the mixin),
-    clipping at 1.0, on the GPT-2 of :func:`_trainer`."""
+    """The fit to time: ``steps`` steps of two micro-batches, AdamW (GEAR-SAM around it with the mixin), clipping at
+    1.0, on :func:`_gpt2`."""
     import lightning.pytorch as L
 
     from gearsam_fused import GEARSAM
     from gearsam_fused.integrations.lightning import SharpnessAwareMixin
 
-    torch.manual_seed(0)
-    config = transformers.GPT2Config(n_layer=setting["n_layer"], n_embd=setting["n_embd"], n_head=setting["n_head"],
-                                     vocab_size=setting["vocab"], n_positions=SEQ)  # fmt: skip
     sam = name != LIGHTNING[0]
 
     class Module(*((SharpnessAwareMixin,) if sam else ()), L.LightningModule):
         def __init__(self):
             super().__init__()
-            self.net = transformers.GPT2LMHeadModel(config)
+            self.net = _gpt2(setting)
 
         def training_step(self, batch, batch_idx):
             return self.net(**batch).loss
@@ -112,7 +114,7 @@ def _lightning_fit(name: str, setting: dict, steps: int):
                     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                     accelerator=DEVICE, devices=1, precision="bf16-mixed" if setting["bf16"] else "32-true")  # fmt: skip
     module = Module()
-    return (lambda: fit.fit(module, train_dataloaders=loader)), module
+    return lambda: fit.fit(module, train_dataloaders=loader)
 
 
 @pytest.mark.parametrize("contender", LIGHTNING)
@@ -120,11 +122,11 @@ def test_lightning_step(benchmark, record, quick, contender):
     pytest.importorskip("lightning")
     setting = _setting(quick)
     steps = QUICK_STEPS if quick else STEPS
-    _lightning_fit(contender, setting, 2)[0]()  # warm-up
+    _lightning_fit(contender, setting, 2)()  # warm-up
     benchmark.group = f"Lightning step, GPT-2 {setting['n_layer']}x{setting['n_embd']}, {DEVICE}"
-    benchmark.pedantic(lambda fit: fit(), setup=lambda: ((_lightning_fit(contender, setting, steps)[0],), {}),
+    benchmark.pedantic(lambda fit: fit(), setup=lambda: ((_lightning_fit(contender, setting, steps),), {}),
                        rounds=2 if quick else 5, iterations=1)  # fmt: skip
-    parameters = sum(p.numel() for p in _lightning_fit(contender, setting, 1)[1].parameters())
+    parameters = sum(p.numel() for p in _gpt2(setting).parameters())
     fields = dict(contender=contender, steps=steps, step_ms=benchmark.stats.stats.median * 1e3 / steps,
                   parameters=parameters, micro_batches=2, batch=setting["batch"], seq=SEQ, bf16=setting["bf16"])  # fmt: skip
     benchmark.extra_info.update(fields)

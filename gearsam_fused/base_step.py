@@ -69,7 +69,7 @@ class BucketUpdate:
         }  # fmt: skip
 
 
-def _plain(name: str, value):
+def _plain(value):
     """``value`` as a Python number, or None when it is a tensor whose value cannot be read for free (on a device,
     or needing gradients)."""
     if isinstance(value, torch.Tensor):
@@ -162,7 +162,7 @@ class FlatBaseStep:
         hyper = {}
         for name in names:
             value = group[name]
-            value = tuple(_plain(name, v) for v in value) if name == "betas" else _plain(name, value)
+            value = tuple(_plain(v) for v in value) if name == "betas" else _plain(value)
             if value is None or (isinstance(value, tuple) and None in value):
                 return self._decline(
                     f"param group {index}: {name} is a tensor that needs gradients or lives on a device, so the "

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
+import torch.distributed as dist
 
 try:  # torch >= 2.4 has the public module; torch.distributed may also be missing altogether
     from torch.distributed.tensor import DTensor, Shard
@@ -70,8 +71,6 @@ def _sharded_dims(p) -> tuple[int, ...]:
 
 def sum_over(groups: list, values: torch.Tensor) -> torch.Tensor:
     """``values`` summed in place over every group of :func:`reduction_groups` (no host synchronisation)."""
-    import torch.distributed as dist
-
     for group in groups:
         dist.all_reduce(values, op=dist.ReduceOp.SUM, group=group)
     return values
