@@ -242,14 +242,42 @@ def _step_dtype() -> torch.dtype:
     return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
 
 
-def run_step_hooks(optimizer: torch.optim.Optimizer, stage: str) -> None:
-    """Call the step hooks torch would call around ``optimizer.step()`` (``stage`` "pre" or "post"): registered on
-    the optimizer or globally. A fused base step does not call ``step()``, and a user's hook must still run."""
+def run_pre_hooks(optimizer: torch.optim.Optimizer) -> tuple[tuple, dict]:
+    """Call the hooks torch calls before ``optimizer.step()`` (the global ones, then the optimizer's), as torch calls
+    them: with the step's ``(args, kwargs)``, which a hook may replace by returning a new pair; any other return but
+    None is an error. Returns the pair the step is to run with. A fused base step does not call ``step()``, and a
+    user's hook must still run."""
     from torch.optim import optimizer as module
 
-    if stage == "pre":
-        hooks = chain(module._global_optimizer_pre_hooks.values(), optimizer._optimizer_step_pre_hooks.values())
-    else:
-        hooks = chain(optimizer._optimizer_step_post_hooks.values(), module._global_optimizer_post_hooks.values())
-    for hook in hooks:
-        hook(optimizer, (optimizer,), {})
+    args, kwargs = (optimizer,), {}
+    for hook in chain(module._global_optimizer_pre_hooks.values(), optimizer._optimizer_step_pre_hooks.values()):
+        result = hook(optimizer, args, kwargs)
+        if result is None:
+            continue
+        if not (isinstance(result, tuple) and len(result) == 2):
+            raise RuntimeError(
+                f"optimizer step pre-hook {hook!r} must return None or a tuple of (new_args, new_kwargs), got {result!r}"
+            )
+        args, kwargs = result
+    return args, kwargs
+
+
+def step_closure(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict):
+    """The closure of ``step(closure=None)`` called with ``args`` and ``kwargs`` (None when there is none), refused
+    as that call would refuse them."""
+    extra = list(args[1:])
+    if len(extra) > 1 or set(kwargs) - {"closure"} or (extra and "closure" in kwargs):
+        raise TypeError(
+            f"{type(optimizer).__name__}.step() takes only a closure; a step pre-hook passed it the arguments "
+            f"{tuple(extra)!r} and {kwargs!r}"
+        )
+    return extra[0] if extra else kwargs.get("closure")
+
+
+def run_post_hooks(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+    """Call the hooks torch calls after ``optimizer.step()`` (the optimizer's, then the global ones) with the step's
+    ``(args, kwargs)``."""
+    from torch.optim import optimizer as module
+
+    for hook in chain(optimizer._optimizer_step_post_hooks.values(), module._global_optimizer_post_hooks.values()):
+        hook(optimizer, args, kwargs)

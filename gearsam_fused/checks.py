@@ -40,3 +40,19 @@ def check_dense_grad(grad: torch.Tensor | None, what: str) -> torch.Tensor | Non
             "(sparse=False)"
         )
     return grad
+
+
+#: The dtypes a trainable parameter may have: the step computes in float32 (float64 for float64) and stores back.
+PARAM_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
+
+def check_param_dtype(p: torch.Tensor, what: str) -> None:
+    """Refuse a trainable parameter whose dtype the SAM step cannot update exactly; ``what`` names it. Complex
+    parameters would need norms of ``|g|`` and ASAM's ``|w|`` taken on the complex values, and float8 ones a scaling
+    recipe of their own; frozen parameters of any dtype are left alone, as torch's optimizers leave them."""
+    if not p.requires_grad or p.dtype in PARAM_DTYPES:
+        return
+    dtype = str(p.dtype).removeprefix("torch.")
+    hint = " (keep it as a real tensor of twice the size, e.g. torch.view_as_real)" if p.is_complex() else ""
+    supported = ", ".join(str(d).removeprefix("torch.") for d in PARAM_DTYPES)
+    raise TypeError(f"parameter {what} is {dtype}: SAM and GEAR-SAM update {supported} parameters{hint}")

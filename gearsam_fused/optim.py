@@ -25,15 +25,17 @@ from torch import nn
 
 from .allocation import GEAR_RULE, SAM_RULE
 from .backends import make_backend, resolve_backend_name
-from .base_step import BASE_STEPS, FUSED, PER_TENSOR, FlatBaseStep, run_step_hooks
-from .checks import check_real
-from .partition import Block, unwrap
+from .base_step import BASE_STEPS, FUSED, PER_TENSOR, FlatBaseStep, run_post_hooks, run_pre_hooks, step_closure
+from .checks import PARAM_DTYPES, check_param_dtype, check_real
+from .partition import Block, parameter_names
 from .partition import partition as make_partition
 from .sharding import is_sharded, reduction_groups, sum_over
 
 _STATE_KEY = "gearsam"
 # The state-dict tag of checkpoints saved before it was the rule: the class name.
 _LEGACY_TAGS = {"SAM": SAM_RULE, "GEARSAM": GEAR_RULE}
+# Param-group keys a plain state dict may lack: ours, and flags torch's optimizers default when loading older states.
+_OPTIONAL_GROUP_KEYS = {"rho", "foreach", "maximize", "capturable", "differentiable", "fused", "decoupled_weight_decay"}
 
 
 class StepStatistics(NamedTuple):
@@ -85,9 +87,14 @@ class SharpnessAware(torch.optim.Optimizer):
             raise TypeError(f"adaptive must be a bool, got {adaptive!r}")
         self.adaptive = adaptive
         if isinstance(base_optimizer, torch.optim.Optimizer) or not callable(base_optimizer):
+            got = (
+                f"an instance of {type(base_optimizer).__name__}"
+                if isinstance(base_optimizer, torch.optim.Optimizer)
+                else repr(base_optimizer)
+            )
             raise TypeError(
                 "base_optimizer must be an optimizer class (or factory) such as torch.optim.SGD, called as "
-                f"base_optimizer(param_groups, **kwargs); got {base_optimizer!r}"
+                f"base_optimizer(param_groups, **kwargs); got {got}"
             )
         if _is_zero(base_optimizer):
             raise ValueError(
@@ -104,6 +111,11 @@ class SharpnessAware(torch.optim.Optimizer):
         elif model is not None and not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
 
+        # Checked before torch reads the groups: it only warns of a parameter listed twice in one group (two flat slots
+        # for one tensor would corrupt both) and names none listed in two groups.
+        params = _param_group_list(params)
+        label = _labeller(params, model)
+        _check_parameters(params, label)
         super().__init__(params, dict(rho=rho, **base_kwargs))
         self.base_optimizer = base_optimizer(self.param_groups, **base_kwargs)
         self.param_groups = self.base_optimizer.param_groups
@@ -112,12 +124,6 @@ class SharpnessAware(torch.optim.Optimizer):
         self.defaults = {**self.base_optimizer.defaults, "rho": rho}
 
         optimized = [p for group in self.param_groups for p in group["params"]]
-        label = _labeller(self.param_groups, model)
-        seen: set[int] = set()
-        for p in optimized:
-            if id(p) in seen:  # torch.optim only warns; two flat slots for one tensor would corrupt both
-                raise ValueError(f"parameter {label(p)} is passed twice")
-            seen.add(id(p))
         self.blocks: list[Block] = self._blocks(model, partition, optimized, label)
         if self.rule == GEAR_RULE and len(self.blocks) == 1 and isinstance(partition, str) and partition != "global":
             warnings.warn(
@@ -147,6 +153,7 @@ class SharpnessAware(torch.optim.Optimizer):
         self._radius = zeros.clone()
         self._last_rho = float(rho)
         self._undo: tuple | None = None  # allocation state of before a cancellable first_step
+        self._cleared: list | None = None  # the gradients as zero_grad() left them after first_step (_grad_marks)
 
     def _make_flat_step(self) -> tuple[FlatBaseStep | None, str]:
         """The fused base step over the backend's buckets, or None and why not (an error if it was asked for)."""
@@ -176,6 +183,11 @@ class SharpnessAware(torch.optim.Optimizer):
             foreign_to_model = [p for p in trainable if id(p) not in in_model]
             optimized = [p for p in optimized if id(p) in in_model]
         blocks = make_partition(model, strategy, params=optimized) if any(p.requires_grad for p in optimized) else []
+        if model is None:  # no module names: a parameter is named by its place in the param groups, as in every message
+            for block in blocks:
+                block.param_names = [label(p, shape=False) for p in block.params]
+                if strategy == "tensor":
+                    block.name = block.param_names[0]
         owned = {id(p) for p in optimized}
         for block in blocks:
             foreign = [n for n, p in zip(block.param_names, block.params) if id(p) not in owned]
@@ -266,6 +278,7 @@ class SharpnessAware(torch.optim.Optimizer):
         self._backend.perturb_(scale, self.adaptive, self.eta)
         self._energy, self._radius, self._last_rho = energy, radius, rho
         self._undo = undo
+        self._cleared = None
         if zero_grad:
             self.zero_grad()
 
@@ -275,6 +288,13 @@ class SharpnessAware(torch.optim.Optimizer):
         the flat buffers where the base step is fused (see :attr:`base_step_mode`), else by its own ``step()``."""
         if not self.perturbed:
             raise RuntimeError("second_step() called without a preceding first_step()")
+        if self._no_second_gradient():
+            kept = self._abandon_step()
+            raise RuntimeError(
+                "second_step() found no gradient computed at w + eps: after first_step(), run the second forward and "
+                f"backward before second_step(); the weights were restored to w and no step was taken{kept}"
+            )
+        self._cleared = None
         updates = self._flat_step.plan() if self._flat_step is not None else None
         if updates is None and self.base_step == FUSED:
             self._backend.restore_()  # w, not w + eps, stays in the model
@@ -283,16 +303,61 @@ class SharpnessAware(torch.optim.Optimizer):
             self._backend.restore_()
             self.base_optimizer.step()
         else:
-            run_step_hooks(self.base_optimizer, "pre")
-            self._backend.restore_and_update_(updates)
-            self._flat_step.finish(updates)
-            self.base_optimizer._opt_called = True  # as its step() would have: a scheduler may be attached to it
-            run_step_hooks(self.base_optimizer, "post")
+            self._fused_base_step(updates)
         self._last_base_step = PER_TENSOR if updates is None else FUSED
         self._undo = None
         self._opt_called = True  # tells torch LR schedulers that an optimizer step happened
         if zero_grad:
             self.zero_grad()
+
+    def _fused_base_step(self, updates: list) -> None:
+        """Restore and update over the flat buffers, between the base optimizer's step hooks as its ``step()`` would
+        run them (a pre-hook may hand the step a closure, which runs first, as in torch's step)."""
+        try:
+            args, kwargs = run_pre_hooks(self.base_optimizer)
+            closure = step_closure(self.base_optimizer, args, kwargs)
+            if closure is not None:
+                with torch.enable_grad():
+                    closure()
+                updates = self._flat_step.plan()  # the closure may have changed the gradients
+                if updates is None:
+                    raise RuntimeError(
+                        f"the base step cannot run after a step pre-hook's closure: {self._flat_step.reason}"
+                    )
+        except BaseException:
+            self._backend.restore_()  # w, not w + eps, stays in the model, as when torch's own step() fails
+            raise
+        self._backend.restore_and_update_(updates)
+        self._flat_step.finish(updates)
+        self.base_optimizer._opt_called = True  # as its step() would have: a scheduler may be attached to it
+        run_post_hooks(self.base_optimizer, args, kwargs)
+
+    def _grad_marks(self) -> list[tuple[torch.Tensor, int]]:
+        """(gradient, version) of every gradient that exists: ``backward`` makes a new tensor where there was none and
+        bumps the version of one it accumulates into (a flat buffer's views share one counter)."""
+        return [(p.grad, p.grad._version) for block in self.blocks for p in block.params if p.grad is not None]
+
+    def _no_second_gradient(self) -> bool:
+        """Whether no gradient exists, or none changed since :meth:`zero_grad` cleared them after ``first_step``. O(1)
+        after ``zero_grad(set_to_none=True)``, the usual case: the first gradient found ends the search."""
+        params = (p for block in self.blocks for p in block.params)
+        if not self._cleared:
+            return all(p.grad is None for p in params)
+        current = self._grad_marks()
+        return len(current) == len(self._cleared) and all(
+            g is h and v == w for (g, v), (h, w) in zip(current, self._cleared)
+        )
+
+    def _abandon_step(self) -> str:
+        """Put ``w`` back, and the allocation state too where the step kept it; says what was not undone."""
+        self._cleared = None
+        if self._undo is not None:
+            self.cancel_step()
+            return ""
+        self._backend.restore_()
+        if self.rule != GEAR_RULE:
+            return ""
+        return " (GEAR-SAM's EMA keeps this step's energies: first_step(cancellable=True) would undo them too)"
 
     @torch.no_grad()
     def cancel_step(self) -> None:
@@ -382,6 +447,8 @@ class SharpnessAware(torch.optim.Optimizer):
             super().zero_grad(set_to_none=True)
         else:
             self._backend.zero_grad_()
+        if self.perturbed:  # second_step checks that a backward came after this
+            self._cleared = self._grad_marks()
 
     def memory_overhead(self) -> dict[str, int]:
         """Bytes the backend holds beyond the parameters and their gradients: ``backup`` (the saved weights),
@@ -451,9 +518,8 @@ class SharpnessAware(torch.optim.Optimizer):
             raise RuntimeError("load_state_dict() between first_step() and second_step(): the weights hold w + eps")
         state_dict, ours = _split_state(state_dict)
         if ours is None:
-            raise ValueError(
-                f"state dict has no {_STATE_KEY!r} entry: it was not saved by {type(self).__name__}.state_dict()"
-            )
+            self._load_plain_state_dict(state_dict)
+            return
         rule = _LEGACY_TAGS.get(ours["rule"], ours["rule"])
         if rule != self.rule:
             saver = {r: cls.__name__ for r, cls in OPTIMIZERS.items()}.get(rule, repr(rule))
@@ -480,6 +546,38 @@ class SharpnessAware(torch.optim.Optimizer):
             getattr(self, "_" + name).copy_(ours[name])
         self._last_rho = float(ours["last_rho"])
         self._undo = None
+
+    def _load_plain_state_dict(self, state_dict: dict) -> None:
+        """Take over the state of a plain torch optimizer (a run switched to SAM from its checkpoint): the base
+        optimizer's state and hyperparameters load as into the base optimizer itself; every group keeps its current
+        ``rho``, and the allocation state (GEAR-SAM's EMA, the last energies and radii) starts at zero, as at
+        construction."""
+        expected = self.base_optimizer.defaults.keys() - _OPTIONAL_GROUP_KEYS
+        for g, group in enumerate(state_dict.get("param_groups", [])):
+            missing = sorted(expected - group.keys())
+            if missing:
+                raise ValueError(
+                    f"state dict param group {g} lacks {missing}: it was not saved by "
+                    f"{type(self.base_optimizer).__name__}, the base optimizer of this {type(self).__name__}"
+                )
+        rhos = [group["rho"] for group in self.param_groups]
+        self.base_optimizer.load_state_dict(state_dict)
+        self.param_groups = self.base_optimizer.param_groups
+        self.state = self.base_optimizer.state
+        for group, rho in zip(self.param_groups, rhos):
+            group.setdefault("rho", rho)
+        for tensor in (self._ema, self._energy, self._radius):
+            tensor.zero_()
+        self._last_rho = float(rhos[0])
+        self._undo = None
+        if self.rule == GEAR_RULE:
+            warnings.warn(
+                f"loaded a state dict without a {_STATE_KEY!r} entry (saved by a plain "
+                f"{type(self.base_optimizer).__name__}?): the base optimizer's state is taken over, and GEAR-SAM's EMA "
+                "of block energies starts at zero, as in a new optimizer",
+                UserWarning,
+                stacklevel=3,
+            )
 
 
 def _split_state(state_dict: dict) -> tuple[dict, dict | None]:
@@ -518,13 +616,49 @@ def _is_zero(factory) -> bool:
     return isinstance(factory, type) and issubclass(factory, ZeroRedundancyOptimizer)
 
 
+def _param_group_list(params) -> list[dict]:
+    """``params`` as ``torch.optim.Optimizer`` reads it (tensors, ``(name, tensor)`` pairs or group dicts), as a list
+    of group dicts with their ``"params"`` in lists: read once, so that a generator can be checked before torch reads
+    it."""
+    if isinstance(params, torch.Tensor):
+        raise TypeError("params must be an iterable of tensors or param-group dicts, got a single tensor")
+    params = list(params)
+    if not params:
+        return params  # torch's own error says so
+    if not isinstance(params[0], dict):
+        return [{"params": params}]
+    for group in params:  # in the caller's dicts, as torch.optim does: a group may be passed again
+        members = group.get("params", [])
+        group["params"] = [members] if isinstance(members, torch.Tensor) else list(members)
+    return params
+
+
+def _group_tensors(group: dict) -> list[torch.Tensor]:
+    return [p[1] if isinstance(p, tuple) else p for p in group["params"]]
+
+
+def _check_parameters(param_groups: list[dict], label) -> None:
+    """Every parameter listed once, in one group, and of a dtype the step updates exactly; errors name it."""
+    seen: set[int] = set()
+    for group in param_groups:
+        for p in _group_tensors(group):
+            if not isinstance(p, torch.Tensor):
+                continue  # torch's own check names what it got
+            if id(p) in seen:
+                raise ValueError(f"parameter {label(p)} is passed twice (in one param group or in two)")
+            seen.add(id(p))
+            if p.requires_grad and p.dtype not in PARAM_DTYPES:  # labelled only then: a label costs a string
+                check_param_dtype(p, label(p))
+
+
 def _labeller(param_groups: list[dict], model: nn.Module | None) -> Callable[..., str]:
-    """``label(p)``: how error messages name an optimized parameter: its name in ``model``, else its place in the
-    param groups (with a hint to pass ``model=``); with its shape unless ``shape=False``."""
-    names = {id(p): n for n, p in unwrap(model).named_parameters()} if model is not None else {}
+    """``label(p)``: how every message names an optimized parameter: its name in ``model``, else its place in the
+    param groups (with a hint to pass ``model=``); with its shape unless ``shape=False``. A parameter listed twice is
+    named by its first place."""
+    names = parameter_names(model)
     places = {}
     for g, group in enumerate(param_groups):
-        for i, p in enumerate(group["params"]):
+        for i, p in enumerate(_group_tensors(group)):
             places.setdefault(id(p), f"param_groups[{g}]['params'][{i}]")
 
     def label(p: torch.Tensor, shape: bool = True) -> str:

@@ -14,37 +14,53 @@ mapping       ``{block name: [parameters]}``, taken as given.
 
 How ``"coarse"`` reads a model it has never seen
 ------------------------------------------------
-A child module is *shallow* when all its parameters sit on it or on its direct children (a Linear, a
-conv+BN pair, a PatchEmbed); otherwise it is *deep* (a residual stage, a transformer block). Walking the root's
-children in registration order:
+A module's *height* is 1 when no child of it holds parameters, else 1 + the largest height among its children that
+do (a Linear, a norm: 1; a conv+BN pair, a residual unit of plain layers: 2; a stage of such units, a transformer
+block: 3; a stack of transformer blocks: 4). At *level* L, a child of height L or more is a *unit*, one of smaller
+height a *layer*. Walking the root's children that hold parameters, in registration order:
 
-1. while exactly one deep child exists, it holds more than half the parameters and it has a deep child of its own,
-   it is a wrapper: replace it by its own children (a ``Wrapper(model=ResNet)``, a ViT's ``blocks`` list,
-   EfficientNet's ``features``); a unit (a residual unit, a transformer layer) is never opened, even when alone;
-2. every deep child becomes a block, named by its dotted path;
-3. maximal runs of consecutive shallow children merge into one block: the leading run is ``"stem"``, the trailing
-   run ``"classifier"``, a run in the middle is named by its members joined with ``"+"``, and a model with no deep
-   child at all is the single block ``"model"``;
-4. parameters registered directly on an expanded module (a ViT's ``cls_token``) join the run in front of them, or
-   the first block when nothing shallow precedes it.
+1. while exactly one unit exists, it holds more than half the parameters and it has a unit child of its own, it is a
+   wrapper: replace it by its own children (a ``Wrapper(model=ResNet)``, a ViT's ``blocks`` list, EfficientNet's
+   ``features``); a unit with no unit child (a residual unit, a transformer layer at level 3) is never opened;
+2. every unit becomes a block, named by its dotted path;
+3. maximal runs of consecutive layers merge into one block: the leading run is ``"stem"``, the trailing run
+   ``"classifier"``, a run in the middle is named by its members joined with ``"+"``;
+4. parameters registered directly on the root or an expanded module (a ViT's ``cls_token``) count as a layer and
+   join the run of layers next to them; with none there, they join the unit after them (the last block at the end).
 
-``"fine"`` then splits every coarse block that is a stage (a container whose parametered children are all
-containers: residual units, transformer blocks) into one block per unit, so ``layer1`` becomes
-``layer1.0, layer1.1`` while a BasicBlock or a transformer block, which holds layers directly, stays whole.
+The rule runs at level 3; only where that gives a single block, at level 2, and only where that does too, at level 1.
+Level 3 finds the stages of residual and transformer networks; level 2 the stages of a network of plain layers (a
+CNN's ``Sequential(conv, act, conv)`` stages, VGG's ``features`` and ``classifier``); level 1, where every layer is a
+unit, each layer of an MLP. At level 1 a layer whose parameters are all vectors (a norm, a learned scale) joins the
+block of the layer before it, or of the one after it when none precedes it, and that block is named by its members
+joined with ``"+"``. A model that no level splits (one Linear, a Linear and its norm) is the single block ``"model"``.
+
+``"fine"`` then splits every coarse block that is a stage into one block per unit of it, named by their paths: a
+stage is a module with no parameter of its own and several children holding parameters; at level 3 these must all be
+containers (residual units, transformer blocks), so ``layer1`` becomes ``layer1.0, layer1.1`` while a BasicBlock or a
+transformer block, which holds layers directly, stays whole; at levels 2 and 1 they are its layers, vector layers
+joining the layer before them as in level 1 (``layer1`` of ``Sequential(conv, BN, act, conv)`` becomes
+``layer1.0+layer1.1, layer1.3``).
 
 Both read the structure of the full model, every parameter counted whether trainable or not, and only then drop frozen
 parameters and the blocks left empty: freezing part of a model never merges or renames the blocks of the rest.
+
+Wrappers that add no structure of their own are looked through, at the root and anywhere inside the model
+(:func:`unwrap`): blocks and parameter names are those of the bare model. A parameter reachable under several names
+(a tied weight) is named by its first, as ``named_parameters()`` names it, and belongs to the first block reaching it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 from torch import nn
 
 STRATEGIES = ("coarse", "fine", "tensor", "global")
+_LEVELS = (3, 2, 1)  # the coarse rule's levels, tried in this order
 
 
 @dataclass
@@ -74,23 +90,84 @@ def _trainable(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
     return out
 
 
+def unwrap(model: nn.Module | None) -> nn.Module | None:
+    """The network inside wrappers that add a level to the module tree but no structure of their own:
+    ``DistributedDataParallel``, ``DataParallel``, ``torch.compile``'s ``OptimizedModule``, Lightning Fabric's
+    module and the activation-checkpointing wrapper. Block and parameter names are the same with or without them, so
+    states saved either way load either way. (``fully_shard``, FSDP2, shards in place and needs no unwrapping.)"""
+    while True:
+        if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+            model = model.module
+        elif isinstance(getattr(model, "_orig_mod", None), nn.Module):  # torch.compile's OptimizedModule
+            model = model._orig_mod
+        elif isinstance(getattr(model, "_original_module", None), nn.Module) and hasattr(model, "_forward_module"):
+            model = model._original_module  # lightning's _FabricModule; its _forward_module may be DDP around it
+        elif isinstance(getattr(model, "_checkpoint_wrapped_module", None), nn.Module):
+            model = model._checkpoint_wrapped_module  # torch.distributed's checkpoint_wrapper / offload_wrapper
+        else:
+            return model
+
+
 # The structural helpers below ignore requires_grad: blocks follow the architecture, not what happens to be frozen.
 def _has_params(module: nn.Module) -> bool:
     return next(module.parameters(), None) is not None
 
 
-def _is_deep(module: nn.Module) -> bool:
-    """True when some parameter lies two or more module levels below ``module``."""
-    return any(any(_has_params(grandchild) for grandchild in child.children()) for child in module.children())
+def _children(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The children holding parameters, each seen through its wrappers (a compiled or checkpointed layer)."""
+    return [(name, unwrap(child)) for name, child in module.named_children() if _has_params(child)]
+
+
+def _height(module: nn.Module) -> int:
+    return 1 + max((_height(child) for _, child in _children(module)), default=0)
 
 
 def _numel(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
-# A member of the sequence being segmented: (dotted name, module or None, deep?, [(name, param)] when the member
-# stands for parameters registered directly on a module)
-_Member = tuple[str, "nn.Module | None", bool, list]
+def _named_parameters(module: nn.Module, prefix: str = "") -> list[tuple[str, torch.Tensor]]:
+    """``module.named_parameters(prefix)`` with wrappers looked through: each parameter once, under its first name."""
+    seen: set[int] = set()
+    out: list[tuple[str, torch.Tensor]] = []
+
+    def walk(m: nn.Module, at: str) -> None:
+        for name, p in m.named_parameters(recurse=False):
+            if id(p) not in seen:
+                seen.add(id(p))
+                out.append((at + name, p))
+        for name, child in _children(m):
+            walk(child, f"{at}{name}.")
+
+    walk(module, prefix)
+    return out
+
+
+class _Member(NamedTuple):
+    """A member of the sequence being segmented: a child holding parameters, or the parameters registered directly on
+    a module (``module`` None, ``height`` 0: never a unit)."""
+
+    name: str
+    module: nn.Module | None
+    height: int
+    direct: list[tuple[str, torch.Tensor]]
+
+    def numel(self) -> int:
+        return _numel(self.module) if self.module is not None else sum(p.numel() for _, p in self.direct)
+
+    def named_params(self) -> list[tuple[str, torch.Tensor]]:
+        return self.direct if self.module is None else _named_parameters(self.module, self.name + ".")
+
+    def is_vector_layer(self) -> bool:
+        """A layer whose parameters are all vectors (a norm, a learned scale): it belongs with a neighbouring layer."""
+        return self.height == 1 and all(p.dim() <= 1 for p in self.module.parameters())
+
+
+class _Group(NamedTuple):
+    """A block before its parameters are gathered: its name and the members it covers."""
+
+    name: str
+    members: list[_Member]
 
 
 def _members(prefix: str, module: nn.Module) -> list[_Member]:
@@ -98,83 +175,105 @@ def _members(prefix: str, module: nn.Module) -> list[_Member]:
     members: list[_Member] = []
     direct = [(prefix + n, p) for n, p in module.named_parameters(recurse=False)]
     if direct:
-        members.append((prefix, None, False, direct))
-    for name, child in module.named_children():
-        if _has_params(child):
-            members.append((prefix + name, child, _is_deep(child), []))
+        members.append(_Member(prefix, None, 0, direct))
+    for name, child in _children(module):
+        members.append(_Member(prefix + name, child, _height(child), []))
     return members
 
 
-def _expand_wrappers(members: list[_Member]) -> list[_Member]:
-    """Replace a lone deep member that holds most of the parameters by its own members, repeatedly; a unit (no deep
-    child) stays whole, else a one-layer transformer or a one-unit stage would dissolve into its layers."""
+def _expand_wrappers(members: list[_Member], level: int) -> list[_Member]:
+    """Step 1 of the coarse rule: replace a lone unit that holds most of the parameters by its own members, repeatedly;
+    a unit with no unit child stays whole, else a one-layer transformer or a one-unit stage would dissolve into its
+    layers."""
     while True:
-        deep = [i for i, m in enumerate(members) if m[2]]
-        if len(deep) != 1:
+        units = [i for i, m in enumerate(members) if m.height >= level]
+        if len(units) != 1:
             return members
-        i = deep[0]
-        name, module, _, _ = members[i]
-        total = sum(_numel(m[1]) if m[1] is not None else sum(p.numel() for _, p in m[3]) for m in members)
-        inner = _members(name + ".", module)
-        if 2 * _numel(module) <= total or not any(m[2] for m in inner):
+        i = units[0]
+        unit = members[i]
+        inner = _members(unit.name + ".", unit.module)
+        if 2 * unit.numel() <= sum(m.numel() for m in members) or not any(m.height >= level for m in inner):
             return members
         members = members[:i] + inner + members[i + 1 :]
 
 
-def _named_params(member: _Member) -> list[tuple[str, torch.Tensor]]:
-    name, module, _, direct = member
-    if module is None:
-        return direct
-    return [(f"{name}.{n}", p) for n, p in module.named_parameters()]
-
-
-def _segment(members: list[_Member]) -> list[Block]:
-    """Steps 2-4 of the coarse rule over an ordered member list."""
-    groups: list[tuple[list[_Member], bool]] = []  # (members, is_deep)
+def _runs(members: list[_Member], level: int) -> list[tuple[list[_Member], bool]]:
+    """The members cut into (members, is a unit) runs: one per unit, one per maximal run of layers; at level 1 a vector
+    layer joins the unit before it, or a unit joins the vector layers before it."""
+    runs: list[tuple[list[_Member], bool]] = []
     for m in members:
-        if m[2]:
-            groups.append(([m], True))
-        elif groups and not groups[-1][1]:
-            groups[-1][0].append(m)
+        unit = m.height >= level
+        last = runs[-1] if runs else None
+        if unit and level == 1 and last is not None and last[1]:
+            if m.is_vector_layer() or all(x.is_vector_layer() for x in last[0]):
+                last[0].append(m)
+                continue
+        if not unit and last is not None and not last[1]:
+            last[0].append(m)
         else:
-            groups.append(([m], False))
+            runs.append(([m], unit))
 
-    # A run made only of direct parameters joins the block after it (the nearest real block).
+    # A run made only of direct parameters joins the run after it (the nearest real block), or the last one.
     merged: list[tuple[list[_Member], bool]] = []
     pending: list[_Member] = []
-    for group, deep in groups:
-        if not deep and all(m[1] is None for m in group):
-            pending.extend(group)
+    for run, unit in runs:
+        if not unit and all(m.module is None for m in run):
+            pending.extend(run)
             continue
-        merged.append((pending + group, deep))
+        merged.append((pending + run, unit))
         pending = []
     if pending:
         if merged:
             merged[-1][0].extend(pending)
         else:
             merged.append((pending, False))
+    return merged
 
-    has_deep = any(deep for _, deep in merged)
-    blocks = []
-    seen: set[int] = set()  # a tied weight goes to the first block that reaches it
-    for k, (group, deep) in enumerate(merged):
-        if not has_deep:
-            name = "model"
-        elif deep:
-            name = next(m[0] for m in group if m[1] is not None)
+
+def _joined(members: list[_Member]) -> str:
+    return "+".join(m.name for m in members if m.module is not None)
+
+
+def _segment(members: list[_Member], level: int) -> list[_Group]:
+    """Steps 2-4 of the coarse rule over an ordered member list: the named groups."""
+    runs = _runs(members, level)
+    groups = []
+    for k, (run, unit) in enumerate(runs):
+        if unit:
+            name = _joined(run)
         elif k == 0:
             name = "stem"
-        elif k == len(merged) - 1:
+        elif k == len(runs) - 1:
             name = "classifier"
         else:
-            name = "+".join(m[0] for m in group if m[1] is not None)
-        block = Block(name)
-        for m in group:
-            for pname, p in _named_params(m):
+            name = _joined(run)
+        groups.append(_Group(name, run))
+    return groups
+
+
+def _coarse_groups(model: nn.Module) -> tuple[int, list[_Group]]:
+    """The coarse groups and the level that gave them: the first of ``_LEVELS`` that gives more than one block (a group
+    can be left empty by weights tied to an earlier one)."""
+    top = _members("", model)
+    for level in _LEVELS:
+        groups = _segment(_expand_wrappers(top, level), level)
+        if len(_blocks(groups)) > 1:
+            return level, groups
+    return _LEVELS[-1], [_Group("model", top)]
+
+
+def _blocks(groups: list[_Group]) -> list[Block]:
+    """The groups' parameters gathered; a tied weight goes to the first group that reaches it."""
+    blocks = []
+    seen: set[int] = set()
+    for group in groups:
+        block = Block(group.name)
+        for member in group.members:
+            for name, p in member.named_params():
                 if id(p) not in seen:
                     seen.add(id(p))
                     block.params.append(p)
-                    block.param_names.append(pname)
+                    block.param_names.append(name)
         if block.params:
             blocks.append(block)
     return blocks
@@ -190,49 +289,40 @@ def _trainable_part(blocks: list[Block]) -> list[Block]:
     return out
 
 
-def _coarse_all(model: nn.Module) -> list[Block]:
-    return _segment(_expand_wrappers(_members("", model)))
-
-
 def _coarse(model: nn.Module) -> list[Block]:
-    return _trainable_part(_coarse_all(model))
+    return _trainable_part(_blocks(_coarse_groups(model)[1]))
 
 
-def _is_unit_sequence(module: nn.Module) -> bool:
-    """True for a stage: no parameter of its own, and every child holding parameters is itself a container
-    (a residual unit, a transformer block) rather than a layer such as a Linear or a norm."""
-    children = [c for c in module.children() if _has_params(c)]
-    return (
-        len(children) > 1
-        and next(module.parameters(recurse=False), None) is None
-        and all(any(_has_params(g) for g in c.children()) for c in children)
-    )
+def _stage_units(member: _Member, level: int) -> list[list[_Member]] | None:
+    """The units of ``member`` when it is a stage (see the module docstring), else None."""
+    if member.module is None or next(member.module.parameters(recurse=False), None) is not None:
+        return None
+    children = _members(member.name + ".", member.module)
+    if len(children) < 2 or any(c.height < level - 1 for c in children):
+        return None
+    units = [run for run, _ in _runs(children, 1)]  # at level 1 every child is a unit; vector layers join theirs
+    return units if len(units) > 1 else None
 
 
 def _fine(model: nn.Module) -> list[Block]:
-    modules = dict(model.named_modules())
-    blocks: list[Block] = []
-    for block in _coarse_all(model):
-        module = modules.get(block.name)
-        if module is None or not _is_unit_sequence(module):
-            blocks.append(block)
+    level, coarse = _coarse_groups(model)
+    groups: list[_Group] = []
+    for group in coarse:
+        modules = [i for i, m in enumerate(group.members) if m.module is not None]
+        units = _stage_units(group.members[modules[0]], level) if len(modules) == 1 else None
+        if units is None:
+            groups.append(group)
             continue
-        owned = {id(p) for p in block.params}
-        for child_name, child in module.named_children():
-            unit = Block(f"{block.name}.{child_name}")
-            for n, p in child.named_parameters():
-                if id(p) in owned:
-                    owned.discard(id(p))
-                    unit.params.append(p)
-                    unit.param_names.append(f"{unit.name}.{n}")
-            if unit.params:
-                blocks.append(unit)
-    return _trainable_part(blocks)
+        # direct parameters that joined the stage stay next to it: before its first unit, or after its last
+        units[0] = group.members[: modules[0]] + units[0]
+        units[-1] = units[-1] + group.members[modules[0] + 1 :]
+        groups += [_Group(_joined(unit), unit) for unit in units]
+    return _trainable_part(_blocks(groups))
 
 
 def _by_callable(model: nn.Module, fn: Callable[[str, torch.Tensor], str]) -> list[Block]:
     blocks: dict[str, Block] = {}
-    for name, p in model.named_parameters():
+    for name, p in _named_parameters(model):
         if not p.requires_grad:
             continue
         key = fn(name, p)
@@ -246,14 +336,16 @@ def _by_callable(model: nn.Module, fn: Callable[[str, torch.Tensor], str]) -> li
     return list(blocks.values())
 
 
-def _param_names(model: nn.Module | None) -> dict[int, str]:
+def parameter_names(model: nn.Module | None) -> dict[int, str]:
+    """``{id(p): name}`` for every parameter of ``model`` (none without one), wrappers looked through and a tied weight
+    under its first name: how the partition, and every message of the optimizers, name a parameter."""
     if model is None:
         return {}
-    return {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+    return {id(p): n for n, p in _named_parameters(unwrap(model))}  # a tied weight under its first name
 
 
 def _by_mapping(mapping: Mapping[str, Iterable[torch.Tensor]], model: nn.Module | None) -> list[Block]:
-    names = _param_names(model)
+    names = parameter_names(model)
     blocks = []
     for key, params in mapping.items():
         if isinstance(params, torch.Tensor):
@@ -269,24 +361,13 @@ def _by_mapping(mapping: Mapping[str, Iterable[torch.Tensor]], model: nn.Module 
     return blocks  # disjointness is checked by _validate, like every other strategy's result
 
 
-def unwrap(model: nn.Module | None) -> nn.Module | None:
-    """The network inside ``torch.compile``, ``DistributedDataParallel`` and ``DataParallel`` wrappers: block and
-    parameter names are the same with or without them, so states saved either way load either way."""
-    while True:
-        if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
-            model = model.module
-        elif isinstance(getattr(model, "_orig_mod", None), nn.Module):  # torch.compile's OptimizedModule
-            model = model._orig_mod
-        else:
-            return model
-
-
 def partition(model: nn.Module | None, strategy="coarse", params: Iterable[torch.Tensor] | None = None) -> list[Block]:
     """Split the trainable parameters of ``model`` (or of ``params``) into ordered, disjoint blocks.
 
     Args:
         model: the network; needed by ``"coarse"``, ``"fine"`` and callables, which read module and parameter names.
-            Wrappers (``torch.compile``, ``DistributedDataParallel``, ``DataParallel``) are looked through.
+            Wrappers (``DistributedDataParallel``, ``torch.compile``, Lightning Fabric's, ...: :func:`unwrap`) are
+            looked through, around the model and inside it.
         strategy: ``"coarse"``, ``"fine"``, ``"tensor"``, ``"global"``, a callable ``(name, param) -> block name``,
             or a mapping ``{block name: [parameters]}``.
         params: the parameters to cover when no model is given (``"tensor"``, ``"global"``); with a model, defaults
@@ -325,7 +406,7 @@ def partition(model: nn.Module | None, strategy="coarse", params: Iterable[torch
         params = list(model.parameters())
     else:
         params = list(params)
-    names = _param_names(model)
+    names = parameter_names(model)
 
     if strategy == "coarse":
         blocks = _coarse(model)

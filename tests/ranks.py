@@ -70,3 +70,21 @@ def run_ranks(fn, *args, world: int = 2, backend: str = "gloo") -> list:
                     process.join()
                 raise TimeoutError(f"{fn.__name__} did not finish on {world} ranks within {TIMEOUT_S} s")
         return [torch.load(os.path.join(out, f"rank{r}.pt")) for r in range(world)]
+
+
+_ONCE: dict = {}
+
+
+def run_ranks_once(fn, *args, world: int = 2) -> list:
+    """:func:`run_ranks` on gloo, computed on the first call with these arguments and reused by every later one, so
+    that one multi-process run serves many tests; its failure fails every caller."""
+    key = (fn.__module__, fn.__qualname__, args, world)
+    if key not in _ONCE:
+        try:
+            _ONCE[key] = (True, run_ranks(fn, *args, world=world))
+        except Exception as exc:  # noqa: BLE001 - re-raised below, in every test that needs the run
+            _ONCE[key] = (False, exc)
+    ok, value = _ONCE[key]
+    if not ok:
+        raise value
+    return value

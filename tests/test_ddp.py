@@ -25,7 +25,7 @@ from gearsam_fused.backends.triton_ops import interpreter_enabled
 from gearsam_fused.distributed import sam_step
 
 from conftest import FP32_STEP_RTOL, FP64_STEP_RTOL, on_device, rel_err, tiny_resnet
-from ranks import run_ranks
+from ranks import run_ranks, run_ranks_once
 
 WORLD = 2
 PER_RANK = 4  # samples per rank and step
@@ -35,20 +35,9 @@ HP = dict(rho=0.05, beta=0.9, delta=1e-12)
 SGD = dict(lr=0.1, momentum=0.9, weight_decay=5e-4)
 
 
-_RESULTS: list = []
-
-
 def everything() -> list[dict]:
     """Every rank's results of :func:`_everything`, computed on the first call; its failure fails every caller."""
-    if not _RESULTS:
-        try:
-            _RESULTS.append((True, run_ranks(_everything, world=WORLD)))
-        except Exception as exc:  # noqa: BLE001 - re-raised below, in every test that needs the run
-            _RESULTS.append((False, exc))
-    ok, value = _RESULTS[0]
-    if not ok:
-        raise value
-    return value
+    return run_ranks_once(_everything, world=WORLD)
 
 
 def _boom(rank: int) -> None:

@@ -194,6 +194,8 @@ def cases(draw, rule: str) -> Case:
         if all(first[i] == "none" for i in trainable):
             first[trainable[0]] = "randn"  # first_step refuses to run without a single gradient
         second = [draw(kind) if i in trainable else "none" for i in range(n)]
+        if all(second[i] == "none" for i in trainable):
+            second[trainable[0]] = "randn"  # second_step refuses a step without a gradient computed at w + eps
         kinds.append((tuple(first), tuple(second)))
 
     flow = draw(st.sampled_from(["manual", "closure"]))

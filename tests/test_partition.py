@@ -117,15 +117,174 @@ def test_wrapper_is_opened_and_direct_parameter_joins_nearest_block():
     assert blocks[0].param_names[0] == "temperature"
 
 
-def test_plain_mlp_is_one_block():
-    mlp = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
-    (block,) = partition(mlp, "coarse")
-    assert block.name == "model" and block.param_names == ["0.weight", "0.bias", "2.weight", "2.bias"]
-    # a flat model has no unit above its layers: freezing or "fine" keeps the one block
-    mlp[0].requires_grad_(False)
+class ScaledStage(nn.Module):
+    """A learned scale registered on the root, right before a stage: it joins the stage's block."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(()))
+        self.layer1 = resnet18(width=4).layer1
+        self.fc = nn.Linear(4, 2)
+
+
+def test_fine_keeps_a_direct_parameter_that_joined_a_stage_with_its_first_unit():
+    model = ScaledStage()
+    assert [(b.name, b.param_names[0]) for b in partition(model, "coarse")] == [
+        ("layer1", "scale"),
+        ("classifier", "fc.weight"),
+    ]
+    blocks = partition(model, "fine")
+    assert names(blocks) == ["layer1.0", "layer1.1", "classifier"]
+    assert blocks[0].param_names == ["scale"] + [f"layer1.0.{n}" for n, _ in model.layer1[0].named_parameters()]
+
+
+def wb(*modules):
+    """The weight and bias names of the given module paths, in order."""
+    return [f"{m}.{kind}" for m in modules for kind in ("weight", "bias")]
+
+
+def blocks_of(model, strategy):
+    """(name, parameter names) of each block, after checking every parameter is the model's under that name."""
+    named = dict(model.named_parameters())
+    blocks = partition(model, strategy)
+    for b in blocks:
+        assert all(named[n] is p for n, p in zip(b.param_names, b.params))
+    return [(b.name, b.param_names) for b in blocks]
+
+
+class PlainCNN(nn.Module):
+    """A stem layer, two stages of plain layers and a head, as many CNNs are written; with ``norm``, BatchNorm after
+    each convolution."""
+
+    def __init__(self, norm=False):
+        super().__init__()
+        bn = (lambda c: [nn.BatchNorm2d(c)]) if norm else (lambda c: [])
+        self.conv1 = nn.Conv2d(3, 4, 3)
+        if norm:
+            self.bn1 = nn.BatchNorm2d(4)
+        self.layer1 = nn.Sequential(nn.Conv2d(4, 4, 3), *bn(4), nn.ReLU(), nn.Conv2d(4, 4, 3), *bn(4))
+        self.layer2 = nn.Sequential(nn.Conv2d(4, 8, 3), *bn(8), nn.ReLU(), nn.Conv2d(8, 8, 3), *bn(8))
+        self.fc = nn.Linear(8, 10)
+
+
+class VGG(nn.Module):
+    """torchvision's VGG layout: a flat ``features`` list, a pooling, a flat ``classifier`` list."""
+
+    def __init__(self):
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(4, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.MaxPool2d(2),
+        )  # fmt: skip
+        self.avgpool = nn.AdaptiveAvgPool2d(1)
+        self.classifier = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(), nn.Linear(16, 10))
+
+
+class FCNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(4, 8)
+        self.norm1 = nn.LayerNorm(8)
+        self.fc2 = nn.Linear(8, 8)
+        self.fc3 = nn.Linear(8, 2)
+
+
+def mlp():
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+
+
+class Holder(nn.Module):
+    """A module holding the network, as a LightningModule or a task wrapper does."""
+
+    def __init__(self, net):
+        super().__init__()
+        self.net = net
+
+
+# (factory, coarse blocks, fine blocks or None when fine is coarse), blocks as (name, parameter names)
+PLAIN = {
+    "cnn": (
+        PlainCNN,
+        [("stem", wb("conv1")), ("layer1", wb("layer1.0", "layer1.2")), ("layer2", wb("layer2.0", "layer2.2")),
+         ("classifier", wb("fc"))],
+        [("stem", wb("conv1")), ("layer1.0", wb("layer1.0")), ("layer1.2", wb("layer1.2")),
+         ("layer2.0", wb("layer2.0")), ("layer2.2", wb("layer2.2")), ("classifier", wb("fc"))],
+    ),
+    "cnn with batchnorm": (
+        lambda: PlainCNN(norm=True),
+        [("stem", wb("conv1", "bn1")), ("layer1", wb("layer1.0", "layer1.1", "layer1.3", "layer1.4")),
+         ("layer2", wb("layer2.0", "layer2.1", "layer2.3", "layer2.4")), ("classifier", wb("fc"))],
+        [("stem", wb("conv1", "bn1")), ("layer1.0+layer1.1", wb("layer1.0", "layer1.1")),
+         ("layer1.3+layer1.4", wb("layer1.3", "layer1.4")), ("layer2.0+layer2.1", wb("layer2.0", "layer2.1")),
+         ("layer2.3+layer2.4", wb("layer2.3", "layer2.4")), ("classifier", wb("fc"))],
+    ),
+    "vgg": (
+        VGG,
+        [("features", wb("features.0", "features.1", "features.4", "features.5")),
+         ("classifier", wb("classifier.0", "classifier.3"))],
+        [("features.0+features.1", wb("features.0", "features.1")),
+         ("features.4+features.5", wb("features.4", "features.5")),
+         ("classifier.0", wb("classifier.0")), ("classifier.3", wb("classifier.3"))],
+    ),
+    "mlp": (mlp, [("0", wb("0")), ("2", wb("2")), ("4", wb("4"))], None),
+    "mlp with norms": (
+        lambda: nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 8), nn.LayerNorm(8),
+                              nn.ReLU(), nn.Linear(8, 2)),
+        [("0+1", wb("0", "1")), ("3+4", wb("3", "4")), ("6", wb("6"))],
+        None,
+    ),
+    "mlp with input norm": (
+        lambda: nn.Sequential(nn.BatchNorm1d(4), nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)),
+        [("0+1", wb("0", "1")), ("3", wb("3"))],
+        None,
+    ),
+    "fc1 fc2 fc3": (FCNet, [("fc1+norm1", wb("fc1", "norm1")), ("fc2", wb("fc2")), ("fc3", wb("fc3"))], None),
+    "held cnn": (
+        lambda: Holder(PlainCNN()),
+        [("stem", wb("net.conv1")), ("net.layer1", wb("net.layer1.0", "net.layer1.2")),
+         ("net.layer2", wb("net.layer2.0", "net.layer2.2")), ("classifier", wb("net.fc"))],
+        [("stem", wb("net.conv1")), ("net.layer1.0", wb("net.layer1.0")), ("net.layer1.2", wb("net.layer1.2")),
+         ("net.layer2.0", wb("net.layer2.0")), ("net.layer2.2", wb("net.layer2.2")), ("classifier", wb("net.fc"))],
+    ),
+    "held mlp": (lambda: Holder(mlp()), [("net.0", wb("net.0")), ("net.2", wb("net.2")), ("net.4", wb("net.4"))], None),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(PLAIN))
+def test_plain_networks_get_their_stem_stages_and_head(name):
+    factory, coarse, fine = PLAIN[name]
+    assert blocks_of(factory(), "coarse") == coarse
+    assert blocks_of(factory(), "fine") == (coarse if fine is None else fine)
+
+
+@pytest.mark.parametrize("name", list(PLAIN))
+@pytest.mark.parametrize("strategy", ["coarse", "fine"])
+def test_frozen_plain_network_partition_is_the_full_partition_restricted(name, strategy):
+    model = PLAIN[name][0]()
+    full = partition(model, strategy)
+    first = next(n for n, _ in model.named_parameters()).rsplit(".", 1)[0]  # the first layer, frozen
+    freeze(model, all_but(first + "."))
+    assert [(b.name, b.param_names) for b in partition(model, strategy)] == [
+        (n, [k for k, _ in kept]) for n, kept in restricted(full)
+    ]
+
+
+def test_frozen_plain_cnn_keeps_its_blocks():
+    model = freeze(PlainCNN(), all_but("layer1."))
+    assert names(partition(model, "coarse")) == ["stem", "layer2", "classifier"]
+    assert names(partition(model, "fine")) == ["stem", "layer2.0", "layer2.2", "classifier"]
+
+
+@pytest.mark.parametrize(
+    "factory",
+    [lambda: nn.Linear(4, 2), lambda: nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8)), lambda: Holder(nn.Linear(4, 2))],
+    ids=["linear", "linear and its norm", "held linear"],
+)
+def test_a_single_parametered_unit_is_the_one_block_model(factory):
+    model = factory()
     for strategy in ("coarse", "fine"):
-        (block,) = partition(mlp, strategy)
-        assert block.name == "model" and block.param_names == ["2.weight", "2.bias"]
+        (block,) = partition(model, strategy)
+        assert block.name == "model" and block.param_names == [n for n, _ in model.named_parameters()]
 
 
 def trainable_only(prefixes):
@@ -286,6 +445,22 @@ def test_tied_weights_belong_to_their_first_owner():
         blocks = partition(model, strategy)
         owners = [b.name for b in blocks for p in b.params if p is model.embed.weight]
         assert len(owners) == 1
+
+
+def test_a_tied_weight_is_named_by_its_first_alias_in_every_strategy():
+    model = TinyGPT()
+    model.lm_head.weight = model.wte.weight
+    assert [n for n, p in model.named_parameters() if p is model.wte.weight] == ["wte.weight"]
+    embeddings = [model.wte.weight, model.wpe.weight]
+    rest = [p for n, p in model.named_parameters() if not n.startswith(("wte.", "wpe."))]
+    strategies = ["coarse", "fine", "tensor", "global", {"embeddings": embeddings, "rest": rest}, lambda n, p: n[:2]]
+    for strategy in strategies:
+        blocks = partition(model, strategy)
+        assert sorted(n for b in blocks for n in b.param_names) == sorted(n for n, _ in model.named_parameters())
+        assert "wte.weight" in blocks[0].param_names, strategy
+    assert names(partition(model, "tensor"))[0] == "wte.weight"
+    assert partition(model, "global")[0].param_names[0] == "wte.weight"
+    assert partition(model, strategies[4])[0].param_names == ["wte.weight", "wpe.weight"]
 
 
 def test_callable_and_mapping_strategies():

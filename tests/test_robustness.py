@@ -57,7 +57,8 @@ def test_sparse_gradients_raise_type_error_on_every_backend(backend, device):
     opt = SAM(emb.parameters(), torch.optim.SGD, lr=0.1, backend=backend)
     emb(torch.tensor([1, 2], device=device)).sum().backward()
     with pytest.raises(
-        TypeError, match=r"SAM does not support sparse gradients \('param0' has a torch.sparse_coo grad\)"
+        TypeError,
+        match=r"SAM does not support sparse gradients \(\"param_groups\[0\]\['params'\]\[0\]\" has a torch.sparse_coo grad\)",
     ):
         opt.first_step()
 
@@ -65,7 +66,8 @@ def test_sparse_gradients_raise_type_error_on_every_backend(backend, device):
 @pytest.mark.parametrize("backend,device", ALL)
 def test_duplicate_parameters_are_refused(backend, device):
     layer = nn.Linear(2, 2).to(device)
-    with pytest.raises(ValueError, match="some parameters appear in more than one parameter group"):
+    with pytest.raises(ValueError, match=r"parameter param_groups\[0\]\['params'\]\[0\] \(shape \(2, 2\); pass model= to "
+                                         r"name it\) is passed twice \(in one param group or in two\)"):  # fmt: skip
         SAM(
             [{"params": [layer.weight]}, {"params": [layer.weight, layer.bias]}],
             torch.optim.SGD,
@@ -320,3 +322,99 @@ def test_compiled_model_follows_the_eager_trajectory(backend):
             sam_step(opt, net, xy)
         runs.append(flat(model))
     torch.testing.assert_close(runs[1], runs[0], rtol=1e-5, atol=1e-6)
+
+
+TRAINABLE_DTYPES_REFUSED = [torch.complex64, torch.complex128, torch.float8_e4m3fn, torch.float8_e5m2]
+
+
+@pytest.mark.parametrize("dtype", TRAINABLE_DTYPES_REFUSED, ids=str)
+@pytest.mark.parametrize("backend,device", ALL)
+def test_trainable_parameters_of_other_dtypes_are_refused_at_construction_by_name(backend, device, dtype):
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 2)).to(device)
+    model[1].weight = nn.Parameter(torch.zeros(2, 3, device=device).to(dtype))
+    kind = str(dtype).removeprefix("torch.")
+    with pytest.raises(TypeError, match=rf"parameter '1.weight' \(shape \(2, 3\)\) is {kind}: SAM and GEAR-SAM update "
+                                        r"float32, float64, float16, bfloat16 parameters"):  # fmt: skip
+        GEARSAM(model, torch.optim.SGD, lr=0.1, backend=backend)
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.uint8, torch.bool, torch.complex64], ids=str)
+@pytest.mark.parametrize("backend,device", ALL)
+def test_frozen_parameters_of_any_dtype_are_left_alone(backend, device, dtype):
+    """As torch's optimizers leave them: they get no gradient, so no step touches them."""
+    model = tiny_resnet(device=device)
+    model.register_parameter("table", nn.Parameter(torch.ones(5, device=device).to(dtype), requires_grad=False))
+    twin = tiny_resnet(device=device)
+    opt = GEARSAM(model, torch.optim.SGD, backend=backend, **SGD_KW)
+    reference = GEARSAM(twin, torch.optim.SGD, backend="reference", **SGD_KW)
+    for xy in batches(2, device=device):
+        sam_step(opt, model, xy)
+        sam_step(reference, twin, xy)
+    assert torch.equal(model.table, torch.ones(5, device=device).to(dtype))
+    assert rel_err(flat_trainable(model), flat(twin)) <= 2 * FP32_STEP_RTOL
+
+
+def flat_trainable(model):
+    return torch.cat([p.detach().reshape(-1).double() for p in model.parameters() if p.requires_grad])
+
+
+@pytest.mark.parametrize("backend,device", ALL)
+def test_a_parameter_is_named_by_its_place_in_every_message_without_a_model(backend, device):
+    a, b = nn.Parameter(torch.ones(3, device=device)), nn.Parameter(torch.ones(2, device=device))
+    opt = SAM([{"params": [a]}, {"params": [b], "lr": 0.05}], torch.optim.SGD, lr=0.1, backend=backend)
+    assert [n for block in opt.blocks for n in block.param_names] == [
+        "param_groups[0]['params'][0]",
+        "param_groups[1]['params'][0]",
+    ]
+    if opt._backend.fuses_base_step:
+        a.grad, b.grad = torch.ones_like(a), torch.ones_like(b)
+        opt.first_step(zero_grad=True)
+        a.grad = torch.ones_like(a)  # b has no gradient at w + eps: torch's optimizer skips it, so no fused step
+        opt.second_step()
+        assert (
+            opt.base_step_reason
+            == "parameter \"param_groups[1]['params'][0]\" has no gradient: torch's optimizer skips it this step"
+        )
+
+
+def test_an_optimizer_instance_as_base_is_named_by_its_class():
+    model = tiny_resnet()
+    with pytest.raises(TypeError) as caught:
+        SAM(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    assert str(caught.value).endswith("got an instance of SGD")
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+@pytest.mark.parametrize("backend,device", ALL)
+def test_second_step_without_a_second_backward_is_an_error(backend, device, set_to_none):
+    model = tiny_resnet(device=device)
+    opt = GEARSAM(model, torch.optim.SGD, backend=backend, **SGD_KW)
+    xy = batches(1, device=device)[0]
+    before = flat(model)
+    loss_fn(model, xy).backward()
+    opt.first_step()
+    opt.zero_grad(set_to_none=set_to_none)
+    with pytest.raises(RuntimeError, match=r"second_step\(\) found no gradient computed at w \+ eps.*restored to w and "
+                                           "no step was taken"):  # fmt: skip
+        opt.second_step()
+    assert not opt.perturbed and torch.equal(flat(model), before)
+    # the same protocol with the second backward goes through, as it always did
+    loss_fn(model, xy).backward()
+    opt.first_step()
+    opt.zero_grad(set_to_none=set_to_none)
+    loss_fn(model, xy).backward()
+    opt.second_step()
+    assert not torch.equal(flat(model), before)
+
+
+@pytest.mark.parametrize("backend,device", ALL)
+def test_a_closure_without_backward_cancels_the_whole_step(backend, device):
+    model = tiny_resnet(device=device)
+    opt = GEARSAM(model, torch.optim.SGD, backend=backend, **SGD_KW)
+    data = batches(2, device=device)
+    sam_step(opt, model, data[0])
+    before, ema = flat(model), opt.block_stats()["ema"]
+    loss_fn(model, data[1]).backward()
+    with pytest.raises(RuntimeError, match="no gradient computed at w \\+ eps"):
+        opt.step(lambda: loss_fn(model, data[1]))  # forgot .backward()
+    assert torch.equal(flat(model), before) and torch.equal(opt.block_stats()["ema"], ema)
