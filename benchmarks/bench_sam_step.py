@@ -30,9 +30,10 @@ BYTES_PER_PARAM = 28
 NOT_INSTALLED = contenders.not_installed()  # peers shown as skipped, with the note, instead of left out
 
 
-@pytest.mark.parametrize("set_key", param_sets.SET_KEYS)
-@pytest.mark.parametrize("rule", RULES)
+# the set varies slowest: the contenders of a set run one after the other, minutes apart from the other sets
 @pytest.mark.parametrize("contender", contenders.available(DEVICE) + list(NOT_INSTALLED))
+@pytest.mark.parametrize("rule", RULES)
+@pytest.mark.parametrize("set_key", param_sets.SET_KEYS)
 def test_sam_step(benchmark, record, quick, copy_bandwidth, contender, rule, set_key):
     if contender in NOT_INSTALLED:
         pytest.skip(NOT_INSTALLED[contender])

@@ -1,24 +1,37 @@
-"""End-to-end training step of a CIFAR ResNet-18 on synthetic data, and the "SAM tax".
+"""End-to-end training step of a CIFAR ResNet-18 on synthetic data, and what SAM adds to it.
 
-Contenders, each a whole step (forward, backward, optimizer) on the same model, batch and base optimizer (SGD with
-momentum and weight decay):
+Contenders, each a whole step (forward, backward, optimizer) on the same model, batch and base optimizer (torch's SGD
+with momentum and weight decay, ``foreach=True``, its faster path on CPU and GPU for this model):
 
 * ``SGD``                  one forward/backward pass and the SGD step: what SAM is compared against
 * ``per-tensor loop SAM``  :class:`contenders.PerTensorLoopSAM` with SGD
-* ``pytorch_optimizer``    ``pytorch_optimizer.SAM`` with SGD (skipped with a note when it is not installed)
-* ``SAM``, ``GEAR-SAM``    gearsam_fused, ``backend="auto"``, ``zero_grad(set_to_none=False)``
+* ``pytorch_optimizer``    ``pytorch_optimizer.SAM(..., foreach=True)`` with SGD (skipped with a note when it is not
+  installed)
+* ``SAM``, ``GEAR-SAM``    gearsam_fused, ``backend="auto"``, ``zero_grad(set_to_none=False)``; the SGD step runs fused
+  into the restore where the backend can (the row's ``base_step_mode`` says which path ran)
 
-Two more rows time the parts: ``forward+backward`` alone and the ``base step`` alone. Then
+Three more rows time parts alone: ``forward+backward``, the ``base step`` (SGD's ``step()``) and ``SGD``. The SAM
+rows do not subtract those medians, which come from other moments of the run: every round of a SAM row times, back to
+back on the same input, one forward+backward pass (on the contender's own model), one whole SGD step (on a copy of the
+model) and then the SAM step, and from each round
 
-    SAM tax = SAM step - 2 x (forward+backward) - base step
+    beyond 2 x (forward+backward) = SAM step - 2 x (forward+backward)
+    SAM tax                       = SAM step - SGD step - (forward+backward)
 
-is what the SAM machinery adds to a step. Batch 128 at full width on CUDA (bf16 autocast, channels_last); on CPU the
-network is narrower (width 16) and the batch 32, so a run stays within minutes; quick mode shrinks both further.
+``beyond`` is everything in a SAM step that is not one of its two passes: the gradient norm, perturbation and restore,
+the base optimizer's update (fused into the restore for ours, torch's ``foreach`` step for the others) and two
+``zero_grad``. The tax is what a SAM step costs beyond a plain SGD step and the second pass: ``beyond`` minus SGD's own
+update and ``zero_grad``. A row records the median and quartiles of both over its rounds.
+
+Batch 128 at full width on CUDA (bf16 autocast, channels_last); on CPU the network is narrower (width 16) and the
+batch 32, so a run stays within minutes; quick mode shrinks both further.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
+import time
 
 import pytest
 import torch
@@ -29,9 +42,12 @@ from gearsam_fused.models import resnet18
 
 import contenders
 from conftest import DEVICE, synchronize, warm_up
+from report import sam_parts
 
-SGD_KW = {"lr": 0.05, "momentum": 0.9, "weight_decay": 5e-4}
-ROWS = ["forward+backward", "base step", "SGD", "per-tensor loop SAM", "pytorch_optimizer", "SAM", "GEAR-SAM"]
+SGD_KW = {"lr": 0.05, "momentum": 0.9, "weight_decay": 5e-4, "foreach": True}
+PARTS = ["forward+backward", "base step", "SGD"]
+SAM_ROWS = ["per-tensor loop SAM", "pytorch_optimizer", "SAM", "GEAR-SAM"]
+ROWS = PARTS + SAM_ROWS
 
 
 def _setting(quick: bool) -> dict:
@@ -78,7 +94,7 @@ def _step_function(name: str, model, x, y, autocast):
     elif name == "pytorch_optimizer":
         import pytorch_optimizer as peer
 
-        opt = holder = peer.SAM(model.parameters(), torch.optim.SGD, rho=0.05, **SGD_KW)
+        opt = holder = peer.SAM(model.parameters(), torch.optim.SGD, rho=0.05, **SGD_KW)  # foreach=True: its SAM too
     else:
         cls = SAM if name == "SAM" else GEARSAM
         opt = holder = cls(model, torch.optim.SGD, rho=0.05, **SGD_KW)
@@ -91,7 +107,15 @@ def _step_function(name: str, model, x, y, autocast):
         forward_backward()
         opt.second_step()
 
+    sam_step.optimizer = opt
     return sam_step
+
+
+def _timed(function) -> float:
+    start = time.perf_counter()
+    function()
+    synchronize()
+    return time.perf_counter() - start
 
 
 @pytest.mark.parametrize("name", ROWS)
@@ -100,6 +124,7 @@ def test_train_step(benchmark, record, quick, name):
     if name in missing:
         pytest.skip(missing[name])
     setting, model, x, y, autocast = _problem(quick)
+    reference = copy.deepcopy(model)  # the SGD step of each round trains a copy, leaving the contender's model alone
     step = _step_function(name, model, x, y, autocast)
 
     def synchronised_step():
@@ -107,8 +132,25 @@ def test_train_step(benchmark, record, quick, name):
         synchronize()
 
     warm_up(synchronised_step)
+    extra, parts = {}, {"forward+backward": [], "SGD": []}
+    setup = None
+    if name in SAM_ROWS:
+        own_pass = _step_function("forward+backward", model, x, y, autocast)
+        sgd_step = _step_function("SGD", reference, x, y, autocast)
+        warm_up(sgd_step)
+
+        def setup():  # not timed by the benchmark: the parts of this round, just before its SAM step
+            parts["forward+backward"].append(_timed(own_pass))
+            parts["SGD"].append(_timed(sgd_step))
+            return (), {}
+
+        if hasattr(step.optimizer, "base_step_mode"):  # ours: whether the SGD step ran fused into the restore
+            extra["base_step_mode"] = step.optimizer.base_step_mode
     benchmark.group = f"train step, CIFAR ResNet-18 width {setting['width']}, batch {setting['batch']}, {DEVICE}"
-    benchmark.pedantic(synchronised_step, rounds=3 if quick else (30 if DEVICE == "cuda" else 15), iterations=1)
-    fields = dict(contender=name, **{k: str(v) if k == "autocast" else v for k, v in setting.items()})
+    rounds = 3 if quick else (30 if DEVICE == "cuda" else 40)
+    benchmark.pedantic(synchronised_step, setup=setup, rounds=rounds, iterations=1)
+    if name in SAM_ROWS:
+        extra.update(sam_parts(benchmark.stats.stats.data, parts["forward+backward"], parts["SGD"]))
+    fields = dict(contender=name, **{k: str(v) if k == "autocast" else v for k, v in setting.items()}, **extra)
     benchmark.extra_info.update(fields)
     record(**fields)

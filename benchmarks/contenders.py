@@ -1,20 +1,29 @@
 """The implementations a benchmark compares, each behind the same two calls: ``first_step()`` and ``second_step()``.
 
-=====================  =========================================================================================
-contender              what it is
-=====================  =========================================================================================
-``per-tensor loop``    :class:`PerTensorLoopSAM` below: SAM written the way the widely copied implementation does it
-``pytorch_optimizer``  ``pytorch_optimizer.SAM`` (a peer, skipped with a note when not installed; foreach ops on CUDA)
-``reference``          gearsam_fused's per-tensor oracle backend
-``torch``              gearsam_fused's vectorised flat-buffer backend
-``triton``             gearsam_fused's Triton kernels (CUDA only)
-``cpp``                gearsam_fused's compiled kernels (when the extension is built; on CUDA, when built with it)
-``sharded``            gearsam_fused's backend for FSDP2 shards: temporary flat copies, tensors left in place
-=====================  =========================================================================================
+=================================  ===========================================================================
+contender                          what it is
+=================================  ===========================================================================
+``per-tensor loop``                :class:`PerTensorLoopSAM` below: SAM written the way the widely copied
+                                   implementation does it
+``pytorch_optimizer``              ``pytorch_optimizer.SAM(..., foreach=True)`` (a peer, skipped with a note
+                                   when not installed)
+``pytorch_optimizer, per tensor``  the same peer with ``foreach=False``, its default on CPU (:data:`PEER_PATHS`)
+``reference``                      gearsam_fused's per-tensor oracle backend
+``torch``                          gearsam_fused's vectorised flat-buffer backend
+``triton``                         gearsam_fused's Triton kernels (CUDA only)
+``cpp``                            gearsam_fused's compiled kernels (when the extension is built; on CUDA, when
+                                   built with it)
+``sharded``                        gearsam_fused's backend for FSDP2 shards: temporary flat copies, tensors left
+                                   in place
+=================================  ===========================================================================
 
-The first two implement SAM only; ours run both rules (``sam`` and ``gear-sam``). :func:`make` builds them with a base
-optimizer that does nothing, so a step measures the SAM machinery alone: energies, allocation, perturbation and
-restore. ``bench_whole_step.py`` builds the same implementations around a real base optimizer (torch's SGD or AdamW).
+The peer's best path is not the same on every set and device, so the SAM-step benchmark times both and the report
+compares ours with the faster one of the same run.
+
+The per-tensor loop and the peer implement SAM only; ours run both rules (``sam`` and ``gear-sam``). :func:`make`
+builds them with a base optimizer that does nothing, so a step measures the SAM machinery alone: energies, allocation,
+perturbation and restore. ``bench_whole_step.py`` builds the same implementations around a real base optimizer
+(torch's SGD or AdamW).
 """
 
 from __future__ import annotations
@@ -24,7 +33,10 @@ import torch
 from gearsam_fused import GEARSAM, OPTIMIZERS
 from gearsam_fused.backends import BACKENDS
 
-SAM_ONLY = ("per-tensor loop", "pytorch_optimizer")
+PEER, PEER_PER_TENSOR = "pytorch_optimizer", "pytorch_optimizer, per tensor"
+#: the peer's two paths: contender name -> its ``foreach`` argument
+PEER_PATHS = {PEER: True, PEER_PER_TENSOR: False}
+SAM_ONLY = ("per-tensor loop", *PEER_PATHS)
 OURS = ("reference", "torch", "triton", "cpp", "sharded")
 
 
@@ -90,8 +102,8 @@ def not_installed() -> dict[str, str]:
 def available(device: str) -> list[str]:
     """Contenders that can run on ``device`` in this installation."""
     names = ["per-tensor loop"]
-    missing = not_installed()
-    names += [name for name in PEERS if name not in missing]
+    if PEER not in not_installed():
+        names += list(PEER_PATHS)
     for name in OURS:
         if name == "triton" and device != "cuda":
             continue  # Triton's interpreter runs on CPU for tests, far too slowly to be timed
@@ -107,10 +119,10 @@ def make(name: str, rule: str, model: torch.nn.Module, partition, rho: float = 0
     """Contender ``name`` running ``rule`` (a key of ``gearsam_fused.OPTIMIZERS``) over ``model``'s parameters."""
     if name == "per-tensor loop":
         return PerTensorLoopSAM(model.parameters(), rho=rho)
-    if name == "pytorch_optimizer":
+    if name in PEER_PATHS:
         import pytorch_optimizer
 
-        return pytorch_optimizer.SAM(model.parameters(), NoStep, rho=rho)
+        return pytorch_optimizer.SAM(model.parameters(), NoStep, rho=rho, foreach=PEER_PATHS[name])
     blocks = {"partition": partition} if OPTIMIZERS[rule] is GEARSAM else {}
     return OPTIMIZERS[rule](model, NoStep, rho=rho, backend=name, **blocks)
 
@@ -119,6 +131,6 @@ def held_bytes(name: str, optimizer) -> int:
     """Bytes the contender holds beyond parameters and gradients while perturbed (after first_step)."""
     if name == "per-tensor loop":
         return optimizer.state_bytes()
-    if name == "pytorch_optimizer":
+    if name in PEER_PATHS:
         return sum(t.nbytes for state in optimizer.state.values() for t in state.values() if torch.is_tensor(t))
     return optimizer.memory_overhead()["total"]

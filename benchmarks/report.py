@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 from collections import defaultdict
 from pathlib import Path
 
@@ -42,6 +43,35 @@ def pick_run(runs: dict[str, list[dict]], run: str | None = None, device: str | 
     return (full or candidates)[-1]
 
 
+def quartiles(values: list[float]) -> tuple[float, float, float]:
+    """(first quartile, median, third quartile) of ``values`` (``statistics.quantiles``, inclusive method)."""
+    if len(values) == 1:
+        return values[0], values[0], values[0]
+    q1, median, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return q1, median, q3
+
+
+def sam_parts(step_s: list[float], forward_backward_s: list[float], sgd_s: list[float]) -> dict[str, float]:
+    """From per-round seconds measured back to back (a SAM step, one forward+backward pass, one SGD step), the
+    median and quartiles in ms of ``beyond`` (step - 2 x forward+backward) and of the tax (step - SGD step -
+    forward+backward), each computed per round, and the tax's median share of the step in %."""
+    if not len(step_s) == len(forward_backward_s) == len(sgd_s) > 0:
+        raise ValueError("one forward+backward pass and one SGD step per round of the SAM step")
+    beyond = [1e3 * (s - 2 * f) for s, f in zip(step_s, forward_backward_s)]
+    tax = [1e3 * (s - g - f) for s, f, g in zip(step_s, forward_backward_s, sgd_s)]
+    share = [100 * (s - g - f) / s for s, f, g in zip(step_s, forward_backward_s, sgd_s)]
+    fields = {"forward_backward_ms": 1e3 * quartiles(forward_backward_s)[1], "sgd_ms": 1e3 * quartiles(sgd_s)[1]}
+    for name, values in (("beyond", beyond), ("tax", tax)):
+        fields.update(dict(zip((f"{name}_q1_ms", f"{name}_ms", f"{name}_q3_ms"), quartiles(values))))
+    fields["tax_pct"] = quartiles(share)[1]
+    return fields
+
+
+def step_intervals(marks: list[float]) -> list[float]:
+    """Durations between consecutive time marks (seconds), e.g. the ends of consecutive optimizer steps."""
+    return [b - a for a, b in zip(marks, marks[1:])]
+
+
 def _where(row: dict) -> str:
     place = row["gpu"] or f"CPU {row['cpu']} ({row['cpu_count']} cores)"
     return (
@@ -52,6 +82,23 @@ def _where(row: dict) -> str:
 
 def _ratio(baseline: float | None, value: float) -> str:
     return f"{baseline / value:.2f}x" if baseline else "-"
+
+
+PEER_PATHS = ("pytorch_optimizer", "pytorch_optimizer, per tensor")  # as contenders.PEER_PATHS (no torch import here)
+
+
+def _peers(medians: dict[str, float]) -> dict[str, float]:
+    return {name: medians[name] for name in PEER_PATHS if name in medians}
+
+
+def best_peer(medians: dict[str, float]) -> tuple[str | None, float | None]:
+    """(name, median) of pytorch_optimizer's faster path among ``medians`` (contender -> median ms of one set and
+    run), or (None, None) when it did not run. Runs before both paths were timed hold one row, its per-tensor path."""
+    peers = _peers(medians)
+    if not peers:
+        return None, None
+    name = min(peers, key=peers.get)
+    return name, peers[name]
 
 
 def sam_step_tables(rows: list[dict]) -> list[str]:
@@ -65,10 +112,12 @@ def sam_step_tables(rows: list[dict]) -> list[str]:
         first = group[0]
         # GEAR-SAM has no peer implementation: its ratios are against the per-tensor loops' SAM step of the same run.
         sam = {r["contender"]: r["median_ms"] for r in groups.get((name, "sam"), [])}
-        loop, peer = sam.get("per-tensor loop"), sam.get("pytorch_optimizer")
+        loop = sam.get("per-tensor loop")
+        peer_path, peer = best_peer(sam)
         lines += [
             f"**{'SAM' if rule == SAM_RULE else 'GEAR-SAM'} step, {name}** ({first['parameters'] / 1e6:.1f}M parameters in "
-            f"{first['tensors']} tensors; copy bandwidth {first['copy_gbps']:.0f} GB/s)",
+            f"{first['tensors']} tensors; copy bandwidth {first['copy_gbps']:.0f} GB/s"
+            f"{f'; pytorch_optimizer SAM = its faster path here, `{peer_path}`' if len(_peers(sam)) > 1 else ''})",
             "",
             "| contender | median ms | IQR ms | vs per-tensor loop SAM | vs pytorch_optimizer SAM | GB/s | % of copy | launches | held MB |",
             "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
@@ -135,19 +184,30 @@ def trainer_tables(rows: list[dict]) -> list[str]:
 def _trainer_table(title: str, steps: list[dict], plain_name: str) -> list[str]:
     plain = next((r["step_ms"] for r in steps if r["contender"] == plain_name), None)
     first = steps[0]
+    alone = "step_q1_ms" in first  # the steps timed alone, without the trainer's set-up
     lines = [
         f"**{title}** (GPT-2 of {first['parameters'] / 1e6:.2f}M parameters, {first['micro_batches']} "
         f"micro-batches of {first['batch']} x {first['seq']} tokens per step, AdamW, max_grad_norm 1.0"
         f"{', bf16' if first['bf16'] else ''}; {first['steps']} steps per round)",
         "",
-        f"| contender | ms per step | / {plain_name} |",
-        "|---|---:|---:|",
     ]
+    if alone:
+        lines += [f"| contender | AdamW | ms per step | IQR ms | / {plain_name} |", "|---|---|---:|---:|---:|"]
+    else:
+        lines += [f"| contender | ms per step | / {plain_name} |", "|---|---:|---:|"]
     for r in steps:
-        lines.append(f"| {r['contender']} | {r['step_ms']:.1f} | {r['step_ms'] / plain:.2f}x |" if plain else
-                     f"| {r['contender']} | {r['step_ms']:.1f} | - |")  # fmt: skip
+        over = f"{r['step_ms'] / plain:.2f}x" if plain else "-"
+        if alone:
+            adamw = r["optim"] + (", fused into the restore" if r.get("base_step_mode") == "fused" else "")
+            lines.append(f"| {r['contender']} | {adamw} | {r['step_ms']:.1f} | {r['step_q3_ms'] - r['step_q1_ms']:.1f} | "
+                         f"{over} |")  # fmt: skip
+        else:
+            lines.append(f"| {r['contender']} | {r['step_ms']:.1f} | {over} |")
     note = ("SAM runs the forward and backward passes twice per step; the data loading, clipping, optimizer step and "
             "the trainer's own work run once.")  # fmt: skip
+    if alone:
+        note += (f" A step's time runs from the end of one optimizer step to the end of the next; the first step of "
+                 f"each round, which holds the trainer's set-up, is left out ({first['steps_timed']} steps timed).")  # fmt: skip
     return lines + ["", note, ""]
 
 
@@ -155,15 +215,45 @@ def train_step_table(rows: list[dict]) -> list[str]:
     steps = [r for r in rows if r["benchmark"] == "bench_train_step"]
     if not steps:
         return []
-    by = {r["contender"]: r["median_ms"] for r in steps}
     first = steps[0]
     lines = [
         f"**Training step, CIFAR ResNet-18 width {first['width']}, batch {first['batch']}** "
         f"(autocast {first['autocast']}, channels_last {first['channels_last']})",
         "",
-        "| row | median ms | IQR ms | SAM tax ms | SAM tax % of step |",
-        "|---|---:|---:|---:|---:|",
     ]
+    if not any("tax_ms" in r for r in steps):
+        return lines + _train_step_table_from_medians(steps)
+    lines += [
+        "| row | median ms | IQR ms | step - 2 x (fwd+bwd) ms [IQR] | SAM tax ms [IQR] | SAM tax % of step | base step |",
+        "|---|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in steps:
+        if "tax_ms" in r:
+            beyond = f"{r['beyond_ms']:.2f} [{r['beyond_q1_ms']:.2f}, {r['beyond_q3_ms']:.2f}]"
+            tax = f"{r['tax_ms']:.2f} [{r['tax_q1_ms']:.2f}, {r['tax_q3_ms']:.2f}] | {r['tax_pct']:.1f}"
+            base = {"fused": "fused into the restore", "per-tensor": "SGD `step()` after the restore"}.get(
+                r.get("base_step_mode"), "SGD `step()`"
+            )
+        else:
+            beyond, tax, base = "", " ", ""
+        lines.append(f"| {r['contender']} | {r['median_ms']:.2f} | {r['q3_ms'] - r['q1_ms']:.2f} | {beyond} | {tax} | "
+                     f"{base} |")  # fmt: skip
+    lines += [
+        "",
+        "Per round, back to back: one forward+backward pass, one SGD step (its own forward+backward and update), then "
+        "the SAM step. step - 2 x (fwd+bwd): the SAM machinery, the base update and two zero_grad. SAM tax = SAM "
+        "step - SGD step - (fwd+bwd): what SAM adds to a plain SGD step beyond the second pass. Median and "
+        "quartiles [q1, q3] over the rounds of each row; the forward+backward, base step and SGD rows are the "
+        "parts timed alone.",
+        "",
+    ]
+    return lines
+
+
+def _train_step_table_from_medians(steps: list[dict]) -> list[str]:
+    """Runs before the parts were timed in each round: the tax from the medians of the part rows."""
+    by = {r["contender"]: r["median_ms"] for r in steps}
+    lines = ["| row | median ms | IQR ms | SAM tax ms | SAM tax % of step |", "|---|---:|---:|---:|---:|"]
     parts = by.get("forward+backward"), by.get("base step")
     for r in steps:
         if r["contender"] not in ("forward+backward", "base step", "SGD") and None not in parts:

@@ -12,8 +12,10 @@ output and under the report. Then ``python benchmarks/report.py`` renders any ru
 from __future__ import annotations
 
 import argparse
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -38,15 +40,22 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     results = Path(args.results).resolve()
     known = set(load_runs(results)) if results.exists() else set()
+    # pytest-benchmark's own tables and store are not the report: they stay quiet, the store in a temporary folder
+    # (never in the source tree), and pytest's output is shown only when a benchmark fails
+    storage = tempfile.mkdtemp(prefix="gearsam-bench-")
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(HERE / "bench_sam_step.py"),
                str(HERE / "bench_whole_step.py"), str(HERE / "bench_train_step.py"), str(HERE / "bench_trainer.py"),
-               f"--results={results}",
+               f"--results={results}", "--benchmark-quiet", f"--benchmark-storage=file://{storage}",
+               "-W", "ignore::DeprecationWarning",
                "--benchmark-disable-gc", *(["--quick"] if args.quick else []), *args.pytest_args]  # fmt: skip
     notes = peer_notes()
     for note in notes:
         print(note, flush=True)
-    done = subprocess.run(command, cwd=HERE, check=False)
+    print(f"running the benchmark suite{' (quick)' if args.quick else ''}; its report follows", flush=True)
+    done = subprocess.run(command, cwd=HERE, check=False, capture_output=True, text=True)
+    shutil.rmtree(storage, ignore_errors=True)
     if done.returncode != 0:
+        print(done.stdout[-20000:] + done.stderr[-5000:], file=sys.stderr)
         return done.returncode
     new = [rows for run, rows in load_runs(results).items() if run not in known]
     if not new:

@@ -8,6 +8,9 @@ parameters ``w``, never formed: each product ``H v`` is one double backward per 
   ``v <- P_i H v / ||P_i H v||``, ``P_i`` projecting out the ``i - 1`` eigenvectors already found, from a random start
   drawn from ``seed``, until the Rayleigh quotient ``v . H v`` changes by less than ``tol`` relative. It converges to
   the eigenvalues of largest magnitude.
+- :func:`hessian_spectrum`: the same eigenvalues with how far each got: its residual ``||H v - lambda v|| / |lambda|``,
+  the Hessian-vector products spent and whether the tolerance was met within ``max_iter`` (an eigenvalue cut off by
+  ``max_iter`` can be far from the true one, and nothing else says so).
 - :func:`hessian_trace`: Hutchinson's estimator ``tr H = E[z . H z]`` over Rademacher vectors ``z``.
 
 The model is put in eval mode for the probe (BatchNorm uses its running statistics and leaves them untouched,
@@ -20,15 +23,30 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from .checks import check_real
 
-__all__ = ["hessian_eigenvalues", "hessian_trace", "hessian_vector_product"]
+__all__ = ["HessianSpectrum", "hessian_eigenvalues", "hessian_spectrum", "hessian_trace", "hessian_vector_product"]
 
 LossFn = Callable[[nn.Module, object], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class HessianSpectrum:
+    """:func:`hessian_spectrum`'s result, each list in the order of ``eigenvalues`` (largest first)."""
+
+    eigenvalues: list[float]
+    #: ``||P H v - lambda v|| / |lambda|`` of each eigenpair's last iterate ``v`` (``P``: the deflation); 0 for an
+    #: exact eigenvector
+    residuals: list[float]
+    #: Hessian-vector products spent on each eigenvalue
+    iterations: list[int]
+    #: whether each eigenvalue's relative change fell to ``tol`` within ``max_iter`` products
+    converged: list[bool]
 
 
 def hessian_eigenvalues(
@@ -43,7 +61,22 @@ def hessian_eigenvalues(
 ) -> list[float]:
     """The ``k`` eigenvalues of largest magnitude of the Hessian of the mean of ``loss_fn(model, batch)`` over
     ``batches``, sorted from largest to smallest. Each takes at most ``max_iter`` Hessian-vector products; the same
-    ``seed`` gives the same result."""
+    ``seed`` gives the same result. :func:`hessian_spectrum` also says whether each converged."""
+    return hessian_spectrum(model, loss_fn, batches, k, max_iter=max_iter, tol=tol, seed=seed).eigenvalues
+
+
+def hessian_spectrum(
+    model: nn.Module,
+    loss_fn: LossFn,
+    batches: Sequence,
+    k: int = 1,
+    *,
+    max_iter: int = 100,
+    tol: float = 1e-4,
+    seed: int = 0,
+) -> HessianSpectrum:
+    """:func:`hessian_eigenvalues` (the same values for the same arguments) with each eigenvalue's residual, the
+    products it took and whether it converged."""
     params = _trainable(model)
     _check_probe(batches, k=k, max_iter=max_iter)
     check_real("tol", tol, low=0.0, low_inclusive=False, high=1.0)
@@ -52,13 +85,16 @@ def hessian_eigenvalues(
         raise ValueError(f"k={k} eigenvalues asked of a Hessian of size {size}")
     generator = torch.Generator().manual_seed(seed)
     found: list[list[torch.Tensor]] = []
-    values = []
+    pairs = []
     with _eval_mode(model):
         for _ in range(k):
-            value, vector = _power_iteration(model, loss_fn, batches, params, found, generator, max_iter, tol)
-            values.append(value)
+            value, vector, residual, iterations, converged = _power_iteration(
+                model, loss_fn, batches, params, found, generator, max_iter, tol
+            )
+            pairs.append((value, residual, iterations, converged))
             found.append(vector)
-    return sorted(values, reverse=True)
+    pairs.sort(key=lambda pair: pair[0], reverse=True)
+    return HessianSpectrum(*(list(column) for column in zip(*pairs)))
 
 
 def hessian_trace(model: nn.Module, loss_fn: LossFn, batches: Sequence, *, samples: int = 100, seed: int = 0) -> float:
@@ -91,16 +127,22 @@ def hessian_vector_product(
 
 
 def _power_iteration(model, loss_fn, batches, params, found, generator, max_iter: int, tol: float):
-    """``(eigenvalue, eigenvector)`` of the dominant eigenpair of ``H`` restricted to the complement of ``found``."""
+    """``(eigenvalue, eigenvector, residual, iterations, converged)`` of the dominant eigenpair of ``H`` restricted to
+    the complement of ``found``."""
     vector = _normalized(_deflated([torch.randn(p.shape, generator=generator).to(p) for p in params], found))
-    value = None
-    for _ in range(max_iter):
+    value, converged, iterations = None, False, 0
+    while iterations < max_iter:
+        iterations += 1
         product = _deflated(hessian_vector_product(model, loss_fn, batches, params, vector), found)
         previous, value = value, _dot(vector, product)
+        # the residual of the iterate whose Rayleigh quotient is ``value``: free, from the product just taken
+        error = [p - value * v for p, v in zip(product, vector)]
+        residual = math.sqrt(_dot(error, error)) / (abs(value) + 1e-30)
         vector = _normalized(product)
         if previous is not None and abs(value - previous) <= tol * (abs(previous) + 1e-12):
+            converged = True
             break
-    return value, vector
+    return value, vector, residual, iterations, converged
 
 
 def _deflated(vector: list[torch.Tensor], found: list[list[torch.Tensor]]) -> list[torch.Tensor]:

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from gearsam_fused.analysis import hessian_eigenvalues, hessian_trace, hessian_vector_product
+from gearsam_fused.analysis import hessian_eigenvalues, hessian_spectrum, hessian_trace, hessian_vector_product
 
 from conftest import CUDA
 
@@ -149,3 +149,16 @@ def test_bad_arguments_are_named():
     model.weight.requires_grad_(False)
     with pytest.raises(ValueError, match="no trainable parameters"):
         hessian_trace(model, loss_fn, batches)
+
+
+def test_spectrum_reports_how_far_each_eigenvalue_converged():
+    model, loss_fn, batches, hessian = least_squares("cpu")
+    expected = top_by_magnitude(hessian, 2)
+    done = hessian_spectrum(model, loss_fn, batches, 2, max_iter=200, tol=1e-10)
+    assert done.eigenvalues == hessian_eigenvalues(model, loss_fn, batches, 2, max_iter=200, tol=1e-10)
+    assert done.eigenvalues == pytest.approx(expected, rel=1e-6) and done.converged == [True, True]
+    assert all(r < 1e-3 for r in done.residuals) and all(1 < i <= 200 for i in done.iterations)
+    cut = hessian_spectrum(model, loss_fn, batches, 2, max_iter=1)  # one product: no second value to compare
+    assert cut.converged == [False, False] and cut.iterations == [1, 1]
+    assert all(r > 0.05 for r in cut.residuals)  # a random start is no eigenvector: the residual says so
+    assert len(cut.eigenvalues) == len(cut.residuals) == 2

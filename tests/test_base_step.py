@@ -309,6 +309,27 @@ def test_the_fused_step_runs_the_base_optimizers_step_hooks():
     assert calls == [("pre", opt.base_optimizer), ("post", opt.base_optimizer)]
 
 
+@pytest.mark.parametrize("base_step", ["fused", "per-tensor"])
+def test_what_a_step_pre_hook_returns_is_used_or_refused_as_torch_does(base_step):
+    """A pre-hook may hand the step new (args, kwargs), here a closure, which the step runs and the post-hooks see;
+    any other return is an error. The fused step behaves as torch's own step() (the per-tensor path)."""
+    model = tiny_resnet()
+    opt = SAM(model, torch.optim.SGD, rho=0.05, backend="torch", base_step=base_step, lr=0.1)
+    ran, seen = [], []
+    closure = lambda: ran.append(1)  # noqa: E731
+    handle = opt.base_optimizer.register_step_pre_hook(lambda o, args, kw: (args, {"closure": closure}))
+    opt.base_optimizer.register_step_post_hook(lambda o, args, kw: seen.append((args, kw)))
+    sam_step(opt, model, batches(1)[0])
+    assert opt.base_step_mode == base_step
+    assert ran == [1] and seen == [((opt.base_optimizer,), {"closure": closure})]
+    handle.remove()
+    opt.base_optimizer.register_step_pre_hook(lambda o, args, kw: "not a pair")
+    before = flat(model)
+    with pytest.raises(RuntimeError, match="must return None or a tuple of \\(new_args, new_kwargs\\)"):
+        sam_step(opt, model, batches(1)[0])
+    assert not opt.perturbed and torch.equal(flat(model), before)
+
+
 # ---------------------------------------------------------------------------------------------- state
 @pytest.mark.parametrize("backend,device", [c for c in FUSED if c.values[1] == "cpu"])
 def test_state_is_torchs_per_parameter_state_as_views_of_flat_buffers(backend, device):
@@ -393,9 +414,10 @@ HELPER_CASES = [c for c in FUSED if c.values[1] == "cpu"]
 @pytest.mark.parametrize("backend,device", HELPER_CASES)
 def test_the_helpers_drive_the_fused_step_as_they_drive_the_per_tensor_one(backend, device, base):
     """accumulated_step with loss scaling (one step overflows and is skipped whole) and frozen BatchNorm statistics:
-    with the base step fused, the same bits as with it per tensor, where the arithmetic is torch's."""
-    if backend == "triton" and base == "adamw":
-        pytest.skip("Triton's Adam rounds its square root correctly, torch's CPU one may not: not bit for bit")
+    with the base step fused, the same bits as with it per tensor, where the arithmetic is torch's. Triton's Adam takes
+    the correctly rounded square root, which torch's CPU one may miss by a unit in the last place (see
+    test_adam_kernel_is_torchs_adam): its weights and moments are within the suite's float32 relative error per step,
+    over the 3 steps taken; its step counts are exact."""
     base_cls, kw = BASES[base]
     runs = {}
     for mode in ("fused", "per-tensor"):
@@ -417,6 +439,14 @@ def test_the_helpers_drive_the_fused_step_as_they_drive_the_per_tensor_one(backe
         runs[mode] = flat(model), opt.state_dict(), skipped
     (fused, fused_state, fused_skips), (plain, plain_state, plain_skips) = runs["fused"], runs["per-tensor"]
     assert fused_skips == plain_skips == [False, False, True, False]
+    if backend == "triton" and base == "adamw":
+        rtol = FP32_STEP_RTOL * 3
+        assert rel_err(fused, plain) <= rtol
+        for i, entry in plain_state["state"].items():
+            assert torch.equal(fused_state["state"][i]["step"], entry["step"])
+            for key in ("exp_avg", "exp_avg_sq"):
+                assert rel_err(fused_state["state"][i][key].double(), entry[key].double()) <= rtol, key
+        return
     assert torch.equal(fused, plain)
     for i, entry in plain_state["state"].items():
         for key, value in entry.items():

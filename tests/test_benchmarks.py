@@ -1,9 +1,26 @@
 """The benchmark suite's quick mode, run by ``gearsam bench``, goes end to end (a smoke test: no timing is asserted)
-and writes rows that carry what the report and the README rely on."""
+and writes rows that carry what the report and the README rely on; the report's arithmetic on made-up rows."""
 
+import importlib.util
 import json
 import subprocess
 import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def _load(name: str):
+    """A module of benchmarks/ under a name of its own (its folder is not a package, and "conftest" is taken)."""
+    spec = importlib.util.spec_from_file_location(f"benchmarks_test_{name}", BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+report = _load("report")
 
 MACHINE_FIELDS = {"run", "date", "commit", "cpu", "cpu_count", "gpu", "torch", "triton", "platform", "device", "quick"}
 TIMING_FIELDS = {"median_ms", "q1_ms", "q3_ms", "min_ms", "rounds"}
@@ -48,12 +65,27 @@ def test_quick_run_appends_rows_and_prints_the_report(tmp_path):
     assert {
         ("per-tensor loop", "sam"),
         ("pytorch_optimizer", "sam"),
+        ("pytorch_optimizer, per tensor", "sam"),
         ("torch", "sam"),
         ("torch", "gear-sam"),
     } <= contenders
     assert {r["contender"] for r in trains} == {
         "forward+backward", "base step", "SGD", "per-tensor loop SAM", "pytorch_optimizer", "SAM", "GEAR-SAM",
     }  # fmt: skip
+    # every SAM row of the training step carries its parts, measured in its own rounds; ours say how SGD stepped
+    sam_rows = [r for r in trains if r["contender"] in ("per-tensor loop SAM", "pytorch_optimizer", "SAM", "GEAR-SAM")]
+    for row in sam_rows:
+        assert {
+            "forward_backward_ms",
+            "sgd_ms",
+            "beyond_ms",
+            "beyond_q1_ms",
+            "beyond_q3_ms",
+            "tax_ms",
+            "tax_pct",
+        } <= row.keys()
+        assert row["beyond_q1_ms"] <= row["beyond_ms"] <= row["beyond_q3_ms"]
+    assert {r["base_step_mode"] for r in sam_rows if r["contender"] in ("SAM", "GEAR-SAM")} == {"fused"}
     assert all(r["parameters"] >= 2048 and r["tensors"] >= 62 for r in steps)
     # the whole step: quick mode's sets, both base optimizers, and for each set and base every contender
     for row in wholes:
@@ -84,5 +116,99 @@ def test_quick_run_appends_rows_and_prints_the_report(tmp_path):
         "LightningModule + SharpnessAwareMixin gear-sam",
     }  # fmt: skip
     assert all(r["step_ms"] > 0 and r["steps"] == 2 for r in trainers)
+    # the steps alone (the set-up before each round's first step left out), each trainer on its fastest AdamW
+    assert all(r["steps_timed"] > 0 and r["step_q1_ms"] <= r["step_ms"] <= r["step_q3_ms"] for r in trainers)
+    optims = {r["contender"]: r["optim"] for r in trainers}
+    assert optims["Trainer"] == "adamw_torch_fused" and optims["SAMTrainer sam"] == "adamw_torch"
+    assert {r["base_step_mode"] for r in trainers if r["contender"] not in ("Trainer", "LightningModule")} == {"fused"}
     assert "**Hugging Face Trainer step" in done.stdout and "/ Trainer |" in done.stdout
     assert "**Lightning step" in done.stdout and "/ LightningModule |" in done.stdout
+
+
+# ------------------------------------------------------------------------------ the report's arithmetic
+
+
+def test_quartiles_and_step_intervals():
+    assert report.quartiles([4.0, 1.0, 3.0, 2.0, 5.0]) == (2.0, 3.0, 4.0)
+    assert report.quartiles([7.0]) == (7.0, 7.0, 7.0)
+    assert report.step_intervals([1.0, 1.5, 3.5, 4.0]) == [0.5, 2.0, 0.5]
+    assert report.step_intervals([1.0]) == []
+
+
+def test_sam_parts_are_computed_per_round():
+    # seconds per round: SAM step, one forward+backward pass, one SGD step (its pass and its update), back to back
+    step, passes, sgd = [0.070, 0.062, 0.100], [0.030, 0.028, 0.040], [0.031, 0.029, 0.041]
+    parts = report.sam_parts(step, passes, sgd)
+    # beyond = step - 2 x pass: 10, 6, 20 ms; tax = step - SGD step - pass: 9, 5, 19 ms
+    assert parts["beyond_ms"] == pytest.approx(10.0) and parts["tax_ms"] == pytest.approx(9.0)
+    assert (parts["beyond_q1_ms"], parts["beyond_q3_ms"]) == pytest.approx((8.0, 15.0))
+    assert (parts["tax_q1_ms"], parts["tax_q3_ms"]) == pytest.approx((7.0, 14.0))
+    assert parts["forward_backward_ms"] == pytest.approx(30.0) and parts["sgd_ms"] == pytest.approx(31.0)
+    assert parts["tax_pct"] == pytest.approx(100 * 9 / 70)  # the median of 12.9%, 8.1% and 19%
+    with pytest.raises(ValueError, match="per round"):
+        report.sam_parts(step, passes[:2], sgd)
+
+
+def _row(benchmark: str, contender: str, median_ms: float, **fields) -> dict:
+    return {"benchmark": benchmark, "contender": contender, "median_ms": median_ms, "q1_ms": median_ms - 1,
+            "q3_ms": median_ms + 1, **fields}  # fmt: skip
+
+
+def test_the_sam_step_table_compares_with_the_peers_faster_path():
+    common = {"set": "ResNet-18", "rule": "sam", "parameters": 11_000_000, "tensors": 62, "copy_gbps": 30.0,
+              "gbps": 10.0, "pct_copy": 33.0, "held_bytes": 2**20}  # fmt: skip
+    rows = [_row("bench_sam_step", name, ms, **common) for name, ms in
+            (("per-tensor loop", 8.0), ("pytorch_optimizer", 30.0), ("pytorch_optimizer, per tensor", 20.0),
+             ("cpp", 5.0))]  # fmt: skip
+    assert report.best_peer({r["contender"]: r["median_ms"] for r in rows}) == ("pytorch_optimizer, per tensor", 20.0)
+    text = "\n".join(report.sam_step_tables(rows))
+    assert "its faster path here, `pytorch_optimizer, per tensor`" in text
+    assert "| cpp | 5.000 | 2.000 | 1.60x | 4.00x |" in text  # 8/5 and 20/5, not 30/5
+    # a run with the peer's one path: compared with it, and no path named
+    text = "\n".join(report.sam_step_tables(rows[:2] + rows[3:]))
+    assert "faster path" not in text and "| cpp | 5.000 | 2.000 | 1.60x | 6.00x |" in text
+    assert report.best_peer({"cpp": 5.0}) == (None, None)
+
+
+def test_the_train_step_table_shows_the_parts_of_each_round():
+    setting = {"width": 16, "batch": 32, "autocast": "None", "channels_last": False}
+    parts = report.sam_parts([0.070, 0.062, 0.100], [0.030, 0.028, 0.040], [0.031, 0.029, 0.041])
+    rows = [_row("bench_train_step", "forward+backward", 30.0, **setting),
+            _row("bench_train_step", "SAM", 70.0, base_step_mode="fused", **parts, **setting),
+            _row("bench_train_step", "pytorch_optimizer", 71.0, **parts, **setting)]  # fmt: skip
+    text = "\n".join(report.train_step_table(rows))
+    assert "| SAM | 70.00 | 2.00 | 10.00 [8.00, 15.00] | 9.00 [7.00, 14.00] | 12.9 | fused into the restore |" in text
+    assert (
+        "| pytorch_optimizer | 71.00 | 2.00 | 10.00 [8.00, 15.00] | 9.00 [7.00, 14.00] | 12.9 | SGD `step()` |" in text
+    )
+    # rows written before the parts were timed per round: the tax from the part rows' medians, as then
+    old = [_row("bench_train_step", "forward+backward", 30.0, **setting),
+           _row("bench_train_step", "base step", 1.0, **setting), _row("bench_train_step", "SAM", 65.0, **setting)]  # fmt: skip
+    text = "\n".join(report.train_step_table(old))
+    assert "| SAM | 65.00 | 2.00 | 4.00 | 6.2 |" in text and "from medians of the same run" in text
+
+
+def test_the_trainer_table_shows_the_steps_alone():
+    common = {"parameters": 930_000, "micro_batches": 2, "batch": 8, "seq": 64, "bf16": False, "steps": 10,
+              "steps_timed": 45, "test": "test_trainer_step[x]"}  # fmt: skip
+    rows = [_row("bench_trainer", "Trainer", 0, step_ms=100.0, step_q1_ms=95.0, step_q3_ms=110.0,
+                 optim="adamw_torch_fused", **common),
+            _row("bench_trainer", "SAMTrainer sam", 0, step_ms=190.0, step_q1_ms=185.0, step_q3_ms=200.0,
+                 optim="adamw_torch", base_step_mode="fused", **common)]  # fmt: skip
+    text = "\n".join(report.trainer_tables(rows))
+    assert "| Trainer | adamw_torch_fused | 100.0 | 15.0 | 1.00x |" in text
+    assert "| SAMTrainer sam | adamw_torch, fused into the restore | 190.0 | 15.0 | 1.90x |" in text
+    assert "45 steps timed" in text
+
+
+def test_the_peer_runs_on_the_path_its_name_says():
+    pytest.importorskip("pytorch_optimizer")
+    import torch
+
+    contenders = _load("contenders")
+    model = torch.nn.Linear(3, 2)
+    assert contenders.PEER_PATHS == {"pytorch_optimizer": True, "pytorch_optimizer, per tensor": False}
+    for name, foreach in contenders.PEER_PATHS.items():
+        assert name in contenders.available("cpu") and name in contenders.SAM_ONLY
+        opt = contenders.make(name, "sam", model, None)
+        assert all(group["foreach"] is foreach for group in opt.param_groups)

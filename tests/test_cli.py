@@ -12,6 +12,7 @@ import pytest
 import torch
 from PIL import Image
 
+from gearsam_fused.app.cli import main
 from gearsam_fused.app.data import add_symmetric_noise, crop_and_flip, load_digits_split
 from gearsam_fused.app.metrics import METRIC_KINDS
 from gearsam_fused.app.plots import block_shares_figure, curves_figure
@@ -110,7 +111,7 @@ def test_demo_writes_documented_metrics(demo_run):
         assert r["optimizer"] in ("sgd", "sam", "gear-sam") and r["seed"] in (0, 1)
         if r["kind"] == "epoch":
             assert set(r) == EPOCH_FIELDS and r["step"] == r["epoch"] * steps_per_epoch
-            assert 0.0 <= r["train_acc"] <= 1.0 and r["train_loss"] > 0 and r["seconds"] > 0
+            assert 0.0 <= r["train_acc"] <= 100.0 and r["train_loss"] > 0 and r["seconds"] > 0
             assert (r["train_sharpness"] is None) == (r["optimizer"] == "sgd")
         elif r["kind"] == "result":
             assert set(r) == RESULT_FIELDS and r["epochs"] == 2
@@ -304,8 +305,8 @@ def test_train_validates_settings_before_writing_anything(tmp_path):
     tiny = [*TINY_TRAIN, "--out", run]
     failed(gearsam("train", *tiny, "--model-arg", "depth=3"), "cannot build 'resnet18' with {'width': 4, 'blocks'")
     failed(gearsam("train", *tiny, "--model-arg", "width=abc"), "cannot build 'resnet18' with {'width': 'abc'")
-    failed(gearsam("train", *tiny, "--rho", "-0.1"), "rho must lie in [0.0, inf), got -0.1")
-    failed(gearsam("train", *tiny, "--rho", "nan"), "rho must be a finite real number, got nan")
+    failed(gearsam("train", *tiny, "--rho", "-0.1"), "--rho must lie in [0.0, inf), got -0.1")
+    failed(gearsam("train", *tiny, "--rho", "nan"), "--rho must be a finite real number, got nan")
     failed(gearsam("train", *tiny, "--backend", "fastest"), "unknown backend 'fastest'; expected 'auto' or one of")
     bad = gearsam("train", *tiny, "--rho", "big")
     assert bad.returncode == 2 and "argument --rho: invalid float value: 'big'" in bad.stderr
@@ -315,7 +316,170 @@ def test_train_validates_settings_before_writing_anything(tmp_path):
 def test_demo_rejects_bad_settings():
     bad = gearsam("demo", "--optimizers", "adamw")
     assert bad.returncode == 2 and "invalid choice: 'adamw'" in bad.stderr
-    failed(gearsam("demo", "--epochs", "0"), "epochs must be at least 1, got 0")
+    failed(gearsam("demo", "--epochs", "0"), "--epochs must be at least 1, got 0")
+
+
+# Small enough that a command given good settings would finish in seconds (as it did before settings were checked).
+SMALL = {"train": ["--model-arg", "width=4", "--model-arg", "blocks=(1,1)", "--synthetic-size", "64", "--batch-size",
+                   "16", "--optimizers", "sgd", "gear-sam"],
+         "demo": ["--epochs", "1", "--seeds", "0", "--batch-size", "256"],
+         "reproduce": ["--epochs", "1", "--seeds", "0", "--batch-size", "256", "--optimizers", "sgd"],
+         "hessian": []}  # fmt: skip
+
+
+def refused(capsys, argv: list, message: str) -> str:
+    """Run ``gearsam ARGV`` in this process (a refusal happens before anything is trained); asserts exit code 2 and
+    ``gearsam: error: MESSAGE``. Returns stderr."""
+    import_path = list(sys.path)
+    try:
+        assert main([str(a) for a in argv]) == 2
+    finally:
+        sys.path[:] = import_path  # as a process of its own, the command puts the current directory first
+    err = capsys.readouterr().err
+    assert f"gearsam: error: {message}" in err, err
+    return err
+
+
+BAD_SETTINGS = [
+    ("train", ["--beta", "1.5"], "--beta must lie in [0.0, 1.0), got 1.5"),
+    ("train", ["--lr", "-1"], "--lr must lie in (0.0, inf), got -1.0"),
+    ("train", ["--momentum", "-1"], "--momentum must lie in [0.0, 1.0), got -1.0"),
+    ("train", ["--label-noise", "1.5"], "--label-noise must lie in [0.0, 1.0), got 1.5"),
+    ("train", ["--label-noise", "-0.5"], "--label-noise must lie in [0.0, 1.0), got -0.5"),
+    ("train", ["--lr", "nan"], "--lr must be a finite real number, got nan"),
+    ("train", ["--lr", "inf"], "--lr must be a finite real number, got inf"),
+    ("train", ["--weight-decay", "nan"], "--weight-decay must be a finite real number, got nan"),
+    ("demo", ["--beta", "nan"], "--beta must be a finite real number, got nan"),
+    ("demo", ["--label-noise", "1.5"], "--label-noise must lie in [0.0, 1.0), got 1.5"),
+    ("demo", ["--rho", "inf"], "--rho must be a finite real number, got inf"),
+    ("reproduce", ["label-noise", "--momentum", "inf"], "--momentum must be a finite real number, got inf"),
+    # a bad value late in the grid fails the study before its first run, not after it
+    ("reproduce", ["label-noise", "--values", "0.0", "1.5"], "label_noise must lie in [0.0, 1.0), got 1.5, in --values"),
+    ("reproduce", ["label-noise", "--values", "0.0", "nan"],
+     "label_noise must be a finite real number, got 'nan', in --values"),
+    ("reproduce", ["hessian", "--k", "0"], "--k must be at least 1, got 0"),  # the probe comes after the training
+    ("hessian", ["no-such-run", "--probe-batch-size", "0"], "--probe-batch-size must be at least 1, got 0"),
+    ("hessian", ["no-such-run", "--max-iter", "-1"], "--max-iter must be at least 1, got -1"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("command, args, message", BAD_SETTINGS)
+def test_every_setting_is_checked_before_anything_is_written(capsys, tmp_path, command, args, message):
+    out = [] if command == "hessian" else ["--out", tmp_path / "out"]
+    refused(capsys, [command, *args, *SMALL[command], *out], message)
+    assert list(tmp_path.iterdir()) == []
+
+
+def old_run(folder) -> dict:
+    """A run directory as an earlier run left it (its config, metrics and a checkpoint); returns its files' contents."""
+    (folder / "checkpoints").mkdir(parents=True)
+    files = {
+        "config.json": '{"seeds": [7]}\n',
+        "metrics.jsonl": '{"kind": "result"}\n',
+        "checkpoints/sam-seed7.pt": "old",
+    }
+    for name, text in files.items():
+        (folder / name).write_text(text)
+    return files
+
+
+def contents(folder) -> dict:
+    return {p.relative_to(folder).as_posix(): p.read_text() for p in folder.rglob("*") if p.is_file()}
+
+
+@pytest.mark.parametrize("command", ["demo", "train", "reproduce"])
+def test_an_existing_run_directory_is_refused_and_left_untouched(capsys, tmp_path, command):
+    files = old_run(tmp_path)
+    study = ["label-noise", "--values", "0.0"] if command == "reproduce" else []
+    err = refused(capsys, [command, *study, *SMALL[command], "--out", tmp_path],
+                  f"--out {tmp_path} is not empty: pass --overwrite to clear it first")  # fmt: skip
+    assert (f"--resume {tmp_path}" in err) == (command == "train")  # a run, which train alone can continue
+    assert contents(tmp_path) == files
+
+
+def test_overwrite_touches_nothing_until_the_settings_are_good(capsys, tmp_path):
+    run = tmp_path / "run"
+    files = old_run(run)
+    refused(capsys, ["train", *SMALL["train"], "--lr", "nan", "--out", run, "--overwrite"], "--lr must be a finite")
+    refused(capsys, ["train", "--model-arg", "depth=3", "--out", run, "--overwrite"], "cannot build 'resnet18'")
+    refused(capsys, ["train", "--resume", run, "--overwrite"], "--resume continues in RUN_DIR itself")
+    assert contents(run) == files
+    mine = tmp_path / "mine"  # not a run: --overwrite would delete someone's files
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep")
+    refused(capsys, ["demo", *SMALL["demo"], "--out", mine, "--overwrite"],
+            f"--overwrite clears only a run or study directory, and {mine} is neither")  # fmt: skip
+    assert contents(mine) == {"notes.txt": "keep"}
+
+
+def test_overwrite_replaces_the_old_run_entirely(tmp_path):
+    old_run(tmp_path)
+    ok(gearsam("train", *TINY_TRAIN, "--optimizers", "sgd", "--out", tmp_path, "--overwrite"))
+    assert not (tmp_path / "checkpoints").exists()  # no stale checkpoint left for a later --resume to pick up
+    assert {(r["optimizer"], r["seed"]) for r in metrics(tmp_path)} == {("sgd", 0)}
+    assert RunConfig.load(tmp_path / "config.json").seeds == [0]
+
+
+def test_overwrite_replaces_an_old_study_entirely(tmp_path):
+    old_run(tmp_path / "label_noise=0.5")
+    ok(gearsam("reproduce", "label-noise", "--values", 0.0, *SMALL["reproduce"], "--threads", 1, "--out", tmp_path,
+               "--overwrite"))  # fmt: skip
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["label_noise=0.0"]
+    assert [r["value"] for r in json.loads((tmp_path / "study.json").read_text())["accuracy"]] == [0.0]
+
+
+# A model with a single layer of parameters: one block under every partition.
+ONE_LAYER = """
+from torch import nn
+
+def linear(num_classes):
+    return nn.Sequential(nn.Flatten(), nn.Linear(3 * 32 * 32, num_classes))
+"""
+# A user's models module whose factory raises, and one whose import fails.
+RAISING_MODELS = """
+def boom(num_classes=10):
+    raise KeyError("weights")
+"""
+
+
+@pytest.fixture
+def user_modules(tmp_path, monkeypatch):
+    """The current directory (first on the import path) holds ``raising_models`` and ``broken_models``."""
+    (tmp_path / "raising_models.py").write_text(RAISING_MODELS)
+    (tmp_path / "broken_models.py").write_text("raise RuntimeError('needs a GPU')\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(tmp_path)
+    yield tmp_path
+    sys.modules.pop("raising_models", None)
+
+
+def test_a_factory_that_raises_is_a_clean_error_everywhere(capsys, user_modules):
+    raised = "KeyError: 'weights'"
+    err = refused(capsys, ["partition", "raising_models:boom"], "cannot build 'raising_models:boom' with {}")
+    assert raised in err
+    for command, small in (("train", ["--synthetic-size", 64]), ("reproduce", ["label-noise", *SMALL["reproduce"]])):
+        err = refused(capsys, [command, *small, "--model", "raising_models:boom", "--out", "out"],
+                      "cannot build 'raising_models:boom' with {'num_classes': 10}")  # fmt: skip
+        assert raised in err and not (user_modules / "out").exists()
+    run = user_modules / "run"  # a run whose model's factory fails when the probe rebuilds it
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "checkpoints" / "sgd-seed0.pt").write_bytes(b"")
+    (run / "config.json").write_text(json.dumps({"model": "raising_models:boom", "optimizers": ["sgd"]}))
+    assert raised in refused(capsys, ["hessian", run], "cannot build 'raising_models:boom'")
+    refused(capsys, ["partition", "broken_models:tiny"],
+            "cannot load 'broken_models:tiny': importing broken_models raised RuntimeError: needs a GPU")  # fmt: skip
+
+
+def test_a_single_block_is_reported_in_the_commands_words(tmp_path):
+    (tmp_path / "onelayer.py").write_text(ONE_LAYER)
+    args = ["--model", "onelayer:linear", "--synthetic-size", 32, "--batch-size", 16, "--threads", 1, "--seeds", 0, 1,
+            "--optimizers", "gear-sam", "--out", "run"]  # fmt: skip
+    run = gearsam("train", *args, cwd=tmp_path)
+    ok(run)
+    assert "partition=" not in run.stderr and "UserWarning" not in run.stderr  # the library's own words
+    warning = "gearsam: warning: --partition coarse gives onelayer:linear a single block ("
+    assert run.stderr.count(warning) == 1, run.stderr  # once for the run, not once per seed
+    assert "so GEAR-SAM is plain SAM here; choose a finer --partition" in run.stderr
 
 
 def test_partition_prints_block_tables():
@@ -338,7 +502,7 @@ def test_partition_imports_from_the_current_directory(tmp_path):
     out = ok(gearsam("partition", "mymodels:fixed", "--strategy", "coarse", cwd=tmp_path, script=True))
     assert out.startswith("[mymodels:fixed: coarse]")
     failed(gearsam("partition", "mymodels:tiny", cwd=tmp_path, script=True),
-           "cannot build 'mymodels:tiny' with {}: tiny() missing 1 required positional argument")  # fmt: skip
+           "cannot build 'mymodels:tiny' with {}: TypeError: tiny() missing 1 required positional argument")  # fmt: skip
 
 
 def test_train_takes_a_model_by_path(tmp_path):
@@ -418,12 +582,12 @@ def test_train_logs_each_epoch_as_it_ends(tmp_path):
 
 def epoch_row(epoch: int, **values) -> dict:
     row = {"kind": "epoch", "optimizer": "sgd", "seed": 0, "epoch": epoch, "step": 4 * epoch, "lr": 0.1, "seconds": 1,
-           "sam_seconds": 0, "train_loss": 2.0, "test_loss": 2.1, "train_acc": 0.25, "test_acc": 0.2}  # fmt: skip
+           "sam_seconds": 0, "train_loss": 2.0, "test_loss": 2.1, "train_acc": 25.0, "test_acc": 20.0}  # fmt: skip
     return {**row, **values}
 
 
 def test_curves_show_accuracy_in_percent_and_one_epoch_readably():
-    fig = curves_figure([epoch_row(1), epoch_row(1, seed=1, train_acc=0.35)])
+    fig = curves_figure([epoch_row(1), epoch_row(1, seed=1, train_acc=35.0)])
     train_loss, test_loss, train_acc, test_acc = fig.axes
     assert list(train_acc.lines[0].get_ydata()) == pytest.approx([30.0]) and train_acc.get_ylim() == (0, 100)
     assert "%" in train_acc.get_title() and test_acc.get_ylim() == (0, 100)
@@ -489,3 +653,123 @@ def test_the_library_never_imports_the_application():
     assert done.returncode == 0, done.stderr
     imported, app = done.stdout.split("\n")[:2]
     assert int(imported) >= 20 and app == "[]"  # the optimizer, helpers, backends and models, and no app
+
+
+def test_every_curve_panel_colours_an_optimizer_as_the_legend_does():
+    rows = [
+        {"optimizer": name, "seed": 0, "epoch": epoch, "train_loss": 1.0, "test_loss": 1.2, "train_acc": 50.0,
+         "test_acc": 40.0, "train_sharpness": None if name == "sgd" else 0.01 * epoch}
+        for name in ("sgd", "sam", "gear-sam") for epoch in (1, 2)
+    ]  # fmt: skip
+    fig = curves_figure(rows)
+    legend = {text.get_text(): handle.get_color() for text, handle in
+              zip(fig.axes[0].get_legend().get_texts(), fig.axes[0].get_legend().legend_handles)}  # fmt: skip
+    assert set(legend) == {"SGD", "SAM", "GEAR-SAM"} and len(set(legend.values())) == 3
+    sharpness = next(ax for ax in fig.axes if ax.get_title().startswith("realized sharpness"))
+    assert [line.get_label() for line in sharpness.get_lines()] == ["SAM", "GEAR-SAM"]  # SGD has none
+    for ax in fig.axes:
+        for line in ax.get_lines():
+            assert line.get_color() == legend[line.get_label()], (ax.get_title(), line.get_label())
+    fig.canvas.draw()  # tick labels exist once drawn
+    assert [t.get_text() for t in sharpness.get_xticklabels() if t.get_visible() and t.get_text()]
+    assert sharpness.get_xlabel() == "epoch"
+
+
+def test_default_run_directories_are_new_even_within_one_second(tmp_path, monkeypatch, capsys):
+    import datetime
+
+    from gearsam_fused.app import cli
+
+    class Frozen(datetime.datetime):
+        @classmethod
+        def now(cls, tz=None):
+            return cls(2026, 1, 2, 3, 4, 5)
+
+    monkeypatch.setattr(cli.datetime, "datetime", Frozen)
+    monkeypatch.chdir(tmp_path)
+    args = ["demo", "--optimizers", "sgd", "--epochs", "1", "--seeds", "0", "--batch-size", "512", "--threads", "1"]
+    assert main([*args, "--lr", "-1"]) == 2
+    assert not any((tmp_path / "runs").iterdir())  # a refused run leaves no directory behind
+    threads = torch.get_num_threads()
+    try:
+        assert main(args) == 0 and main(args) == 0
+    finally:
+        torch.set_num_threads(threads)  # --threads sets this process's count
+    first, second = tmp_path / "runs" / "demo-20260102-030405", tmp_path / "runs" / "demo-20260102-030405-2"
+    for run_dir in (first, second):
+        assert [r["kind"] for r in metrics(run_dir)] == ["epoch", "result"]  # one run each, nothing interleaved
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == [first.name, second.name]
+
+
+def test_synthetic_data_is_learnable(tmp_path):
+    """The synthetic default trains well above chance (10%) in three short epochs, for SGD and GEAR-SAM alike."""
+    args = ["--model-arg", "width=4", "--model-arg", "blocks=(1,1)", "--synthetic-size", "1024", "--batch-size", "32",
+            "--threads", "1", "--epochs", "3", "--optimizers", "sgd", "gear-sam"]  # fmt: skip
+    rows = table_rows(ok(gearsam("train", *args, "--out", tmp_path)))
+    assert {name: float(cells[0]) > 60.0 for name, cells in rows.items()} == {"sgd": True, "gear-sam": True}, rows
+    results = {r["optimizer"]: r["test_acc"] for r in metrics(tmp_path) if r["kind"] == "result"}
+    assert results == pytest.approx({name: float(cells[0]) for name, cells in rows.items()}, abs=0.01)  # 100% both
+
+
+def test_train_offers_the_digits(tmp_path):
+    out = ok(gearsam("train", "--dataset", "digits", "--model-arg", "width=4", "--model-arg", "blocks=(1,1)",
+                     "--optimizers", "sgd", "--batch-size", "256", "--threads", "1", "--out", tmp_path))  # fmt: skip
+    assert out.startswith("digits: 1438 train / 359 test images")
+    assert RunConfig.load(tmp_path / "config.json").dataset == "digits"
+    for command in ("demo", "train", "reproduce"):
+        helped = ok(gearsam(command, *(["label-noise"] if command == "reproduce" else []), "--help"))
+        assert "{digits,cifar10,cifar100,synthetic}" in helped or command == "demo"
+
+
+def test_partition_shows_the_trained_head_and_names_the_models(tmp_path):
+    out = ok(gearsam("partition", "tv_resnet18", "--model-arg", "num_classes=10", "--strategy", "coarse"))
+    assert "[tv_resnet18 num_classes=10: coarse]" in out
+    assert " 5,130 " in out  # 512 * 10 + 10: the 10-class head, not ImageNet's 1000
+    helped = ok(gearsam("partition", "--help"))
+    assert all(name in helped for name in ("digits_resnet", "resnet18", "tv_resnet18", "wrn28_10"))
+    failed(gearsam("partition", "./mymodels.py:tiny", cwd=tmp_path),
+           "model './mymodels.py:tiny': expected package.module:factory, an importable module, not a file path; for "
+           "./mymodels.py run from its folder with mymodels:tiny")  # fmt: skip
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (("demo", "--seeds", 0, 0), "--seeds names [0] more than once; each seed is one run"),
+    (("reproduce", "partition", "--values", "coarse", "--optimizers", "sgd"),
+     "--optimizers sgd: the partition study trains gear-sam only"),
+    (("reproduce", "label-noise", "--values", 0.0, "--label-noise", 0.2),
+     "--label-noise 0.2: the label-noise study varies label_noise itself; set its grid with --values"),
+    (("reproduce", "rho", "--values", 0.1, "--rho", 0.1), "--rho 0.1: the rho study varies rho itself"),
+    (("reproduce", "beta", "--values", 0.9, "--k", 3), "--k: the probe's options apply to the hessian study only"),
+    (("reproduce", "beta", "--resume", "nowhere"), "cannot resume nowhere: it has no study.json"),
+])  # fmt: skip
+def test_options_a_command_would_not_use_are_refused(tmp_path, args, message):
+    small = ("--epochs", 1, "--batch-size", 512, "--threads", 1)  # were an option accepted, the run would be short
+    failed(gearsam(*args, *small, cwd=tmp_path), message)
+    assert not any(tmp_path.rglob("*.json"))
+
+
+def test_top_level_help_version_and_plot_help():
+    from gearsam_fused import __version__
+
+    assert ok(gearsam("--version")).strip() == f"gearsam_fused {__version__}"
+    assert "Start with `gearsam demo`" in ok(gearsam("--help"))
+    helped = ok(gearsam("plot", "--help"))
+    assert "a run directory (curves.png, block_shares.png) or a study directory" in " ".join(helped.split())
+
+
+def test_exports_record_threads_units_and_version_and_one_seed_has_no_spread(tmp_path, monkeypatch):
+    from gearsam_fused import __version__
+    from gearsam_fused.app import training
+
+    machine = training.describe_machine
+    monkeypatch.setattr(training, "describe_machine", lambda device: {**machine(device), "commit": None})
+    cfg = RunConfig(model_args={"width": 4, "blocks": (1, 1)}, synthetic_size=64, batch_size=32, optimizers=["sgd"])
+    lines = []
+    run_experiment(cfg, tmp_path, log=lines.append, stream=io.StringIO())
+    assert json.loads((tmp_path / "config.json").read_text())["threads"] == torch.get_num_threads()
+    summary = (tmp_path / "summary.md").read_text()
+    assert "1 epoch," in summary and f"gearsam_fused {__version__}" in summary and "commit None" not in summary
+    assert "± n/a" in summary and "± 0.00" not in summary  # one seed: no spread to show
+    (result,) = [r for r in metrics(tmp_path) if r["kind"] == "result"]
+    assert f"test acc {result['test_acc']:6.2f}%" in lines[1]  # metrics.jsonl holds % as the log prints it
+    assert "1 epoch," in lines[0]

@@ -33,8 +33,14 @@ def test_extension_is_built_wherever_a_compiler_is():
 
 
 # ------------------------------------------------------------------------------------------- threads
+#: Thread counts of the determinism checks; more threads than cores is fine for a bitwise comparison.
+THREADS = (1, 2, 3, 4)
+
+
 class WideNet(nn.Module):
-    """About 300k parameters in a few large tensors: each block spans many tiles, so threads split the work."""
+    """About 300k parameters in a few large tensors: each block spans many tiles, so threads split the work. Its
+    ``"fine"`` partition has three blocks of 9, 129 and 3 tiles of 2048, whose boundaries fall inside the threads'
+    shares of the 141 tiles."""
 
     def __init__(self):
         super().__init__()
@@ -59,30 +65,40 @@ def _train(model, opt, steps: int, optimizer_threads: int):
     return flat(model), opt.block_stats()
 
 
+BASES = {"sgd": (torch.optim.SGD, SGD_KW), "adamw": (torch.optim.AdamW, dict(lr=1e-3, weight_decay=0.01))}
+
+
 @needs_cpp
 @pytest.mark.parametrize("cls", [SAM, GEARSAM])
 @pytest.mark.parametrize("adaptive", [False, True], ids=["sam", "asam"])
-def test_one_and_two_threads_give_bitwise_identical_runs(cls, adaptive):
+@pytest.mark.parametrize("base", list(BASES))
+def test_any_number_of_threads_gives_bitwise_identical_runs(cls, adaptive, base):
+    """30 steps in three blocks, with the base step fused, on 1, 2, 3 and 4 threads."""
     torch.manual_seed(0)
     start = WideNet()
+    base_cls, kw = BASES[base]
     runs = []
     previous = torch.get_num_threads()
     try:
-        for threads in (1, 2):
+        for threads in THREADS:
             model = copy.deepcopy(start)
-            opt = cls(model, torch.optim.SGD, rho=0.05, adaptive=adaptive, eta=0.01, backend="cpp", **SGD_KW)
+            opt = cls(model, base_cls, rho=0.05, adaptive=adaptive, eta=0.01, partition="fine", backend="cpp", **kw)
             runs.append(_train(model, opt, steps=30, optimizer_threads=threads))
+            assert opt.base_step_mode == "fused", opt.base_step_reason
     finally:
         torch.set_num_threads(previous)
-    (weights_1, stats_1), (weights_2, stats_2) = runs
-    assert torch.equal(weights_1, weights_2)
-    assert all(torch.equal(stats_1[k], stats_2[k]) for k in stats_1)
-    assert max(b.n_tiles for b in opt._backend.layout.buckets) > 100  # enough tiles for two threads to share
+    assert [b.tiles_per_block.tolist() for b in opt._backend.layout.buckets] == [[9, 129, 3]]
+    weights, stats = runs[0]
+    assert (stats["share"] > 1e-3).all()  # every block is perturbed
+    for threads, (other_weights, other_stats) in zip(THREADS[1:], runs[1:]):
+        assert torch.equal(other_weights, weights), threads
+        assert all(torch.equal(other_stats[k], stats[k]) for k in stats), threads
 
 
 @needs_cpp
-def test_one_and_two_threads_give_bitwise_identical_kernels():
-    """The launchers themselves, on a bucket of 64 tiles in 3 uneven blocks, in every floating dtype."""
+def test_any_number_of_threads_gives_bitwise_identical_kernels():
+    """The launchers themselves, on a bucket of 64 tiles in 3 uneven blocks, in every floating dtype, on 1, 2, 3
+    and 4 threads: energy, allocation, perturbation, and (float32, float64) the fused SGD and Adam steps."""
     from gearsam_fused import _C
 
     tile, tiles_per_block = 2048, torch.tensor([1, 40, 23])
@@ -90,19 +106,34 @@ def test_one_and_two_threads_give_bitwise_identical_kernels():
     tile_block = torch.repeat_interleave(torch.arange(3, dtype=torch.int32), tiles_per_block)
     g = torch.Generator().manual_seed(0)
     base_w, base_g = torch.randn(64 * tile, generator=g), torch.randn(64 * tile, generator=g)
+    ema = torch.tensor([0.5, 2.0, 1.0], dtype=torch.float64)
+    adam_kw = dict(beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, decoupled=True, amsgrad=True, maximize=False,
+                step_size=1e-3 / (1 - 0.9**3), bias_correction2_sqrt=(1 - 0.999**3) ** 0.5, decay=1 - 1e-3 * 0.01)  # fmt: skip
     previous = torch.get_num_threads()
     try:
         for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
             results = []
-            for threads in (1, 2):
+            for threads in THREADS:
                 torch.set_num_threads(threads)
                 w, grad = base_w.to(dtype, copy=True), base_g.to(dtype, copy=True)
                 partials = torch.empty(64, dtype=torch.float64)
                 energy = _C.block_energy(grad, w, block_tiles, partials, tile=tile, adaptive=True, eta=0.01)
-                _C.perturb_(w, grad, torch.empty_like(w), energy.sqrt(), tile_block, tile=tile, adaptive=True, eta=0.01)
-                results.append((energy, partials, w))
-            for a, b in zip(*results):
-                assert torch.equal(a, b), dtype
+                smoothed = ema.clone()
+                scale, radius = _C.allocate(energy, smoothed, gear=True, rho=0.05, beta=0.9, delta=1e-12)
+                backup = torch.empty_like(w)
+                _C.perturb_(w, grad, backup, scale, tile_block, tile=tile, adaptive=True, eta=0.01)
+                results.append([energy, partials, smoothed, scale, radius, backup, w])
+                if dtype in (torch.float32, torch.float64):  # the base step's dtypes
+                    sgd, buf = w.clone(), (base_g * 0.5).to(dtype)
+                    _C.sgd_step_(sgd, grad, backup, buf, tile=tile, lr=0.1, weight_decay=5e-4, momentum=0.9,
+                                 dampening=0.0, nesterov=True, maximize=False, first=False)  # fmt: skip
+                    moments = [(base_g * c).abs().to(dtype) for c in (0.1, 0.01, 0.02)]
+                    adam = w.clone()
+                    _C.adam_step_(adam, grad, backup, *moments, tile=tile, **adam_kw)
+                    results[-1] += [sgd, buf, adam, *moments]
+            for threads, other in zip(THREADS[1:], results[1:]):
+                for a, b in zip(results[0], other):
+                    assert torch.equal(a, b), (dtype, threads)
     finally:
         torch.set_num_threads(previous)
 

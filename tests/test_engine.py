@@ -127,12 +127,17 @@ class CountDeviceWork(TorchDispatchMode):
 
     def __init__(self):
         super().__init__()
-        self.torch_ops, self.launches = [], 0
+        self.torch_ops, self.launched = [], []
         self._in_kernel = False
 
-    def _counted(self, launch):
+    @property
+    def launches(self) -> int:
+        return len(self.launched)
+
+    def _counted(self, launch, name: str | None):
         def counted(*args, **kwargs):
-            self.launches += 1
+            # a Triton kernel's run() is called on the kernel: (Interpreted|JIT)Function, which names its function
+            self.launched.append(name or getattr(args[0], "fn", args[0]).__name__)
             self._in_kernel = True  # the interpreter moves data with torch ops of its own: not ours to count
             try:
                 return launch(*args, **kwargs)
@@ -150,10 +155,11 @@ class CountDeviceWork(TorchDispatchMode):
             from gearsam_fused import _C
 
             self._originals += [
-                (_C, name, getattr(_C, name)) for name in ("block_energy", "allocate", "perturb_", "restore_")
+                (_C, name, getattr(_C, name))
+                for name in ("block_energy", "allocate", "perturb_", "restore_", "sgd_step_", "adam_step_")
             ]
         for owner, name, original in self._originals:
-            setattr(owner, name, self._counted(original))
+            setattr(owner, name, self._counted(original, None if name == "run" else name))
         return super().__enter__()
 
     def __exit__(self, *exc):
@@ -172,14 +178,26 @@ class CountDeviceWork(TorchDispatchMode):
         return len(self.torch_ops) + self.launches
 
 
-def _steady_state_step(n_tensors: int, backend: str, device: str, measure):
-    """Three SAM steps (NoStep base optimizer) on a ``ManyTensors(n_tensors)`` model in three fixed blocks; ``measure``
-    (a context manager) is entered around first_step and second_step of the last one. Gradients stay views of the
-    flat buffers (in-place zero_grad); the first step re-homes the fresh ones."""
+#: The base optimizers of the launch counts: one that does nothing (SAM's own work alone; its step is not fused), and
+#: torch's SGD and AdamW, whose update the fused backends fold into the restore.
+BASE = {
+    "none": (NoStep, {}),
+    "sgd": (torch.optim.SGD, dict(lr=0.01, momentum=0.9, weight_decay=5e-4)),
+    "adamw": (torch.optim.AdamW, dict(lr=1e-3, weight_decay=0.01)),
+}
+
+
+def _steady_state_step(n_tensors: int, backend: str, device: str, measure, base: str = "none"):
+    """Three SAM steps on a ``ManyTensors(n_tensors)`` model in three fixed blocks; ``measure`` (a context manager) is
+    entered around first_step and second_step of the last one. Gradients stay views of the flat buffers (in-place
+    zero_grad); the first step re-homes the fresh ones."""
     torch.manual_seed(0)
     model = ManyTensors(n_tensors).to(device)
     thirds = [list(model.weights)[i::3] for i in range(3)]
-    opt = GEARSAM(model, NoStep, partition={"a": thirds[0], "b": thirds[1], "c": thirds[2]}, rho=0.05, backend=backend)
+    base_cls, kw = BASE[base]
+    opt = GEARSAM(
+        model, base_cls, partition={"a": thirds[0], "b": thirds[1], "c": thirds[2]}, rho=0.05, backend=backend, **kw
+    )
     x = torch.randn(10, device=device)
     for step in range(3):
         last = step == 2
@@ -191,19 +209,32 @@ def _steady_state_step(n_tensors: int, backend: str, device: str, measure):
         with measure if last else contextlib.nullcontext():
             opt.second_step()
         opt.zero_grad(set_to_none=False)
+    fused = backend in ("torch", "triton", "cpp") and base != "none"
+    assert opt.base_step_mode == ("fused" if fused else "per-tensor"), opt.base_step_reason
     return measure
 
 
 @pytest.mark.parametrize("backend,device", FUSED)
-def test_launches_per_step_do_not_grow_with_the_number_of_tensors(backend, device):
-    few, many = (_steady_state_step(n, backend, device, CountDeviceWork()) for n in (6, 600))
-    assert few.torch_ops == many.torch_ops and few.launches == many.launches
-    if backend == "triton":
-        assert many.launches == 5 and many.torch_ops == [], many.torch_ops  # energy (2), allocate, perturb, restore
+@pytest.mark.parametrize("base", list(BASE))
+def test_launches_per_step_do_not_grow_with_the_number_of_tensors(backend, device, base):
+    """With SGD and AdamW the base optimizer's update is the launch that restores ``w`` (one kernel does both); AdamW
+    also checks its CPU step counts for one value and advances them (a few operations per bucket)."""
+    few, many = (_steady_state_step(n, backend, device, CountDeviceWork(), base) for n in (6, 600))
+    assert few.torch_ops == many.torch_ops and few.launched == many.launched
+    # AdamW, per bucket: its CPU step counts checked for one value (aminmax, !=), read (float), and advanced (add_)
+    counts = ["aminmax", "ne", "_local_scalar_dense", "_local_scalar_dense"]
+    last = {"none": "restore", "sgd": "sgd", "adamw": "adam"}[base]
+    if backend == "triton":  # the Python launcher turns AdamW's scalars into float32 as the kernel computes them
+        kernels = ["_tile_energy_kernel", "_block_sum_kernel", "_allocate_kernel", "_perturb_kernel", f"_{last}_kernel"]
+        ops = counts + ["_to_copy", "_local_scalar_dense", "add_"] if base == "adamw" else []
+        assert many.launched == kernels and many.torch_ops == ops, (many.launched, many.torch_ops)
     elif backend == "cpp":
-        assert many.launches == 4 and many.torch_ops == [], many.torch_ops  # energy, allocate, perturb, restore
-    else:  # the torch backend's allocation is torch operations: 41 per step on CPU (torch 2.13), whatever the tensors
-        assert 0 < many.total <= 45, many.torch_ops
+        launched = ["block_energy", "allocate", "perturb_", "restore_" if base == "none" else f"{last}_step_"]
+        ops = counts + ["add_"] if base == "adamw" else []
+        assert many.launched == launched and many.torch_ops == ops, (many.launched, many.torch_ops)
+    else:  # the torch backend's allocation is torch operations: 41 per step on CPU (torch 2.13), whatever the tensors;
+        # SGD's update takes 3 more (44), AdamW's and its step counts 12 more (53)
+        assert 0 < many.total <= 45 + {"none": 0, "sgd": 3, "adamw": 12}[base], many.torch_ops
 
 
 def test_the_sharded_backends_operations_do_not_grow_with_the_number_of_tensors():

@@ -2,7 +2,9 @@
 
 Every rank trains on its slice of a global batch. The expected results come from one process running the same
 optimizer on the whole batch: FSDP2 averages the ranks' gradients, which equals the whole batch's mean gradient up to
-the order of the sums, so trajectories agree within the suite's per-step float32 tolerance. Every rank must hold
+the order of the sums, so trajectories agree within the suite's per-step float32 tolerance. With bfloat16 mixed
+precision each rank's gradient is a bfloat16 value, whose float32 average over the ranks comes out the same in any
+order for these gradients, and the run equals the same computation in one process bit for bit. Every rank must hold
 bitwise the same (gathered) parameters, GEAR EMA and radii: the block energies are summed over the ranks by one
 all-reduce, the same bits everywhere.
 
@@ -13,6 +15,7 @@ processes, and every test reads its part of the results.
 
 from __future__ import annotations
 
+import copy
 import re
 from pathlib import Path
 from typing import NamedTuple
@@ -237,13 +240,71 @@ def test_every_rank_holds_the_same_bits(name, world):
         assert torch.equal(other[name]["ema"], first["ema"]) and torch.equal(other[name]["radius"], first["radius"])
 
 
+def single_process_bf16(world: int, bf16=(True, True)) -> dict:
+    """What the ranks compute under ``param_dtype=bfloat16, reduce_dtype=float32``, in one process: each rank's
+    forward and backward on a bfloat16 copy of the float32 weights and on its slice of the batch (inputs cast to
+    bfloat16, as FSDP2 casts them), the gradients cast to float32 and averaged over the ranks, then the same
+    optimizer step (reference backend) on the float32 weights. ``bf16``: whether the first and the second pass run in
+    bfloat16 (a pass in float32 is the mistake the comparison must catch)."""
+    model = make_net()
+    opt = make_optimizer(model, SCENARIOS["gear-sam-bf16"]._replace(backend="reference"))
+    trajectory = []
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)  # as each rank runs
+    try:
+        for step, (x, y) in enumerate(batches(world)):
+
+            def averaged_gradient(in_bf16: bool):
+                total = [None] * len(list(model.parameters()))
+                for rank in range(world):
+                    xs, ys = x[rank * PER_RANK : (rank + 1) * PER_RANK], y[rank * PER_RANK : (rank + 1) * PER_RANK]
+                    replica = copy.deepcopy(model)
+                    if in_bf16:
+                        replica, xs = replica.to(torch.bfloat16), xs.to(torch.bfloat16)
+                    F.cross_entropy(replica(xs, step), ys).backward()
+                    for i, q in enumerate(replica.parameters()):
+                        if q.grad is not None:
+                            g = q.grad.float() / world
+                            total[i] = g if total[i] is None else total[i] + g
+                for p, g in zip(model.parameters(), total):
+                    p.grad = g
+
+            averaged_gradient(bf16[0])
+            opt.first_step(zero_grad=True)
+            averaged_gradient(bf16[1])
+            opt.second_step(zero_grad=True)
+            trajectory.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
+    finally:
+        torch.set_num_threads(previous)
+    state = opt.state_dict()["param_groups"][0]["gearsam"]
+    return {"w": trajectory, "ema": state["ema"], "radius": state["radius"]}
+
+
 @pytest.mark.parametrize("world", WORLDS)
-def test_bf16_mixed_precision_follows_the_float32_run(world):
-    """param_dtype=bf16 computes forward and backward in bf16 (reduce_dtype=float32): the step runs on the float32
-    shards, and the trajectory stays near the float32 one."""
+def test_bf16_mixed_precision_equals_its_single_process_computation(world):
+    """param_dtype=bf16 computes forward and backward in bf16 (reduce_dtype=float32) and the step runs on the float32
+        shards: bit for bit what one process computes that way for each rank's slice (:func:`single_process_bf16`). The
+        ranks' gradients differ from one process's only in the order they are summed in, and each is a bfloat16 value (8
+        significant bits) divided by a power of two, so their float32 sum over 2 or 4 ranks is exact, whatever the order,
+    for these gradients (a sum of values whose exponents span more than float32's extra 16 bits would not be)."""
     ranks = everything(world)
-    mixed, full = ranks[0]["gear-sam-bf16"]["w"][-1], ranks[0]["gear-sam"]["w"][-1]
-    assert mixed.dtype == torch.float32 and 0 < rel_err(mixed.double(), full.double()) < 2e-2
+    got, want = ranks[0]["gear-sam-bf16"], single_process_bf16(world)
+    assert got["w"][-1].dtype == torch.float32
+    for step in range(STEPS):
+        assert torch.equal(got["w"][step], want["w"][step]), step
+    assert torch.equal(got["ema"], want["ema"]) and torch.equal(got["radius"], want["radius"])
+    assert rel_err(got["w"][-1].double(), ranks[0]["gear-sam"]["w"][-1].double()) > 1e-4  # bfloat16 is not float32
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("plain_pass", ["first", "second"])
+def test_the_bf16_check_catches_a_pass_run_in_float32(world, plain_pass):
+    """Had one pass run in float32, the run would differ from the bf16 computation from the first step on, by far
+    more than a rounding: the bit-for-bit comparison above fails for it."""
+    got = everything(world)[0]["gear-sam-bf16"]["w"]
+    one = single_process_bf16(world, bf16=(plain_pass == "second", plain_pass == "first"))["w"]
+    assert rel_err(got[0].double(), one[0].double()) > 1e-5
+    assert not any(torch.equal(a, b) for a, b in zip(got, one))
 
 
 @pytest.mark.parametrize("world", WORLDS)

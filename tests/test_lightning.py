@@ -1,11 +1,13 @@
 """Lightning with automatic optimization and SAM, ASAM or GEAR-SAM
 (:class:`gearsam_fused.integrations.lightning.SharpnessAwareMixin`): a fit equals the manual two-pass loop over the
-same micro-batches, with and without gradient accumulation and clipping, for a tiny GPT-2 and a small CNN with
-BatchNorm; a fit resumed from a checkpoint equals the uninterrupted one; the blocks' shares are logged."""
+same micro-batches bit for bit, with and without gradient accumulation and clipping, for a tiny GPT-2 and a small CNN
+with BatchNorm, in float32 and with ``precision="bf16-mixed"`` (against the loop with both passes under autocast); a fit resumed from a checkpoint equals the uninterrupted one, and a fit switched to SAM from a plain
+module's checkpoint equals the manual loop continued from it; the blocks' shares are logged."""
 
 from __future__ import annotations
 
 import re
+import warnings
 from pathlib import Path
 
 import pytest
@@ -19,9 +21,11 @@ from gearsam_fused import GEARSAM, SAM, frozen_bn_stats  # noqa: E402
 from gearsam_fused.integrations.lightning import SharpnessAwareMixin  # noqa: E402
 from gearsam_fused.models import resnet18  # noqa: E402
 
-from conftest import FP32_STEP_RTOL, flat, rel_err  # noqa: E402
+from conftest import flat, rel_err  # noqa: E402
 
 STEPS = 6
+#: What GEAR-SAM says when it takes over a plain optimizer's state dict (its EMA restarts at zero).
+PLAIN_STATE_WARNING = r"without a 'gearsam' entry.*EMA of block energies starts at zero"
 
 
 def gpt2() -> nn.Module:
@@ -59,6 +63,9 @@ def loss_of(kind: str, net: nn.Module, batch) -> torch.Tensor:
 
 
 def make_optimizer(net: nn.Module, sam: str):
+    """SAM, ASAM or GEAR-SAM around torch's AdamW; ``"plain"``: that AdamW alone."""
+    if sam == "plain":
+        return torch.optim.AdamW(net.parameters(), lr=1e-2, weight_decay=0.01)
     kw = dict(rho=0.05, lr=1e-2, weight_decay=0.01)
     if sam == "gear-sam":
         return GEARSAM(net, torch.optim.AdamW, beta=0.9, **kw)
@@ -69,7 +76,9 @@ def schedule(opt):
     return torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1 / (1 + 0.2 * step))
 
 
-class Module(SharpnessAwareMixin, L.LightningModule):
+class Plain(L.LightningModule):
+    """The model, training step and schedule, without the mixin (``sam="plain"``: a plain AdamW run)."""
+
     def __init__(self, kind: str, sam: str):
         super().__init__()
         self.kind, self.sam = kind, sam
@@ -85,24 +94,43 @@ class Module(SharpnessAwareMixin, L.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": schedule(opt), "interval": "step"}}
 
 
+class Module(SharpnessAwareMixin, Plain):
+    pass
+
+
 def trainer(**kw) -> L.Trainer:
     common = dict(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                   enable_model_summary=False)  # fmt: skip
     return L.Trainer(**{**common, **kw})
 
 
-def manual(kind: str, sam: str, data: list, acc: int, clip: float, steps: int = STEPS) -> nn.Module:
+def manual(
+    kind: str, sam: str, data: list, acc: int, clip: float, steps: int = STEPS, start=None, bf16=(False, False)
+) -> nn.Module:
+    """The two-pass loop by hand; ``start``: a Lightning checkpoint (of a plain run) to continue from, its weights,
+    its base optimizer's state dict and its schedule loaded first. ``bf16``: whether the first and the second pass
+    run their forward under bfloat16 autocast, as ``precision="bf16-mixed"`` runs ``training_step``."""
     net = gpt2() if kind == "gpt2" else CNN()
     opt = make_optimizer(net, sam)
     sched = schedule(opt)
+    if start is not None:
+        net.load_state_dict({k.removeprefix("net."): v for k, v in start["state_dict"].items()})
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*" + PLAIN_STATE_WARNING)  # GEAR-SAM's, checked in the fit
+            opt.load_state_dict(start["optimizer_states"][0])
+        sched.load_state_dict(start["lr_schedulers"][0])
     for step in range(steps):
         window = data[step * acc : (step + 1) * acc]
         for batch in window:
-            (loss_of(kind, net, batch) / acc).backward()
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16[0]):
+                loss = loss_of(kind, net, batch)
+            (loss / acc).backward()
         opt.first_step(zero_grad=True)
         with frozen_bn_stats(net):
             for batch in window:
-                (loss_of(kind, net, batch) / acc).backward()
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16[1]):
+                    loss = loss_of(kind, net, batch)
+                (loss / acc).backward()
         if clip > 0:
             torch.nn.utils.clip_grad_norm_(net.parameters(), clip)
         opt.second_step(zero_grad=True)
@@ -120,7 +148,7 @@ def test_fit_equals_the_manual_two_pass_loop(kind, sam, acc, clip):
     fit.fit(module, train_dataloaders=torch.utils.data.DataLoader(data, batch_size=None))
     want = manual(kind, sam, data, acc, clip)
     assert fit.global_step == STEPS
-    assert rel_err(flat(module.net), flat(want)) <= FP32_STEP_RTOL
+    assert torch.equal(flat(module.net), flat(want))
     assert rel_err(flat(module.net), flat(gpt2() if kind == "gpt2" else CNN())) > 1e-3
     if kind == "cnn":
         assert torch.equal(module.net.stem[1].running_mean, want.stem[1].running_mean)
@@ -164,16 +192,84 @@ def test_resume_from_a_checkpoint_continues_exactly(tmp_path):
     assert torch.equal(resumed.net.stem[1].running_var, whole.net.stem[1].running_var)
 
 
-def test_bf16_mixed_runs_both_passes_under_autocast():
+@pytest.mark.parametrize("kind", ["gpt2", "cnn"])
+@pytest.mark.parametrize("sam", ["sam", "gear-sam"])
+def test_a_fit_switched_to_sam_from_a_plain_checkpoint_continues_as_the_manual_loop(tmp_path, sam, kind):
+    """An epoch of 3 steps with a plain AdamW module, checkpointed; the same module with the mixin and SAM or GEAR-SAM
+    resumes from it with ``ckpt_path=`` (taking over the AdamW state, the schedule and the step) for a second epoch,
+    which equals the manual two-pass loop continued from the same checkpoint, bit for bit. GEAR-SAM warns that its
+    EMA starts at zero, SAM has nothing to warn of."""
+    steps, acc, clip = 3, 2, 0.05
+    loader = torch.utils.data.DataLoader(batches(kind, steps * acc), batch_size=None)
+    first = trainer(max_epochs=1, accumulate_grad_batches=acc, gradient_clip_val=clip)
+    first.fit(Plain(kind, "plain"), train_dataloaders=loader)
+    first.save_checkpoint(tmp_path / "plain.ckpt")
+    saved = torch.load(tmp_path / "plain.ckpt", weights_only=False)
+    assert first.global_step == steps and "gearsam" not in saved["optimizer_states"][0]["param_groups"][0]
+
+    module = Module(kind, sam)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(1.0)  # other weights: everything must come from the checkpoint
+    again = trainer(max_epochs=2, accumulate_grad_batches=acc, gradient_clip_val=clip)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        again.fit(module, train_dataloaders=loader, ckpt_path=tmp_path / "plain.ckpt")
+    said = [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
+    assert sum(bool(re.search(PLAIN_STATE_WARNING, m)) for m in said) == (sam == "gear-sam"), said
+    assert again.global_step == 2 * steps
+    # AdamW's state went on from the plain run's: 3 plain steps, then 3 SAM steps
+    opt = again.optimizers[0]
+    assert len(opt.state) == len(list(module.parameters())) and all(s["step"].item() == 6 for s in opt.state.values())
+    assert all(group["rho"] == 0.05 for group in opt.param_groups)
+    want = manual(kind, sam, loader.dataset, acc, clip, steps=steps, start=saved)
+    assert torch.equal(flat(module.net), flat(want))
+    if kind == "cnn":
+        assert torch.equal(module.net.stem[1].running_mean, want.stem[1].running_mean)
+
+
+class OnePassInFloat32(Module):
+    """Runs the forward of one pass (``"first"`` or ``"second"``) outside autocast: what the bf16 check must catch."""
+
+    def __init__(self, kind: str, sam: str, plain_pass: str):
+        super().__init__(kind, sam)
+        self.plain_pass = plain_pass
+
+    def training_step(self, batch, batch_idx):
+        which = "second" if self.trainer.optimizers[0].perturbed else "first"
+        with torch.autocast("cpu", enabled=which != self.plain_pass):
+            return super().training_step(batch, batch_idx)
+
+
+def bf16_fit(module: Module, data: list, acc: int, clip: float) -> nn.Module:
+    fit = trainer(max_steps=STEPS, precision="bf16-mixed", accumulate_grad_batches=acc, gradient_clip_val=clip or None)
+    fit.fit(module, train_dataloaders=torch.utils.data.DataLoader(data, batch_size=None))
+    assert fit.global_step == STEPS
+    return module.net
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "cnn"])
+@pytest.mark.parametrize("sam,acc,clip", [("gear-sam", 1, 0.0), ("sam", 2, 0.05)], ids=["gear-sam", "sam-acc-clip"])
+def test_bf16_mixed_runs_both_passes_under_autocast(kind, sam, acc, clip):
+    """precision="bf16-mixed" equals the manual loop with both forward passes under bfloat16 autocast, bit for bit;
+    the weights stay float32."""
+    data = batches(kind, STEPS * acc)
+    net = bf16_fit(Module(kind, sam), data, acc, clip)
+    assert next(net.parameters()).dtype == torch.float32
+    assert torch.equal(flat(net), flat(manual(kind, sam, data, acc, clip, bf16=(True, True))))
+    assert rel_err(flat(net), flat(manual(kind, sam, data, acc, clip))) > 1e-3  # bfloat16 is not float32
+
+
+@pytest.mark.parametrize("plain_pass", ["first", "second"])
+def test_the_bf16_check_catches_a_pass_run_without_autocast(plain_pass):
+    """A fit whose first or second pass runs in float32 is not the manual bf16 loop (it equals the manual loop with
+    that pass in float32): the bit-for-bit comparison above fails for it."""
     data = batches("gpt2", STEPS)
-    runs = {}
-    for precision in ("32-true", "bf16-mixed"):
-        module = Module("gpt2", "gear-sam")
-        trainer(max_steps=STEPS, precision=precision).fit(
-            module, train_dataloaders=torch.utils.data.DataLoader(data, batch_size=None)
-        )
-        runs[precision] = flat(module.net)
-    assert 0 < rel_err(runs["bf16-mixed"], runs["32-true"]) < 2e-2
+    net = bf16_fit(OnePassInFloat32("gpt2", "gear-sam", plain_pass), data, 1, 0.0)
+    both = manual("gpt2", "gear-sam", data, 1, 0.0, bf16=(True, True))
+    assert not torch.equal(flat(net), flat(both))
+    one = (plain_pass == "second", plain_pass == "first")
+    assert torch.equal(flat(net), flat(manual("gpt2", "gear-sam", data, 1, 0.0, bf16=one)))
 
 
 class PlainOptimizer(Module):

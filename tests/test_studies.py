@@ -5,9 +5,10 @@ import json
 
 import pytest
 import torch
-from test_cli import assert_real_plot, failed, gearsam, metrics, ok
+from test_cli import assert_real_plot, comparable, failed, gearsam, metrics, ok
 
 from gearsam_fused.analysis import hessian_eigenvalues
+from gearsam_fused.app.cli import main
 from gearsam_fused.app.data import load_dataset
 from gearsam_fused.app.probe import ProbeSettings, probe_run
 from gearsam_fused.app.studies import STUDIES, study_config, summarize_study
@@ -16,8 +17,8 @@ from gearsam_fused.app.training import RunConfig, build_model
 
 def test_paired_differences_are_per_seed():
     results = {0.2: [
-        {"optimizer": "sgd", "seed": 0, "test_acc": 0.50}, {"optimizer": "sgd", "seed": 1, "test_acc": 0.70},
-        {"optimizer": "sam", "seed": 0, "test_acc": 0.60}, {"optimizer": "sam", "seed": 1, "test_acc": 0.75},
+        {"optimizer": "sgd", "seed": 0, "test_acc": 50.0}, {"optimizer": "sgd", "seed": 1, "test_acc": 70.0},
+        {"optimizer": "sam", "seed": 0, "test_acc": 60.0}, {"optimizer": "sam", "seed": 1, "test_acc": 75.0},
     ]}  # fmt: skip
     numbers = summarize_study(STUDIES["label-noise"], (0.2,), ("sgd", "sam"), results)
     sgd, sam = numbers["accuracy"]
@@ -42,7 +43,7 @@ def test_reproduce_runs_the_grid_and_tables_the_runs(tmp_path):
         run_dir = out / f"label_noise={row['value']}"
         assert json.loads((run_dir / "config.json").read_text())["label_noise"] == row["value"]
         results = [r for r in metrics(run_dir) if r["kind"] == "result" and r["optimizer"] == row["optimizer"]]
-        assert row["per_seed"] == {str(r["seed"]): 100.0 * r["test_acc"] for r in results}
+        assert row["per_seed"] == {str(r["seed"]): r["test_acc"] for r in results}
     pairs = [(r["value"], r["pair"]) for r in numbers["paired_differences"]]
     assert pairs == [(0.0, "gear-sam - sgd"), (0.5, "gear-sam - sgd")]
     assert "| 0.5 | gear-sam - sgd |" in (out / "study.md").read_text() and "| 0.5 | gear-sam - sgd |" in stdout
@@ -88,6 +89,13 @@ def test_hessian_probes_each_checkpoint_as_the_library_does(tmp_path):
     ok(gearsam("hessian", run_dir, "--k", 1, "--max-iter", 2, "--trace-samples", 1, "--probe-batches", 1))
     again = [json.loads(line) for line in (run_dir / "hessian.jsonl").read_text().splitlines()]
     assert [len(r["eigenvalues"]) for r in again] == [1, 1] and "top-1 mean" in (run_dir / "hessian.md").read_text()
+    cut = gearsam("hessian", run_dir, "--k", 2, "--max-iter", 1, "--trace-samples", 1, "--probe-batches", 1)
+    assert "gearsam: warning: 4 of 4 eigenvalues did not converge within --max-iter 1" in ok(cut) + cut.stderr
+    rows = [json.loads(line) for line in (run_dir / "hessian.jsonl").read_text().splitlines()]
+    assert all(r["converged"] == [False, False] and r["iterations"] == [1, 1] for r in rows)
+    assert all(len(r["residuals"]) == 2 and min(r["residuals"]) > 0 for r in rows)
+    table = (run_dir / "hessian.md").read_text()
+    assert "residual" in table and table.count(" NO\n") == 4
 
 
 def test_hessian_needs_checkpoints(tmp_path):
@@ -107,7 +115,7 @@ def test_study_defaults_then_the_options_given():
 
 
 def test_a_one_optimizer_study_compares_each_value_with_its_reference():
-    accuracies = {"coarse": [0.80, 0.90], "global": [0.70, 0.85]}
+    accuracies = {"coarse": [80.0, 90.0], "global": [70.0, 85.0]}
     results = {
         value: [{"optimizer": "gear-sam", "seed": seed, "test_acc": acc} for seed, acc in enumerate(accs)]
         for value, accs in accuracies.items()
@@ -116,3 +124,65 @@ def test_a_one_optimizer_study_compares_each_value_with_its_reference():
     (pair,) = numbers["paired_differences"]
     assert pair["value"] == "coarse" and pair["pair"] == "gear-sam - gear-sam at partition=global"
     assert pair["per_seed"] == pytest.approx({"0": 10.0, "1": 5.0})
+
+
+@pytest.mark.parametrize(("study", "values", "message"), [
+    ("label-noise", ("0", "1.5"), "label_noise must lie in [0.0, 1.0), got 1.5, in --values"),
+    ("beta", ("1.0",), "beta must lie in [0.0, 1.0), got 1.0, in --values"),
+])  # fmt: skip
+def test_a_bad_value_anywhere_in_the_grid_fails_before_the_first_run(tmp_path, study, values, message):
+    out = tmp_path / "study"
+    failed(gearsam("reproduce", study, "--values", *values, "--epochs", 1, "--seeds", 0, "--out", out), message)
+    assert not out.exists()
+    failed(gearsam("reproduce", study, "--values", *values, "--epochs", 1, "--seeds", 0, cwd=tmp_path), message)
+    assert not list(tmp_path.rglob("*=*"))  # no default study directory, no run directory of the good values
+
+
+def test_an_interrupted_study_is_rebuilt_then_resumed_exactly(tmp_path, monkeypatch, capsys):
+    """Ctrl-C in the middle of a run: one line says how to resume; ``plot`` summarizes what finished; ``--resume``
+    keeps the finished runs untouched and continues the cut one from its checkpoint, ending as an uninterrupted study."""
+    from gearsam_fused.app import training
+
+    args = ["reproduce", "label-noise", "--values", "0.0", "0.5", "--optimizers", "sgd", "sam", "--epochs", "2",
+            "--seeds", "0", "--batch-size", "256", "--threads", "1"]  # fmt: skip
+    threads = torch.get_num_threads()
+    save = training._save_checkpoint
+
+    def interrupted(run):
+        save(run)
+        if run.cfg.label_noise == 0.5 and run.name == "sam" and run.epoch == 1:
+            raise KeyboardInterrupt
+
+    try:
+        assert main([*args, "--out", str(tmp_path / "straight")]) == 0
+        monkeypatch.setattr(training, "_save_checkpoint", interrupted)
+        assert main([*args, "--out", str(tmp_path / "cut")]) == 130
+        monkeypatch.setattr(training, "_save_checkpoint", save)
+    finally:
+        torch.set_num_threads(threads)
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.strip().splitlines()[-1] == (
+        f"gearsam: interrupted; {tmp_path / 'cut'} keeps the finished runs and the checkpoints; continue with: "
+        f"gearsam reproduce label-noise --resume {tmp_path / 'cut'}"
+    )
+    cut = tmp_path / "cut"
+    ok(gearsam("plot", cut))  # what finished: 0.0 for both, 0.5 for SGD only
+    numbers = json.loads((cut / "study.json").read_text())
+    assert numbers["complete"] is False and "**Incomplete**" in (cut / "study.md").read_text()
+    assert [(r["value"], r["optimizer"]) for r in numbers["accuracy"]] == [(0.0, "sgd"), (0.0, "sam"), (0.5, "sgd")]
+    assert_real_plot(cut / "study.png")
+    kept = {name: (cut / name / "metrics.jsonl").read_bytes() for name in ("label_noise=0.0",)}
+    failed(gearsam("reproduce", "label-noise", "--resume", cut, "--lr", 0.2), "--resume cannot change ['lr']")
+    failed(gearsam("reproduce", "label-noise", "--out", cut), f"--out {cut} is not empty")
+    ok(gearsam("reproduce", "label-noise", "--resume", cut, "--threads", 1))
+    assert (cut / "label_noise=0.0" / "metrics.jsonl").read_bytes() == kept["label_noise=0.0"]  # not trained again
+    for name in ("label_noise=0.0", "label_noise=0.5"):
+        assert comparable(metrics(cut / name)) == comparable(metrics(tmp_path / "straight" / name))
+    again, straight = (json.loads((d / "study.json").read_text()) for d in (cut, tmp_path / "straight"))
+    assert again["complete"] and again["accuracy"] == straight["accuracy"]
+    assert again["settings"]["epochs"] == 2 and again["settings"]["seeds"] == [0] and again["settings"]["lr"] == 0.05
+    (cut / "study.md").unlink()
+    (cut / "study.png").unlink()
+    out = ok(gearsam("plot", cut))
+    assert f"wrote {cut / 'study.png'}" in out and "| 0.5 | sam - sgd |" in (cut / "study.md").read_text()
+    assert_real_plot(cut / "study.png")

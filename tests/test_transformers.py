@@ -1,13 +1,15 @@
 """Hugging Face ``Trainer`` with SAM, ASAM and GEAR-SAM (:class:`gearsam_fused.integrations.transformers.SAMTrainer`):
-the Trainer's run equals the manual two-pass loop over the same micro-batches, with and without gradient accumulation
-and clipping; a run resumed from a checkpoint equals the uninterrupted one; the blocks of the architectures it
-trains. Tiny models built from configs, synthetic tokens, nothing downloaded."""
+the Trainer's run equals the manual two-pass loop over the same micro-batches bit for bit, with and without gradient
+accumulation and clipping, in float32 and with ``bf16=True`` (against the loop with both passes under autocast); a run resumed from a checkpoint equals the uninterrupted one, and a run switched to SAM from a plain
+Trainer's checkpoint equals the manual loop continued from it; the blocks of the architectures it trains. Tiny models
+built from configs, synthetic tokens, nothing downloaded."""
 
 from __future__ import annotations
 
 import re
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -15,14 +17,23 @@ import torch
 from torch import nn
 
 transformers = pytest.importorskip("transformers")
-from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments, get_scheduler  # noqa: E402
+from transformers import (  # noqa: E402
+    GPT2Config,
+    GPT2LMHeadModel,
+    Trainer,
+    TrainerState,
+    TrainingArguments,
+    get_scheduler,
+)
 
 from gearsam_fused import GEARSAM, SAM, partition  # noqa: E402
 from gearsam_fused.integrations.transformers import SAMTrainer  # noqa: E402
 
-from conftest import FP32_STEP_RTOL, flat, rel_err  # noqa: E402
+from conftest import flat, rel_err  # noqa: E402
 
 SEQ, N_SEQ = 12, 24
+#: What GEAR-SAM says when it takes over a plain optimizer's state dict (its EMA restarts at zero).
+PLAIN_STATE_WARNING = r"without a 'gearsam' entry.*EMA of block energies starts at zero"
 
 
 def gpt2() -> GPT2LMHeadModel:
@@ -62,10 +73,22 @@ def arguments(tmp_path, **overrides) -> TrainingArguments:
     return TrainingArguments(**{**kw, **overrides})
 
 
-def manual_run(trainer: Recording, sam: str, steps: int, ga: int, clip: float, skip=frozenset()) -> nn.Module:
+def manual_run(
+    trainer: Recording,
+    sam: str,
+    steps: int,
+    ga: int,
+    clip: float,
+    skip=frozenset(),
+    start: Path | None = None,
+    bf16=(False, False),
+) -> nn.Module:
     """The two-pass loop by hand over the micro-batches the Trainer saw: the same optimizer, param groups, schedule
-    and loss normalisation. The steps in ``skip`` are left out (no update, no schedule step)."""
-    model = gpt2()
+    and loss normalisation. The steps in ``skip`` are left out (no update, no schedule step). ``start``: a checkpoint
+    of a plain Trainer to continue from (its weights, its base optimizer's state dict, its schedule and step); the
+    micro-batches the Trainer saw are then those from that step on. ``bf16``: whether the first and the second pass
+    run the model's forward under bfloat16 autocast, as ``bf16=True`` runs it."""
+    model = gpt2() if start is None else GPT2LMHeadModel.from_pretrained(start)
     decay = set(trainer.get_decay_parameter_names(model))
     groups = [
         {"params": [p for n, p in model.named_parameters() if n in decay], "weight_decay": trainer.args.weight_decay},
@@ -76,22 +99,31 @@ def manual_run(trainer: Recording, sam: str, steps: int, ga: int, clip: float, s
     base, kwargs = trainer.get_optimizer_cls_and_kwargs(trainer.args, model)  # transformers 5: AdamW, fused=True
     opt = cls(groups, base, model=model, rho=0.05, **extra, **kwargs)
     schedule = get_scheduler("linear", opt, num_warmup_steps=0, num_training_steps=steps)
+    first = 0
+    if start is not None:
+        first = TrainerState.load_from_json(str(start / "trainer_state.json")).global_step
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*" + PLAIN_STATE_WARNING)  # GEAR-SAM's, checked in the Trainer
+            opt.load_state_dict(torch.load(start / "optimizer.pt", weights_only=True))
+        schedule.load_state_dict(torch.load(start / "scheduler.pt", weights_only=True))
 
-    def backward(inputs, num_items):
-        if num_items is not None:  # the Trainer passes the window's token count to a model that accepts it
-            model(**inputs, num_items_in_batch=num_items).loss.backward()
-        else:
-            (model(**inputs).loss / ga).backward()
+    def backward(inputs, num_items, autocast: bool):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            if num_items is not None:  # the Trainer passes the window's token count to a model that accepts it
+                loss = model(**inputs, num_items_in_batch=num_items).loss
+            else:
+                loss = model(**inputs).loss / ga
+        loss.backward()
 
-    for step in range(steps):
+    for step in range(first, steps):
         if step in skip:
             continue
-        window = trainer.seen[step * ga : (step + 1) * ga]
+        window = trainer.seen[(step - first) * ga : (step - first + 1) * ga]
         for inputs, num_items in window:
-            backward(inputs, num_items)
+            backward(inputs, num_items, bf16[0])
         opt.first_step(zero_grad=True)
         for inputs, num_items in window:
-            backward(inputs, num_items)
+            backward(inputs, num_items, bf16[1])
         if clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.second_step(zero_grad=True)
@@ -109,23 +141,55 @@ def test_trainer_equals_the_manual_two_pass_loop(tmp_path, sam, ga, clip):
     trainer.train()
     assert len(trainer.seen) == steps * ga
     want = manual_run(trainer, sam, steps, ga, clip)
-    assert rel_err(flat(model), flat(want)) <= FP32_STEP_RTOL
+    assert torch.equal(flat(model), flat(want))
     assert rel_err(flat(model), flat(gpt2())) > 1e-3  # it trained
 
 
-def test_bf16_as_the_trainer_sets_it_up(tmp_path):
-    """bf16=True: the Trainer runs both passes under bfloat16 autocast; the step works on the float32 weights, and the
-    run stays near the float32 one (bfloat16 rounding apart)."""
-    runs = {}
-    for bf16 in (False, True):
-        model = gpt2()
-        SAMTrainer(
-            model=model, args=arguments(tmp_path / str(bf16), max_steps=4, bf16=bf16), train_dataset=Tokens()
-        ).train()
-        runs[bf16] = model
-    assert next(runs[True].parameters()).dtype == torch.float32
-    assert 0 < rel_err(flat(runs[True]), flat(runs[False])) < 2e-2
-    assert rel_err(flat(runs[True]), flat(gpt2())) > 1e-3
+class OnePassInFloat32(Recording):
+    """Runs the forward of one pass (``"first"`` or ``"second"``) without the Trainer's autocast, which wraps the
+    model's forward: what the bf16 check must catch."""
+
+    def __init__(self, *args, plain_pass: str, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.plain_pass = plain_pass
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        which = "second" if self.sam.perturbed else "first"
+        if which != self.plain_pass:
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        wrapped, model.forward = model.forward, model._original_forward  # the forward as the model defines it
+        try:
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        finally:
+            model.forward = wrapped
+
+
+@pytest.mark.parametrize("sam,ga,clip", [("gear-sam", 1, 0.0), ("sam", 2, 0.05)], ids=["gear-sam", "sam-acc-clip"])
+def test_bf16_as_the_trainer_sets_it_up(tmp_path, sam, ga, clip):
+    """bf16=True: the Trainer runs both passes under bfloat16 autocast, and equals the manual loop with both forward
+    passes under autocast, bit for bit; the step works on the float32 weights."""
+    steps = 4
+    model = gpt2()
+    trainer = Recording(model=model, args=arguments(tmp_path, max_steps=steps, bf16=True, gradient_accumulation_steps=ga,
+                                                    max_grad_norm=clip), train_dataset=Tokens(), sam=sam)  # fmt: skip
+    trainer.train()
+    assert next(model.parameters()).dtype == torch.float32
+    assert torch.equal(flat(model), flat(manual_run(trainer, sam, steps, ga, clip, bf16=(True, True))))
+    assert rel_err(flat(model), flat(manual_run(trainer, sam, steps, ga, clip))) > 1e-3  # bfloat16 is not float32
+    assert rel_err(flat(model), flat(gpt2())) > 1e-3
+
+
+@pytest.mark.parametrize("plain_pass", ["first", "second"])
+def test_the_bf16_check_catches_a_pass_run_without_autocast(tmp_path, plain_pass):
+    """A run whose first or second pass runs in float32 is not the manual bf16 loop (it equals the manual loop with
+    that pass in float32): the bit-for-bit comparison above fails for it."""
+    model = gpt2()
+    trainer = OnePassInFloat32(model=model, args=arguments(tmp_path, max_steps=4, bf16=True), train_dataset=Tokens(),
+                               plain_pass=plain_pass)  # fmt: skip
+    trainer.train()
+    assert not torch.equal(flat(model), flat(manual_run(trainer, "gear-sam", 4, 1, 0.0, bf16=(True, True))))
+    one = (plain_pass == "second", plain_pass == "first")
+    assert torch.equal(flat(model), flat(manual_run(trainer, "gear-sam", 4, 1, 0.0, bf16=one)))
 
 
 class Overflowing(Recording):
@@ -155,7 +219,7 @@ def test_a_loss_scaler_skips_the_whole_step_after_an_overflow_in_either_pass(tmp
     assert trainer.accelerator.scaler.get_scale() == 2.0**9
     assert not trainer.sam.perturbed
     want = manual_run(trainer, "gear-sam", steps, 1, 0.0, skip={skipped})
-    assert rel_err(flat(model), flat(want)) <= FP32_STEP_RTOL
+    assert torch.equal(flat(model), flat(want))
 
 
 def test_logs_carry_rho_and_every_blocks_share(tmp_path):
@@ -182,6 +246,37 @@ def test_resume_from_checkpoint_continues_exactly(tmp_path):
     trainer = SAMTrainer(model=resumed, args=arguments(tmp_path / "resumed", **common), train_dataset=Tokens())
     trainer.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-3"))
     assert torch.equal(flat(resumed), flat(model))
+
+
+@pytest.mark.parametrize("sam", ["sam", "gear-sam"])
+def test_a_run_switched_to_sam_from_a_plain_trainers_checkpoint_continues_as_the_manual_loop(tmp_path, sam):
+    """A plain Trainer (torch AdamW) saves at step 3 of 6; SAMTrainer resumes from that checkpoint, taking over the
+    AdamW state, the schedule and the step. The rest of the run equals the manual two-pass loop continued from the
+    same checkpoint, bit for bit; GEAR-SAM warns that its EMA starts at zero, SAM has nothing to warn of."""
+    common = dict(max_steps=6, gradient_accumulation_steps=2, max_grad_norm=0.05, optim="adamw_torch",
+                  save_strategy="steps", save_steps=3)  # fmt: skip
+    plain = Trainer(model=gpt2(), args=arguments(tmp_path / "plain", **common), train_dataset=Tokens())
+    plain.train()
+    checkpoint = tmp_path / "plain" / "checkpoint-3"
+    saved = torch.load(checkpoint / "optimizer.pt", weights_only=True)
+    assert type(plain.optimizer.optimizer) is torch.optim.AdamW and "gearsam" not in saved["param_groups"][0]
+
+    torch.manual_seed(123)
+    model = GPT2LMHeadModel(gpt2().config)  # other weights: everything must come from the checkpoint
+    trainer = Recording(model=model, args=arguments(tmp_path / "sam", **common), train_dataset=Tokens(), sam=sam)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.train(resume_from_checkpoint=str(checkpoint))
+    said = [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
+    assert sum(bool(re.search(PLAIN_STATE_WARNING, m)) for m in said) == (sam == "gear-sam"), said
+    assert trainer.state.global_step == 6 and len(trainer.seen) == 3 * 2
+    # AdamW's state went on from the plain run's: 3 plain steps, then 3 SAM steps
+    adam = trainer.sam.state
+    assert len(adam) == len(list(model.parameters())) and all(s["step"].item() == 6 for s in adam.values())
+    assert all(group["rho"] == 0.05 for group in trainer.sam.param_groups)
+    want = manual_run(trainer, sam, 6, 2, 0.05, start=checkpoint)
+    assert torch.equal(flat(model), flat(want))
+    assert rel_err(flat(model), flat(GPT2LMHeadModel.from_pretrained(checkpoint))) > 1e-3  # it trained on
 
 
 def test_a_wrapped_model_keeps_the_bare_models_blocks_and_a_given_optimizer_is_used(tmp_path):
@@ -258,7 +353,7 @@ def test_a_cnn_with_batchnorm_equals_the_manual_loop_with_frozen_statistics(tmp_
         torch.nn.utils.clip_grad_norm_(twin.parameters(), 1.0)
         opt.second_step(zero_grad=True)
         schedule.step()
-    assert rel_err(flat(model), flat(twin)) <= FP32_STEP_RTOL
+    assert torch.equal(flat(model), flat(twin))
     assert torch.equal(model.stem[1].running_mean, twin.stem[1].running_mean)
     assert trainer.sam.block_names == ["stem", "stage", "classifier"]
 

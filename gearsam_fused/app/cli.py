@@ -5,26 +5,44 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import dataclasses
 import datetime
+import itertools
+import json
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
+from gearsam_fused import __version__
 from gearsam_fused.backends import BACKENDS
+from gearsam_fused.models import MODELS
 from gearsam_fused.partition import STRATEGIES, format_partition, partition
 
 from .data import DATASETS
 from .demo import demo_config
 from .probe import ProbeSettings, probe_run
-from .studies import STUDIES, run_study, study_config
-from .training import AMP_MODES, OPTIMIZERS, SCHEDULES, RunConfig, call_factory, run_experiment
+from .studies import STUDIES, rebuild_study, run_study, study_config
+from .training import (
+    AMP_MODES,
+    OPTIMIZERS,
+    RESUMABLE,
+    SCHEDULES,
+    RunConfig,
+    SettingWarning,
+    call_factory,
+    check_at_least,
+    option,
+    run_experiment,
+)
 
 # The source checkout's benchmarks/, beside the package: gearsam_fused/app/cli.py -> the checkout's root.
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 BACKEND_NAMES = ("auto", *BACKENDS)
-# What --resume may change in a run: how long and where it runs, never what it computes.
-RESUMABLE = {"epochs", "threads", "device", "checkpoint_every", "telemetry_every"}
+# The probe's counts (ProbeSettings fields) by the options that set them; each must be at least 1.
+PROBE_OPTIONS = {"k": "k", "batches": "probe_batches", "batch_size": "probe_batch_size", "max_iter": "max_iter",
+                 "trace_samples": "trace_samples"}  # fmt: skip
 
 
 def _model_arg(text: str) -> tuple[str, object]:
@@ -69,17 +87,24 @@ def _training_options(parser: argparse.ArgumentParser, defaults: RunConfig) -> N
     add("--label-noise", type=float, help="symmetric label noise rate on the training set, e.g. 0.2")
     add("--telemetry-every", type=int, help="read block statistics from the device every N steps")
     add("--threads", type=int, help="CPU threads for torch (default: torch's choice)")
-    add("--out", type=Path, help="run directory (default: runs/COMMAND-TIMESTAMP)")
+    add("--out", type=Path, help="run directory (default: runs/COMMAND-TIMESTAMP); refused if it holds files")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="clear --out first when it holds an earlier run or study, instead of refusing it")  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="gearsam", description="SAM and GEAR-SAM for PyTorch")
+    parser = argparse.ArgumentParser(
+        prog="gearsam",
+        description="SAM and GEAR-SAM for PyTorch. Start with `gearsam demo`: SGD, SAM and GEAR-SAM on the digits in "
+        "about a minute on a CPU, with a table and plots.",
+    )
+    parser.add_argument("--version", action="version", version=f"gearsam_fused {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="train SGD, SAM and GEAR-SAM on scikit-learn's digits and compare")
     _training_options(demo, demo_config())
 
-    train = sub.add_parser("train", help="train a model on CIFAR-10/100 or synthetic data")
+    train = sub.add_parser("train", help="train a model on the digits, CIFAR-10/100 or synthetic data")
     _training_options(train, RunConfig())
     _model_options(train, RunConfig())
     _adder(train, RunConfig())(
@@ -91,12 +116,18 @@ def build_parser() -> argparse.ArgumentParser:
     _study_commands(sub)
 
     part = sub.add_parser("partition", help="print the block table of a model for each strategy")
-    part.add_argument("model", help="an in-repo model name or package.module:factory (called without arguments)")
+    part.add_argument("model", help=f"an in-repo model ({', '.join(sorted(MODELS))}) or package.module:factory")
+    part.add_argument("--model-arg", type=_model_arg, action="append", default=[], metavar="KEY=VALUE",
+                      help="keyword for the model factory, as in train; e.g. num_classes=10 for the head a 10-class "
+                      "dataset trains (the factory's own default otherwise: 1000 for tv_resnet18, vit_b16 and "
+                      "efficientnet_b0)")  # fmt: skip
     part.add_argument("--strategy", nargs="+", default=["coarse", "fine"], choices=STRATEGIES,
                       help="one table per strategy (default: coarse fine)")  # fmt: skip
 
-    plot = sub.add_parser("plot", help="render the plots of a run directory")
-    plot.add_argument("run_dir", type=Path)
+    plot = sub.add_parser("plot", help="render the plots of a run directory, or rebuild a study's tables and figure")
+    plot.add_argument("run_dir", type=Path, metavar="DIR",
+                      help="a run directory (curves.png, block_shares.png) or a study directory (study.md, "
+                      "study.json and study.png, rebuilt from its runs, finished or not)")  # fmt: skip
 
     bench = sub.add_parser("bench", help="run the benchmark suite (quick mode unless --full)")
     bench.add_argument("--full", action="store_true", help="the full suite (CPU: about 15 minutes on 2 cores) "
@@ -120,6 +151,10 @@ def _study_commands(sub) -> None:
     reproduce.add_argument(
         "--values", nargs="+", type=_literal, help="the grid of the varied setting (default: the paper's)"
     )
+    reproduce.add_argument("--resume", type=Path, metavar="STUDY_DIR",
+                           help="continue the study in STUDY_DIR: finished runs are kept, unfinished ones go on from "
+                           "their checkpoints (saved every epoch by default); only --epochs, --threads, --device, "
+                           "--checkpoint-every and --telemetry-every may change")  # fmt: skip
     _probe_options(reproduce)
     hessian = sub.add_parser("hessian", help="the Hessian spectrum of a run directory's trained models")
     hessian.add_argument("run_dir", type=Path, help="a run trained with --checkpoint-every")
@@ -129,20 +164,23 @@ def _study_commands(sub) -> None:
 def _probe_options(parser: argparse.ArgumentParser) -> None:
     """The Hessian probe's budget (see ``gearsam_fused.app.probe.ProbeSettings``)."""
     defaults = ProbeSettings()
-    parser.add_argument("--k", type=int, default=defaults.k, help=f"top eigenvalues (default: {defaults.k})")
-    parser.add_argument("--probe-batches", type=int, default=defaults.batches,
+    parser.add_argument("--k", type=int, default=None, help=f"top eigenvalues (default: {defaults.k})")
+    parser.add_argument("--probe-batches", type=int, default=None,
                         help=f"test batches the Hessian averages over (default: {defaults.batches})")  # fmt: skip
-    parser.add_argument("--probe-batch-size", type=int, default=defaults.batch_size,
+    parser.add_argument("--probe-batch-size", type=int, default=None,
                         help=f"images per probe batch (default: {defaults.batch_size})")  # fmt: skip
-    parser.add_argument("--max-iter", type=int, default=defaults.max_iter,
+    parser.add_argument("--max-iter", type=int, default=None,
                         help=f"Hessian-vector products per eigenvalue, at most (default: {defaults.max_iter})")  # fmt: skip
-    parser.add_argument("--trace-samples", type=int, default=defaults.trace_samples,
+    parser.add_argument("--trace-samples", type=int, default=None,
                         help=f"Hutchinson samples of the trace (default: {defaults.trace_samples})")  # fmt: skip
 
 
 def _probe_settings(args: argparse.Namespace) -> ProbeSettings:
-    return ProbeSettings(k=args.k, batches=args.probe_batches, batch_size=args.probe_batch_size,
-                         max_iter=args.max_iter, trace_samples=args.trace_samples)  # fmt: skip
+    """The probe's budget from the options, each checked before anything is trained or probed."""
+    defaults = ProbeSettings()
+    given = {key: getattr(args, dest) for key, dest in PROBE_OPTIONS.items()}
+    return ProbeSettings(**{key: check_at_least(option(PROBE_OPTIONS[key]), getattr(defaults, key) if value is None
+                                                else value, 1) for key, value in given.items()})  # fmt: skip
 
 
 def _literal(text: str):
@@ -166,8 +204,8 @@ def _model_options(parser: argparse.ArgumentParser, defaults: RunConfig) -> None
         metavar="KEY=VALUE",
         help="keyword for the model factory, e.g. width=16 or 'blocks=(1,1)'; repeatable",
     )
-    # train does not offer the digits, which only the demo's small network suits; the studies default to them
-    add("--dataset", choices=DATASETS[1:] if defaults.command == "train" else DATASETS, help="training data")
+    add("--dataset", choices=DATASETS, help="training data: scikit-learn's digits (8x8, 1 channel), CIFAR (needs "
+        "--data-dir) or synthetic (class patterns under noise, 3x32x32)")  # fmt: skip
     add("--data-dir", help="folder holding cifar-10-batches-py/ or cifar-100-python/")
     add("--synthetic-size", type=int, help="training images of --dataset synthetic")
     add("--momentum", type=float, help="SGD momentum")
@@ -186,11 +224,45 @@ def main(argv: list[str] | None = None) -> int:
     if hasattr(sys.stdout, "reconfigure"):  # a replaced stdout (a notebook's, a test's capture) may not have it
         sys.stdout.reconfigure(line_buffering=True)  # a log file or CI sees each line as it is printed, not at the end
     args = build_parser().parse_args(argv)
-    try:
-        return _run(args)
-    except ValueError as exc:
-        print(f"gearsam: error: {exc}", file=sys.stderr)
-        return 2
+    with warnings.catch_warnings():  # restores showwarning on the way out
+        warnings.showwarning = _showing_setting_warnings(warnings.showwarning)
+        try:
+            return _run(args)
+        except ValueError as exc:
+            print(f"gearsam: error: {exc}", file=sys.stderr)
+            return 2
+        except KeyboardInterrupt:
+            print(f"\ngearsam: interrupted; {_interrupted(args)}", file=sys.stderr)
+            return 130
+
+
+def _interrupted(args: argparse.Namespace) -> str:
+    """What an interrupted command kept, and the command that continues it."""
+    where = getattr(args, "out_dir", None)
+    if where is None or not where.is_dir():
+        return "nothing was written"
+    if args.command == "reproduce":
+        return (f"{where} keeps the finished runs and the checkpoints; continue with: "
+                f"gearsam reproduce {args.study} --resume {where}")  # fmt: skip
+    if args.command == "train":
+        return (f"{where} keeps the metrics so far and any checkpoints (--checkpoint-every); continue with: "
+                f"gearsam train --resume {where}")  # fmt: skip
+    if args.command == "demo":
+        return f"{where} keeps the metrics so far; a demo run has no checkpoints: run it again to finish it"
+    return "nothing was written"
+
+
+def _showing_setting_warnings(show):
+    """``warnings.showwarning`` that prints a SettingWarning as the command's own message (no source location: it is
+    about the settings, not the code) and leaves every other warning to ``show``."""
+
+    def showwarning(message, category, filename, lineno, file=None, line=None):
+        if issubclass(category, SettingWarning):
+            print(f"gearsam: warning: {message}", file=sys.stderr)
+        else:
+            show(message, category, filename, lineno, file, line)
+
+    return showwarning
 
 
 def _config(args: argparse.Namespace) -> tuple[RunConfig, Path, bool]:
@@ -201,9 +273,11 @@ def _config(args: argparse.Namespace) -> tuple[RunConfig, Path, bool]:
     if getattr(args, "model_arg", None):
         given["model_args"] = dict(args.model_arg)
     resume = getattr(args, "resume", None)
+    if args.command == "reproduce":
+        return _study_config(args, given)
     if resume is not None:
-        if args.out is not None:
-            raise ValueError("--resume continues in RUN_DIR itself; drop --out")
+        if args.out is not None or args.overwrite:
+            raise ValueError("--resume continues in RUN_DIR itself, keeping what it holds; drop --out and --overwrite")
         if not (resume / "config.json").is_file():
             raise ValueError(f"cannot resume {resume}: it has no config.json")
         cfg = RunConfig.load(resume / "config.json")
@@ -211,24 +285,95 @@ def _config(args: argparse.Namespace) -> tuple[RunConfig, Path, bool]:
         if changed:
             raise ValueError(f"--resume cannot change {changed}; only {sorted(RESUMABLE)}")
         return dataclasses.replace(cfg, **given), resume, True
-    if args.command == "reproduce":
-        cfg = study_config(args.study, **given)
-    else:
-        cfg = RunConfig(**given) if args.command == "train" else demo_config(**given)
-    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    cfg = RunConfig(**given) if args.command == "train" else demo_config(**given)
+    return cfg, args.out, False
+
+
+def _study_config(args: argparse.Namespace, given: dict) -> tuple[RunConfig, Path | None, bool]:
+    """A study's settings: its defaults then the options given, or those its ``study.json`` recorded when resuming
+    (then only how long and where it runs may change). Options the study would not use are refused."""
+    if args.resume is None:
+        _check_study_options(args, given)
+        return study_config(args.study, **given), args.out, False
+    if args.out is not None or args.overwrite:
+        raise ValueError("--resume continues in STUDY_DIR itself, keeping what it holds; drop --out and --overwrite")
+    if not (args.resume / "study.json").is_file():
+        raise ValueError(f"cannot resume {args.resume}: it has no study.json")
+    saved = json.loads((args.resume / "study.json").read_text())
+    if saved.get("study") != args.study or "settings" not in saved:
+        raise ValueError(f"cannot resume {args.resume} as the {args.study} study: it holds {saved.get('study')!r}")
+    cfg = RunConfig(**saved["settings"])
+    changed = sorted(k for k, v in given.items() if k not in RESUMABLE and getattr(cfg, k) != v)
+    if args.values and list(args.values) != saved["values"]:
+        changed.append("values")
+    if changed:
+        raise ValueError(f"--resume cannot change {changed}; only {sorted(RESUMABLE)}")
+    args.values = saved["values"]
+    for key, dest in PROBE_OPTIONS.items():  # the probe's budget as recorded, unless given again
+        if getattr(args, dest) is None:
+            setattr(args, dest, saved["probe"][key])
+    return dataclasses.replace(cfg, **given), args.resume, True
+
+
+def _check_study_options(args: argparse.Namespace, given: dict) -> None:
+    """Refuse the options a study would drop: the setting it varies (its grid is --values), optimizers it does not
+    train, and the probe's budget outside the Hessian study."""
+    study = STUDIES[args.study]
+    if study.setting in given and args.study != "hessian":
+        raise ValueError(f"{option(study.setting)} {given[study.setting]}: the {args.study} study varies "
+                         f"{study.setting} itself; set its grid with --values")  # fmt: skip
+    foreign = [o for o in given.get("optimizers", []) if o not in study.optimizers]
+    if foreign:
+        raise ValueError(f"--optimizers {' '.join(given['optimizers'])}: the {args.study} study trains "
+                         f"{', '.join(study.optimizers)} only")  # fmt: skip
+    probing = [option(dest) for dest in PROBE_OPTIONS.values() if getattr(args, dest) is not None]
+    if probing and args.study != "hessian":
+        raise ValueError(f"{', '.join(probing)}: the probe's options apply to the hessian study only")
+
+
+def fresh_run_dir(base: Path) -> Path:
+    """A new, empty directory named ``base``, or ``base-2``, ``base-3``, ... when that name is taken. ``mkdir`` without
+    ``exist_ok`` is atomic: two runs started in the same second never share (or reuse) a directory."""
+    for number in itertools.count(1):
+        path = base if number == 1 else base.with_name(f"{base.name}-{number}")
+        try:
+            path.mkdir(parents=True)
+            return path
+        except FileExistsError:
+            continue
+    raise AssertionError("unreachable")
+
+
+@contextlib.contextmanager
+def _out_dir(args: argparse.Namespace, given: Path | None):
+    """``given``, or a fresh ``runs/COMMAND-TIMESTAMP``; a fresh one that a refused or failed command leaves empty is
+    removed again, so a bad setting leaves no run directory behind."""
+    if given is not None:
+        args.out_dir = given
+        yield given
+        return
     what = f"{args.command}-{args.study}" if args.command == "reproduce" else args.command
-    return cfg, args.out or Path("runs") / f"{what}-{stamp}", False
+    path = args.out_dir = fresh_run_dir(Path("runs") / f"{what}-{datetime.datetime.now():%Y%m%d-%H%M%S}")
+    try:
+        yield path
+    finally:
+        if path.is_dir() and not any(path.iterdir()):
+            path.rmdir()
 
 
 def _run(args: argparse.Namespace) -> int:
     """Carry out the parsed command; returns its exit status."""
     if args.command in ("demo", "train"):
-        cfg, run_dir, resume = _config(args)
-        run_experiment(cfg, run_dir, resume=resume)
+        cfg, out, resume = _config(args)
+        with _out_dir(args, out) as run_dir:
+            run_experiment(cfg, run_dir, resume=resume, overwrite=args.overwrite)
         _plot_run(run_dir)
     elif args.command == "reproduce":
-        cfg, study_dir, _ = _config(args)
-        run_study(args.study, cfg, study_dir, values=args.values, probe=_probe_settings(args))
+        cfg, out, resume = _config(args)
+        probe = _probe_settings(args)
+        with _out_dir(args, out) as study_dir:
+            run_study(args.study, cfg, study_dir, values=args.values, probe=probe, overwrite=args.overwrite,
+                      resume=resume)  # fmt: skip
         print((study_dir / "study.md").read_text())
         _plot(study_dir, "render_study")
     elif args.command == "hessian":
@@ -236,16 +381,19 @@ def _run(args: argparse.Namespace) -> int:
         print((args.run_dir / "hessian.md").read_text())
         _plot(args.run_dir, "render_hessian")
     elif args.command == "partition":
-        model = call_factory(args.model)
+        model = call_factory(args.model, **dict(args.model_arg))
+        shown = " ".join([args.model, *(f"{k}={v!r}" for k, v in args.model_arg)])
         for strategy in args.strategy:
-            print(f"[{args.model}: {strategy}]")
+            print(f"[{shown}: {strategy}]")
             print(format_partition(partition(model, strategy)))
             print()
     elif args.command == "plot":
-        from .plots import render  # matplotlib is optional: only the commands that draw need it
-
-        for path in render(args.run_dir):
-            print(f"wrote {path}")
+        if (args.run_dir / "study.json").is_file():  # a study: its tables are rebuilt from its runs, then drawn
+            rebuild_study(args.run_dir)
+            print(f"wrote {args.run_dir / 'study.md'}\nwrote {args.run_dir / 'study.json'}")
+            _plot(args.run_dir, "render_study")
+        else:
+            _plot(args.run_dir, "render")
     elif args.command == "bench":
         runner = BENCHMARKS / "run.py"
         if not runner.is_file():

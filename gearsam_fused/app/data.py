@@ -1,5 +1,5 @@
 """Datasets of the command line, as whole tensors: scikit-learn's bundled digits, CIFAR-10/100 read from the official
-python archives in ``--data-dir``, and synthetic images for throughput runs. Batches are index slices, so an epoch
+python archives in ``--data-dir``, and synthetic images (class patterns under noise) for quick runs. Batches are index slices, so an epoch
 costs no data-loader processes and is reproducible from its seed alone."""
 
 from __future__ import annotations
@@ -96,14 +96,18 @@ def load_cifar(name: str, data_dir: str | None) -> Dataset:
 
 
 def synthetic_images(n: int, num_classes: int = 10, shape=(3, 32, 32), seed: int = 0) -> Dataset:
-    """Gaussian images labelled by a fixed random linear teacher: learnable, so curves move, yet free to make."""
+    """Images of ``num_classes`` classes, each a smooth random pattern of its own (a 4x4 grid of colours, upsampled)
+    under Gaussian noise: free to make, and learnable in an epoch or two, so curves move. No crop and flip: they
+    would move a pattern away from what makes its class, and a test image is never shifted."""
     if n < 2:
         raise ValueError(f"synthetic dataset size must be at least 2, got {n}")
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n + n // 4, *shape, generator=g)
-    teacher = torch.randn(x[0].numel(), num_classes, generator=g)
-    y = (x.flatten(1) @ teacher).argmax(1)
-    return Dataset("synthetic", (x[:n], y[:n]), (x[n:], y[n:]), num_classes, augment=True)
+    channels, height, width = shape
+    coarse = torch.randn(num_classes, channels, 4, 4, generator=g)
+    patterns = F.interpolate(coarse, size=(height, width), mode="bilinear", align_corners=False)
+    y = torch.randint(0, num_classes, (n + n // 4,), generator=g)
+    x = 2.0 * patterns[y] + torch.randn(len(y), *shape, generator=g)
+    return Dataset("synthetic", (x[:n], y[:n]), (x[n:], y[n:]), num_classes)
 
 
 def add_symmetric_noise(y: torch.Tensor, rate: float, num_classes: int, seed: int) -> torch.Tensor:

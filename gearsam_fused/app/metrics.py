@@ -3,9 +3,10 @@
 ``metrics.jsonl`` holds one JSON object per line, each with ``kind``, ``optimizer`` and ``seed``:
 
 - ``epoch``: ``epoch`` (1-based), ``step`` (steps done), ``lr``, ``train_loss``, ``train_acc``, ``test_loss``,
-  ``test_acc``, ``train_sharpness`` (the epoch's mean realized sharpness L(w + eps) - L(w) over its training
-  images, from the two losses of each step; None for SGD), ``seconds`` (training time so far), ``sam_seconds`` (of
-  it, inside ``first_step``/``second_step`` but outside the base optimizer's step; 0 for SGD);
+  ``test_acc`` (accuracies in % of the images, as in every table and figure), ``train_sharpness`` (the epoch's mean
+  realized sharpness L(w + eps) - L(w) over its training images, from the two losses of each step; None for SGD),
+  ``seconds`` (training time so far), ``sam_seconds`` (of it, inside ``first_step``/``second_step`` but outside the
+  base optimizer's step; 0 for SGD);
 - ``blocks``: one per SAM/GEAR-SAM step, the :class:`~gearsam_fused.telemetry.BlockTelemetry` record: ``step``,
   ``rho``, ``blocks`` (names), per block ``energy``, ``ema`` (allocation score), ``radius`` and ``share``, and the
   step's ``loss``, ``perturbed_loss`` and realized ``sharpness``;

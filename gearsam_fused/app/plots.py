@@ -14,7 +14,7 @@ from pathlib import Path
 
 try:
     from matplotlib.figure import Figure
-    from matplotlib.ticker import MaxNLocator
+    from matplotlib.ticker import FuncFormatter, MaxNLocator
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("plots need matplotlib: pip install matplotlib") from exc
 
@@ -23,6 +23,19 @@ from gearsam_fused.allocation import GEAR_RULE, SAM_RULE
 from .metrics import read_metrics
 
 _TITLES = {"sgd": "SGD", SAM_RULE: "SAM", GEAR_RULE: "GEAR-SAM"}
+# One colour per optimizer in every panel and figure, whichever optimizers a panel leaves out (SGD has no realized
+# sharpness): matplotlib's cycle would hand the next line the colour of the one skipped.
+_COLORS = {"sgd": "C0", SAM_RULE: "C1", GEAR_RULE: "C2"}
+
+
+def color_of(name: str) -> str:
+    """The colour of optimizer ``name`` in every plot; names beyond the known ones get the next colours of the cycle,
+    in a fixed order."""
+    if name in _COLORS:
+        return _COLORS[name]
+    return f"C{(len(_COLORS) + sum(map(ord, name))) % 10}"
+
+
 _CURVES = (("train_loss", "train loss"), ("test_loss", "test loss"), ("train_acc", "train accuracy (%)"),
            ("test_acc", "test accuracy (%)"))  # fmt: skip
 _SHARPNESS = ("train_sharpness", "realized sharpness L(w + ε) − L(w)")
@@ -79,11 +92,11 @@ def curves_figure(rows: list[dict]) -> Figure:
         for ax, (key, _) in zip(axes, curves):
             if any(r.get(key) is None for r in runs):  # SGD has no realized sharpness
                 continue
-            scale = 100.0 if key.endswith("_acc") else 1.0
-            values = [[scale * r[key] for r in per_epoch[e]] for e in x]
+            values = [[r[key] for r in per_epoch[e]] for e in x]
             mean = [sum(v) / len(v) for v in values]
-            (line,) = ax.plot(x, mean, marker="o", markersize=3 if len(x) > 5 else 6, label=_TITLES.get(name, name))
-            ax.fill_between(x, [min(v) for v in values], [max(v) for v in values], color=line.get_color(), alpha=0.2)
+            color = color_of(name)
+            ax.plot(x, mean, marker="o", markersize=3 if len(x) > 5 else 6, label=_TITLES.get(name, name), color=color)
+            ax.fill_between(x, [min(v) for v in values], [max(v) for v in values], color=color, alpha=0.2)
     for ax, (key, label) in zip(axes, curves):
         ax.set_title(label)
         ax.grid(alpha=0.3)
@@ -92,11 +105,13 @@ def curves_figure(rows: list[dict]) -> Figure:
         elif key.endswith("_loss"):
             ax.set_ylim(bottom=0, top=max(ax.get_ylim()[1], 1e-3))
     axes[0].set_xlim(min(epochs) - 1, max(epochs) + 1)
-    for ax in axes[2:]:
+    for ax in axes[2:]:  # the bottom row, and the sharpness panel, which has no panel below it
         ax.set_xlabel("epoch")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.tick_params(labelbottom=True)
     axes[0].legend()
-    fig.suptitle("mean over seeds (band: min to max)")
+    seeds = len({row["seed"] for row in rows})
+    fig.suptitle("one seed" if seeds == 1 else f"mean over {seeds} seeds (band: min to max)")
     return fig
 
 
@@ -128,50 +143,92 @@ def block_shares_figure(rows: list[dict]) -> Figure:
     return fig
 
 
-def study_figure(numbers: dict) -> Figure:
-    """A study's test accuracy (%) against the varied setting, one line per optimizer (bars: ± std over seeds)."""
-    fig = Figure(figsize=(7, 4.5), layout="constrained")
+def study_figure(numbers: dict, where: str = "") -> Figure:
+    """A study's test accuracy (%) against the varied setting, one line per optimizer (bars: ± std over seeds, each
+    optimizer's set a little apart so that they do not hide each other), titled with the study's settings."""
+    fig = Figure(figsize=(8, 4.8), layout="constrained")
     ax = fig.subplots()
+    setting = numbers["setting"]
     values = list(dict.fromkeys(row["value"] for row in numbers["accuracy"]))
-    for name in dict.fromkeys(row["optimizer"] for row in numbers["accuracy"]):
+    names = list(dict.fromkeys(row["optimizer"] for row in numbers["accuracy"]))
+    for index, name in enumerate(names):
         mine = {row["value"]: row for row in numbers["accuracy"] if row["optimizer"] == name}
+        shift = 0.08 * (index - (len(names) - 1) / 2)
         x = [i for i, v in enumerate(values) if v in mine]
-        ax.errorbar(x, [mine[values[i]]["mean"] for i in x], yerr=[mine[values[i]]["std"] for i in x], marker="o",
-                    capsize=3, label=_TITLES.get(name, name))  # fmt: skip
-    ax.set_xticks(range(len(values)), [str(v) for v in values])
-    ax.set_xlabel(numbers["setting"])
+        std = [mine[values[i]]["std"] for i in x]
+        ax.errorbar([i + shift for i in x], [mine[values[i]]["mean"] for i in x], marker="o", capsize=3,
+                    yerr=[float("nan") if s is None else s for s in std], color=color_of(name),
+                    label=_TITLES.get(name, name))  # fmt: skip
+    percent = setting == "label_noise"
+    ax.set_xticks(range(len(values)), [f"{100 * v:g}" if percent else str(v) for v in values])
+    ax.set_xlabel({"label_noise": "symmetric label noise (% of training labels)", "rho": "ρ", "beta": "β",
+                   "partition": "partition"}.get(setting, setting))  # fmt: skip
     ax.set_ylabel("test accuracy (%)")
     ax.grid(alpha=0.3)
-    ax.legend()
-    fig.suptitle(numbers["about"])
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), title="optimizer")  # beside the plot, never over a bar
+    fig.suptitle(f"{numbers['about']}\n{where + ': ' if where else ''}{_settings_line(numbers)}", fontsize="medium")
     return fig
 
 
-def hessian_figure(rows: list[dict]) -> Figure:
-    """Histograms of the top Hessian eigenvalues per optimizer (every seed's), on shared bins."""
-    fig = Figure(figsize=(7, 4.5), layout="constrained")
+def _settings_line(numbers: dict) -> str:
+    """The run behind a study's figure, in one line: data, model, epochs and how many seeds the bars span."""
+    cfg = numbers.get("settings")
+    if not cfg:
+        return "mean ± std over seeds"
+    seeds = len(cfg["seeds"])
+    return (f"{cfg['dataset']}, {cfg['model']}, {cfg['epochs']} epoch{'s' * (cfg['epochs'] != 1)}, "
+            f"mean ± std over {seeds} seed{'s' * (seeds != 1)}" + ("" if seeds > 1 else " (no spread)"))  # fmt: skip
+
+
+def hessian_figure(rows: list[dict], title: str = "") -> Figure:
+    """The top Hessian eigenvalues per optimizer, by rank: the mean over seeds with its min-max band, on a log axis
+    (the spectrum falls by orders of magnitude); eigenvalues that did not converge are marked with a cross."""
+    fig = Figure(figsize=(8, 4.8), layout="constrained")
     ax = fig.subplots()
-    pooled = {name: [e for r in rows if r["optimizer"] == name for e in r["eigenvalues"]] for name in
-              dict.fromkeys(r["optimizer"] for r in rows)}  # fmt: skip
-    everything = [e for values in pooled.values() for e in values]
-    low, high = min(everything), max(everything)
-    bins = [low + (high - low) * i / 20 for i in range(21)] if high > low else 10
-    for name, values in pooled.items():
-        ax.hist(values, bins=bins, alpha=0.5, label=f"{_TITLES.get(name, name)} (max {max(values):.3g})")
-    ax.set_xlabel("eigenvalue")
-    ax.set_ylabel("count")
-    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.suptitle(f"top-{len(rows[0]['eigenvalues'])} Hessian eigenvalues")
+    names = list(dict.fromkeys(r["optimizer"] for r in rows))
+    k = len(rows[0]["eigenvalues"])
+    ranks = list(range(1, k + 1))
+    positive = all(e > 0 for r in rows for e in r["eigenvalues"])
+    for name in names:
+        mine = [r["eigenvalues"] for r in rows if r["optimizer"] == name]
+        columns = list(zip(*mine))
+        mean = [sum(c) / len(c) for c in columns]
+        color = color_of(name)
+        ax.plot(ranks, mean, marker="o", color=color, label=f"{_TITLES.get(name, name)} (max {mean[0]:.3g})")
+        ax.fill_between(ranks, [min(c) for c in columns], [max(c) for c in columns], color=color, alpha=0.2)
+        loose = [(i + 1, e) for r in rows if r["optimizer"] == name for i, (e, ok) in
+                 enumerate(zip(r["eigenvalues"], r.get("converged", [True] * k))) if not ok]  # fmt: skip
+        if loose:
+            ax.plot(*zip(*loose), "x", color=color, markersize=9)
+    if positive:
+        ax.set_yscale("log")
+        plain = FuncFormatter(lambda value, _: f"{value:g}")  # 20, not 2 x 10^1
+        ax.yaxis.set_major_formatter(plain)
+        ax.yaxis.set_minor_formatter(plain)
+    ax.set_xlabel("rank of the eigenvalue")
+    ax.set_ylabel("Hessian eigenvalue")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), title="optimizer")
+    seeds = len({r["seed"] for r in rows})
+    fig.suptitle(f"top-{k} Hessian eigenvalues{title}: mean over {seeds} seed{'s' * (seeds != 1)} (band: min to max;"
+                 " x: not converged)", fontsize="medium")  # fmt: skip
     return fig
 
 
 def render_study(study_dir: str | Path) -> list[Path]:
-    """Write ``study.png`` (and ``hessian.png`` for each probed run) of a study directory; returns their paths."""
+    """Write ``study.png`` (and ``hessian.png`` for each probed run) of a study directory; returns their paths. The
+    Hessian study's figure is its spectrum."""
     study_dir = Path(study_dir)
     numbers = json.loads((study_dir / "study.json").read_text())
-    written = [_save(study_figure(numbers), study_dir / "study.png")]
+    if numbers.get("hessian"):
+        rows = [row for value_rows in numbers["hessian"].values() for row in value_rows]
+        figure = hessian_figure(rows, f" of {study_dir.name}")
+    elif numbers.get("accuracy"):
+        figure = study_figure(numbers, study_dir.name)
+    else:
+        raise ValueError(f"{study_dir} has no finished run yet: nothing to plot")
+    written = [_save(figure, study_dir / "study.png")]
     for rows_file in sorted(study_dir.glob("*/hessian.jsonl")):
         written.append(render_hessian(rows_file.parent))
     return written
@@ -180,4 +237,4 @@ def render_study(study_dir: str | Path) -> list[Path]:
 def render_hessian(run_dir: str | Path) -> Path:
     """Write ``hessian.png`` of a probed run directory; returns its path."""
     rows = read_metrics(Path(run_dir) / "hessian.jsonl")
-    return _save(hessian_figure(rows), Path(run_dir) / "hessian.png")
+    return _save(hessian_figure(rows, f" of {Path(run_dir).name}"), Path(run_dir) / "hessian.png")

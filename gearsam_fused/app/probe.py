@@ -11,16 +11,17 @@ from __future__ import annotations
 
 import json
 import statistics
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from gearsam_fused.analysis import hessian_eigenvalues, hessian_trace
+from gearsam_fused.analysis import hessian_spectrum, hessian_trace
 
 from .data import load_dataset
-from .training import RunConfig, build_model, resolve_device
+from .training import RunConfig, SettingWarning, build_model, resolve_device
 
 ROWS = "hessian.jsonl"
 TABLE = "hessian.md"
@@ -64,9 +65,37 @@ def probe_run(run_dir: Path, settings: ProbeSettings, log=print) -> list[dict]:
         log(f"  {name:<9} seed {seed}: max eigenvalue {rows[-1]['max_eigenvalue']:.4g}, trace {rows[-1]['trace']:.4g}")
     (run_dir / ROWS).write_text("".join(json.dumps(r) + "\n" for r in rows))
     (run_dir / TABLE).write_text(
-        f"# Hessian spectrum of {run_dir.name}\n\n```\n{spectrum_table(rows, settings.k)}\n```\n"
+        f"# Hessian spectrum of {run_dir.name}\n\n```\n{spectrum_table(rows, settings.k)}\n```\n\n"
+        f"Each eigenvalue, its residual ||Hv - λv|| / |λ| and whether it converged (relative change ≤ {settings.tol} "
+        f"within --max-iter {settings.max_iter}):\n\n```\n{convergence_table(rows)}\n```\n"
     )
+    _warn_unconverged(rows, settings)
     return rows
+
+
+def _warn_unconverged(rows: list[dict], settings: ProbeSettings) -> None:
+    """A SettingWarning when some eigenvalue stopped at ``max_iter`` before its tolerance: it may be far off."""
+    loose = sum(not ok for r in rows for ok in r["converged"])
+    if loose:
+        worst = max(res for r in rows for res, ok in zip(r["residuals"], r["converged"]) if not ok)
+        warnings.warn(SettingWarning(
+            f"{loose} of {sum(len(r['converged']) for r in rows)} eigenvalues did not converge within --max-iter "
+            f"{settings.max_iter} (largest residual {worst:.2g}); they may be far from the true ones: raise --max-iter"
+        ), stacklevel=2)  # fmt: skip
+
+
+def convergence_table(rows: list[dict]) -> str:
+    """Per optimizer and seed, each eigenvalue with its residual, the products it took and whether it converged."""
+    header = (
+        f"{'optimizer':<10}  {'seed':>4}  {'rank':>4}  {'eigenvalue':>12}  {'residual':>9}  {'products':>8}  converged"
+    )
+    lines = [header, "-" * len(header)]
+    for r in rows:
+        for rank, cells in enumerate(zip(r["eigenvalues"], r["residuals"], r["iterations"], r["converged"]), 1):
+            value, residual, products, ok = cells
+            lines.append(f"{r['optimizer']:<10}  {r['seed']:>4}  {rank:>4}  {value:>12.5g}  {residual:>9.2g}  "
+                         f"{products:>8}  {'yes' if ok else 'NO'}")  # fmt: skip
+    return "\n".join(lines)
 
 
 def _cross_entropy(model, batch) -> torch.Tensor:
@@ -75,12 +104,16 @@ def _cross_entropy(model, batch) -> torch.Tensor:
 
 def _spectrum(model, batches, settings: ProbeSettings) -> dict:
     """The probe's numbers for one model."""
-    eigenvalues = hessian_eigenvalues(
+    spectrum = hessian_spectrum(
         model, _cross_entropy, batches, settings.k, max_iter=settings.max_iter, tol=settings.tol, seed=settings.seed
     )
+    eigenvalues = spectrum.eigenvalues
     trace = hessian_trace(model, _cross_entropy, batches, samples=settings.trace_samples, seed=settings.seed)
     return {
         "eigenvalues": eigenvalues,
+        "residuals": spectrum.residuals,
+        "iterations": spectrum.iterations,
+        "converged": spectrum.converged,
         "max_eigenvalue": eigenvalues[0],
         "top_mean": statistics.mean(eigenvalues),
         "top_variance": statistics.pvariance(eigenvalues),
@@ -103,5 +136,5 @@ def spectrum_table(rows: list[dict], k: int) -> str:
 
 
 def _mean_std(values: list[float]) -> str:
-    spread = statistics.stdev(values) if len(values) > 1 else 0.0
-    return f"{statistics.mean(values):.4g} ± {spread:.2g}"
+    spread = f"{statistics.stdev(values):.2g}" if len(values) > 1 else "n/a"  # one seed has no spread
+    return f"{statistics.mean(values):.4g} ± {spread}"

@@ -20,9 +20,11 @@ from pathlib import Path
 from gearsam_fused.allocation import GEAR_RULE, SAM_RULE
 from gearsam_fused.partition import STRATEGIES
 
+from .data import load_dataset
 from .demo import demo_config
-from .probe import ProbeSettings, probe_run, spectrum_table
-from .training import SGD, RunConfig, run_experiment
+from .metrics import MetricsLog, read_metrics
+from .probe import ROWS, ProbeSettings, probe_run, spectrum_table
+from .training import RESUMABLE, SGD, RunConfig, check_model, check_out, clear_dir, plural, run_experiment
 
 SUMMARY = "study.md"
 NUMBERS = "study.json"
@@ -43,8 +45,8 @@ class Study:
 
 #: Every study's defaults beyond the demo's. With a constant lr the last epoch's accuracy on noisy labels swings by
 #: several points from seed to seed; the cosine schedule settles it, and five seeds make the paired differences
-#: between optimizers readable.
-DEFAULTS = {"schedule": "cosine", "seeds": [0, 1, 2, 3, 4]}
+#: between optimizers readable. A checkpoint every epoch lets ``--resume`` continue a run where it was cut off.
+DEFAULTS = {"schedule": "cosine", "seeds": [0, 1, 2, 3, 4], "checkpoint_every": 1}
 # On the clean digits every setting reaches about 99.4%: the studies of a setting train on 40% noisy labels instead.
 _NOISY = (("label_noise", 0.4),)
 
@@ -72,54 +74,137 @@ def study_config(name: str | None = None, **given) -> RunConfig:
 
 
 def run_study(name: str, cfg: RunConfig, study_dir: Path, *, values=None, probe: ProbeSettings | None = None,
-              log=print) -> dict:  # fmt: skip
+              overwrite: bool = False, resume: bool = False, log=print) -> dict:  # fmt: skip
     """Run study ``name`` with ``cfg``'s other settings (its ``optimizers`` are the study's, unless ``cfg`` names a
-    subset of them); writes ``study.md`` and ``study.json`` into ``study_dir`` and returns the numbers."""
+    subset of them); writes ``study.md`` and ``study.json`` into ``study_dir`` and returns the numbers. Every run's
+    settings are checked first; ``study_dir`` must be empty, or is cleared with ``overwrite``. With ``resume``, the
+    runs already in ``study_dir`` go on from their checkpoints and finished runs are kept, not trained again."""
     study = STUDIES[name]
     values = tuple(values) if values else study.values or (getattr(cfg, study.setting),)
     optimizers = tuple(o for o in study.optimizers if o in cfg.optimizers) or study.optimizers
+    grid = _grid(name, cfg, values, optimizers)
     probe = probe or ProbeSettings()
-    results, spectra = {}, {}
+    study_dir = Path(study_dir)
+    hint = f", --resume {study_dir} to continue it" if (study_dir / NUMBERS).is_file() else ""
+    stale = not resume and check_out(study_dir, overwrite=overwrite, hint=hint)
+    check_model(cfg, load_dataset(cfg.dataset, cfg.data_dir, cfg.synthetic_size))  # before anything is written
+    if stale:
+        clear_dir(study_dir)
+    study_dir.mkdir(parents=True, exist_ok=True)
+    # written first, so that an interrupted study can be resumed and re-rendered from what it says
+    header = {"study": name, "settings": dataclasses.asdict(cfg), "values": list(values),
+              "optimizers": list(optimizers), "probe": dataclasses.asdict(probe), "complete": False}  # fmt: skip
+    (study_dir / NUMBERS).write_text(json.dumps(header, indent=2) + "\n")
+    for value, run_cfg in grid:
+        run_dir = study_dir / run_name(study.setting, value)
+        log(f"\n== {'training for the Hessian probe' if name == 'hessian' else f'{study.setting} = {value}'}")
+        again = resume and (run_dir / "config.json").is_file()
+        if again:
+            _check_same_run(run_dir, run_cfg)
+        run_experiment(run_cfg, run_dir, resume=again, log=log)
+        if name == "hessian":
+            probe_run(run_dir, probe, log=log)
+    return rebuild_study(study_dir)
+
+
+def _grid(name: str, cfg: RunConfig, values: tuple, optimizers: tuple) -> list[tuple[object, RunConfig]]:
+    """Each value with its run's settings, every one validated: a bad value fails the study before its first run, not
+    after the runs before it."""
+    study = STUDIES[name]
+    cfg.validate()
+    grid = []
     for value in values:
         run_cfg = dataclasses.replace(cfg, command=f"reproduce {name}", optimizers=list(optimizers),
                                       **{study.setting: value})  # fmt: skip
-        if name == "hessian":
-            run_cfg = dataclasses.replace(run_cfg, checkpoint_every=run_cfg.epochs)
-        run_dir = Path(study_dir) / f"{study.setting}={value}"
-        log(f"\n== {study.setting} = {value}")
-        results[value] = run_experiment(run_cfg, run_dir, log=log)
-        if name == "hessian":
-            spectra[value] = probe_run(run_dir, probe, log=log)
+        if name == "hessian":  # the probe needs the final weights
+            run_cfg = dataclasses.replace(run_cfg, checkpoint_every=run_cfg.checkpoint_every or run_cfg.epochs)
+        try:  # named as the study names it (its run directories, its tables), not as an option
+            grid.append((value, run_cfg.validate(spell=str)))
+        except ValueError as exc:
+            raise ValueError(f"{exc}, in --values") from None
+    return grid
+
+
+def run_name(setting: str, value) -> str:
+    """The run directory of one value of a study."""
+    return f"{setting}={value}"
+
+
+def _check_same_run(run_dir: Path, run_cfg: RunConfig) -> None:
+    """A ValueError unless the run already in ``run_dir`` computes what ``run_cfg`` asks for (it may differ only in
+    how long and where it runs)."""
+    saved = dataclasses.asdict(RunConfig.load(run_dir / "config.json"))
+    wanted = dataclasses.asdict(run_cfg)
+    changed = sorted(k for k in wanted if k not in RESUMABLE and saved[k] != wanted[k])
+    if changed:
+        raise ValueError(f"cannot resume {run_dir}: its runs were trained with other {changed}")
+
+
+def rebuild_study(study_dir: Path) -> dict:
+    """Write ``study.md`` and ``study.json`` of ``study_dir`` from its run directories (the finished runs' results
+    and, for the Hessian study, their probes) and the settings its ``study.json`` recorded; returns the numbers. A
+    study cut short is summarized as far as it got, and says so."""
+    study_dir = Path(study_dir)
+    if not (study_dir / NUMBERS).is_file():
+        raise ValueError(f"{study_dir} is not a study directory: it has no {NUMBERS}")
+    header = json.loads((study_dir / NUMBERS).read_text())
+    if "settings" not in header:
+        raise ValueError(f"{study_dir / NUMBERS} records no settings: it was written by an older gearsam; run the "
+                         "study again to rebuild it")  # fmt: skip
+    name, cfg = header["study"], RunConfig(**header["settings"])
+    study, values, optimizers = STUDIES[name], tuple(header["values"]), tuple(header["optimizers"])
+    results, spectra = {}, {}
+    for value in values:
+        run_dir = study_dir / run_name(study.setting, value)
+        rows = MetricsLog(run_dir / "metrics.jsonl").rows()
+        results[value] = [r for r in rows if r["kind"] == "result" and r["epochs"] == cfg.epochs]
+        if (run_dir / ROWS).is_file():
+            spectra[value] = read_metrics(run_dir / ROWS)
     numbers = summarize_study(study, values, optimizers, results)
+    expected = len(values) * len(optimizers) * len(cfg.seeds)
+    numbers.update(
+        {k: header[k] for k in ("study", "settings", "values", "optimizers", "probe")},
+        complete=sum(map(len, results.values())) == expected and (name != "hessian" or len(spectra) == len(values)),
+        unit="test accuracy in % of the test images",
+    )
     text = study_markdown(name, cfg, numbers)
     if spectra:
         numbers["hessian"] = {str(value): rows for value, rows in spectra.items()}
-        for rows in spectra.values():
-            text += (f"\nHessian spectrum of the mean test loss ({probe.batches} batches of {probe.batch_size} test "
-                     f"images), mean ± std over seeds:\n\n```\n{spectrum_table(rows, probe.k)}\n```\n")  # fmt: skip
-    Path(study_dir).mkdir(parents=True, exist_ok=True)
-    (Path(study_dir) / NUMBERS).write_text(json.dumps(numbers, indent=2) + "\n")
-    (Path(study_dir) / SUMMARY).write_text(text)
+        text = _with_spectra(text, spectra, ProbeSettings(**header["probe"]))
+    (study_dir / NUMBERS).write_text(json.dumps(numbers, indent=2) + "\n")
+    (study_dir / SUMMARY).write_text(text)
     return numbers
+
+
+def _with_spectra(text: str, spectra: dict, probe: ProbeSettings) -> str:
+    """``study.md`` with the Hessian spectrum first, after its title and settings: it is what the study measures."""
+    title, rest = text.split("\n\nTest accuracy", 1)
+    tables = "".join(f"```\n{spectrum_table(rows, probe.k)}\n```\n" for rows in spectra.values())
+    return (f"{title}\n\nHessian spectrum of the mean test loss ({plural(probe.batches, 'batch')} of "
+            f"{plural(probe.batch_size, 'test image')}), mean ± std over seeds (each eigenvalue's residual and "
+            f"convergence: the run directory's hessian.md):\n\n{tables}\nTest accuracy{rest}")  # fmt: skip
 
 
 def summarize_study(study: Study, values, optimizers, results: dict) -> dict:
     """Accuracy (%) per value and optimizer (mean, std, per seed) and per-seed paired differences: between each pair
-    of optimizers at each value, and each optimizer's at each value against its own at the study's ``reference``."""
+    of optimizers at each value, and each optimizer's at each value against its own at the study's ``reference``.
+    Values and optimizers without a finished run (a study cut short) are left out; the std of one seed is None."""
     accuracy = {
-        v: {o: {r["seed"]: 100.0 * r["test_acc"] for r in results[v] if r["optimizer"] == o} for o in optimizers}
+        v: {o: {r["seed"]: r["test_acc"] for r in results.get(v, []) if r["optimizer"] == o}
+            for o in optimizers}
         for v in values
-    }
-    rows = [{"value": v, "optimizer": o, **_stats(accuracy[v][o])} for v in values for o in optimizers]
+    }  # fmt: skip
+    rows = [{"value": v, "optimizer": o, **_stats(accuracy[v][o])} for v in values for o in optimizers
+            if accuracy[v][o]]  # fmt: skip
     pairs = []
     for value in values:
-        for first, second in itertools.combinations(optimizers, 2):
-            pairs.append({"value": value, "pair": f"{second} - {first}", **_paired(accuracy[value][second],
-                                                                                   accuracy[value][first])})  # fmt: skip
+        compared = [(f"{b} - {a}", accuracy[value][b], accuracy[value][a])
+                    for a, b in itertools.combinations(optimizers, 2)]  # fmt: skip
         if study.reference in values and value != study.reference:
-            for name in optimizers:
-                pairs.append({"value": value, "pair": f"{name} - {name} at {study.setting}={study.reference}",
-                              **_paired(accuracy[value][name], accuracy[study.reference][name])})  # fmt: skip
+            compared += [(f"{o} - {o} at {study.setting}={study.reference}", accuracy[value][o],
+                          accuracy[study.reference][o]) for o in optimizers]  # fmt: skip
+        pairs += [{"value": value, "pair": pair, **_paired(first, second)} for pair, first, second in compared
+                  if set(first) & set(second)]  # fmt: skip
     return {"setting": study.setting, "about": study.about, "accuracy": rows, "paired_differences": pairs}
 
 
@@ -130,24 +215,36 @@ def _paired(minuend: dict, subtrahend: dict) -> dict:
 
 
 def _stats(per_seed: dict) -> dict:
+    """Mean, std (None for a single seed: there is no spread to tell) and the values by seed."""
     values = list(per_seed.values())
     return {
         "mean": statistics.mean(values),
-        "std": statistics.stdev(values) if len(values) > 1 else 0.0,
+        "std": statistics.stdev(values) if len(values) > 1 else None,
         "per_seed": {str(seed): value for seed, value in per_seed.items()},
     }
+
+
+def spread(std: float | None, sign: str = "") -> str:
+    """A std as tables print it: ``n/a`` for a single seed."""
+    return "n/a" if std is None else f"{std:{sign}.2f}".lstrip("+")
 
 
 def study_markdown(name: str, cfg: RunConfig, numbers: dict) -> str:
     """``study.md``: the settings, the accuracy table and the paired differences (mean ± std over seeds)."""
     setting = numbers["setting"]
+    varied = "" if name == "hessian" else f" (unless varied: {setting})"
     lines = [
         f"# gearsam reproduce {name}: {numbers['about']}",
         "",
-        f"{cfg.dataset}, model {cfg.model}, {cfg.epochs} epochs, seeds {list(cfg.seeds)}, lr {cfg.lr}, batch "
-        f"{cfg.batch_size}, rho {cfg.rho}, beta {cfg.beta}, partition {cfg.partition}, label noise "
-        f"{cfg.label_noise} (unless varied: {setting}). Each value's run directory has its own summary.md with the "
+        f"{cfg.dataset}, model {cfg.model}, {cfg.epochs} epoch{'s' * (cfg.epochs != 1)}, seeds {list(cfg.seeds)}, "
+        f"lr {cfg.lr} ({cfg.schedule}), batch {cfg.batch_size}, rho {cfg.rho}, beta {cfg.beta}, partition "
+        f"{cfg.partition}, label noise {cfg.label_noise}{varied}. Each run directory has its own summary.md with the "
         "machine and date.",
+    ]
+    if not numbers.get("complete", True):
+        lines += ["", f"**Incomplete**: not every run has finished; `gearsam reproduce {name} --resume STUDY_DIR` "
+                  "continues the study."]  # fmt: skip
+    lines += [
         "",
         "Test accuracy (%), mean ± std over seeds:",
         "",
@@ -156,11 +253,11 @@ def study_markdown(name: str, cfg: RunConfig, numbers: dict) -> str:
     ]
     for row in numbers["accuracy"]:
         seeds = ", ".join(f"{v:.2f}" for v in row["per_seed"].values())
-        lines.append(f"| {row['value']} | {row['optimizer']} | {row['mean']:.2f} ± {row['std']:.2f} | {seeds} |")
+        lines.append(f"| {row['value']} | {row['optimizer']} | {row['mean']:.2f} ± {spread(row['std'])} | {seeds} |")
     if numbers["paired_differences"]:
         lines += ["", "Paired differences (same seed), accuracy points, mean ± std over seeds:", "",
                   f"| {setting} | difference | mean ± std | per seed |", "|---|---|---:|---|"]  # fmt: skip
         for row in numbers["paired_differences"]:
             seeds = ", ".join(f"{v:+.2f}" for v in row["per_seed"].values())
-            lines.append(f"| {row['value']} | {row['pair']} | {row['mean']:+.2f} ± {row['std']:.2f} | {seeds} |")
+            lines.append(f"| {row['value']} | {row['pair']} | {row['mean']:+.2f} ± {spread(row['std'])} | {seeds} |")
     return "\n".join(lines) + "\n"

@@ -15,9 +15,11 @@ import inspect
 import json
 import math
 import os
+import shutil
 import statistics
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,12 +30,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from gearsam_fused import OPTIMIZERS as SHARPNESS_AWARE
-from gearsam_fused import BlockTelemetry, frozen_bn_stats
+from gearsam_fused import BlockTelemetry, __version__, frozen_bn_stats
 from gearsam_fused.allocation import GEAR_RULE
 from gearsam_fused.backends import resolve_backend_name
 from gearsam_fused.checks import check_real
 from gearsam_fused.models import MODELS
 from gearsam_fused.partition import STRATEGIES
+from gearsam_fused.partition import partition as blocks_of
 
 from .data import DATASETS, Dataset, add_symmetric_noise, crop_and_flip, load_dataset
 from .machine import describe_machine
@@ -46,6 +49,44 @@ SGD = "sgd"
 OPTIMIZERS = (SGD, *SHARPNESS_AWARE)
 SCHEDULES = ("constant", "cosine")
 AMP_MODES = ("none", "bf16")
+#: The range of each real setting, as :func:`~gearsam_fused.checks.check_real`'s bounds; each must also be finite.
+REAL_RANGES = {
+    "lr": {"low": 0.0, "low_inclusive": False},  # at lr 0 the weights never move
+    "momentum": {"low": 0.0, "high": 1.0},
+    "weight_decay": {"low": 0.0},
+    "rho": {"low": 0.0},
+    "beta": {"low": 0.0, "high": 1.0},
+    "label_noise": {"low": 0.0, "high": 1.0},  # the share of training labels replaced by another class
+}
+#: The least value of each integer setting (``threads`` may also be None: torch's choice).
+INT_MINIMA = {"epochs": 1, "batch_size": 1, "telemetry_every": 1, "synthetic_size": 1, "checkpoint_every": 0,
+              "threads": 1}  # fmt: skip
+
+# What --resume may change in a run or study: how long and where it runs, never what it computes.
+RESUMABLE = {"epochs", "threads", "device", "checkpoint_every", "telemetry_every"}
+
+
+class SettingWarning(UserWarning):
+    """A setting that runs, but likely not as meant; the command line prints it as ``gearsam: warning: ...``."""
+
+
+def plural(count: int, noun: str) -> str:
+    """``1 epoch``, ``2 epochs``, ``2 batches``."""
+    return f"{count} {noun}{('es' if noun.endswith(('s', 'sh', 'ch', 'x')) else 's') * (count != 1)}"
+
+
+def option(name: str) -> str:
+    """The command-line option of setting ``name``: ``label_noise`` -> ``--label-noise``."""
+    return "--" + name.replace("_", "-")
+
+
+def check_at_least(name: str, value, low: int) -> int:
+    """``value`` if it is an integer of at least ``low``; else a ValueError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if value < low:
+        raise ValueError(f"{name} must be at least {low}, got {value}")
+    return value
 
 
 @dataclass
@@ -79,27 +120,16 @@ class RunConfig:
     checkpoint_every: int = 0
     threads: int | None = None
 
-    def validate(self) -> RunConfig:
-        """``self``, once every setting is known good (the model's factory found, the device and backend usable);
-        else a ValueError saying what is wrong. Nothing is built or written."""
-        choices = {"dataset": DATASETS, "schedule": SCHEDULES, "amp": AMP_MODES, "partition": STRATEGIES}
-        for name, allowed in choices.items():
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
-        unknown = [o for o in self.optimizers if o not in OPTIMIZERS]
-        if unknown or not self.optimizers:
-            raise ValueError(f"unknown optimizer(s) {unknown}; expected a non-empty subset of {OPTIMIZERS}")
-        if not self.seeds:
-            raise ValueError("seeds must name at least one seed")
-        positive = ("epochs", "batch_size", "telemetry_every", "synthetic_size")
-        for name in positive:
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if self.checkpoint_every < 0:
-            raise ValueError(f"checkpoint_every must be >= 0 (0: never), got {self.checkpoint_every}")
-        if self.threads is not None and self.threads < 1:
-            raise ValueError(f"threads must be at least 1, got {self.threads}")
-        check_real("rho", self.rho, low=0.0)
+    def validate(self, spell: Callable[[str], str] = option) -> RunConfig:
+        """``self``, once every setting is known good (in its range, the model's factory found, the device and
+        backend usable); else a ValueError naming the setting, as ``spell`` writes it (its option), and its value.
+        Nothing is built or written."""
+        self._check_choices(spell)
+        for name, low in INT_MINIMA.items():
+            if not (name == "threads" and self.threads is None):
+                check_at_least(spell(name), getattr(self, name), low)
+        for name, bounds in REAL_RANGES.items():
+            check_real(spell(name), getattr(self, name), **bounds)
         load_factory(self.model)
         device = resolve_device(self.device)
         if self.channels_last and device.type == "cpu":
@@ -107,6 +137,21 @@ class RunConfig:
             raise ValueError("--channels-last is for CUDA devices; drop it on CPU")
         resolve_backend_name(self.backend, {device})
         return self
+
+    def _check_choices(self, spell: Callable[[str], str]) -> None:
+        """The settings that name one (or several) of a fixed set."""
+        choices = {"dataset": DATASETS, "schedule": SCHEDULES, "amp": AMP_MODES, "partition": STRATEGIES}
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{spell(name)} must be one of {allowed}, got {getattr(self, name)!r}")
+        unknown = [o for o in self.optimizers if o not in OPTIMIZERS]
+        if unknown or not self.optimizers:
+            raise ValueError(f"{spell('optimizers')}: unknown {unknown}; expected a non-empty subset of {OPTIMIZERS}")
+        if not self.seeds:
+            raise ValueError(f"{spell('seeds')} must name at least one seed")
+        twice = sorted({seed for seed in self.seeds if self.seeds.count(seed) > 1})
+        if twice:  # a seed trained twice gives the same run twice, and a spread of 0 that means nothing
+            raise ValueError(f"{spell('seeds')} names {twice} more than once; each seed is one run")
 
     @classmethod
     def load(cls, path: Path) -> RunConfig:
@@ -139,20 +184,28 @@ def load_factory(spec: str) -> Callable[..., nn.Module]:
     if ":" not in spec:
         raise ValueError(f"unknown model {spec!r}; use one of {sorted(MODELS)} or package.module:factory")
     module_name, _, attr = spec.partition(":")
+    if module_name.endswith(".py") or "/" in module_name or "\\" in module_name:
+        dotted = module_name.removesuffix(".py").lstrip("./").replace("/", ".").replace("\\", ".")
+        raise ValueError(f"model {spec!r}: expected package.module:factory, an importable module, not a file path; "
+                         f"for ./{dotted.replace('.', '/')}.py run from its folder with {dotted}:{attr}")  # fmt: skip
     if "" not in sys.path and os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     try:
         return getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as exc:
         raise ValueError(f"cannot load {spec!r}: {exc}") from None
+    except Exception as exc:  # the module's own code failed as it was imported
+        raise ValueError(f"cannot load {spec!r}: importing {module_name} raised {type(exc).__name__}: {exc}") from None
 
 
 def call_factory(spec: str, **kwargs) -> nn.Module:
-    """``spec``'s model built with ``kwargs``; a call that fails on its arguments is a ValueError naming them."""
+    """``spec``'s model built with ``kwargs``; whatever the factory raises (arguments its signature does not take,
+    or its own code failing) is a ValueError naming the factory, the arguments and the exception."""
+    factory = load_factory(spec)
     try:
-        model = load_factory(spec)(**kwargs)
-    except TypeError as exc:
-        raise ValueError(f"cannot build {spec!r} with {kwargs}: {exc}") from None
+        model = factory(**kwargs)
+    except Exception as exc:  # a user's factory may raise anything: a bad setting, not a crash of the command
+        raise ValueError(f"cannot build {spec!r} with {kwargs}: {type(exc).__name__}: {exc}") from None
     if not isinstance(model, nn.Module):
         raise ValueError(f"{spec!r} returned {type(model).__name__}, not an nn.Module")
     return model
@@ -174,14 +227,64 @@ def build_model(cfg: RunConfig, data: Dataset) -> nn.Module:
     return call_factory(cfg.model, **args)
 
 
-def check_model(cfg: RunConfig, data: Dataset) -> None:
+def check_model(cfg: RunConfig, data: Dataset) -> nn.Module:
     """Build the model once on the meta device (no memory, no compute), so bad ``model_args`` fail before a run
-    directory is written."""
+    directory is written; returns that model."""
     try:
         with torch.device("meta"):
-            build_model(cfg, data)
+            return build_model(cfg, data)
     except (TypeError, RuntimeError) as exc:
         raise ValueError(f"cannot build {cfg.model!r} with {cfg.model_args}: {exc}") from None
+
+
+def warn_single_block(cfg: RunConfig, model: nn.Module) -> None:
+    """A SettingWarning, in the command's words, when ``cfg.partition`` puts all of ``model`` in one block, which
+    makes GEAR-SAM plain SAM (the library's own warning, in its API's words, is silenced in :func:`make_optimizer`)."""
+    if GEAR_RULE not in cfg.optimizers or cfg.partition == "global":
+        return
+    blocks = blocks_of(model, cfg.partition)
+    if len(blocks) == 1:
+        message = (
+            f"--partition {cfg.partition} gives {cfg.model} a single block ({blocks[0].name!r}), so GEAR-SAM is plain "
+            f"SAM here; choose a finer --partition (`gearsam partition {cfg.model}` shows each strategy's blocks)"
+        )
+        warnings.warn(SettingWarning(message), stacklevel=2)
+
+
+def check_out(path: Path, *, overwrite: bool, hint: str = "") -> bool:
+    """Whether ``path``, about to receive a new run or study, holds files that must be cleared first (only with
+    ``overwrite``). A ValueError, touching nothing, when it holds files and ``overwrite`` is off (old checkpoints and
+    metrics would mix with the new run's), when it is a file, and when it holds something gearsam did not write."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"--out {path} is a file, not a directory")
+    if not path.exists() or not any(path.iterdir()):
+        return False
+    if not overwrite:
+        raise ValueError(
+            f"--out {path} is not empty: pass --overwrite to clear it first{hint}, or choose another --out"
+        )
+    if not _written_by_gearsam(path):
+        raise ValueError(f"--overwrite clears only a run or study directory, and {path} is neither (no config.json, "
+                         "no study.json, no SETTING=VALUE runs); clear it yourself or choose another --out")  # fmt: skip
+    return True
+
+
+def _written_by_gearsam(path: Path) -> bool:
+    """A run directory (``config.json`` is written first) or a study's (``study.json``, or runs named ``SETTING=VALUE``
+    before it is written)."""
+    if (path / "config.json").is_file() or (path / "study.json").is_file():
+        return True
+    return any("=" in child.name and (child / "config.json").is_file() for child in path.iterdir())
+
+
+def clear_dir(path: Path) -> None:
+    """Remove what ``path`` holds, keeping the directory itself."""
+    for child in Path(path).iterdir():
+        if child.is_dir() and not child.is_symlink():
+            shutil.rmtree(child)
+        else:
+            child.unlink()
 
 
 def make_optimizer(name: str, model: nn.Module, cfg: RunConfig) -> torch.optim.Optimizer:
@@ -196,7 +299,11 @@ def make_optimizer(name: str, model: nn.Module, cfg: RunConfig) -> torch.optim.O
     hyper = dict(rho=cfg.rho, adaptive=cfg.adaptive, backend=cfg.backend, **base)
     if "beta" in inspect.signature(sharpness_aware).parameters:  # an EMA-based rule (GEAR-SAM); SAM refuses a beta
         hyper["beta"] = cfg.beta
-    return sharpness_aware(model, torch.optim.SGD, partition=cfg.partition, **hyper)
+    with warnings.catch_warnings():
+        # the single-block warning speaks of the library's partition= argument; warn_single_block has said it in
+        # the command's words, once for the whole run
+        warnings.filterwarnings("ignore", message=".*pass partition=", category=UserWarning)
+        return sharpness_aware(model, torch.optim.SGD, partition=cfg.partition, **hyper)
 
 
 class Stopwatch:
@@ -323,7 +430,7 @@ class TrainingRun:
 
 @torch.no_grad()
 def evaluate(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, cfg: RunConfig, batch: int = 1024):
-    """Mean loss and accuracy as device tensors (no synchronisation)."""
+    """Mean loss and accuracy (%) as device tensors (no synchronisation)."""
     model.eval()
     loss = torch.zeros((), device=images.device)
     correct = torch.zeros((), dtype=torch.int64, device=images.device)
@@ -332,7 +439,7 @@ def evaluate(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, cfg: 
         loss += batch_loss.float() * len(logits)
         correct += (logits.argmax(1) == labels[start : start + batch]).sum()
     model.train()
-    return loss / len(labels), correct / len(labels)
+    return loss / len(labels), 100.0 * correct / len(labels)
 
 
 def _forward(model: nn.Module, x: torch.Tensor, y: torch.Tensor, cfg: RunConfig):
@@ -345,26 +452,33 @@ def _forward(model: nn.Module, x: torch.Tensor, y: torch.Tensor, cfg: RunConfig)
 
 
 def run_experiment(
-    cfg: RunConfig, run_dir: Path, *, resume: bool = False, log=print, stream: TextIO | None = None
+    cfg: RunConfig,
+    run_dir: Path,
+    *,
+    resume: bool = False,
+    overwrite: bool = False,
+    log=print,
+    stream: TextIO | None = None,
 ) -> list[dict]:
     """Train every optimizer in ``cfg.optimizers`` for every seed; returns the ``result`` rows. With ``resume``,
-    runs continue from their last checkpoint in ``run_dir`` (finished runs are evaluated again, not retrained).
+    runs continue from their last checkpoint in ``run_dir`` (finished runs are evaluated again, not retrained);
+    otherwise ``run_dir`` must be empty, or is cleared with ``overwrite`` once every setting is known good.
     ``log`` gets the lines of the report, ``stream`` the progress (default stderr). Plots are the caller's to draw
     from the run directory's ``metrics.jsonl``."""
-    cfg.validate()
-    device = resolve_device(cfg.device)
-    data = load_dataset(cfg.dataset, cfg.data_dir, cfg.synthetic_size)
-    check_model(cfg, data)
     run_dir = Path(run_dir)
-    if resume:
-        _check_extension(cfg, run_dir)
+    data, stale = _check_run(cfg, run_dir, resume, overwrite)
+    device = resolve_device(cfg.device)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
+    else:  # results depend on the thread count (the order of float sums): config.json records the one used
+        cfg = dataclasses.replace(cfg, threads=torch.get_num_threads())
+    if stale:
+        clear_dir(run_dir)
     metrics = _open_run_dir(cfg, run_dir, resume)
     experiment = Experiment(cfg, data, device, run_dir, metrics, resume=resume, stream=stream)
     log(
         f"{data.name}: {len(data.train[1])} train / {len(data.test[1])} test images, model {cfg.model}, "
-        f"{cfg.epochs} epochs, seeds {list(cfg.seeds)}, rho={cfg.rho}, label noise={cfg.label_noise:.0%}, "
+        f"{plural(cfg.epochs, 'epoch')}, seeds {list(cfg.seeds)}, rho={cfg.rho}, label noise={cfg.label_noise:.0%}, "
         f"device {device}, run directory {run_dir}"
     )
     results = []
@@ -372,7 +486,7 @@ def run_experiment(
         for name in cfg.optimizers:
             result = _train_one(experiment, name, seed)
             log(
-                f"  {name:<9} seed {seed}: test acc {100 * result['test_acc']:6.2f}%  "
+                f"  {name:<9} seed {seed}: test acc {result['test_acc']:6.2f}%  "
                 f"({result['seconds']:.1f}s, {result['sam_seconds']:.2f}s in SAM machinery)"
             )
             results.append(result)
@@ -381,6 +495,20 @@ def run_experiment(
     log("")
     log(table)
     return results
+
+
+def _check_run(cfg: RunConfig, run_dir: Path, resume: bool, overwrite: bool) -> tuple[Dataset, bool]:
+    """Every check before a run writes anything: the settings, the run directory, the data and the model; returns
+    the data and whether ``run_dir`` holds an old run to clear."""
+    cfg.validate()
+    resumable = cfg.command == "train" and (run_dir / "config.json").is_file()
+    hint = f", --resume {run_dir} to continue its runs" if resumable else ""
+    stale = not resume and check_out(run_dir, overwrite=overwrite, hint=hint)
+    data = load_dataset(cfg.dataset, cfg.data_dir, cfg.synthetic_size)
+    warn_single_block(cfg, check_model(cfg, data))
+    if resume:
+        _check_extension(cfg, run_dir)
+    return data, stale
 
 
 def _open_run_dir(cfg: RunConfig, run_dir: Path, resume: bool) -> MetricsLog:
@@ -400,9 +528,11 @@ def _write_summary(experiment: Experiment, table: str) -> None:
     where = f"{machine['date']}, {machine['cpu']} ({machine['cpu_count']} cores)" + (
         f", {machine['gpu']}" if machine["gpu"] else ""
     )
+    # outside a source checkout there is no commit: the installed version says what ran
+    code = f"commit {machine['commit']}" if machine["commit"] else f"gearsam_fused {__version__}"
     (experiment.run_dir / "summary.md").write_text(
-        f"# gearsam {cfg.command}: {experiment.data.name}, {cfg.epochs} epochs, seeds {list(cfg.seeds)}\n\n"
-        f"Measured {where}; torch {machine['torch']}, commit {machine['commit']}.\n\n```\n{table}\n```\n"
+        f"# gearsam {cfg.command}: {experiment.data.name}, {plural(cfg.epochs, 'epoch')}, seeds {list(cfg.seeds)}\n\n"
+        f"Measured {where}; torch {machine['torch']}, {code}, {plural(cfg.threads, 'thread')}.\n\n```\n{table}\n```\n"
     )
 
 
@@ -434,8 +564,13 @@ def stretch_cosine(cosine: dict, step: int, total: int) -> dict:
 
 
 def _train_one(experiment: Experiment, name: str, seed: int) -> dict:
-    """Train ``name`` under ``seed`` up to ``cfg.epochs`` (from its checkpoint when resuming); returns its ``result``
-    row."""
+    """Train ``name`` under ``seed`` up to ``cfg.epochs`` (from its checkpoint when resuming; a run that already
+    finished all of them is kept as it is); returns its ``result`` row."""
+    if experiment.resume:
+        done = [r for r in experiment.metrics.rows() if r["kind"] == "result" and (r["optimizer"], r["seed"]) ==
+                (name, seed) and r["epochs"] == experiment.cfg.epochs]  # fmt: skip
+        if done:
+            return done[-1]
     run = _new_run(experiment, name, seed)
     if experiment.resume:
         _restore_checkpoint(run)
@@ -520,7 +655,7 @@ def _train_epoch(run: TrainingRun) -> None:
         correct += batch_correct
     if run.telemetry is not None:
         run.telemetry.flush()
-    train_loss, train_acc = (loss_sum / images).item(), (correct / images).item()
+    train_loss, train_acc = (loss_sum / images).item(), (100.0 * correct / images).item()
     train_sharpness = (sharpness_sum / images).item() if run.sharpness_aware else None
     run.seconds += time.perf_counter() - epoch_start
     test_loss, test_acc = (t.item() for t in evaluate(run.model, *run.test, run.cfg))
@@ -531,7 +666,7 @@ def _train_epoch(run: TrainingRun) -> None:
         "train_loss": train_loss, "train_acc": train_acc, "test_loss": test_loss, "test_acc": test_acc,
         "train_sharpness": train_sharpness, "seconds": run.seconds, "sam_seconds": run.sam_seconds,
     }])  # fmt: skip
-    run.progress.update(0, f"epoch {run.epoch}/{run.cfg.epochs} loss {train_loss:.3f} test acc {100 * test_acc:.1f}%")
+    run.progress.update(0, f"epoch {run.epoch}/{run.cfg.epochs} loss {train_loss:.3f} test acc {test_acc:.1f}%")
 
 
 def _train_batch(run: TrainingRun, idx: torch.Tensor, order_gen: torch.Generator) -> tuple[torch.Tensor, ...]:
@@ -608,10 +743,10 @@ def summarize(results: list[dict], optimizers) -> str:
     lines = [header, "-" * len(header)]
     for name in optimizers:
         runs = [r for r in results if r["optimizer"] == name]
-        accs = [100.0 * r["test_acc"] for r in runs]
-        spread = statistics.stdev(accs) if len(accs) > 1 else 0.0
+        accs = [r["test_acc"] for r in runs]
+        spread = f"{statistics.stdev(accs):.2f}" if len(accs) > 1 else "n/a"  # one seed has no spread
         machinery = statistics.mean(r["sam_seconds"] for r in runs)
         shown = "-" if name == SGD else f"{machinery:.2f}"
         seconds = statistics.mean(r["seconds"] for r in runs)
-        lines.append(f"{name:<10}  {statistics.mean(accs):>8.2f} ± {spread:<5.2f}  {seconds:>14.2f}  {shown:>17}")
+        lines.append(f"{name:<10}  {statistics.mean(accs):>8.2f} ± {spread:<5}  {seconds:>14.2f}  {shown:>17}")
     return "\n".join(lines)
