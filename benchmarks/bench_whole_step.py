@@ -11,6 +11,8 @@ Contenders, each around the same base optimizer (every torch optimizer with ``fo
 =============================  ====================================================================================
 ``per-tensor loop``            :class:`contenders.PerTensorLoopSAM`, then the base optimizer's ``step()``
 ``pytorch_optimizer``          ``pytorch_optimizer.SAM(..., foreach=True)`` (skipped with a note when not installed)
+``pytorch_optimizer, per tensor``  the same with ``foreach=False`` (its default on CPU): the report compares with the
+                               faster of its two paths and names it
 ``torch``, ``cpp``, ``triton``  gearsam_fused's SAM on that backend with ``base_step="fused"`` (``triton``: CUDA only)
 ``BACKEND, base per tensor``   the same with ``base_step="per-tensor"``: a flat restore, then the base ``step()``
 ``bare base step``             the base optimizer's ``step()`` alone, no SAM: the floor a SAM step is compared to
@@ -50,7 +52,7 @@ BYTES_PER_PARAM = {"SGD": 4 + 16 + 20, "AdamW": 4 + 16 + 28}
 #: the sets of a quick run: a network's shapes and the two sets of many small tensors, where the fusion matters most
 QUICK_SET_KEYS = ["resnet18", "small_tensors", "tensors_4096"]
 
-LOOP, PEER = "per-tensor loop", "pytorch_optimizer"
+LOOP = "per-tensor loop"
 BARE, BARE_FUSED = "bare base step", "bare base step (fused)"
 PER_TENSOR = ", base per tensor"  # suffix of our contenders that step the base optimizer per tensor
 OUR_BACKENDS = ("torch", "cpp", "triton")
@@ -60,7 +62,7 @@ NOT_INSTALLED = contenders.not_installed()  # peers shown as skipped, with the n
 def whole_step_contenders(device: str) -> list[str]:
     """The contenders that can run on ``device`` here, in the order the report lists them."""
     usable = contenders.available(device)  # leaves out triton on CPU and backends that are not built
-    names = [name for name in (LOOP, PEER) if name in usable]
+    names = [name for name in (LOOP, *contenders.PEER_PATHS) if name in usable]
     for backend in OUR_BACKENDS:
         if backend in usable:
             names += [backend, backend + PER_TENSOR]
@@ -77,10 +79,10 @@ def make(name: str, base: str, model: torch.nn.Module):
         return opt, opt.step
     if name == LOOP:
         opt = contenders.PerTensorLoopSAM(model.parameters(), cls, rho=RHO, foreach=True, **kwargs)
-    elif name == PEER:
+    elif name in contenders.PEER_PATHS:
         import pytorch_optimizer
 
-        opt = pytorch_optimizer.SAM(model.parameters(), cls, rho=RHO, foreach=True, **kwargs)
+        opt = pytorch_optimizer.SAM(model.parameters(), cls, rho=RHO, foreach=contenders.PEER_PATHS[name], **kwargs)
     else:
         backend, per_tensor, _ = name.partition(PER_TENSOR)
         mode = "per-tensor" if per_tensor else "fused"  # "fused" fails at construction when it cannot be honoured

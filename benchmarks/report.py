@@ -93,7 +93,8 @@ def _peers(medians: dict[str, float]) -> dict[str, float]:
 
 def best_peer(medians: dict[str, float]) -> tuple[str | None, float | None]:
     """(name, median) of pytorch_optimizer's faster path among ``medians`` (contender -> median ms of one set and
-    run), or (None, None) when it did not run. Runs before both paths were timed hold one row, its per-tensor path."""
+    run), or (None, None) when it did not run. Runs before both paths were timed hold one row named
+    ``pytorch_optimizer``: the per-tensor path in the SAM-step benchmark, ``foreach=True`` in the whole-step one."""
     peers = _peers(medians)
     if not peers:
         return None, None
@@ -143,11 +144,13 @@ def whole_step_tables(rows: list[dict]) -> list[str]:
     for (name, base), group in groups.items():
         first = group[0]
         by = {r["contender"]: r["median_ms"] for r in group}
-        loop, peer, bare = by.get("per-tensor loop"), by.get("pytorch_optimizer"), by.get("bare base step")
+        loop, bare = by.get("per-tensor loop"), by.get("bare base step")
+        peer_path, peer = best_peer(by)
         lines += [
             f"**Whole step, {base}, {name}** ({first['parameters'] / 1e6:.1f}M parameters in {first['tensors']} "
             f"tensors; {first['bytes_counted'] // first['parameters']} bytes counted per parameter; copy bandwidth "
-            f"{first['copy_gbps']:.0f} GB/s)",
+            f"{first['copy_gbps']:.0f} GB/s"
+            f"{f'; pytorch_optimizer = its faster path here, `{peer_path}`' if len(_peers(by)) > 1 else ''})",
             "",
             "| contender | median ms | IQR ms | vs per-tensor loop | vs pytorch_optimizer | / bare base step | GB/s | % of copy | launches |",
             "|---|---:|---:|---:|---:|---:|---:|---:|---:|",

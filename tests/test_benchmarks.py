@@ -94,7 +94,8 @@ def test_quick_run_appends_rows_and_prints_the_report(tmp_path):
         assert row["bytes_counted"] == BYTES_PER_PARAM[row["base"]] * row["parameters"]
     assert {r["set"].split(" (")[0] for r in wholes} == {"ResNet-18", "2048 small tensors", "2000 tensors x 512"}
     expected = {
-        "per-tensor loop", "pytorch_optimizer", "torch", "torch, base per tensor", "bare base step",
+        "per-tensor loop", "pytorch_optimizer", "pytorch_optimizer, per tensor", "torch", "torch, base per tensor",
+        "bare base step",
     }  # fmt: skip
     for key in {(r["set"], r["base"]) for r in wholes}:
         assert expected <= {r["contender"] for r in wholes if (r["set"], r["base"]) == key}, key
@@ -152,6 +153,19 @@ def test_sam_parts_are_computed_per_round():
 def _row(benchmark: str, contender: str, median_ms: float, **fields) -> dict:
     return {"benchmark": benchmark, "contender": contender, "median_ms": median_ms, "q1_ms": median_ms - 1,
             "q3_ms": median_ms + 1, **fields}  # fmt: skip
+
+
+def test_the_whole_step_table_compares_with_the_peers_faster_path():
+    common = {"set": "ResNet-18", "base": "SGD", "parameters": 10, "tensors": 2, "bytes_counted": 400,
+              "copy_gbps": 30.0, "gbps": 10.0, "pct_copy": 33.0}  # fmt: skip
+    rows = [_row("bench_whole_step", name, ms, **common) for name, ms in
+            (("per-tensor loop", 8.0), ("pytorch_optimizer", 20.0), ("pytorch_optimizer, per tensor", 30.0),
+             ("cpp", 5.0), ("bare base step", 4.0))]  # fmt: skip
+    text = "\n".join(report.whole_step_tables(rows))
+    assert "its faster path here, `pytorch_optimizer`" in text
+    assert "| cpp | 5.000 | 2.000 | 1.60x | 4.00x | 1.25x |" in text  # 8/5 and 20/5, not 30/5; 5/4
+    text = "\n".join(report.whole_step_tables([r for r in rows if r["contender"] != "pytorch_optimizer"]))
+    assert "faster path" not in text and "| cpp | 5.000 | 2.000 | 1.60x | 6.00x | 1.25x |" in text
 
 
 def test_the_sam_step_table_compares_with_the_peers_faster_path():

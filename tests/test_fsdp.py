@@ -30,7 +30,7 @@ from gearsam_fused.distributed import sam_step
 from gearsam_fused.models import resnet18
 
 from conftest import FP32_STEP_RTOL, rel_err
-from ranks import run_ranks
+from ranks import run_ranks, run_ranks_once
 
 pytest.importorskip("torch.distributed.fsdp")
 import torch.distributed as dist  # noqa: E402
@@ -188,20 +188,9 @@ def _on_every_rank(rank: int, world: int) -> dict:
     return out
 
 
-_RESULTS: dict = {}
-
-
 def everything(world: int) -> list[dict]:
     """Every rank's results for ``world`` ranks, computed on the first call; its failure fails every caller."""
-    if world not in _RESULTS:
-        try:
-            _RESULTS[world] = (True, run_ranks(_on_every_rank, world, world=world))
-        except Exception as exc:  # noqa: BLE001 - re-raised below, in every test that needs the run
-            _RESULTS[world] = (False, exc)
-    ok, value = _RESULTS[world]
-    if not ok:
-        raise value
-    return value
+    return run_ranks_once(_on_every_rank, world, world=world)
 
 
 def single_process(name: str, world: int) -> dict:
