@@ -9,6 +9,11 @@ with momentum and weight decay, ``foreach=True``, its faster path on CPU and GPU
   installed)
 * ``SAM``, ``GEAR-SAM``    gearsam_fused, ``backend="auto"``, ``zero_grad(set_to_none=False)``; the SGD step runs fused
   into the restore where the backend can (the row's ``base_step_mode`` says which path ran)
+* ``SAM every-5``, ``GEAR-SAM LookSAM-5``, ...  the same under a schedule (:data:`SCHEDULES`: ``Every(5)``,
+  ``LookSAM(5)``, ``Every(2)``, ``Adaptive()``), stepping by the public protocol: ``loss.backward()``, then
+  ``if opt.first_step(zero_grad=True):`` the second forward+backward and ``opt.second_step(zero_grad=True)``. A round
+  is a whole cycle (k steps, its SAM step first: k first passes and one second pass; the round fails otherwise), or
+  10 steps under ``Adaptive``, whose second passes are counted; the row's numbers are per training step
 
 Three more rows time parts alone: ``forward+backward``, the ``base step`` (SGD's ``step()``) and ``SGD``. The SAM
 rows do not subtract those medians, which come from other moments of the run: every round of a SAM row times, back to
@@ -17,6 +22,10 @@ model) and then the SAM step, and from each round
 
     beyond 2 x (forward+backward) = SAM step - 2 x (forward+backward)
     SAM tax                       = SAM step - SGD step - (forward+backward)
+
+and for a schedule's round of k steps with p second passes, per training step: step = round / k, beyond = (round -
+(k + p) x (forward+backward)) / k, tax = (round - k x SGD step - p x (forward+backward)) / k. Every SAM row also
+records its step over the same round's SGD step (``over_sgd``, median and quartiles).
 
 ``beyond`` is everything in a SAM step that is not one of its two passes: the gradient norm, perturbation and restore,
 the base optimizer's update (fused into the restore for ours, torch's ``foreach`` step for the others) and two
@@ -37,7 +46,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gearsam_fused import GEARSAM, SAM
+from gearsam_fused import GEARSAM, SAM, Adaptive, Every, LookSAM
 from gearsam_fused.models import resnet18
 
 import contenders
@@ -46,7 +55,11 @@ from report import sam_parts
 
 SGD_KW = {"lr": 0.05, "momentum": 0.9, "weight_decay": 5e-4, "foreach": True}
 PARTS = ["forward+backward", "base step", "SGD"]
-SAM_ROWS = ["per-tensor loop SAM", "pytorch_optimizer", "SAM", "GEAR-SAM"]
+#: rows under a schedule: name -> (schedule, steps per round); a round of Every / LookSAM is one whole cycle
+SCHEDULES = {"every-5": (Every(5), 5), "LookSAM-5": (LookSAM(5), 5), "every-2": (Every(2), 2),
+             "adaptive": (Adaptive(), 10)}  # fmt: skip
+SCHEDULE_ROWS = [f"{rule} {schedule}" for schedule in SCHEDULES for rule in ("SAM", "GEAR-SAM")]
+SAM_ROWS = ["per-tensor loop SAM", "pytorch_optimizer", "SAM", "GEAR-SAM", *SCHEDULE_ROWS]
 ROWS = PARTS + SAM_ROWS
 
 
@@ -95,6 +108,8 @@ def _step_function(name: str, model, x, y, autocast):
         import pytorch_optimizer as peer
 
         opt = holder = peer.SAM(model.parameters(), torch.optim.SGD, rho=0.05, **SGD_KW)  # foreach=True: its SAM too
+    elif name in SCHEDULE_ROWS:
+        return _schedule_round(name, model, forward_backward)
     else:
         cls = SAM if name == "SAM" else GEARSAM
         opt = holder = cls(model, torch.optim.SGD, rho=0.05, **SGD_KW)
@@ -109,6 +124,35 @@ def _step_function(name: str, model, x, y, autocast):
 
     sam_step.optimizer = opt
     return sam_step
+
+
+def _schedule_round(name: str, model, forward_backward):
+    """One round of a schedule row: ``steps`` training steps by the public protocol, which runs the second pass only
+    when ``first_step`` returns True. Under Every and LookSAM a round is one whole cycle, its SAM step first (the
+    round fails otherwise); under Adaptive the SAM steps of each round are counted."""
+    rule, _, key = name.partition(" ")
+    schedule, steps = SCHEDULES[key]
+    opt = (SAM if rule == "SAM" else GEARSAM)(model, torch.optim.SGD, rho=0.05, schedule=schedule, **SGD_KW)
+    cycle = isinstance(schedule, Every)  # LookSAM is one too
+    second_passes: list[int] = []
+
+    def sam_round():
+        taken = []
+        for _ in range(steps):
+            forward_backward()
+            sam = opt.first_step(zero_grad=True)
+            if sam:
+                forward_backward()
+                opt.second_step(zero_grad=True)
+            taken.append(sam)
+        if cycle and taken != [True] + [False] * (steps - 1):
+            raise AssertionError(f"{name}: a round must be one cycle, its SAM step first; took {taken}")
+        second_passes.append(sum(taken))
+
+    sam_round.optimizer = opt
+    sam_round.steps = steps
+    sam_round.second_passes = second_passes
+    return sam_round
 
 
 def _timed(function) -> float:
@@ -131,7 +175,12 @@ def test_train_step(benchmark, record, quick, name):
         step()
         synchronize()
 
-    warm_up(synchronised_step)
+    steps = getattr(step, "steps", 1)  # training steps per round
+    # a schedule's round is several steps: in quick mode (a smoke run) one round warms it up
+    warm_up(synchronised_step, min_steps=1, min_seconds=0.0) if quick and steps > 1 else warm_up(synchronised_step)
+    passes = getattr(step, "second_passes", None)
+    if passes is not None:
+        passes.clear()  # the warm-up's rounds are not counted
     extra, parts = {}, {"forward+backward": [], "SGD": []}
     setup = None
     if name in SAM_ROWS:
@@ -142,15 +191,23 @@ def test_train_step(benchmark, record, quick, name):
         def setup():  # not timed by the benchmark: the parts of this round, just before its SAM step
             parts["forward+backward"].append(_timed(own_pass))
             parts["SGD"].append(_timed(sgd_step))
+            if passes is not None:  # the protocol's first backward finds no gradient, as after zero_grad=True
+                model.zero_grad(set_to_none=True)
             return (), {}
 
         if hasattr(step.optimizer, "base_step_mode"):  # ours: whether the SGD step ran fused into the restore
             extra["base_step_mode"] = step.optimizer.base_step_mode
     benchmark.group = f"train step, CIFAR ResNet-18 width {setting['width']}, batch {setting['batch']}, {DEVICE}"
     rounds = 3 if quick else (30 if DEVICE == "cuda" else 40)
+    if steps > 1:
+        rounds = 2 if quick else max(20, rounds * 2 // steps)  # at least 80 (CPU) training steps per row
     benchmark.pedantic(synchronised_step, setup=setup, rounds=rounds, iterations=1)
     if name in SAM_ROWS:
-        extra.update(sam_parts(benchmark.stats.stats.data, parts["forward+backward"], parts["SGD"]))
+        cycle = {} if passes is None else {"steps": [steps] * len(passes), "second_passes": passes}
+        extra.update(sam_parts(benchmark.stats.stats.data, parts["forward+backward"], parts["SGD"], **cycle))
+    if passes is not None:
+        extra.update(schedule=repr(step.optimizer.schedule), steps_per_round=steps,
+                     sam_fraction=sum(passes) / (steps * len(passes)))  # fmt: skip
     fields = dict(contender=name, **{k: str(v) if k == "autocast" else v for k, v in setting.items()}, **extra)
     benchmark.extra_info.update(fields)
     record(**fields)

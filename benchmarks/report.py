@@ -51,19 +51,37 @@ def quartiles(values: list[float]) -> tuple[float, float, float]:
     return q1, median, q3
 
 
-def sam_parts(step_s: list[float], forward_backward_s: list[float], sgd_s: list[float]) -> dict[str, float]:
+def sam_parts(
+    step_s: list[float],
+    forward_backward_s: list[float],
+    sgd_s: list[float],
+    steps: list[int] | None = None,
+    second_passes: list[int] | None = None,
+) -> dict[str, float]:
     """From per-round seconds measured back to back (a SAM step, one forward+backward pass, one SGD step), the
     median and quartiles in ms of ``beyond`` (step - 2 x forward+backward) and of the tax (step - SGD step -
-    forward+backward), each computed per round, and the tax's median share of the step in %."""
-    if not len(step_s) == len(forward_backward_s) == len(sgd_s) > 0:
+    forward+backward), each computed per round, the tax's median share of the step in %, and the step over the SGD
+    step (median and quartiles).
+
+    A round of a schedule holds ``steps[i]`` training steps of which ``second_passes[i]`` took the second pass; its
+    numbers are per training step: step = round / steps, beyond = (round - (steps + second passes) x fwd+bwd) / steps,
+    tax = (round - steps x SGD step - second passes x fwd+bwd) / steps (one step and one pass per round without)."""
+    n = len(step_s)
+    steps = [1] * n if steps is None else steps
+    second_passes = [1] * n if second_passes is None else second_passes
+    if not n == len(forward_backward_s) == len(sgd_s) == len(steps) == len(second_passes) > 0:
         raise ValueError("one forward+backward pass and one SGD step per round of the SAM step")
-    beyond = [1e3 * (s - 2 * f) for s, f in zip(step_s, forward_backward_s)]
-    tax = [1e3 * (s - g - f) for s, f, g in zip(step_s, forward_backward_s, sgd_s)]
-    share = [100 * (s - g - f) / s for s, f, g in zip(step_s, forward_backward_s, sgd_s)]
+    rounds = list(zip(step_s, forward_backward_s, sgd_s, steps, second_passes))
+    per_step = [s / k for s, f, g, k, p in rounds]
+    beyond = [1e3 * (s - (k + p) * f) / k for s, f, g, k, p in rounds]
+    tax = [1e3 * (s - k * g - p * f) / k for s, f, g, k, p in rounds]
+    share = [100 * (s - k * g - p * f) / s for s, f, g, k, p in rounds]
+    over_sgd = [s / k / g for s, f, g, k, p in rounds]
     fields = {"forward_backward_ms": 1e3 * quartiles(forward_backward_s)[1], "sgd_ms": 1e3 * quartiles(sgd_s)[1]}
-    for name, values in (("beyond", beyond), ("tax", tax)):
+    for name, values in (("beyond", beyond), ("tax", tax), ("step", [1e3 * t for t in per_step])):
         fields.update(dict(zip((f"{name}_q1_ms", f"{name}_ms", f"{name}_q3_ms"), quartiles(values))))
     fields["tax_pct"] = quartiles(share)[1]
+    fields.update(dict(zip(("over_sgd_q1", "over_sgd", "over_sgd_q3"), quartiles(over_sgd))))
     return fields
 
 
@@ -173,6 +191,47 @@ def whole_step_tables(rows: list[dict]) -> list[str]:
     return lines
 
 
+def skipped_step_tables(rows: list[dict]) -> list[str]:
+    """Per (set, base optimizer): a step the schedule skips (``first_step`` returning False) against the base
+    optimizer's step alone, by the medians of the run and round by round."""
+    groups: dict[tuple[str, str], list[dict]] = defaultdict(list)
+    for row in rows:
+        if row["benchmark"] == "bench_skipped_step":
+            groups[(row["set"], row["base"])].append(row)
+    lines = []
+    for (name, base), group in groups.items():
+        first = group[0]
+        bare = next((r["median_ms"] for r in group if r["contender"] == "bare base step"), None)
+        lines += [
+            f"**Skipped step, {base}, {name}** ({first['parameters'] / 1e6:.1f}M parameters in {first['tensors']} "
+            f"tensors; copy bandwidth {first['copy_gbps']:.0f} GB/s)",
+            "",
+            "| contender | bytes per parameter | median ms | IQR ms | / bare base step | / bare base step, same round "
+            "[IQR] | GB/s | % of copy | launches |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for r in group:
+            over_bare = f"{r['median_ms'] / bare:.2f}x" if bare else "-"
+            paired = (f"{r['over_paired_bare']:.2f}x [{r['over_paired_bare_q1']:.2f}, {r['over_paired_bare_q3']:.2f}]"
+                      if "over_paired_bare" in r else "-")  # fmt: skip
+            lines.append(
+                f"| {r['contender']} | {r['bytes_counted'] // r['parameters']} | {r['median_ms']:.3f} | "
+                f"{r['q3_ms'] - r['q1_ms']:.3f} | {over_bare} | {paired} | {r['gbps']:.1f} | {r['pct_copy']:.0f} | "
+                f"{r.get('launches', '-')} |"
+            )
+        lines.append("")
+    if lines:
+        lines += [
+            "Skipped step = `first_step()` returning False under `Every(k)` or `LookSAM(k)`: the energy pass and the "
+            'base optimizer\'s update fused over the flat buffers (LookSAM: with its correction). "/ bare base step": '
+            'this median over the base optimizer\'s step alone (`foreach=True`); "same round": per round, this step '
+            "over a bare base step timed just before it on a copy of the set, median and quartiles over the rounds. "
+            "Bytes per parameter: the row's floor (energy 4, update SGD 20 / AdamW 28, LookSAM's correction 4).",
+            "",
+        ]
+    return lines
+
+
 def trainer_tables(rows: list[dict]) -> list[str]:
     """The trainers' optimizer steps, plain and with SAM, on the same GPT-2: Hugging Face's, then Lightning's."""
     lines = []
@@ -227,29 +286,50 @@ def train_step_table(rows: list[dict]) -> list[str]:
     if not any("tax_ms" in r for r in steps):
         return lines + _train_step_table_from_medians(steps)
     lines += [
-        "| row | median ms | IQR ms | step - 2 x (fwd+bwd) ms [IQR] | SAM tax ms [IQR] | SAM tax % of step | base step |",
-        "|---|---:|---:|---:|---:|---:|---|",
+        "| row | median ms | IQR ms | step - 2 x (fwd+bwd) ms [IQR] | SAM tax ms [IQR] | SAM tax % of step | base step "
+        "| / SGD step, same round [IQR] | second passes |",
+        "|---|---:|---:|---:|---:|---:|---|---:|---|",
     ]
     for r in steps:
+        cycle = "steps_per_round" in r  # a schedule's row: the numbers are per training step
+        median, iqr = (
+            (r["step_ms"], r["step_q3_ms"] - r["step_q1_ms"]) if cycle else (r["median_ms"], r["q3_ms"] - r["q1_ms"])
+        )
         if "tax_ms" in r:
             beyond = f"{r['beyond_ms']:.2f} [{r['beyond_q1_ms']:.2f}, {r['beyond_q3_ms']:.2f}]"
             tax = f"{r['tax_ms']:.2f} [{r['tax_q1_ms']:.2f}, {r['tax_q3_ms']:.2f}] | {r['tax_pct']:.1f}"
             base = {"fused": "fused into the restore", "per-tensor": "SGD `step()` after the restore"}.get(
                 r.get("base_step_mode"), "SGD `step()`"
             )
+            if cycle and r.get("base_step_mode") == "fused":
+                base += " (skipped steps: into the update)"
         else:
             beyond, tax, base = "", " ", ""
-        lines.append(f"| {r['contender']} | {r['median_ms']:.2f} | {r['q3_ms'] - r['q1_ms']:.2f} | {beyond} | {tax} | "
-                     f"{base} |")  # fmt: skip
+        over = f"{r['over_sgd']:.2f}x [{r['over_sgd_q1']:.2f}, {r['over_sgd_q3']:.2f}]" if "over_sgd" in r else ""
+        if cycle:
+            passes = f"{r['sam_fraction']:.2f} of steps ({r['schedule']}, {r['steps_per_round']} steps per round)"
+        else:
+            passes = "every step" if "tax_ms" in r else ""
+        lines.append(f"| {r['contender']} | {median:.2f} | {iqr:.2f} | {beyond} | {tax} | {base} | {over} | {passes} |")
     lines += [
         "",
         "Per round, back to back: one forward+backward pass, one SGD step (its own forward+backward and update), then "
         "the SAM step. step - 2 x (fwd+bwd): the SAM machinery, the base update and two zero_grad. SAM tax = SAM "
         "step - SGD step - (fwd+bwd): what SAM adds to a plain SGD step beyond the second pass. Median and "
         "quartiles [q1, q3] over the rounds of each row; the forward+backward, base step and SGD rows are the "
-        "parts timed alone.",
+        'parts timed alone. "/ SGD step, same round": per round, the step over that round\'s SGD step.',
         "",
     ]
+    if any("steps_per_round" in r for r in steps):
+        lines += [
+            "Rows with a schedule (`Every(k)`, `LookSAM(k)`, `Adaptive()`) run the public protocol, `loss.backward(); "
+            "if opt.first_step(zero_grad=True):` second forward+backward, `opt.second_step(zero_grad=True)`; a round is "
+            "`steps per round` training steps (one whole cycle under Every and LookSAM, its SAM step first) and every "
+            "number of the row is per training step: median = round / steps; step - 2 x (fwd+bwd) = (round - (steps "
+            "+ second passes) x fwd+bwd) / steps; SAM tax = (round - steps x SGD step - second passes x fwd+bwd) / "
+            "steps.",
+            "",
+        ]
     return lines
 
 
@@ -272,7 +352,12 @@ def _train_step_table_from_medians(steps: list[dict]) -> list[str]:
 def render(rows: list[dict], source: str) -> str:
     lines = [f"Measured on {_where(rows[0])}. Source: `{source}`.", ""]
     return "\n".join(
-        lines + sam_step_tables(rows) + whole_step_tables(rows) + train_step_table(rows) + trainer_tables(rows)
+        lines
+        + sam_step_tables(rows)
+        + whole_step_tables(rows)
+        + skipped_step_tables(rows)
+        + train_step_table(rows)
+        + trainer_tables(rows)
     )
 
 

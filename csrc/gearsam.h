@@ -11,6 +11,9 @@
 //   sgd_step_     w <- backup - lr * d, momentum buffer         torch.optim.SGD
 //   adam_step_    w <- backup - step_size * m / denom, m, v     torch.optim.Adam / AdamW
 //
+// backup may be param itself (a step from the current weights): each element is read before it is written. Both
+// steps optionally correct the gradient first (LookSAM): g = fma(C(correction_scale[block]), correction, grad).
+//
 // ops.cpp checks the arguments and calls the implementation for the tensors' device: namespace cpu (cpu/*.cpp) or
 // namespace cuda (cuda/*.cu, declared and compiled only when WITH_CUDA is defined). Every implementation receives tensors that
 // ops.cpp has already checked, and allocates nothing.
@@ -46,11 +49,25 @@ struct AdamOptions {
   double step_size, bias_correction2_sqrt, decay;
 };
 
+// LookSAM's gradient correction as the public operations take it: correction (like grad), correction_scale (float64
+// [B]) and tile_block (int32, the block of each tile), all three given or none.
+struct CorrectionArgs {
+  c10::optional<at::Tensor> correction, correction_scale, tile_block;
+};
+
 void sgd_step_(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& backup,
-               const c10::optional<at::Tensor>& momentum_buffer, int64_t tile, const SgdOptions& options);
+               const c10::optional<at::Tensor>& momentum_buffer, int64_t tile, const SgdOptions& options,
+               const CorrectionArgs& correction = {});
 void adam_step_(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& backup, const at::Tensor& exp_avg,
                 const at::Tensor& exp_avg_sq, const c10::optional<at::Tensor>& max_exp_avg_sq, int64_t tile,
-                const AdamOptions& options);
+                const AdamOptions& options, const CorrectionArgs& correction = {});
+
+// The checked correction the implementations receive: g = fma(C(scale[tile_block[t]]), values, grad) for the
+// elements of tile t, C rounding once to the buffers' type. All three undefined where the step has none.
+struct Correction {
+  at::Tensor values, scale, tile_block;
+  bool given() const { return values.defined(); }
+};
 
 // The options with every scalar rounded once to the buffers' type T, as torch rounds a Python-scalar alpha or value
 // (differences such as 1 - dampening are taken in double first, as Python does). Both implementations start from
@@ -97,7 +114,7 @@ struct AdamConstants {
   }
 };
 
-// momentum_buffer and max_exp_avg_sq are undefined tensors where the optimizer has none.
+// momentum_buffer and max_exp_avg_sq are undefined tensors where the optimizer has none; backup may be param.
 #define GEARSAM_DEVICE_IMPLEMENTATIONS                                                                              \
   void block_energy(const at::Tensor& grad, const at::Tensor& param, const at::Tensor& block_tiles,                 \
                     const at::Tensor& partials, const at::Tensor& energy, int64_t tile, bool adaptive, double eta); \
@@ -107,10 +124,11 @@ struct AdamConstants {
                const at::Tensor& tile_block, int64_t tile, bool adaptive, double eta);                              \
   void restore(const at::Tensor& param, const at::Tensor& backup);                                                   \
   void sgd_step(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& backup,                           \
-                const at::Tensor& momentum_buffer, int64_t tile, const SgdOptions& options);                         \
+                const at::Tensor& momentum_buffer, int64_t tile, const SgdOptions& options,                          \
+                const Correction& correction);                                                                       \
   void adam_step(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& backup,                          \
                  const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq, const at::Tensor& max_exp_avg_sq,          \
-                 int64_t tile, const AdamOptions& options);
+                 int64_t tile, const AdamOptions& options, const Correction& correction);
 
 namespace cpu {
 GEARSAM_DEVICE_IMPLEMENTATIONS

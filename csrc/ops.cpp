@@ -57,8 +57,10 @@ void check_flat(const char* name, const at::Tensor& t, int64_t tile = 0, c10::op
                       dtype_name(t.scalar_type()));
 }
 
+// A buffer read or written beside another: flat itself (a strided view of the right length would be read as if it
+// were contiguous), then of the other's size, dtype and device.
 void check_same(const char* name, const at::Tensor& t, const char* like_name, const at::Tensor& like) {
-  TORCH_CHECK_VALUE(t.defined(), name, " is undefined");
+  check_flat(name, t);
   TORCH_CHECK_VALUE(t.sizes() == like.sizes() && t.dtype() == like.dtype() && t.device() == like.device(), name, " (",
                     describe(t), ") must match ", like_name, " (", describe(like), ")");
 }
@@ -87,6 +89,32 @@ void check_optional_state(const char* name, const c10::optional<at::Tensor>& t, 
   TORCH_CHECK_VALUE(!needed || given, name, " is required when ", why, ", got None");
   TORCH_CHECK_VALUE(needed || !given, name, " must be None unless ", why);
   if (given) check_same(name, *t, "param", param);
+}
+
+// LookSAM's correction: all three tensors or none, checked as perturb_ checks its scale and tile_block (same
+// messages as triton_kernels/base_step.py). Given in part, the caller's correction state is broken: refused.
+Correction check_correction(const CorrectionArgs& args, const at::Tensor& param, int64_t tile) {
+  const auto given = [](const c10::optional<at::Tensor>& t) { return t.has_value() && t->defined(); };
+  const bool any = given(args.correction) || given(args.correction_scale) || given(args.tile_block);
+  if (!any) return {};
+  std::string missing;
+  const auto note = [&](const char* name, const c10::optional<at::Tensor>& t) {
+    if (!given(t)) missing += (missing.empty() ? "" : ", ") + std::string(name);
+  };
+  note("correction", args.correction);
+  note("correction_scale", args.correction_scale);
+  note("tile_block", args.tile_block);
+  TORCH_CHECK_VALUE(missing.empty(), "correction, correction_scale and tile_block must be given together, missing ",
+                    missing);
+  const Correction c{*args.correction, *args.correction_scale, *args.tile_block};
+  check_flat("correction", c.values);
+  check_same("correction", c.values, "param", param);
+  check_flat("correction_scale", c.scale, 0, at::kDouble, &param);
+  check_flat("tile_block", c.tile_block, 0, at::kInt, &param);
+  const int64_t n_tiles = param.numel() / tile;
+  TORCH_CHECK_VALUE(c.tile_block.numel() == n_tiles, "tile_block has ", c.tile_block.numel(), " entries for ", n_tiles,
+                    " tiles");
+  return c;
 }
 
 bool on_cuda(const at::Tensor& t) {
@@ -158,31 +186,35 @@ void restore_(const at::Tensor& param, const at::Tensor& backup, int64_t tile) {
 }
 
 void sgd_step_(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& backup,
-               const c10::optional<at::Tensor>& momentum_buffer, int64_t tile, const SgdOptions& options) {
+               const c10::optional<at::Tensor>& momentum_buffer, int64_t tile, const SgdOptions& options,
+               const CorrectionArgs& correction) {
   check_tile(tile);
   check_flat("param", param, tile);
   check_base_step_dtype(param);
   check_same("grad", grad, "param", param);
-  check_same("backup", backup, "param", param);
+  check_same("backup", backup, "param", param);  // backup may be param itself
   check_optional_state("momentum_buffer", momentum_buffer, options.momentum != 0, "momentum != 0", param);
+  const Correction c = check_correction(correction, param, tile);
   if (param.numel() == 0) return;
-  GEARSAM_ON_DEVICE_OF(param, sgd_step, param, grad, backup, momentum_buffer.value_or(at::Tensor()), tile, options);
+  GEARSAM_ON_DEVICE_OF(param, sgd_step, param, grad, backup, momentum_buffer.value_or(at::Tensor()), tile, options,
+                       c);
 }
 
 void adam_step_(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& backup, const at::Tensor& exp_avg,
                 const at::Tensor& exp_avg_sq, const c10::optional<at::Tensor>& max_exp_avg_sq, int64_t tile,
-                const AdamOptions& options) {
+                const AdamOptions& options, const CorrectionArgs& correction) {
   check_tile(tile);
   check_flat("param", param, tile);
   check_base_step_dtype(param);
   check_same("grad", grad, "param", param);
-  check_same("backup", backup, "param", param);
+  check_same("backup", backup, "param", param);  // backup may be param itself
   check_same("exp_avg", exp_avg, "param", param);
   check_same("exp_avg_sq", exp_avg_sq, "param", param);
   check_optional_state("max_exp_avg_sq", max_exp_avg_sq, options.amsgrad, "amsgrad=True", param);
+  const Correction c = check_correction(correction, param, tile);
   if (param.numel() == 0) return;
   GEARSAM_ON_DEVICE_OF(param, adam_step, param, grad, backup, exp_avg, exp_avg_sq,
-                       max_exp_avg_sq.value_or(at::Tensor()), tile, options);
+                       max_exp_avg_sq.value_or(at::Tensor()), tile, options, c);
 }
 
 bool built_with_cuda() {

@@ -12,10 +12,11 @@ from .bn import frozen_bn_stats  # noqa: E402
 from .flat import compact_state_dict  # noqa: E402
 from .optim import GEARSAM, OPTIMIZERS, SAM, SharpnessAware, StepStatistics  # noqa: E402
 from .partition import Block, format_partition, partition  # noqa: E402
+from .schedules import Adaptive, Every, LookSAM, Random, Schedule  # noqa: E402
 from .telemetry import BlockTelemetry  # noqa: E402
 
 __all__ = [
     "SAM", "GEARSAM", "SharpnessAware", "StepStatistics", "OPTIMIZERS", "partition", "Block", "format_partition",
     "available_backends", "BlockTelemetry", "SAMScaler", "ScaledStepReport", "frozen_bn_stats", "accumulated_step",
-    "compact_state_dict", "__version__",
+    "compact_state_dict", "Schedule", "Every", "LookSAM", "Random", "Adaptive", "__version__",
 ]  # fmt: skip

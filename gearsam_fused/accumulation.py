@@ -11,7 +11,9 @@ the same micro-batches and the optimizer steps only after all ``k`` backward pas
     optimizer.second_step(zero_grad=True)
 
 (Perturbing per micro-batch instead would be "m-sharpness", a different algorithm.) :func:`accumulated_step` runs
-exactly this, optionally with float16 loss scaling and with BatchNorm statistics frozen in the second pass.
+exactly this, optionally with float16 loss scaling and with BatchNorm statistics frozen in the second pass. On a step
+the optimizer's ``schedule`` skips (``first_step`` returns False, having made the base update with the accumulated
+first gradient) it runs the first pass only.
 """
 
 from __future__ import annotations
@@ -42,7 +44,9 @@ def accumulated_step(
     before ``backward``, so with equally sized micro-batches the step equals the step on their concatenation (without
     BatchNorm in train mode: it normalises each micro-batch by its own statistics). In order: zero the gradients
     (``optimizer.zero_grad(set_to_none)``), first pass over all micro-batches, ``first_step``, zero, second pass over
-    the same micro-batches, ``second_step``. The second pass's gradients are left in place.
+    the same micro-batches, ``second_step``. The second pass's gradients are left in place. On a step the optimizer's
+    ``schedule`` skips, one pass over the micro-batches, then ``first_step``, which makes the update with their
+    accumulated gradient (left in place without ``amp``).
 
     Args:
         amp: a :class:`~gearsam_fused.amp.SAMScaler` wrapping ``optimizer``: every micro-batch loss is scaled by its
@@ -96,14 +100,14 @@ def accumulated_step(
     if amp is not None:
         run_second = amp.first_step(set_to_none=set_to_none)
     else:
-        optimizer.first_step()
-        optimizer.zero_grad(set_to_none=set_to_none)
-        run_second = True
+        run_second = optimizer.first_step()  # False on a step the schedule skips: the update is made
+        if run_second:
+            optimizer.zero_grad(set_to_none=set_to_none)
     if run_second:
         with frozen_bn_stats(model) if model is not None else contextlib.nullcontext():
             backward_pass()
     if amp is not None:
         amp.second_step()
-    else:
+    elif run_second:
         optimizer.second_step()
     return loss

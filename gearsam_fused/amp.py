@@ -13,11 +13,15 @@ through an existing ``GradScaler``::
         with torch.autocast("cuda", dtype=torch.float16):
             loss = loss_fn(model(x), y)
         scaler.scale(loss).backward()
-        amp.first_step()                            # unscale, check, perturb (or not), zero the gradients
-        with torch.autocast("cuda", dtype=torch.float16), frozen_bn_stats(model):
-            scaler.scale(loss_fn(model(x), y)).backward()
+        if amp.first_step():                        # unscale, check, perturb (or not), zero the gradients
+            with torch.autocast("cuda", dtype=torch.float16), frozen_bn_stats(model):
+                scaler.scale(loss_fn(model(x), y)).backward()
         report = amp.second_step(zero_grad=True)    # unscale, check, restore w, base step (or undo the step)
         scaler.update()                             # lowers the scale after a skipped step, as usual
+
+``first_step`` returns False when the second pass is not to run: after an overflow in the first pass, and on a step
+the optimizer's ``schedule`` skips (:mod:`gearsam_fused.schedules`), whose update ``first_step`` has then made with
+the unscaled first gradient. ``second_step`` is called on every step: it finishes the scaler's bookkeeping.
 """
 
 from __future__ import annotations
@@ -51,7 +55,9 @@ class ScaledStepReport:
     ``skipped``: the perturbation (if any) was undone and the base optimizer did not step; the weights, the base
     optimizer's state and the GEAR EMA are as before the step. ``reason``: why, or None. ``first_pass_finite`` /
     ``second_pass_finite``: whether each pass's unscaled gradients were all finite (a pass that did not run counts as
-    finite). ``scale``: the loss scale both passes used.
+    finite). ``scale``: the loss scale both passes used. ``sam_step``: whether the step was a SAM step (its
+    ``first_step`` perturbs, or would have had the first pass been finite); False on a step the optimizer's schedule
+    skipped, which runs the first pass only and, unless that overflowed, makes the base update with its gradient.
     """
 
     skipped: bool
@@ -59,6 +65,7 @@ class ScaledStepReport:
     first_pass_finite: bool
     second_pass_finite: bool
     scale: float
+    sam_step: bool = True
 
 
 class SAMScaler:
@@ -72,7 +79,8 @@ class SAMScaler:
       gradients are then zeroed for the second pass.
     * :meth:`second_step` unscales and checks the second gradients the same way. If both passes were finite it
       restores ``w`` and steps the base optimizer; otherwise it restores ``w``, rolls back the GEAR EMA and skips the
-      base step. Either way it records the overflow in ``scaler`` so that ``scaler.update()`` lowers the scale exactly
+      base step. On a step the optimizer's schedule skips, :meth:`first_step` has already made the update (when the
+      first pass was finite) and :meth:`second_step` unscales nothing more. Either way it records the overflow in ``scaler`` so that ``scaler.update()`` lowers the scale exactly
       as after a step ``GradScaler.step`` skipped, and returns (and keeps in :attr:`last`) a :class:`ScaledStepReport`.
 
     Reading an overflow flag synchronises with the device once per pass, as ``GradScaler.step`` does once per step.
@@ -107,7 +115,8 @@ class SAMScaler:
         self.scaler = scaler
         #: Report of the last completed step (None before the first).
         self.last: ScaledStepReport | None = None
-        self._first: tuple[dict, bool] | None = None  # the first pass's overflow records, and whether it was finite
+        # the first pass's overflow records, whether it was finite, and whether the step is a SAM step
+        self._first: tuple[dict, bool, bool] | None = None
 
     # ------------------------------------------------------------------ GradScaler bookkeeping
     def _state(self) -> dict:
@@ -135,52 +144,64 @@ class SAMScaler:
 
     # ------------------------------------------------------------------ the two steps
     def first_step(self, *, set_to_none: bool = True) -> bool:
-        """Unscale and check the first pass's gradients; perturb the weights if they are finite. Then zero the
-        gradients (``optimizer.zero_grad(set_to_none)``), which the second pass needs. Returns whether the weights
-        were perturbed, i.e. False when this step will be skipped."""
+        """Unscale and check the first pass's gradients; if they are finite, perturb the weights, or on a step the
+        optimizer's schedule skips, make the base optimizer's update with them. Then zero the gradients
+        (``optimizer.zero_grad(set_to_none)``), which the second pass needs. Returns whether to run the second pass:
+        whether the weights were perturbed, i.e. False when this step will be skipped (an overflow) and on a step
+        the schedule skips. Call :meth:`second_step` either way."""
         if self._first is not None:
             raise RuntimeError("SAMScaler.first_step() called twice: call second_step() to finish the step first")
         opt = self.optimizer
+        sam = opt.sam_step  # before anything moves: an overflow leaves the schedule where it is
         if not self.scaler.is_enabled():
-            opt.first_step()
+            perturbed = opt.first_step()
             opt.zero_grad(set_to_none=set_to_none)
-            self._first = ({}, True)
-            return True
+            self._first = ({}, True, sam)
+            return perturbed
         if not self._has_grads():
             raise RuntimeError("SAMScaler.first_step() found no gradients: call scaler.scale(loss).backward() first")
         records = self._unscaled_records()
         finite = self._finite(records)
         if finite:
-            opt.first_step(cancellable=True)
+            opt.first_step(cancellable=True)  # on a skipped step: the update, with the unscaled first gradient
         # The second pass must be unscaled by itself: hold this pass's records here and give the scaler a fresh slate.
         del self.scaler._per_optimizer_states[id(opt)]
-        self._first = (records, finite)
+        self._first = (records, finite, sam)
         opt.zero_grad(set_to_none=set_to_none)
-        return finite
+        return finite and sam
 
     def second_step(self, *, zero_grad: bool = False, set_to_none: bool = True) -> ScaledStepReport:
         """Unscale and check the second pass's gradients; finish the step if both passes were finite, else undo it
         (see the class docstring). Records the overflow for ``scaler.update()``; with ``zero_grad`` zeroes the
-        gradients afterwards. Returns the step's :class:`ScaledStepReport`, also kept in :attr:`last`."""
+        gradients afterwards. Returns the step's :class:`ScaledStepReport`, also kept in :attr:`last`. On a step the
+        schedule skips (no second pass; its first may have overflowed) nothing more is unscaled: only the
+        first pass's overflow records reach ``scaler.update()``. (After an overflow in the first pass of a SAM step,
+        gradients a second pass made anyway are unscaled and checked, and reported, as before.)"""
         if self._first is None:
             raise RuntimeError("SAMScaler.second_step() called without a preceding first_step()")
         opt = self.optimizer
-        first_records, first_finite = self._first
+        first_records, first_finite, sam = self._first
+        second_ran = first_finite and sam
         if not self.scaler.is_enabled():
-            opt.second_step()
+            if second_ran:
+                opt.second_step()
             second_finite = True
             scale = 1.0
         else:
-            if first_finite and not self._has_grads():
+            if second_ran and not self._has_grads():
                 raise RuntimeError(
                     "SAMScaler.second_step() found no gradients: call scaler.scale(loss).backward() at the perturbed "
                     "weights first"
                 )
-            records = self._unscaled_records()
+            if sam:
+                records = self._unscaled_records()
+            else:  # a step the schedule skips has no second pass: nothing to unscale, only the first pass's records
+                self._state()
+                records = {}
             second_finite = self._finite(records)
-            if first_finite and second_finite:
+            if second_ran and second_finite:
                 opt.second_step()
-            elif first_finite:
+            elif second_ran:
                 opt.cancel_step()
             # scaler.update() reads these: an overflow in either pass lowers the scale, as after a skipped step.
             for device, found in first_records.items():
@@ -194,7 +215,7 @@ class SAMScaler:
         reason = None
         if failed:
             reason = f"non-finite gradient in the {' and '.join(failed)} pass{'es' if len(failed) > 1 else ''}"
-        self.last = ScaledStepReport(bool(failed), reason, first_finite, second_finite, scale)
+        self.last = ScaledStepReport(bool(failed), reason, first_finite, second_finite, scale, sam)
         if zero_grad:
             opt.zero_grad(set_to_none=set_to_none)
         return self.last

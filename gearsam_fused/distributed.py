@@ -15,6 +15,12 @@ and only the gradient at the perturbed point is averaged. Two details make this 
 ``sam_step(..., m_sharpness=True)`` does both. With GEAR-SAM each rank then also keeps its own EMA of block energies
 (it allocates its own perturbation), so ``state_dict()`` saved on one rank holds that rank's EMA; the weights and the
 base optimizer's state stay identical on every rank.
+
+Under a ``schedule`` (:mod:`gearsam_fused.schedules`) a step the schedule skips runs the first pass only, all-reduced
+even with m-sharpness (the base optimizer's update is made with that gradient, which must be the same on every rank),
+and ``first_step`` makes the update. Every rank takes the same decisions: :class:`~gearsam_fused.schedules.Every`,
+``LookSAM`` and ``Random`` (with one seed) decide from the step count, ``Adaptive`` from a statistic averaged over
+the ranks.
 """
 
 from __future__ import annotations
@@ -65,6 +71,10 @@ def sam_step(
         closure()                               # all-reduced by DDP; if it raises, the step is cancelled
         optimizer.second_step()                 # restore w, base optimizer step
 
+    On a step the optimizer's ``schedule`` skips (``optimizer.sam_step`` False, read before the first pass) the
+    closure is called once, at ``w`` and all-reduced also with ``m_sharpness``, and ``first_step`` makes the base
+    optimizer's update with that gradient; the gradients are left as that pass made them.
+
     Args:
         optimizer: a :class:`~gearsam_fused.SAM` or :class:`~gearsam_fused.GEARSAM`.
         model: the ``DistributedDataParallel`` module the closure calls, or a model sharded by ``fully_shard``
@@ -72,11 +82,13 @@ def sam_step(
             and both modes are plain SAM.
         m_sharpness: perturb each rank with its local gradient (first pass not all-reduced); the update still uses
             the all-reduced gradient at the perturbed points, so the ranks stay identical. Not available with
-            ``DistributedDataParallel(static_graph=True)``, which fails under ``no_sync()``.
+            ``DistributedDataParallel(static_graph=True)``, which fails under ``no_sync()``, nor with a
+            :class:`~gearsam_fused.schedules.LookSAM` schedule on several processes (its stored direction would come
+            from each rank's own first gradient, and the ranks' skipped steps would differ).
         set_to_none: how gradients are cleared before each pass (``False`` suits the fused backends, whose gradients
             then stay views of their flat buffers).
 
-    On return the gradients hold the (all-reduced) gradient at the perturbed point.
+    On return the gradients hold the (all-reduced) gradient at the perturbed point (on a skipped step, at ``w``).
     """
     check_sharpness_aware(optimizer)
     if not callable(closure):
@@ -105,12 +117,25 @@ def sam_step(
             "m_sharpness runs the first pass under DDP's no_sync(), which DistributedDataParallel(static_graph=True) "
             "does not support; build the DDP module with static_graph=False"
         )
-    local_first_pass = model.no_sync() if (m_sharpness and wrapped) else contextlib.nullcontext()
+    schedule = getattr(optimizer, "schedule", None)
+    if m_sharpness and wrapped and schedule is not None and schedule.corrects and _multi_process():
+        # LookSAM keeps g_v = g_s - proj_g(g_s) from a SAM step and adds it on the skipped ones: with m-sharpness g is
+        # each rank's own gradient, so g_v, and with it every skipped step's update, would differ between the ranks
+        raise ValueError(
+            f"m_sharpness with schedule {schedule!r} would make the ranks drift apart: LookSAM's stored direction is "
+            "computed from the first gradient, which m-sharpness leaves unreduced, so each rank would correct its "
+            "skipped steps differently; use m_sharpness=False, or a schedule without correction (Every, Random, "
+            "Adaptive)"
+        )
+    # decided before the first forward: a skipped step's only pass feeds the update, so it is always all-reduced
+    perturbs = optimizer.sam_step
+    local_first_pass = model.no_sync() if (m_sharpness and wrapped and perturbs) else contextlib.nullcontext()
 
     optimizer.zero_grad(set_to_none=set_to_none)
     with torch.enable_grad(), local_first_pass:
         loss = closure()
-    optimizer.first_step(cancellable=True)
+    if not optimizer.first_step(cancellable=True):
+        return loss  # the schedule skipped this step's second pass: first_step made the update
     optimizer.zero_grad(set_to_none=set_to_none)
     with optimizer.cancel_on_error(), torch.enable_grad():
         closure()

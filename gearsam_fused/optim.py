@@ -29,6 +29,7 @@ from .base_step import BASE_STEPS, FUSED, PER_TENSOR, FlatBaseStep, run_post_hoo
 from .checks import PARAM_DTYPES, check_param_dtype, check_real
 from .partition import Block, parameter_names
 from .partition import partition as make_partition
+from .schedules import Schedule, check_schedule
 from .sharding import is_sharded, reduction_groups, sum_over
 
 _STATE_KEY = "gearsam"
@@ -50,6 +51,7 @@ class StepStatistics(NamedTuple):
     ema: torch.Tensor  #: GEAR-SAM's s_b (SAM keeps it at 0)
     radius: torch.Tensor  #: rho_b
     rho: float  #: the global radius of that step
+    sam_step: bool = True  #: whether that step perturbed (False: its schedule skipped the second pass; radius is 0)
 
 
 class SharpnessAware(torch.optim.Optimizer):
@@ -76,8 +78,15 @@ class SharpnessAware(torch.optim.Optimizer):
         partition,
         base_step: str,
         base_kwargs: dict,
+        schedule: Schedule | None = None,
     ):
         check_real("rho", rho, low=0.0)
+        self.schedule = check_schedule(schedule)
+        if self.schedule is not None and self.schedule.corrects and adaptive:
+            raise ValueError(
+                f"schedule {self.schedule!r} is LookSAM, whose direction is defined for plain gradients; it is not "
+                "defined for ASAM (adaptive=True)"
+            )
         if base_step not in BASE_STEPS:
             raise ValueError(f"base_step must be one of {BASE_STEPS}, got {base_step!r}")
         self.base_step = base_step
@@ -152,7 +161,14 @@ class SharpnessAware(torch.optim.Optimizer):
         self._energy = zeros.clone()
         self._radius = zeros.clone()
         self._last_rho = float(rho)
-        self._undo: tuple | None = None  # allocation state of before a cancellable first_step
+        self._last_sam = True
+        self._undo: tuple | None = None  # allocation and schedule state of before a cancellable first_step
+        # The schedule: steps completed, the decision for the next step (a bool, or a copy still on its way from the
+        # device), its state, and LookSAM's block energies of g_v (the buffer itself is the backend's).
+        self._steps_done = 0
+        self._next_sam: bool | _Pending = True
+        self._schedule_state = self.schedule.initial_state(device) if self.schedule is not None else {}
+        self._orthogonal_energy = zeros.clone()
         self._cleared: list | None = None  # the gradients as zero_grad() left them after first_step (_grad_marks)
 
     def _make_flat_step(self) -> tuple[FlatBaseStep | None, str]:
@@ -241,10 +257,20 @@ class SharpnessAware(torch.optim.Optimizer):
         return self._flat_step_why_not or self._flat_step.reason
 
     @property
+    def sam_step(self) -> bool:
+        """Whether the next step to begin is a SAM step: its :meth:`first_step` perturbs and the second forward and
+        backward are needed (always True without a ``schedule``). Known before that step's first forward; between
+        ``first_step`` and ``second_step`` it already speaks of the step after. Reading it may wait for the device to
+        finish the step before (:class:`~gearsam_fused.schedules.Adaptive` on CUDA), never for later work."""
+        if isinstance(self._next_sam, _Pending):
+            self._next_sam = self._next_sam.value()
+        return self._next_sam
+
+    @property
     def step_statistics(self) -> StepStatistics:
         """The last ``first_step``'s raw statistics on the device, without a copy (see :class:`StepStatistics`);
         :meth:`block_stats` is the same on the host, copied and described."""
-        return StepStatistics(self._energy, self._ema, self._radius, self._last_rho)
+        return StepStatistics(self._energy, self._ema, self._radius, self._last_rho, self._last_sam)
 
     def _rho(self) -> float:
         values = {group["rho"] for group in self.param_groups}
@@ -255,10 +281,12 @@ class SharpnessAware(torch.optim.Optimizer):
         return check_real("rho", values.pop(), low=0.0)
 
     @torch.no_grad()
-    def first_step(self, zero_grad: bool = False, *, cancellable: bool = False) -> None:
-        """Move every parameter with a gradient to ``w + eps`` (saving ``w``). With ``cancellable=True`` it also keeps
-        the allocation state of before the step (the GEAR EMA and the telemetry, ``O(blocks)`` numbers), so that
-        :meth:`cancel_step` can undo the whole step."""
+    def first_step(self, zero_grad: bool = False, *, cancellable: bool = False) -> bool:
+        """Move every parameter with a gradient to ``w + eps`` (saving ``w``) and return True: the caller runs the
+        second forward and backward, then :meth:`second_step`. On a step its ``schedule`` skips (:attr:`sam_step` was
+        False), make the base optimizer's update with this gradient instead (LookSAM: corrected) and return False:
+        the step is complete. With ``cancellable=True`` a perturbing step also keeps the allocation and schedule state
+        of before it (``O(blocks)`` numbers), so that :meth:`cancel_step` can undo the whole step."""
         if self.perturbed:
             raise RuntimeError("first_step() called twice: call second_step() to restore the weights first")
         rho = self._rho()
@@ -271,22 +299,88 @@ class SharpnessAware(torch.optim.Optimizer):
                     f"parameter {name} has a gradient but was frozen when the optimizer was built, so it is in no "
                     "block and would not be perturbed; build the optimizer after changing requires_grad"
                 )
+        sam = self.sam_step
         # The EMA is updated in place by allocate, so undoing needs a copy; only cancellable steps pay for it.
-        undo = (self._ema.clone(), self._energy, self._radius, self._last_rho) if cancellable else None
+        undo = None
+        if cancellable and sam:
+            undo = (self._ema.clone(), self._energy, self._radius, self._last_rho, self._last_sam,
+                    _snapshot(self._schedule_state), self._next_sam)  # fmt: skip
         energy = sum_over(self._shard_groups, self._backend.block_energy(self.adaptive, self.eta))
-        scale, radius = self._backend.allocate(self.rule, energy, self._ema, rho, self.beta, self.delta)
-        self._backend.perturb_(scale, self.adaptive, self.eta)
-        self._energy, self._radius, self._last_rho = energy, radius, rho
-        self._undo = undo
+        if self.schedule is not None:
+            self._decide_next(energy)
+        if not sam:
+            self._skipped_step(energy, rho)
+        else:
+            scale, radius = self._backend.allocate(self.rule, energy, self._ema, rho, self.beta, self.delta)
+            if self.schedule is not None and self.schedule.corrects:
+                self._backend.keep_gradient_()  # g, for second_step's decomposition of the SAM gradient
+            self._backend.perturb_(scale, self.adaptive, self.eta)
+            self._energy, self._radius, self._last_rho, self._last_sam = energy, radius, rho, True
+            self._undo = undo
         self._cleared = None
         if zero_grad:
             self.zero_grad()
+        return sam
+
+    def _decide_next(self, energy: torch.Tensor) -> None:
+        """Let the schedule decide the next step from this one's energies; a device decision is copied to the host
+        without waiting (read when :attr:`sam_step` is next asked)."""
+        decision = self.schedule.decide_next(self._steps_done, energy.sum(), self._schedule_state)
+        self._next_sam = _Pending(decision) if isinstance(decision, torch.Tensor) else bool(decision)
+
+    def _skipped_step(self, energy: torch.Tensor, rho: float) -> None:
+        """A step without the second pass: GEAR-SAM's EMA still takes the energies, then the base optimizer steps
+        with the first gradient (plus LookSAM's correction) over the flat buffers or by its own ``step()``."""
+        if self.rule == GEAR_RULE:
+            self._backend.allocate(self.rule, energy, self._ema, rho, self.beta, self.delta)
+        correction = self._correction_scale(energy) if self.schedule.corrects else None
+        updates = self._flat_step.plan() if self._flat_step is not None else None
+        if updates is None and self.base_step == FUSED:
+            raise RuntimeError(f"base_step='fused' cannot be honoured this step: {self._flat_step.reason}")
+        if updates is None:
+            if correction is not None:
+                self._backend.add_correction_(correction)
+            self.base_optimizer.step()
+        else:
+            self._fused_base_step(updates, correction, perturbed=False)
+        self._last_base_step = PER_TENSOR if updates is None else FUSED
+        self._energy, self._radius, self._last_rho, self._last_sam = energy, torch.zeros_like(energy), rho, False
+        self._undo = None
+        self._steps_done += 1
+        self._opt_called = True  # tells torch LR schedulers that an optimizer step happened
+
+    def _correction_scale(self, energy: torch.Tensor) -> torch.Tensor:
+        """LookSAM's ``alpha * ||g|| / ||g_v||`` per block: over all blocks for SAM, per block for GEAR-SAM (0 where
+        ``g_v = 0``)."""
+        orthogonal = self._orthogonal_energy
+        if self.rule != GEAR_RULE:
+            energy, orthogonal = energy.sum().expand_as(energy), orthogonal.sum().expand_as(orthogonal)
+        positive = orthogonal > 0
+        ratio = energy.sqrt() / torch.where(positive, orthogonal, 1.0).sqrt()
+        return torch.where(positive, self.schedule.alpha * ratio, 0.0)
+
+    def _orthogonalize(self) -> None:
+        """LookSAM on a SAM step: ``g_v = g_s - (<g, g_s> / ||g||^2) g`` over all blocks (SAM) or per block (GEAR-SAM),
+        with g the first gradient the backend kept and g_s the current one."""
+        dot = sum_over(self._shard_groups, self._backend.block_dot())
+        energy = self._energy
+        if self.rule != GEAR_RULE:
+            dot, energy = dot.sum().expand_as(dot), energy.sum().expand_as(energy)
+        positive = energy > 0
+        coefficient = torch.where(positive, dot / torch.where(positive, energy, 1.0), 0.0)
+        self._orthogonal_energy = sum_over(self._shard_groups, self._backend.orthogonalize_(coefficient))
 
     @torch.no_grad()
     def second_step(self, zero_grad: bool = False) -> None:
         """Restore ``w`` exactly and step the base optimizer with the gradient taken at ``w + eps``: in one pass over
         the flat buffers where the base step is fused (see :attr:`base_step_mode`), else by its own ``step()``."""
         if not self.perturbed:
+            if self._last_sam is False and self._cleared is None:
+                raise RuntimeError(
+                    f"second_step() after a step the schedule {self.schedule!r} skipped: first_step() returned False "
+                    "and already made the base optimizer's update; run the second pass and second_step() only when "
+                    "first_step() returns True"
+                )
             raise RuntimeError("second_step() called without a preceding first_step()")
         if self._no_second_gradient():
             kept = self._abandon_step()
@@ -299,6 +393,8 @@ class SharpnessAware(torch.optim.Optimizer):
         if updates is None and self.base_step == FUSED:
             self._backend.restore_()  # w, not w + eps, stays in the model
             raise RuntimeError(f"base_step='fused' cannot be honoured this step: {self._flat_step.reason}")
+        if self.schedule is not None and self.schedule.corrects:
+            self._orthogonalize()
         if updates is None:
             self._backend.restore_()
             self.base_optimizer.step()
@@ -306,13 +402,15 @@ class SharpnessAware(torch.optim.Optimizer):
             self._fused_base_step(updates)
         self._last_base_step = PER_TENSOR if updates is None else FUSED
         self._undo = None
+        self._steps_done += 1
         self._opt_called = True  # tells torch LR schedulers that an optimizer step happened
         if zero_grad:
             self.zero_grad()
 
-    def _fused_base_step(self, updates: list) -> None:
-        """Restore and update over the flat buffers, between the base optimizer's step hooks as its ``step()`` would
-        run them (a pre-hook may hand the step a closure, which runs first, as in torch's step)."""
+    def _fused_base_step(self, updates: list, correction: torch.Tensor | None = None, perturbed: bool = True) -> None:
+        """Restore and update (``perturbed``), or update the current weights, over the flat buffers, between the base
+        optimizer's step hooks as its ``step()`` would run them (a pre-hook may hand the step a closure, which runs
+        first, as in torch's step)."""
         try:
             args, kwargs = run_pre_hooks(self.base_optimizer)
             closure = step_closure(self.base_optimizer, args, kwargs)
@@ -327,7 +425,10 @@ class SharpnessAware(torch.optim.Optimizer):
         except BaseException:
             self._backend.restore_()  # w, not w + eps, stays in the model, as when torch's own step() fails
             raise
-        self._backend.restore_and_update_(updates)
+        if perturbed:
+            self._backend.restore_and_update_(updates)
+        else:
+            self._backend.update_(updates, correction)
         self._flat_step.finish(updates)
         self.base_optimizer._opt_called = True  # as its step() would have: a scheduler may be attached to it
         run_post_hooks(self.base_optimizer, args, kwargs)
@@ -373,22 +474,26 @@ class SharpnessAware(torch.optim.Optimizer):
                 "still hold w + eps, so call second_step() to finish this step"
             )
         self._backend.restore_()
-        ema, self._energy, self._radius, self._last_rho = self._undo
+        ema, self._energy, self._radius, self._last_rho, self._last_sam, schedule_state, self._next_sam = self._undo
         self._ema.copy_(ema)
+        self._schedule_state = schedule_state
         self._undo = None
 
     @torch.no_grad()
     def step(self, closure: Callable[[], torch.Tensor] | None = None):
         """One full step. The caller has already run the first backward; ``closure`` must zero nothing itself,
-        recompute the loss at the perturbed point and call ``backward()``. Returns the closure's loss. If the closure
-        raises, the step is cancelled (weights and allocation state as before it) and the exception propagates."""
+        recompute the loss at the perturbed point and call ``backward()``. Returns the closure's loss, or None on a
+        step the ``schedule`` skips (the closure is not called: the base optimizer steps with the first gradient). If
+        the closure raises, the step is cancelled (weights, allocation and schedule state as before it) and the
+        exception propagates."""
         if closure is None:
             raise RuntimeError(
                 f"{type(self).__name__}.step() needs a closure that recomputes the loss and its gradients "
                 "(or call first_step() and second_step() yourself); to create the optimizer state before loading a "
                 "checkpoint with torch.distributed.checkpoint, call init_state() first"
             )
-        self.first_step(zero_grad=True, cancellable=True)
+        if not self.first_step(zero_grad=True, cancellable=True):
+            return None
         with self.cancel_on_error(), torch.enable_grad():
             loss = closure()
         self.second_step()
@@ -511,7 +616,47 @@ class SharpnessAware(torch.optim.Optimizer):
             "last_rho": self._last_rho,
             "shapes": [[tuple(p.shape) for p in b.params] for b in self.blocks],
         }
+        if self.schedule is not None:
+            state["param_groups"][0][_STATE_KEY]["schedule"] = self._schedule_entry()
         return state
+
+    def _schedule_entry(self) -> dict:
+        entry = {
+            "schedule": repr(self.schedule),
+            "steps_done": self._steps_done,
+            "next_sam": self.sam_step,
+            "state": self.schedule.state_dict(self._schedule_state),
+        }
+        if self.schedule.corrects:
+            entry["orthogonal_energy"] = self._orthogonal_energy.detach().cpu().clone()
+            entry["correction"] = [t.detach().cpu().clone() for t in self._backend.correction_tensors()]
+        return entry
+
+    def _load_schedule(self, entry: dict | None) -> None:
+        """Resume the schedule from a state-dict entry, or start it afresh when the state was saved without one (a
+        run that switches to a schedule); a different schedule than the one saved is refused."""
+        if self.schedule is None:
+            return
+        if entry is None:
+            self._steps_done, self._next_sam = 0, True
+            self._schedule_state = self.schedule.initial_state(self._ema.device)
+            if self.schedule.corrects:
+                self._orthogonal_energy.zero_()
+                for t in self._backend.correction_tensors():
+                    t.zero_()
+            return
+        if entry["schedule"] != repr(self.schedule):
+            raise ValueError(
+                f"state dict was saved with schedule {entry['schedule']}, this optimizer has {self.schedule!r}; build "
+                "it with the same schedule to resume"
+            )
+        self._steps_done, self._next_sam = int(entry["steps_done"]), bool(entry["next_sam"])
+        self._schedule_state = self.schedule.initial_state(self._ema.device)
+        self.schedule.load_state_dict(self._schedule_state, entry["state"], self._ema.device)
+        if self.schedule.corrects:
+            self._orthogonal_energy.copy_(entry["orthogonal_energy"])
+            for t, saved in zip(self._backend.correction_tensors(), entry["correction"], strict=True):
+                t.copy_(saved)
 
     def load_state_dict(self, state_dict: dict) -> None:
         if self.perturbed:
@@ -545,6 +690,7 @@ class SharpnessAware(torch.optim.Optimizer):
         for name in ("ema", "energy", "radius"):
             getattr(self, "_" + name).copy_(ours[name])
         self._last_rho = float(ours["last_rho"])
+        self._load_schedule(ours.get("schedule"))
         self._undo = None
 
     def _load_plain_state_dict(self, state_dict: dict) -> None:
@@ -569,6 +715,7 @@ class SharpnessAware(torch.optim.Optimizer):
         for tensor in (self._ema, self._energy, self._radius):
             tensor.zero_()
         self._last_rho = float(rhos[0])
+        self._load_schedule(None)
         self._undo = None
         if self.rule == GEAR_RULE:
             warnings.warn(
@@ -578,6 +725,29 @@ class SharpnessAware(torch.optim.Optimizer):
                 UserWarning,
                 stacklevel=3,
             )
+
+
+class _Pending:
+    """A schedule's decision still on the device: copied to pinned host memory without waiting, read on demand."""
+
+    def __init__(self, decision: torch.Tensor):
+        if decision.device.type == "cuda":
+            self._host = torch.empty((), dtype=torch.bool, pin_memory=True)
+            self._host.copy_(decision, non_blocking=True)
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+        else:
+            self._host, self._ready = decision, None
+
+    def value(self) -> bool:
+        if self._ready is not None:
+            self._ready.synchronize()  # waits for the step that decided, not for any later work
+        return bool(self._host)
+
+
+def _snapshot(state: dict) -> dict:
+    """A copy of a schedule's state that later steps cannot change."""
+    return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
 
 
 def _split_state(state_dict: dict) -> tuple[dict, dict | None]:
@@ -692,6 +862,10 @@ class SAM(SharpnessAware):
             can and per tensor elsewhere (:attr:`base_step_mode` says which ran, :attr:`base_step_reason` why);
             ``"fused"`` makes a step that cannot be fused an error; ``"per-tensor"`` always calls the base optimizer's
             own ``step()``.
+        schedule: which steps take the second pass: None (every step), or one of
+            :class:`~gearsam_fused.schedules.Every`, :class:`~gearsam_fused.schedules.LookSAM`,
+            :class:`~gearsam_fused.schedules.Random`, :class:`~gearsam_fused.schedules.Adaptive`; see
+            :attr:`sam_step` and :meth:`first_step`.
     """
 
     rule = SAM_RULE
@@ -709,13 +883,14 @@ class SAM(SharpnessAware):
         partition=None,
         delta: float = 1e-12,
         base_step: str = "auto",
+        schedule: Schedule | None = None,
         **base_kwargs,
     ):
         if partition is None:
             partition = "coarse" if isinstance(params, nn.Module) or model is not None else "global"
         super().__init__(
             params, base_optimizer, rho=rho, adaptive=adaptive, eta=eta, delta=delta, backend=backend,
-            model=model, partition=partition, base_step=base_step, base_kwargs=base_kwargs,
+            model=model, partition=partition, base_step=base_step, base_kwargs=base_kwargs, schedule=schedule,
         )  # fmt: skip
 
     @staticmethod
@@ -732,7 +907,7 @@ class GEARSAM(SharpnessAware):
         partition: a strategy accepted by :func:`gearsam_fused.partition`.
         beta: EMA factor in [0, 1).
         delta: stabiliser of the block direction ``g_b / (||g_b|| + delta)``; must be > 0.
-        base_step: as :class:`SAM`'s.
+        base_step, schedule: as :class:`SAM`'s. Under a schedule the EMA takes every step's energies.
     """
 
     rule = GEAR_RULE
@@ -751,12 +926,13 @@ class GEARSAM(SharpnessAware):
         eta: float = 0.0,
         backend: str = "auto",
         base_step: str = "auto",
+        schedule: Schedule | None = None,
         **base_kwargs,
     ):
         self.beta = check_real("beta", beta, low=0.0, high=1.0)
         super().__init__(
             params, base_optimizer, rho=rho, adaptive=adaptive, eta=eta, delta=delta, backend=backend,
-            model=model, partition=partition, base_step=base_step, base_kwargs=base_kwargs,
+            model=model, partition=partition, base_step=base_step, base_kwargs=base_kwargs, schedule=schedule,
         )  # fmt: skip
 
 

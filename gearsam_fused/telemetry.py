@@ -12,6 +12,7 @@ from .optim import SharpnessAware, check_sharpness_aware
 #: Fields of every record :class:`BlockTelemetry` emits; each statistic is a list with one value per block.
 RECORD_FIELDS = (
     "step", "rho", "blocks", "energy", "ema", "radius", "share", "non_finite", "loss", "perturbed_loss", "sharpness",
+    "sam_step", "sam_fraction",
 )  # fmt: skip
 
 
@@ -33,7 +34,10 @@ class BlockTelemetry:
     - ``non_finite``: how many blocks had a non-finite energy that step (GEAR-SAM did not perturb them; SAM perturbed
       nothing that step);
     - ``loss`` L(w), ``perturbed_loss`` L(w + eps) and ``sharpness``, the realized sharpness L(w + eps) - L(w): the
-      two losses the step computed anyway, so it costs no extra pass (None when :meth:`record` was not given them).
+      two losses the step computed anyway, so it costs no extra pass (None when :meth:`record` was not given them);
+    - ``sam_step``: whether the step perturbed (False on a step the optimizer's ``schedule`` skipped: its radii and
+      shares are 0, and it has no ``perturbed_loss``); ``sam_fraction``: the fraction of SAM steps among the steps
+      this telemetry recorded up to and including this one (also :attr:`sam_fraction`, known on the host at once).
     """
 
     def __init__(
@@ -56,22 +60,43 @@ class BlockTelemetry:
         self._buffer = torch.empty(every, 3 * self._blocks + 2, dtype=torch.float64, device=device)
         # each row's (statistics, losses) views, made once so that recording a step is one stack
         self._rows = [(row[: 3 * self._blocks].view(3, self._blocks), row[3 * self._blocks :]) for row in self._buffer]
-        # (step, rho, whether the losses were given) of each buffered row, known on the host
-        self._pending: list[tuple[int, float, bool]] = []
+        # (step, rho, whether loss and perturbed_loss were given, whether it was a SAM step, the SAM-step fraction so
+        # far) of each buffered row, known on the host
+        self._pending: list[tuple[int, float, bool, bool, bool, float]] = []
+        self.steps_recorded = 0  # steps recorded by this telemetry (not counting ``start``), and of them SAM steps
+        self.sam_steps = 0
+
+    @property
+    def sam_fraction(self) -> float | None:
+        """The fraction of the recorded steps that were SAM steps (1.0 without a schedule; None before any)."""
+        return self.sam_steps / self.steps_recorded if self.steps_recorded else None
 
     def record(self, loss: torch.Tensor | None = None, perturbed_loss: torch.Tensor | None = None) -> None:
         """Buffer the statistics of the last ``first_step`` (no host synchronisation). ``loss`` and
         ``perturbed_loss``, the step's losses at ``w`` and at ``w + eps`` (scalar tensors), give its realized
-        sharpness: call this after the second pass to pass them."""
-        if (loss is None) != (perturbed_loss is None):
-            raise ValueError("pass both loss and perturbed_loss (the losses at w and at w + eps), or neither")
+        sharpness: call this after the second pass to pass them. On a step the schedule skipped there is no
+        ``w + eps``: pass ``loss`` alone, or nothing."""
         stats = self.optimizer.step_statistics
+        sam = bool(stats.sam_step)
+        if sam and (loss is None) != (perturbed_loss is None):
+            raise ValueError("pass both loss and perturbed_loss (the losses at w and at w + eps), or neither")
+        if not sam and perturbed_loss is not None:
+            raise ValueError(
+                "the last step was one the schedule skipped: it did not perturb, so it has no perturbed_loss; pass "
+                "loss alone"
+            )
         statistics, losses = self._rows[len(self._pending)]
         torch.stack((stats.energy, stats.ema, stats.radius), out=statistics)
-        if loss is not None:
+        if perturbed_loss is not None:
             losses.copy_(torch.stack((loss.detach().reshape(()), perturbed_loss.detach().reshape(()))))
+        elif loss is not None:
+            losses[0].copy_(loss.detach().reshape(()))
         self.step += 1
-        self._pending.append((self.step, stats.rho, loss is not None))
+        self.steps_recorded += 1
+        self.sam_steps += sam
+        self._pending.append(
+            (self.step, stats.rho, loss is not None, perturbed_loss is not None, sam, self.sam_fraction)
+        )
         if len(self._pending) == self.every:
             self.flush()
 
@@ -82,14 +107,16 @@ class BlockTelemetry:
         rows = self._buffer[: len(self._pending)].to("cpu", copy=True)
         names = self.optimizer.block_names
         records = []
-        for (step, rho, with_losses), row in zip(self._pending, rows):
+        for (step, rho, with_loss, with_perturbed, sam, fraction), row in zip(self._pending, rows):
             energy, ema, radius = row[: 3 * self._blocks].view(3, self._blocks)
             stats = self.optimizer.describe_blocks(energy, ema, radius, rho)
-            loss, perturbed = row[3 * self._blocks :].tolist() if with_losses else (None, None)
-            sharpness = perturbed - loss if with_losses else None
+            loss, perturbed = row[3 * self._blocks :].tolist()
+            loss, perturbed = (loss if with_loss else None), (perturbed if with_perturbed else None)
+            sharpness = perturbed - loss if with_perturbed else None
             records.append({
                 "step": step, "rho": rho, "blocks": names, **{k: v.tolist() for k, v in stats.items()},
-                "loss": loss, "perturbed_loss": perturbed, "sharpness": sharpness,
+                "loss": loss, "perturbed_loss": perturbed, "sharpness": sharpness, "sam_step": sam,
+                "sam_fraction": fraction,
             })  # fmt: skip
         self._pending.clear()
         if self.sink is None:

@@ -69,11 +69,21 @@ def test_quick_run_appends_rows_and_prints_the_report(tmp_path):
         ("torch", "sam"),
         ("torch", "gear-sam"),
     } <= contenders
+    schedule_rows = {f"{rule} {schedule}" for rule in ("SAM", "GEAR-SAM")
+                     for schedule in ("every-5", "LookSAM-5", "every-2", "adaptive")}  # fmt: skip
     assert {r["contender"] for r in trains} == {
         "forward+backward", "base step", "SGD", "per-tensor loop SAM", "pytorch_optimizer", "SAM", "GEAR-SAM",
-    }  # fmt: skip
+    } | schedule_rows  # fmt: skip
     # every SAM row of the training step carries its parts, measured in its own rounds; ours say how SGD stepped
     sam_rows = [r for r in trains if r["contender"] in ("per-tensor loop SAM", "pytorch_optimizer", "SAM", "GEAR-SAM")]
+    # the schedules' rows: whole cycles (one second pass in k steps under Every and LookSAM), numbers per step
+    cycles = {r["contender"]: r for r in trains if r["contender"] in schedule_rows}
+    assert all(cycles[f"{rule} every-5"]["sam_fraction"] == 0.2 for rule in ("SAM", "GEAR-SAM"))
+    assert all(cycles[f"{rule} LookSAM-5"]["sam_fraction"] == 0.2 for rule in ("SAM", "GEAR-SAM"))
+    for row in cycles.values():
+        assert row["step_q1_ms"] <= row["step_ms"] <= row["step_q3_ms"] and row["over_sgd"] > 0
+        assert row["base_step_mode"] == "fused"
+    sam_rows += list(cycles.values())
     for row in sam_rows:
         assert {
             "forward_backward_ms",
@@ -110,6 +120,20 @@ def test_quick_run_appends_rows_and_prints_the_report(tmp_path):
     )
     assert "**Whole step, SGD, ResNet-18" in done.stdout and "**Whole step, AdamW, 2000 tensors x 512" in done.stdout
     assert "/ bare base step" in done.stdout
+    # a step the schedule skips, against the bare base step, on ResNet-18's shapes with both base optimizers
+    skipped = [r for r in rows if r["benchmark"] == "bench_skipped_step"]
+    assert {r["base"] for r in skipped} == {"SGD", "AdamW"}
+    assert {r["set"].split(" (")[0] for r in skipped} == {"ResNet-18"}
+    assert {f"torch, {rule} {schedule}, skipped step" for rule in ("SAM", "GEAR-SAM")
+            for schedule in ("every-k", "LookSAM")} | {"bare base step"} <= {r["contender"] for r in skipped}  # fmt: skip
+    update = {"SGD": 20, "AdamW": 28}
+    for row in skipped:
+        floor = update[row["base"]] + (0 if row["contender"] == "bare base step" else 4)
+        floor += 4 if " LookSAM" in row["contender"] else 0
+        assert row["bytes_counted"] == floor * row["parameters"] and row["gbps"] > 0
+        assert row["over_paired_bare_q1"] <= row["over_paired_bare"] <= row["over_paired_bare_q3"]
+    assert all(r["base_step_mode"] == "fused" for r in skipped if r["contender"] != "bare base step")
+    assert "**Skipped step, AdamW, ResNet-18" in done.stdout and "same round" in done.stdout
     # the Hugging Face Trainer's step, plain and with SAMTrainer
     trainers = [r for r in rows if r["benchmark"] == "bench_trainer"]
     assert {r["contender"] for r in trainers} == {
@@ -200,6 +224,30 @@ def test_the_train_step_table_shows_the_parts_of_each_round():
            _row("bench_train_step", "base step", 1.0, **setting), _row("bench_train_step", "SAM", 65.0, **setting)]  # fmt: skip
     text = "\n".join(report.train_step_table(old))
     assert "| SAM | 65.00 | 2.00 | 4.00 | 6.2 |" in text and "from medians of the same run" in text
+
+
+def test_sam_parts_of_a_schedules_rounds_are_per_step():
+    # two rounds of 5 steps with one second pass each: per step, round / 5; beyond and tax per step
+    step, passes, sgd = [0.40, 0.50], [0.030, 0.030], [0.050, 0.060]
+    parts = report.sam_parts(step, passes, sgd, steps=[5, 5], second_passes=[1, 1])
+    assert parts["step_ms"] == pytest.approx(90.0)  # the median of 80 and 100
+    assert parts["beyond_ms"] == pytest.approx(((400 - 6 * 30) / 5 + (500 - 6 * 30) / 5) / 2)
+    assert parts["tax_ms"] == pytest.approx(((400 - 250 - 30) / 5 + (500 - 300 - 30) / 5) / 2)
+    assert parts["over_sgd"] == pytest.approx((80 / 50 + 100 / 60) / 2)
+    # without a schedule, one step and one second pass per round, as before
+    assert report.sam_parts(step, passes, sgd)["tax_ms"] == pytest.approx(((400 - 80) + (500 - 90)) / 2)
+
+
+def test_the_skipped_step_table_compares_with_the_bare_base_step():
+    common = {"set": "ResNet-18", "base": "AdamW", "parameters": 10, "tensors": 2, "copy_gbps": 30.0, "gbps": 10.0,
+              "pct_copy": 33.0}  # fmt: skip
+    rows = [_row("bench_skipped_step", "cpp, SAM every-k, skipped step", 5.0, bytes_counted=320, over_paired_bare=1.1,
+                 over_paired_bare_q1=1.0, over_paired_bare_q3=1.2, **common),
+            _row("bench_skipped_step", "bare base step", 4.0, bytes_counted=280, **common)]  # fmt: skip
+    text = "\n".join(report.skipped_step_tables(rows))
+    assert "**Skipped step, AdamW, ResNet-18**" in text
+    assert "| cpp, SAM every-k, skipped step | 32 | 5.000 | 2.000 | 1.25x | 1.10x [1.00, 1.20] |" in text
+    assert "| bare base step | 28 | 4.000 | 2.000 | 1.00x | - |" in text
 
 
 def test_the_trainer_table_shows_the_steps_alone():

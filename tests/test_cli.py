@@ -20,9 +20,11 @@ from gearsam_fused.app.training import Progress, RunConfig, cosine_factor, run_e
 from gearsam_fused.telemetry import RECORD_FIELDS
 
 EPOCH_FIELDS = {"kind", "optimizer", "seed", "epoch", "step", "lr", "train_loss", "train_acc", "test_loss", "test_acc", "train_sharpness",
-                "seconds", "sam_seconds"}  # fmt: skip
-RESULT_FIELDS = {"kind", "optimizer", "seed", "epochs", "step", "test_loss", "test_acc", "seconds", "sam_seconds"}
-TIMES = {"seconds", "sam_seconds"}  # the only fields that differ between two runs of the same settings
+                "seconds", "sam_seconds", "epoch_seconds", "cpu_seconds", "sam_steps", "sam_fraction"}  # fmt: skip
+RESULT_FIELDS = {"kind", "optimizer", "seed", "epochs", "step", "test_loss", "test_acc", "seconds", "sam_seconds",
+                 "cpu_seconds", "sam_steps"}  # fmt: skip
+# the only fields that differ between two runs of the same settings
+TIMES = {"seconds", "sam_seconds", "epoch_seconds", "cpu_seconds"}
 # A small CIFAR-style network: trains in well under a second per epoch on 64 synthetic images.
 TINY_TRAIN = ["--model-arg", "width=4", "--model-arg", "blocks=(1,1)", "--synthetic-size", "64", "--batch-size", "16",
               "--threads", "1"]  # fmt: skip

@@ -195,6 +195,15 @@ def test_launchers_name_the_bad_buffer(backend, device):
         )
     with pytest.raises(ValueError, match="backup .* must match param"):
         k.restore_(flat, torch.zeros(TILE), tile=TILE)
+    strided = torch.zeros(4 * TILE)[::2]  # the right length, but every other element
+    with pytest.raises(ValueError, match="grad must be a contiguous 1-D tensor"):
+        k.perturb_(flat, strided, flat.clone(), torch.ones(2, dtype=torch.float64),
+                   torch.zeros(2, dtype=torch.int32), tile=TILE, adaptive=False, eta=0.0)  # fmt: skip
+    with pytest.raises(ValueError, match="backup must be a contiguous 1-D tensor"):
+        k.restore_(flat, strided, tile=TILE)
+    sgd = dict(tile=TILE, lr=0.1, weight_decay=0.0, momentum=0.9, dampening=0.0, nesterov=False, maximize=False)
+    with pytest.raises(ValueError, match="momentum_buffer must be a contiguous 1-D tensor"):
+        k.sgd_step_(flat, flat.clone(), flat.clone(), strided, first=False, **sgd)
     with pytest.raises(ValueError, match="scale must be a contiguous 1-D tensor"):
         k.perturb_(
             flat,

@@ -18,6 +18,9 @@ def check_flat(name: str, t: torch.Tensor, tile: int | None = None, dtype: torch
 
 
 def check_same(name: str, t: torch.Tensor, like_name: str, like: torch.Tensor) -> None:
+    """A buffer read or written beside ``like``: flat itself (a strided view of the right length would be read as if
+    it were contiguous), then of ``like``'s shape, dtype and device."""
+    check_flat(name, t)
     if t.shape != like.shape or t.dtype != like.dtype or t.device != like.device:
         raise ValueError(
             f"{name} ({t.dtype} {tuple(t.shape)} on {t.device}) must match {like_name} "

@@ -1,15 +1,17 @@
 """SAM's restore folded into the base optimizer's update: one pass over a flat bucket after the second backward.
 
 ``param`` holds ``w + eps`` and ``backup`` holds ``w``; each kernel reads ``backup`` (never ``param``), applies torch's
-update to it and writes ``param`` and the optimizer state. C is the buffers' dtype (float32 or float64), ``C(x)`` a
-host scalar rounded once to C, ``fma`` a single rounding; every other operation rounds on its own::
+update to it and writes ``param`` and the optimizer state. ``backup`` may also be ``param`` itself, for a step from
+the current weights: a program reads each element before it writes it. C is the buffers' dtype (float32 or float64),
+``C(x)`` a host scalar rounded once to C, ``fma`` a single rounding; every other operation rounds on its own::
 
-    sgd_step_:   g = ±grad;  g = fma(C(wd), w, g) if wd
+    both:        g = fma(C(c[block]), correction, grad) if correction     (LookSAM; c = correction_scale, per tile)
+    sgd_step_:   g = ±g;  g = fma(C(wd), w, g) if wd
                  b = g (first step) or fma(C(1 - dampening), g, buf * C(momentum));  buf = b     if momentum
                  d = fma(C(momentum), b, g) if nesterov else b (momentum) or g (no momentum)
                  w <- fma(C(-lr), d, w)
 
-    adam_step_:  g = ±grad;  w = w * C(decay) (AdamW) or g = fma(C(wd), w, g) (Adam)               if wd
+    adam_step_:  g = ±g;  w = w * C(decay) (AdamW) or g = fma(C(wd), w, g) (Adam)               if wd
                  m = lerp(m, g, C(1 - beta1));  v = fma(C(1 - beta2) * g, g, v * C(beta2))
                  vmax = max(vmax, v) (amsgrad);  denom = sqrt(vmax or v) / C(bias_correction2_sqrt) + C(eps)
                  w <- w + (C(-step_size) * m) / denom
@@ -18,7 +20,9 @@ These round exactly like ATen's CPU kernels behind ``torch.optim.SGD`` / ``Adam`
 (``add(alpha=s)`` is one fma, ``lerp`` is one fma on either side of weight 1/2, ``addcmul`` rounds ``value * t1``
 before its fma), so the fused step gives the same bits as a restore followed by torch's step.
 
-One program per tile; the state tensors a configuration does not use are never loaded or stored.
+One program per tile; the state tensors a configuration does not use are never loaded or stored. A step without a
+correction runs kernels that have no correction arguments at all; one with it runs the ``_corrected`` twins, which
+share the same body.
 """
 
 from __future__ import annotations
@@ -59,17 +63,28 @@ def _sqrt(x, COMPUTE: tl.constexpr):
 
 
 @triton.jit
-def _sgd_kernel(param_ptr, grad_ptr, backup_ptr, buf_ptr, neg_lr32: tl.float32, neg_lr64: tl.float64,
-                wd32: tl.float32, wd64: tl.float64, momentum32: tl.float32, momentum64: tl.float64,
-                keep32: tl.float32, keep64: tl.float64, HAS_WEIGHT_DECAY: tl.constexpr, HAS_MOMENTUM: tl.constexpr,
-                NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr, FIRST: tl.constexpr, TILE: tl.constexpr,
-                COMPUTE: tl.constexpr):  # fmt: skip
-    """w = backup;  g = -grad if MAXIMIZE else grad;  g = fma(wd, w, g) if HAS_WEIGHT_DECAY;
-    with HAS_MOMENTUM: buf = g if FIRST else fma(keep, g, buf * momentum), d = fma(momentum, buf, g) if NESTEROV
-    else buf;  without: d = g.  param = fma(neg_lr, d, w).  keep is 1 - dampening, neg_lr is -lr."""
-    offsets = tl.program_id(0).to(tl.int64) * TILE + tl.arange(0, TILE)
-    w = tl.load(backup_ptr + offsets)
+def _step_grad(grad_ptr, corr_ptr, cscale_ptr, tile_block_ptr, offsets, CORRECTED: tl.constexpr,
+               COMPUTE: tl.constexpr):  # fmt: skip
+    """The tile's gradient before maximize's sign: grad, or fma(C(cscale[block]), correction, grad) if CORRECTED, the
+    block's float64 scale rounded once to COMPUTE."""
     g = tl.load(grad_ptr + offsets)
+    if CORRECTED:
+        scale = tl.load(cscale_ptr + tl.load(tile_block_ptr + tl.program_id(0))).to(COMPUTE)
+        g = tl.fma(scale, tl.load(corr_ptr + offsets), g)
+    return g
+
+
+@triton.jit
+def _sgd_tile(param_ptr, grad_ptr, backup_ptr, buf_ptr, corr_ptr, cscale_ptr, tile_block_ptr, neg_lr32, neg_lr64,
+              wd32, wd64, momentum32, momentum64, keep32, keep64, HAS_WEIGHT_DECAY: tl.constexpr,
+              HAS_MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr, FIRST: tl.constexpr,
+              CORRECTED: tl.constexpr, TILE: tl.constexpr, COMPUTE: tl.constexpr):  # fmt: skip
+    """w = backup;  g = grad, corrected if CORRECTED (see _step_grad);  g = -g if MAXIMIZE;  g = fma(wd, w, g) if
+    HAS_WEIGHT_DECAY; with HAS_MOMENTUM: buf = g if FIRST else fma(keep, g, buf * momentum), d = fma(momentum, buf, g)
+    if NESTEROV else buf;  without: d = g.  param = fma(neg_lr, d, w).  keep is 1 - dampening, neg_lr is -lr."""
+    offsets = tl.program_id(0).to(tl.int64) * TILE + tl.arange(0, TILE)
+    w = tl.load(backup_ptr + offsets)  # loaded before param is stored: backup may be param
+    g = _step_grad(grad_ptr, corr_ptr, cscale_ptr, tile_block_ptr, offsets, CORRECTED, COMPUTE)
     if MAXIMIZE:
         g = -g  # a sign flip, as torch's neg: +0 becomes -0
     if HAS_WEIGHT_DECAY:
@@ -89,21 +104,43 @@ def _sgd_kernel(param_ptr, grad_ptr, backup_ptr, buf_ptr, neg_lr32: tl.float32, 
 
 
 @triton.jit
-def _adam_kernel(param_ptr, grad_ptr, backup_ptr, exp_avg_ptr, exp_avg_sq_ptr, max_exp_avg_sq_ptr,
-                 wt32: tl.float32, wt64: tl.float64, beta2_32: tl.float32, beta2_64: tl.float64,
-                 keep2_32: tl.float32, keep2_64: tl.float64, eps32: tl.float32, eps64: tl.float64,
-                 wd32: tl.float32, wd64: tl.float64, decay32: tl.float32, decay64: tl.float64,
-                 neg_step32: tl.float32, neg_step64: tl.float64, bc2_32: tl.float32, bc2_64: tl.float64,
-                 HAS_WEIGHT_DECAY: tl.constexpr, DECOUPLED: tl.constexpr, AMSGRAD: tl.constexpr,
-                 MAXIMIZE: tl.constexpr, LERP_SMALL: tl.constexpr, TILE: tl.constexpr,
-                 COMPUTE: tl.constexpr):  # fmt: skip
-    """w = backup;  g = -grad if MAXIMIZE else grad;  with HAS_WEIGHT_DECAY: w = w * decay if DECOUPLED else
-    g = fma(wd, w, g);  m = fma(wt, g - m, m) if LERP_SMALL else fma(wt - 1, g - m, g);
+def _sgd_kernel(param_ptr, grad_ptr, backup_ptr, buf_ptr, neg_lr32: tl.float32, neg_lr64: tl.float64,
+                wd32: tl.float32, wd64: tl.float64, momentum32: tl.float32, momentum64: tl.float64,
+                keep32: tl.float32, keep64: tl.float64, HAS_WEIGHT_DECAY: tl.constexpr, HAS_MOMENTUM: tl.constexpr,
+                NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr, FIRST: tl.constexpr, TILE: tl.constexpr,
+                COMPUTE: tl.constexpr):  # fmt: skip
+    """_sgd_tile without a correction (grad_ptr stands in for its pointers, never dereferenced)."""
+    _sgd_tile(param_ptr, grad_ptr, backup_ptr, buf_ptr, grad_ptr, grad_ptr, grad_ptr, neg_lr32, neg_lr64, wd32, wd64,
+              momentum32, momentum64, keep32, keep64, HAS_WEIGHT_DECAY, HAS_MOMENTUM, NESTEROV, MAXIMIZE, FIRST, False,
+              TILE, COMPUTE)  # fmt: skip
+
+
+@triton.jit
+def _sgd_corrected_kernel(param_ptr, grad_ptr, backup_ptr, buf_ptr, corr_ptr, cscale_ptr, tile_block_ptr,
+                          neg_lr32: tl.float32, neg_lr64: tl.float64, wd32: tl.float32, wd64: tl.float64,
+                          momentum32: tl.float32, momentum64: tl.float64, keep32: tl.float32, keep64: tl.float64,
+                          HAS_WEIGHT_DECAY: tl.constexpr, HAS_MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr,
+                          MAXIMIZE: tl.constexpr, FIRST: tl.constexpr, TILE: tl.constexpr,
+                          COMPUTE: tl.constexpr):  # fmt: skip
+    """_sgd_tile with LookSAM's correction."""
+    _sgd_tile(param_ptr, grad_ptr, backup_ptr, buf_ptr, corr_ptr, cscale_ptr, tile_block_ptr, neg_lr32, neg_lr64, wd32,
+              wd64, momentum32, momentum64, keep32, keep64, HAS_WEIGHT_DECAY, HAS_MOMENTUM, NESTEROV, MAXIMIZE, FIRST,
+              True, TILE, COMPUTE)  # fmt: skip
+
+
+@triton.jit
+def _adam_tile(param_ptr, grad_ptr, backup_ptr, exp_avg_ptr, exp_avg_sq_ptr, max_exp_avg_sq_ptr, corr_ptr, cscale_ptr,
+               tile_block_ptr, wt32, wt64, beta2_32, beta2_64, keep2_32, keep2_64, eps32, eps64, wd32, wd64, decay32,
+               decay64, neg_step32, neg_step64, bc2_32, bc2_64, HAS_WEIGHT_DECAY: tl.constexpr,
+               DECOUPLED: tl.constexpr, AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr, LERP_SMALL: tl.constexpr,
+               CORRECTED: tl.constexpr, TILE: tl.constexpr, COMPUTE: tl.constexpr):  # fmt: skip
+    """w = backup;  g = grad, corrected if CORRECTED (see _step_grad);  g = -g if MAXIMIZE;  with HAS_WEIGHT_DECAY:
+    w = w * decay if DECOUPLED else g = fma(wd, w, g);  m = fma(wt, g - m, m) if LERP_SMALL else fma(wt - 1, g - m, g);
     v = fma(keep2 * g, g, v * beta2);  vmax = max(vmax, v) if AMSGRAD;
     param = w + (neg_step * m) / (sqrt(vmax if AMSGRAD else v) / bc2 + eps).  wt is 1 - beta1, keep2 is 1 - beta2."""
     offsets = tl.program_id(0).to(tl.int64) * TILE + tl.arange(0, TILE)
-    w = tl.load(backup_ptr + offsets)
-    g = tl.load(grad_ptr + offsets)
+    w = tl.load(backup_ptr + offsets)  # loaded before param is stored: backup may be param
+    g = _step_grad(grad_ptr, corr_ptr, cscale_ptr, tile_block_ptr, offsets, CORRECTED, COMPUTE)
     if MAXIMIZE:
         g = -g
     if HAS_WEIGHT_DECAY:
@@ -133,6 +170,38 @@ def _adam_kernel(param_ptr, grad_ptr, backup_ptr, exp_avg_ptr, exp_avg_sq_ptr, m
     tl.store(param_ptr + offsets, w + update)
 
 
+@triton.jit
+def _adam_kernel(param_ptr, grad_ptr, backup_ptr, exp_avg_ptr, exp_avg_sq_ptr, max_exp_avg_sq_ptr,
+                 wt32: tl.float32, wt64: tl.float64, beta2_32: tl.float32, beta2_64: tl.float64,
+                 keep2_32: tl.float32, keep2_64: tl.float64, eps32: tl.float32, eps64: tl.float64,
+                 wd32: tl.float32, wd64: tl.float64, decay32: tl.float32, decay64: tl.float64,
+                 neg_step32: tl.float32, neg_step64: tl.float64, bc2_32: tl.float32, bc2_64: tl.float64,
+                 HAS_WEIGHT_DECAY: tl.constexpr, DECOUPLED: tl.constexpr, AMSGRAD: tl.constexpr,
+                 MAXIMIZE: tl.constexpr, LERP_SMALL: tl.constexpr, TILE: tl.constexpr,
+                 COMPUTE: tl.constexpr):  # fmt: skip
+    """_adam_tile without a correction (grad_ptr stands in for its pointers, never dereferenced)."""
+    _adam_tile(param_ptr, grad_ptr, backup_ptr, exp_avg_ptr, exp_avg_sq_ptr, max_exp_avg_sq_ptr, grad_ptr, grad_ptr,
+               grad_ptr, wt32, wt64, beta2_32, beta2_64, keep2_32, keep2_64, eps32, eps64, wd32, wd64, decay32,
+               decay64, neg_step32, neg_step64, bc2_32, bc2_64, HAS_WEIGHT_DECAY, DECOUPLED, AMSGRAD, MAXIMIZE,
+               LERP_SMALL, False, TILE, COMPUTE)  # fmt: skip
+
+
+@triton.jit
+def _adam_corrected_kernel(param_ptr, grad_ptr, backup_ptr, exp_avg_ptr, exp_avg_sq_ptr, max_exp_avg_sq_ptr,
+                           corr_ptr, cscale_ptr, tile_block_ptr, wt32: tl.float32, wt64: tl.float64,
+                           beta2_32: tl.float32, beta2_64: tl.float64, keep2_32: tl.float32, keep2_64: tl.float64,
+                           eps32: tl.float32, eps64: tl.float64, wd32: tl.float32, wd64: tl.float64,
+                           decay32: tl.float32, decay64: tl.float64, neg_step32: tl.float32, neg_step64: tl.float64,
+                           bc2_32: tl.float32, bc2_64: tl.float64, HAS_WEIGHT_DECAY: tl.constexpr,
+                           DECOUPLED: tl.constexpr, AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr,
+                           LERP_SMALL: tl.constexpr, TILE: tl.constexpr, COMPUTE: tl.constexpr):  # fmt: skip
+    """_adam_tile with LookSAM's correction."""
+    _adam_tile(param_ptr, grad_ptr, backup_ptr, exp_avg_ptr, exp_avg_sq_ptr, max_exp_avg_sq_ptr, corr_ptr, cscale_ptr,
+               tile_block_ptr, wt32, wt64, beta2_32, beta2_64, keep2_32, keep2_64, eps32, eps64, wd32, wd64, decay32,
+               decay64, neg_step32, neg_step64, bc2_32, bc2_64, HAS_WEIGHT_DECAY, DECOUPLED, AMSGRAD, MAXIMIZE,
+               LERP_SMALL, True, TILE, COMPUTE)  # fmt: skip
+
+
 def _check_base_buffers(param: torch.Tensor, tile: int, **buffers: torch.Tensor | None) -> None:
     """param flat in a whole number of tiles and float32 / float64; every given buffer like it."""
     check_flat("param", param, tile)
@@ -145,6 +214,28 @@ def _check_base_buffers(param: torch.Tensor, tile: int, **buffers: torch.Tensor 
             check_same(name, t, "param", param)
 
 
+def _check_correction(param: torch.Tensor, tile: int, correction: torch.Tensor | None,
+                      correction_scale: torch.Tensor | None, tile_block: torch.Tensor | None) -> tuple:  # fmt: skip
+    """LookSAM's correction checked as ``perturb_`` checks its scale and tile_block (same messages as ops.cpp): the
+    three buffers, or () where none is given; some without the others means the caller's state is broken."""
+    given = {"correction": correction, "correction_scale": correction_scale, "tile_block": tile_block}
+    missing = [name for name, t in given.items() if t is None]
+    if len(missing) == len(given):
+        return ()
+    if missing:
+        raise ValueError(
+            f"correction, correction_scale and tile_block must be given together, missing {', '.join(missing)}"
+        )
+    check_flat("correction", correction)
+    check_same("correction", correction, "param", param)
+    check_flat("correction_scale", correction_scale, dtype=torch.float64, device=param.device)
+    check_flat("tile_block", tile_block, dtype=torch.int32, device=param.device)
+    n_tiles = param.numel() // tile
+    if tile_block.numel() != n_tiles:
+        raise ValueError(f"tile_block has {tile_block.numel()} entries for {n_tiles} tiles")
+    return correction, correction_scale, tile_block
+
+
 def _in_compute(x: float, dtype: torch.dtype) -> float:
     """x rounded to ``dtype`` (float32 or float64), back as a Python float."""
     return torch.tensor(x, dtype=torch.float64).to(dtype).item()
@@ -152,25 +243,31 @@ def _in_compute(x: float, dtype: torch.dtype) -> float:
 
 def sgd_step_(param: torch.Tensor, grad: torch.Tensor, backup: torch.Tensor, momentum_buffer: torch.Tensor | None,
               *, tile: int, lr: float, weight_decay: float, momentum: float, dampening: float, nesterov: bool,
-              maximize: bool, first: bool) -> None:  # fmt: skip
-    """``param`` <- torch's SGD step taken from ``backup``; ``momentum_buffer`` (given iff ``momentum != 0``) updated
-    in place, and only written, not read, on the ``first`` step. ``grad`` and ``backup`` are only read."""
+              maximize: bool, first: bool, correction: torch.Tensor | None = None,
+              correction_scale: torch.Tensor | None = None, tile_block: torch.Tensor | None = None) -> None:  # fmt: skip
+    """``param`` <- torch's SGD step taken from ``backup`` (which may be ``param`` itself); ``momentum_buffer`` (given
+    iff ``momentum != 0``) updated in place, and only written, not read, on the ``first`` step. ``grad`` and ``backup``
+    are only read. With ``correction``, ``correction_scale`` (float64 ``[B]``) and ``tile_block`` (int32 per tile),
+    all or none, the step's gradient is ``fma(C(correction_scale[block]), correction, grad)`` (LookSAM)."""
     _check_base_buffers(param, tile, grad=grad, backup=backup, momentum_buffer=momentum_buffer)
     if (momentum_buffer is None) != (momentum == 0):
         raise ValueError(
             f"momentum_buffer must be given exactly when momentum != 0 (momentum={momentum}, "
             f"momentum_buffer {'missing' if momentum_buffer is None else 'given'})"
         )
+    corrected = _check_correction(param, tile, correction, correction_scale, tile_block)
     n_tiles = param.numel() // tile
     if not n_tiles:
         return
     # the differences are taken in double, as torch takes them, and rounded to C in the kernel
     neg_lr, keep = -lr, 1.0 - dampening
-    _sgd_kernel[(n_tiles,)](
+    kernel = _sgd_corrected_kernel if corrected else _sgd_kernel
+    kernel[(n_tiles,)](
         param,
         grad,
         backup,
         param if momentum_buffer is None else momentum_buffer,  # a placeholder pointer, never dereferenced
+        *corrected,
         neg_lr,
         neg_lr,
         weight_decay,
@@ -193,11 +290,13 @@ def sgd_step_(param: torch.Tensor, grad: torch.Tensor, backup: torch.Tensor, mom
 def adam_step_(param: torch.Tensor, grad: torch.Tensor, backup: torch.Tensor, exp_avg: torch.Tensor,
                exp_avg_sq: torch.Tensor, max_exp_avg_sq: torch.Tensor | None, *, tile: int, beta1: float,
                beta2: float, eps: float, weight_decay: float, decoupled: bool, amsgrad: bool, maximize: bool,
-               step_size: float, bias_correction2_sqrt: float, decay: float) -> None:  # fmt: skip
-    """``param`` <- torch's Adam (AdamW if ``decoupled``) step taken from ``backup``; the moments (and
-    ``max_exp_avg_sq``, given iff ``amsgrad``) updated in place. The caller computes, in double as torch does,
-    ``step_size = lr / (1 - beta1**step)``, ``bias_correction2_sqrt = (1 - beta2**step)**0.5`` and
-    ``decay = 1 - lr * weight_decay`` (used by AdamW only)."""
+               step_size: float, bias_correction2_sqrt: float, decay: float, correction: torch.Tensor | None = None,
+               correction_scale: torch.Tensor | None = None, tile_block: torch.Tensor | None = None) -> None:  # fmt: skip
+    """``param`` <- torch's Adam (AdamW if ``decoupled``) step taken from ``backup`` (which may be ``param`` itself);
+    the moments (and ``max_exp_avg_sq``, given iff ``amsgrad``) updated in place. The caller computes, in double as
+    torch does, ``step_size = lr / (1 - beta1**step)``, ``bias_correction2_sqrt = (1 - beta2**step)**0.5`` and
+    ``decay = 1 - lr * weight_decay`` (used by AdamW only). ``correction``, ``correction_scale`` and ``tile_block``
+    as for :func:`sgd_step_`."""
     _check_base_buffers(
         param,
         tile,
@@ -212,17 +311,20 @@ def adam_step_(param: torch.Tensor, grad: torch.Tensor, backup: torch.Tensor, ex
             f"max_exp_avg_sq must be given exactly when amsgrad is set (amsgrad={amsgrad}, "
             f"max_exp_avg_sq {'missing' if max_exp_avg_sq is None else 'given'})"
         )
+    corrected = _check_correction(param, tile, correction, correction_scale, tile_block)
     n_tiles = param.numel() // tile
     if not n_tiles:
         return
     wt, keep2, neg_step = 1.0 - beta1, 1.0 - beta2, -step_size
-    _adam_kernel[(n_tiles,)](
+    kernel = _adam_corrected_kernel if corrected else _adam_kernel
+    kernel[(n_tiles,)](
         param,
         grad,
         backup,
         exp_avg,
         exp_avg_sq,
         exp_avg_sq if max_exp_avg_sq is None else max_exp_avg_sq,  # a placeholder pointer, never dereferenced
+        *corrected,
         wt,
         wt,
         beta2,

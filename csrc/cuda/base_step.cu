@@ -1,12 +1,13 @@
 // SAM's restore fused with the base optimizer's update on CUDA: one pass reads backup (w; param holds w + eps and is
-// never read), writes param and the optimizer state. Per element, in the buffers' type, each scalar rounded once to it
-// (SgdConstants / AdamConstants), fma_rn rounding once and every other operation through its own _rn intrinsic, so
-// nvcc can neither contract nor approximate anything:
+// never read), writes param and the optimizer state; backup may be param itself. Per element, in the buffers' type,
+// each scalar rounded once to it (SgdConstants / AdamConstants), fma_rn rounding once and every other operation
+// through its own _rn intrinsic, so nvcc can neither contract nor approximate anything:
 //
-//   sgd:   g = grad (negated if maximize);  g = fma(wd, w, g) if wd != 0
+//   both:  g = fma(C(c[block]), correction, grad) if correction      (c = correction_scale, C rounds once to the type)
+//   sgd:   g = g (negated if maximize);  g = fma(wd, w, g) if wd != 0
 //          b = g (first) or fma(1 - dampening, g, buf * momentum);  buf = b;  d = fma(momentum, b, g) (nesterov) or b
 //          (d = g without momentum);  w <- fma(-lr, d, w)
-//   adam:  g = grad (negated if maximize);  w = w * decay (AdamW) or g = fma(wd, w, g) (Adam), if wd != 0
+//   adam:  g = g (negated if maximize);  w = w * decay (AdamW) or g = fma(wd, w, g) (Adam), if wd != 0
 //          m = lerp(m, g, 1 - beta1);  v = fma((1 - beta2) * g, g, v * beta2);  vmax = max(vmax, v) (amsgrad)
 //          w <- w + (-step_size * m) / (sqrt(v or vmax) / bias_correction2_sqrt + eps)      sqrt correctly rounded
 //
@@ -28,16 +29,53 @@ __device__ __forceinline__ T nan_max(T a, T b) {
   return (a < b || isnan(b)) ? b : a;
 }
 
+// LookSAM's correction as the kernels take it: values null without one. A run-time flag, the same for every thread:
+// a step without it loads nothing more, at the cost of one uniform branch, where a template parameter would double the
+// kernels compiled per dtype and vector width.
+template <typename scalar_t>
+struct CorrectionPtrs {
+  const scalar_t* values;
+  const double* scale;
+  const int32_t* tile_block;
+  int64_t tile;
+};
+
+template <typename scalar_t>
+CorrectionPtrs<scalar_t> correction_ptrs(const Correction& c, int64_t tile) {
+  if (!c.given()) return {nullptr, nullptr, nullptr, tile};
+  return {c.values.const_data_ptr<scalar_t>(), c.scale.const_data_ptr<double>(),
+          c.tile_block.const_data_ptr<int32_t>(), tile};
+}
+
+// The Vec gradients from element i on, corrected where a correction is given: fma(C(scale[block]), correction, grad),
+// the scale rounded once to scalar_t. A vector never spans two tiles (vectorised only where Vec divides the tile).
 template <typename scalar_t, int Vec>
-__global__ void sgd_kernel(scalar_t* __restrict__ param, const scalar_t* __restrict__ grad,
-                           const scalar_t* __restrict__ backup, scalar_t* __restrict__ momentum_buffer,
-                           int64_t n_vectors, SgdConstants<scalar_t> c) {
+__device__ __forceinline__ Pack<scalar_t, Vec> load_grad(const scalar_t* __restrict__ grad,
+                                                         const CorrectionPtrs<scalar_t>& corr, int64_t i) {
+  using pack_t = Pack<scalar_t, Vec>;
+  pack_t g = *reinterpret_cast<const pack_t*>(grad + i);
+  if (corr.values != nullptr) {
+    const scalar_t s = static_cast<scalar_t>(corr.scale[corr.tile_block[i / corr.tile]]);
+    const pack_t x = *reinterpret_cast<const pack_t*>(corr.values + i);
+#pragma unroll
+    for (int k = 0; k < Vec; ++k) g.v[k] = fma_rn(s, x.v[k], g.v[k]);
+  }
+  return g;
+}
+
+// param and backup carry no __restrict__: backup may be param itself (a step from the current weights). Each thread
+// reads its elements of backup before it writes the same elements of param, which is well defined only while the
+// compiler must assume the two may alias (no reordering across the store, no read-only cache path for backup).
+template <typename scalar_t, int Vec>
+__global__ void sgd_kernel(scalar_t* param, const scalar_t* __restrict__ grad, const scalar_t* backup,
+                           scalar_t* __restrict__ momentum_buffer, CorrectionPtrs<scalar_t> corr, int64_t n_vectors,
+                           SgdConstants<scalar_t> c) {
   using pack_t = Pack<scalar_t, Vec>;
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
   for (int64_t v = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; v < n_vectors; v += stride) {
     const int64_t i = v * Vec;
     const pack_t w = *reinterpret_cast<const pack_t*>(backup + i);
-    const pack_t g = *reinterpret_cast<const pack_t*>(grad + i);
+    const pack_t g = load_grad<scalar_t, Vec>(grad, corr, i);
     pack_t buf, out;
     // first: torch clones the gradient into the new buffer, so the old contents (zeros, garbage) are never read
     if (c.with_momentum && !c.first) buf = *reinterpret_cast<const pack_t*>(momentum_buffer + i);
@@ -58,17 +96,18 @@ __global__ void sgd_kernel(scalar_t* __restrict__ param, const scalar_t* __restr
   }
 }
 
+// param and backup without __restrict__, as in sgd_kernel: backup may be param.
 template <typename scalar_t, int Vec>
-__global__ void adam_kernel(scalar_t* __restrict__ param, const scalar_t* __restrict__ grad,
-                            const scalar_t* __restrict__ backup, scalar_t* __restrict__ exp_avg,
-                            scalar_t* __restrict__ exp_avg_sq, scalar_t* __restrict__ max_exp_avg_sq,
-                            int64_t n_vectors, AdamConstants<scalar_t> c) {
+__global__ void adam_kernel(scalar_t* param, const scalar_t* __restrict__ grad, const scalar_t* backup,
+                            scalar_t* __restrict__ exp_avg, scalar_t* __restrict__ exp_avg_sq,
+                            scalar_t* __restrict__ max_exp_avg_sq, CorrectionPtrs<scalar_t> corr, int64_t n_vectors,
+                            AdamConstants<scalar_t> c) {
   using pack_t = Pack<scalar_t, Vec>;
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
   for (int64_t v = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; v < n_vectors; v += stride) {
     const int64_t i = v * Vec;
     const pack_t w = *reinterpret_cast<const pack_t*>(backup + i);
-    const pack_t g = *reinterpret_cast<const pack_t*>(grad + i);
+    const pack_t g = load_grad<scalar_t, Vec>(grad, corr, i);
     pack_t m = *reinterpret_cast<const pack_t*>(exp_avg + i);
     pack_t sq = *reinterpret_cast<const pack_t*>(exp_avg_sq + i);
     pack_t sq_max, out;
@@ -107,25 +146,28 @@ inline int blocks_for(int64_t n_vectors, const at::Tensor& param) {
 
 template <typename scalar_t, int Vec>
 void launch_sgd(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& backup,
-                const at::Tensor& momentum_buffer, const SgdOptions& options, cudaStream_t stream) {
+                const at::Tensor& momentum_buffer, const SgdOptions& options, const Correction& correction,
+                int64_t tile, cudaStream_t stream) {
   const int64_t n_vectors = param.numel() / Vec;
   const SgdConstants<scalar_t> c(options);
   sgd_kernel<scalar_t, Vec><<<blocks_for(n_vectors, param), kThreads, 0, stream>>>(
       param.mutable_data_ptr<scalar_t>(), grad.const_data_ptr<scalar_t>(), backup.const_data_ptr<scalar_t>(),
-      c.with_momentum ? momentum_buffer.mutable_data_ptr<scalar_t>() : nullptr, n_vectors, c);
+      c.with_momentum ? momentum_buffer.mutable_data_ptr<scalar_t>() : nullptr,
+      correction_ptrs<scalar_t>(correction, tile), n_vectors, c);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 template <typename scalar_t, int Vec>
 void launch_adam(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& backup, const at::Tensor& exp_avg,
                  const at::Tensor& exp_avg_sq, const at::Tensor& max_exp_avg_sq, const AdamOptions& options,
-                 cudaStream_t stream) {
+                 const Correction& correction, int64_t tile, cudaStream_t stream) {
   const int64_t n_vectors = param.numel() / Vec;
   const AdamConstants<scalar_t> c(options);
   adam_kernel<scalar_t, Vec><<<blocks_for(n_vectors, param), kThreads, 0, stream>>>(
       param.mutable_data_ptr<scalar_t>(), grad.const_data_ptr<scalar_t>(), backup.const_data_ptr<scalar_t>(),
       exp_avg.mutable_data_ptr<scalar_t>(), exp_avg_sq.mutable_data_ptr<scalar_t>(),
-      c.amsgrad ? max_exp_avg_sq.mutable_data_ptr<scalar_t>() : nullptr, n_vectors, c);
+      c.amsgrad ? max_exp_avg_sq.mutable_data_ptr<scalar_t>() : nullptr, correction_ptrs<scalar_t>(correction, tile),
+      n_vectors, c);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -135,30 +177,33 @@ const void* data_or_null(const at::Tensor& t) { return t.defined() ? t.const_dat
 }  // namespace
 
 void sgd_step(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& backup,
-              const at::Tensor& momentum_buffer, int64_t tile, const SgdOptions& options) {
+              const at::Tensor& momentum_buffer, int64_t tile, const SgdOptions& options,
+              const Correction& correction) {
   const c10::cuda::CUDAGuard guard(param.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES(param.scalar_type(), "gearsam_sgd_step_cuda", [&] {
     constexpr int vec = kVec<scalar_t>;
-    const bool wide = vectorizable<vec>(
-        tile, {param.const_data_ptr(), grad.const_data_ptr(), backup.const_data_ptr(), data_or_null(momentum_buffer)});
-    wide ? launch_sgd<scalar_t, vec>(param, grad, backup, momentum_buffer, options, stream)
-         : launch_sgd<scalar_t, 1>(param, grad, backup, momentum_buffer, options, stream);
+    const bool wide = vectorizable<vec>(tile, {param.const_data_ptr(), grad.const_data_ptr(), backup.const_data_ptr(),
+                                               data_or_null(momentum_buffer), data_or_null(correction.values)});
+    wide ? launch_sgd<scalar_t, vec>(param, grad, backup, momentum_buffer, options, correction, tile, stream)
+         : launch_sgd<scalar_t, 1>(param, grad, backup, momentum_buffer, options, correction, tile, stream);
   });
 }
 
 void adam_step(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& backup, const at::Tensor& exp_avg,
                const at::Tensor& exp_avg_sq, const at::Tensor& max_exp_avg_sq, int64_t tile,
-               const AdamOptions& options) {
+               const AdamOptions& options, const Correction& correction) {
   const c10::cuda::CUDAGuard guard(param.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES(param.scalar_type(), "gearsam_adam_step_cuda", [&] {
     constexpr int vec = kVec<scalar_t>;
     const bool wide = vectorizable<vec>(tile, {param.const_data_ptr(), grad.const_data_ptr(), backup.const_data_ptr(),
                                                exp_avg.const_data_ptr(), exp_avg_sq.const_data_ptr(),
-                                               data_or_null(max_exp_avg_sq)});
-    wide ? launch_adam<scalar_t, vec>(param, grad, backup, exp_avg, exp_avg_sq, max_exp_avg_sq, options, stream)
-         : launch_adam<scalar_t, 1>(param, grad, backup, exp_avg, exp_avg_sq, max_exp_avg_sq, options, stream);
+                                               data_or_null(max_exp_avg_sq), data_or_null(correction.values)});
+    wide ? launch_adam<scalar_t, vec>(param, grad, backup, exp_avg, exp_avg_sq, max_exp_avg_sq, options, correction,
+                                      tile, stream)
+         : launch_adam<scalar_t, 1>(param, grad, backup, exp_avg, exp_avg_sq, max_exp_avg_sq, options, correction,
+                                    tile, stream);
   });
 }
 

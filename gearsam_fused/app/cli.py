@@ -29,6 +29,7 @@ from .training import (
     OPTIMIZERS,
     RESUMABLE,
     SCHEDULES,
+    SECOND_PASS_FORMS,
     RunConfig,
     SettingWarning,
     call_factory,
@@ -143,8 +144,8 @@ def _study_commands(sub) -> None:
         "study",
         choices=list(STUDIES),
         help="; ".join(f"{k}: {s.about}" for k, s in STUDIES.items())
-        + ". Defaults: the demo's, with --schedule cosine and five seeds; partition, rho and beta train on 40%% noisy "
-        "labels, hessian on three seeds",
+        + ". Defaults: the demo's, with --schedule cosine and five seeds; partition, rho, beta and efficiency train "
+        "on 40%% noisy labels, hessian on three seeds",
     )
     _training_options(reproduce, study_config())
     _model_options(reproduce, study_config())
@@ -211,6 +212,9 @@ def _model_options(parser: argparse.ArgumentParser, defaults: RunConfig) -> None
     add("--momentum", type=float, help="SGD momentum")
     add("--weight-decay", type=float, help="SGD weight decay")
     add("--schedule", choices=SCHEDULES, help="learning rate schedule over all steps")
+    add("--second-pass", metavar="SPEC", help=f"which SAM/GEAR-SAM steps take the second forward and backward: "
+        f"{SECOND_PASS_FORMS} (LookSAM's ALPHA 0.7 and AE-SAM's C 0 unless given; random draws from the seed); the "
+        "other steps update with the first gradient alone. Not for sgd")  # fmt: skip
     add("--adaptive", action="store_const", const=True, help="ASAM scaling |w| + eta")
     add("--device", help="cpu, cuda or cuda:N")
     add("--amp", choices=AMP_MODES, help="bf16: forward and loss under bfloat16 autocast")

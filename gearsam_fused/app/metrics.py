@@ -6,11 +6,17 @@
   ``test_acc`` (accuracies in % of the images, as in every table and figure), ``train_sharpness`` (the epoch's mean
   realized sharpness L(w + eps) - L(w) over its training images, from the two losses of each step; None for SGD),
   ``seconds`` (training time so far), ``sam_seconds`` (of it, inside ``first_step``/``second_step`` but outside the
-  base optimizer's step; 0 for SGD);
+  base optimizer's step; 0 for SGD), ``epoch_seconds`` (the epoch's training time), ``cpu_seconds`` (the process's
+  CPU time in training so far, all threads), ``sam_steps`` (steps so far that took the second pass: every step of a
+  SAM/GEAR-SAM run under ``--second-pass always``, none of SGD's) and ``sam_fraction`` (the share of the epoch's
+  steps that did); ``train_sharpness`` is then the mean over the images of those steps (None when there were none);
 - ``blocks``: one per SAM/GEAR-SAM step, the :class:`~gearsam_fused.telemetry.BlockTelemetry` record: ``step``,
   ``rho``, ``blocks`` (names), per block ``energy``, ``ema`` (allocation score), ``radius`` and ``share``, and the
-  step's ``loss``, ``perturbed_loss`` and realized ``sharpness``;
-- ``result``: once per finished run: ``epochs``, ``step``, ``test_loss``, ``test_acc``, ``seconds``, ``sam_seconds``.
+  step's ``loss``, ``perturbed_loss`` and realized ``sharpness`` (None on a step that skipped the second pass),
+  ``sam_step`` (whether it took the second pass) and ``sam_fraction`` (the share of the run's steps up to it that
+  did, counted from its first step across resumptions);
+- ``result``: once per finished run: ``epochs``, ``step``, ``test_loss``, ``test_acc``, ``seconds``, ``sam_seconds``,
+  ``cpu_seconds``, ``sam_steps``.
 """
 
 from __future__ import annotations

@@ -170,6 +170,58 @@ def study_figure(numbers: dict, where: str = "") -> Figure:
     return fig
 
 
+# The marker of each kind of second-pass schedule in the efficiency figure (its colour is the optimizer's).
+_SCHEDULE_MARKERS = {"always": "o", "every": "^", "looksam": "s", "random": "v", "adaptive": "D"}
+
+
+def efficiency_figure(numbers: dict, where: str = "") -> Figure:
+    """A baseline study's accuracy (%) against training time relative to the baseline, one marker per configuration:
+    the colour is the optimizer (SAM-rule and GEAR-rule families apart), the shape the kind of schedule, each marker
+    labelled with its schedule; bars: ± std over seeds, both ways."""
+    fig = Figure(figsize=(9, 5.6), layout="constrained")
+    ax = fig.subplots()
+    accuracy = {(r["value"], r["optimizer"]): r for r in numbers["accuracy"]}
+    reference = numbers.get("reference")
+    for row in numbers["costs"]:
+        value, name, time = row["value"], row["optimizer"], row["time_ratio"]
+        if time is None:  # no baseline run of that seed yet: no time to set it against
+            continue
+        acc = accuracy[(value, name)]
+        kind = str(value).split(":")[0]
+        ax.errorbar(time["mean"], acc["mean"], xerr=_bar(time["std"]), yerr=_bar(acc["std"]), color=color_of(name),
+                    marker=_SCHEDULE_MARKERS.get(kind, "o"), markersize=9 if value == reference else 7, capsize=3,
+                    elinewidth=0.8, linestyle="none")  # fmt: skip
+        label = _TITLES.get(name, name) if value == reference else str(value)
+        ax.annotate(label, (time["mean"], acc["mean"]), textcoords="offset points", xytext=(6, 5), fontsize="small",
+                    color=color_of(name))  # fmt: skip
+    names = list(dict.fromkeys(r["optimizer"] for r in numbers["costs"]))
+    kinds = list(dict.fromkeys(str(r["value"]).split(":")[0] for r in numbers["costs"] if r["optimizer"] != "sgd"))
+    handles = [ax.plot([], [], "o", color=color_of(n), label=_TITLES.get(n, n))[0] for n in names]
+    handles += [ax.plot([], [], _SCHEDULE_MARKERS.get(k, "o"), color="0.4", label=k)[0] for k in kinds]
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), title="optimizer / schedule")
+    baseline = numbers.get("baseline") or "the baseline"
+    ax.set_xlabel(f"training time relative to {_TITLES.get(baseline, baseline)} (same seed; wall clock)")
+    ax.set_ylabel("test accuracy (%)")
+    ax.grid(alpha=0.3)
+    fig.suptitle(f"{numbers['about']}\n{where + ': ' if where else ''}{_settings_line(numbers)}{_ran(numbers)}",
+                 fontsize="medium")  # fmt: skip
+    return fig
+
+
+def _bar(std: float | None) -> float:
+    return float("nan") if std is None else std
+
+
+def _ran(numbers: dict) -> str:
+    """Where and when a study's runs ran, for a figure's title: the first start's machine and date."""
+    machines = numbers.get("machines")
+    if not machines:
+        return ""
+    first = machines[0]
+    gpu = f", {first['gpu']}" if first.get("gpu") else ""
+    return f"\n{first['date']}, {first['cpu']} ({first['cpu_count']} cores){gpu}"
+
+
 def _settings_line(numbers: dict) -> str:
     """The run behind a study's figure, in one line: data, model, epochs and how many seeds the bars span."""
     cfg = numbers.get("settings")
@@ -221,7 +273,9 @@ def render_study(study_dir: str | Path) -> list[Path]:
     Hessian study's figure is its spectrum."""
     study_dir = Path(study_dir)
     numbers = json.loads((study_dir / "study.json").read_text())
-    if numbers.get("hessian"):
+    if numbers.get("costs"):
+        figure = efficiency_figure(numbers, study_dir.name)
+    elif numbers.get("hessian"):
         rows = [row for value_rows in numbers["hessian"].values() for row in value_rows]
         figure = hessian_figure(rows, f" of {study_dir.name}")
     elif numbers.get("accuracy"):

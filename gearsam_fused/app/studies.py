@@ -5,7 +5,9 @@ value in a run directory of its own under the study's (``label_noise=0.2/``, ...
 test accuracy (mean ± std over seeds) per value and optimizer, and the per-seed paired differences between them —
 the same seed gives two optimizers the same initial weights, batches and noisy labels, so the paired difference is
 the comparison the seed spread does not blur — and ``study.json`` with every number. The plots draw ``study.png``.
-The ``hessian`` study trains each optimizer once, keeps the final weights and probes their Hessian spectrum.
+The ``hessian`` study trains each optimizer once, keeps the final weights and probes their Hessian spectrum. The
+``efficiency`` study varies SAM's and GEAR-SAM's second-pass schedule and sets accuracy against cost: the share of
+steps that took the second pass and the training time against SGD's, trained once, at the reference value.
 """
 
 from __future__ import annotations
@@ -22,9 +24,20 @@ from gearsam_fused.partition import STRATEGIES
 
 from .data import load_dataset
 from .demo import demo_config
+from .machine import describe_machine
 from .metrics import MetricsLog, read_metrics
 from .probe import ROWS, ProbeSettings, probe_run, spectrum_table
-from .training import RESUMABLE, SGD, RunConfig, check_model, check_out, clear_dir, plural, run_experiment
+from .training import (
+    ALWAYS,
+    RESUMABLE,
+    SGD,
+    RunConfig,
+    check_model,
+    check_out,
+    clear_dir,
+    plural,
+    run_experiment,
+)
 
 SUMMARY = "study.md"
 NUMBERS = "study.json"
@@ -41,6 +54,15 @@ class Study:
     about: str
     base: tuple = ()
     reference: object = None  # the value each other is compared with, seed by seed (one-optimizer studies)
+    # an optimizer trained at the reference value only, which every other run is compared with, seed by seed, in
+    # accuracy and in training time (the study's table then has the costs: see summarize_study)
+    baseline: str | None = None
+
+    def trained_at(self, value, optimizers: tuple) -> tuple:
+        """The optimizers of ``optimizers`` that the study trains at ``value``."""
+        if self.baseline is None or value == self.reference:
+            return optimizers
+        return tuple(o for o in optimizers if o != self.baseline)
 
 
 #: Every study's defaults beyond the demo's. With a constant lr the last epoch's accuracy on noisy labels swings by
@@ -63,6 +85,12 @@ STUDIES = {
     "hessian": Study("label_noise", (), (SGD, SAM_RULE, GEAR_RULE),
                      "the Hessian spectrum of the trained models (paper: Top Eigenvalues of Hessian)",
                      (("seeds", [0, 1, 2]),)),
+    # SGD, the cost of one pass, trains once: it has no second pass to schedule. 8 epochs: its 85 runs take about
+    # 15 minutes on 2 shared CPU cores
+    "efficiency": Study("second_pass", (ALWAYS, "every:2", "every:5", "every:10", "looksam:2", "looksam:5",
+                                        "looksam:10", "adaptive"), (SGD, SAM_RULE, GEAR_RULE),
+                        "second-pass schedules: accuracy against cost, next to full SAM/GEAR-SAM and SGD",
+                        (*_NOISY, ("epochs", 8)), ALWAYS, SGD),
 }  # fmt: skip
 
 
@@ -85,6 +113,9 @@ def run_study(name: str, cfg: RunConfig, study_dir: Path, *, values=None, probe:
     grid = _grid(name, cfg, values, optimizers)
     probe = probe or ProbeSettings()
     study_dir = Path(study_dir)
+    # where and when each start of the study ran: the first, then each --resume
+    saved = json.loads((study_dir / NUMBERS).read_text()) if resume and (study_dir / NUMBERS).is_file() else {}
+    machines = saved.get("machines", [])
     hint = f", --resume {study_dir} to continue it" if (study_dir / NUMBERS).is_file() else ""
     stale = not resume and check_out(study_dir, overwrite=overwrite, hint=hint)
     check_model(cfg, load_dataset(cfg.dataset, cfg.data_dir, cfg.synthetic_size))  # before anything is written
@@ -93,7 +124,8 @@ def run_study(name: str, cfg: RunConfig, study_dir: Path, *, values=None, probe:
     study_dir.mkdir(parents=True, exist_ok=True)
     # written first, so that an interrupted study can be resumed and re-rendered from what it says
     header = {"study": name, "settings": dataclasses.asdict(cfg), "values": list(values),
-              "optimizers": list(optimizers), "probe": dataclasses.asdict(probe), "complete": False}  # fmt: skip
+              "optimizers": list(optimizers), "probe": dataclasses.asdict(probe), "complete": False,
+              "machines": [*machines, describe_machine(cfg.device)]}  # fmt: skip
     (study_dir / NUMBERS).write_text(json.dumps(header, indent=2) + "\n")
     for value, run_cfg in grid:
         run_dir = study_dir / run_name(study.setting, value)
@@ -114,8 +146,8 @@ def _grid(name: str, cfg: RunConfig, values: tuple, optimizers: tuple) -> list[t
     cfg.validate()
     grid = []
     for value in values:
-        run_cfg = dataclasses.replace(cfg, command=f"reproduce {name}", optimizers=list(optimizers),
-                                      **{study.setting: value})  # fmt: skip
+        trained = list(study.trained_at(value, optimizers))
+        run_cfg = dataclasses.replace(cfg, command=f"reproduce {name}", optimizers=trained, **{study.setting: value})
         if name == "hessian":  # the probe needs the final weights
             run_cfg = dataclasses.replace(run_cfg, checkpoint_every=run_cfg.checkpoint_every or run_cfg.epochs)
         try:  # named as the study names it (its run directories, its tables), not as an option
@@ -126,8 +158,8 @@ def _grid(name: str, cfg: RunConfig, values: tuple, optimizers: tuple) -> list[t
 
 
 def run_name(setting: str, value) -> str:
-    """The run directory of one value of a study."""
-    return f"{setting}={value}"
+    """The run directory of one value of a study (``second_pass=every-2`` for ``every:2``: no colon in a path)."""
+    return f"{setting}={value}".replace(":", "-")
 
 
 def _check_same_run(run_dir: Path, run_cfg: RunConfig) -> None:
@@ -161,9 +193,10 @@ def rebuild_study(study_dir: Path) -> dict:
         if (run_dir / ROWS).is_file():
             spectra[value] = read_metrics(run_dir / ROWS)
     numbers = summarize_study(study, values, optimizers, results)
-    expected = len(values) * len(optimizers) * len(cfg.seeds)
+    expected = sum(len(study.trained_at(value, optimizers)) for value in values) * len(cfg.seeds)
     numbers.update(
         {k: header[k] for k in ("study", "settings", "values", "optimizers", "probe")},
+        machines=header.get("machines", []),
         complete=sum(map(len, results.values())) == expected and (name != "hessian" or len(spectra) == len(values)),
         unit="test accuracy in % of the test images",
     )
@@ -188,7 +221,11 @@ def _with_spectra(text: str, spectra: dict, probe: ProbeSettings) -> str:
 def summarize_study(study: Study, values, optimizers, results: dict) -> dict:
     """Accuracy (%) per value and optimizer (mean, std, per seed) and per-seed paired differences: between each pair
     of optimizers at each value, and each optimizer's at each value against its own at the study's ``reference``.
-    Values and optimizers without a finished run (a study cut short) are left out; the std of one seed is None."""
+    Values and optimizers without a finished run (a study cut short) are left out; the std of one seed is None.
+
+    A study with a ``baseline`` also compares each run with the baseline's at the reference value, and has ``costs``:
+    per value and optimizer, the share of steps that took the second pass and the training time (wall clock, and the
+    process's CPU time) divided by the baseline's of the same seed, from the runs' own counts and timings."""
     accuracy = {
         v: {o: {r["seed"]: r["test_acc"] for r in results.get(v, []) if r["optimizer"] == o}
             for o in optimizers}
@@ -203,9 +240,40 @@ def summarize_study(study: Study, values, optimizers, results: dict) -> dict:
         if study.reference in values and value != study.reference:
             compared += [(f"{o} - {o} at {study.setting}={study.reference}", accuracy[value][o],
                           accuracy[study.reference][o]) for o in optimizers]  # fmt: skip
+            if study.baseline in optimizers:
+                compared += [(f"{o} - {study.baseline} at {study.setting}={study.reference}", accuracy[value][o],
+                              accuracy[study.reference][study.baseline]) for o in optimizers]  # fmt: skip
         pairs += [{"value": value, "pair": pair, **_paired(first, second)} for pair, first, second in compared
                   if set(first) & set(second)]  # fmt: skip
-    return {"setting": study.setting, "about": study.about, "accuracy": rows, "paired_differences": pairs}
+    numbers = {"setting": study.setting, "about": study.about, "accuracy": rows, "paired_differences": pairs}
+    if study.baseline is not None:
+        numbers.update(reference=study.reference, baseline=study.baseline)
+        numbers["costs"] = _costs(study, values, optimizers, results)
+    return numbers
+
+
+def _costs(study: Study, values, optimizers, results: dict) -> list[dict]:
+    """Per value and optimizer with a finished run: :func:`_stats` of the share of steps that took the second pass,
+    and of the training time, wall clock and CPU, as a ratio to the baseline's of the same seed at the reference."""
+    baseline = {r["seed"]: r for r in results.get(study.reference, []) if r["optimizer"] == study.baseline}
+    costs = []
+    for value in values:
+        for name in optimizers:
+            runs = {r["seed"]: r for r in results.get(value, []) if r["optimizer"] == name}
+            if not runs:
+                continue
+            timed = sorted(set(runs) & set(baseline))
+            costs.append({
+                "value": value, "optimizer": name,
+                "second_passes": _stats({s: r.get("sam_steps", 0) / max(r["step"], 1) for s, r in runs.items()}),
+                "seconds": _stats({s: r["seconds"] for s, r in runs.items()}),
+                "time_ratio": _stats({s: runs[s]["seconds"] / baseline[s]["seconds"] for s in timed}) if timed
+                else None,
+                "cpu_ratio": _stats({s: runs[s]["cpu_seconds"] / baseline[s]["cpu_seconds"] for s in timed})
+                if timed and all(runs[s].get("cpu_seconds") and baseline[s].get("cpu_seconds") for s in timed)
+                else None,
+            })  # fmt: skip
+    return costs
 
 
 def _paired(minuend: dict, subtrahend: dict) -> dict:
@@ -241,9 +309,13 @@ def study_markdown(name: str, cfg: RunConfig, numbers: dict) -> str:
         f"{cfg.partition}, label noise {cfg.label_noise}{varied}. Each run directory has its own summary.md with the "
         "machine and date.",
     ]
+    if numbers.get("machines"):
+        lines += ["", "Run " + "; resumed ".join(map(where_run, numbers["machines"])) + "."]
     if not numbers.get("complete", True):
         lines += ["", f"**Incomplete**: not every run has finished; `gearsam reproduce {name} --resume STUDY_DIR` "
                   "continues the study."]  # fmt: skip
+    if "costs" in numbers:
+        return "\n".join(lines + _costs_table(numbers, cfg)) + "\n"
     lines += [
         "",
         "Test accuracy (%), mean ± std over seeds:",
@@ -261,3 +333,76 @@ def study_markdown(name: str, cfg: RunConfig, numbers: dict) -> str:
             seeds = ", ".join(f"{v:+.2f}" for v in row["per_seed"].values())
             lines.append(f"| {row['value']} | {row['pair']} | {row['mean']:+.2f} ± {spread(row['std'])} | {seeds} |")
     return "\n".join(lines) + "\n"
+
+
+def where_run(machine: dict) -> str:
+    """Where and when a study (or its resumption) ran, from :func:`~gearsam_fused.app.machine.describe_machine`."""
+    gpu = f", {machine['gpu']}" if machine.get("gpu") else ""
+    code = f", commit {machine['commit']}" if machine.get("commit") else ""
+    return f"on {machine['date']}, {machine['cpu']} ({machine['cpu_count']} cores){gpu}, torch {machine['torch']}{code}"
+
+
+def configuration(optimizer: str, value) -> str:
+    """A run of the efficiency study as its table and figure name it: ``sam``, ``sam every:2``, ``sgd``."""
+    return optimizer if value == ALWAYS or optimizer == SGD else f"{optimizer} {value}"
+
+
+def _costs_table(numbers: dict, cfg: RunConfig) -> list[str]:
+    """A baseline study's one table: per configuration (optimizers in order, then values) the share of second passes,
+    the time against the baseline's, the accuracy and its paired differences against the same optimizer at the
+    reference and against the baseline; the per-seed numbers folded away below it."""
+    accuracy = {(r["value"], r["optimizer"]): r for r in numbers["accuracy"]}
+    pairs = {(r["value"], r["pair"]): r for r in numbers["paired_differences"]}
+    costs = sorted(numbers["costs"], key=lambda r: numbers["optimizers"].index(r["optimizer"]))
+    reference, baseline = numbers.get("reference", ALWAYS), numbers.get("baseline", SGD)
+
+    def difference(value, optimizer, against: str) -> str:
+        if value == reference:
+            row = pairs.get((value, f"{optimizer} - {against}")) if optimizer != against else None
+        else:
+            row = pairs.get((value, f"{optimizer} - {against} at {numbers['setting']}={reference}"))
+        return "–" if row is None else f"{row['mean']:+.2f} ± {spread(row['std'])}"
+
+    def ratio(stats) -> str:
+        return "–" if stats is None else f"{stats['mean']:.2f} ± {spread(stats['std'])}"
+
+    lines = [
+        "",
+        f"| configuration | second passes (% of steps) | time / {baseline} | CPU time / {baseline} | test accuracy (%) | "
+        f"vs full, same rule | vs {baseline} |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    details = ["| configuration | accuracy per seed | time / run (s) per seed |", "|---|---|---|"]
+    for row in costs:
+        value, optimizer = row["value"], row["optimizer"]
+        acc = accuracy[(value, optimizer)]
+        full = "–" if optimizer == baseline else difference(value, optimizer, optimizer)
+        lines.append(
+            f"| {configuration(optimizer, value)} | {100 * row['second_passes']['mean']:.1f} | "
+            f"{ratio(row['time_ratio'])} | {ratio(row['cpu_ratio'])} | {acc['mean']:.2f} ± {spread(acc['std'])} | "
+            f"{full} | {difference(value, optimizer, baseline)} |"
+        )
+        details.append(
+            f"| {configuration(optimizer, value)} | {', '.join(f'{v:.2f}' for v in acc['per_seed'].values())} | "
+            f"{', '.join(f'{v:.1f}' for v in row['seconds']['per_seed'].values())} |"
+        )
+    seeds = len(cfg.seeds)
+    lines += [
+        "",
+        f"Mean ± std over {plural(seeds, 'seed')}. *Test accuracy*: at the end of training. *vs full, same rule* and "
+        f"*vs {baseline}*: per-seed paired differences in accuracy points (the same seed gives every configuration "
+        f"the same initial weights, batches and noisy labels) against the same optimizer at {numbers['setting']} "
+        f"{reference} (full SAM / full GEAR-SAM) and against {baseline}. *Second passes*: the share of steps that ran "
+        "the second forward and backward, counted by each run. *Time*: each run's own training time (wall clock over "
+        f"its training epochs, evaluation left out; from its metrics) divided by {baseline}'s under the same seed; "
+        "*CPU time*: the same with the process's CPU time (all its threads). The runs ran one after another on the "
+        "one machine named above, with whatever else it ran at the time: the ratios are what that measured, not a "
+        "quiet-machine benchmark.",
+        "",
+        "<details><summary>Per seed</summary>",
+        "",
+        *details,
+        "",
+        "</details>",
+    ]
+    return lines

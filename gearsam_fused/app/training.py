@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gearsam_fused import OPTIMIZERS as SHARPNESS_AWARE
-from gearsam_fused import BlockTelemetry, __version__, frozen_bn_stats
+from gearsam_fused import Adaptive, BlockTelemetry, Every, LookSAM, Random, Schedule, __version__, frozen_bn_stats
 from gearsam_fused.allocation import GEAR_RULE
 from gearsam_fused.backends import resolve_backend_name
 from gearsam_fused.checks import check_real
@@ -48,6 +48,10 @@ SGD = "sgd"
 #: library's sharpness-aware optimizers by their rule.
 OPTIMIZERS = (SGD, *SHARPNESS_AWARE)
 SCHEDULES = ("constant", "cosine")
+#: Every SAM/GEAR-SAM step takes the second forward and backward: ``--second-pass``'s default.
+ALWAYS = "always"
+#: The forms of ``--second-pass``: which steps of SAM/GEAR-SAM take the second pass (see gearsam_fused.schedules).
+SECOND_PASS_FORMS = "always, every:K, looksam:K, looksam:K:ALPHA, random:P or adaptive, adaptive:C"
 AMP_MODES = ("none", "bf16")
 #: The range of each real setting, as :func:`~gearsam_fused.checks.check_real`'s bounds; each must also be finite.
 REAL_RANGES = {
@@ -72,7 +76,8 @@ class SettingWarning(UserWarning):
 
 def plural(count: int, noun: str) -> str:
     """``1 epoch``, ``2 epochs``, ``2 batches``."""
-    return f"{count} {noun}{('es' if noun.endswith(('s', 'sh', 'ch', 'x')) else 's') * (count != 1)}"
+    sibilant = noun.endswith(("s", "sh", "ch", "x")) and not noun.endswith("epoch")  # epoch: a hard ch
+    return f"{count} {noun}{('es' if sibilant else 's') * (count != 1)}"
 
 
 def option(name: str) -> str:
@@ -87,6 +92,52 @@ def check_at_least(name: str, value, low: int) -> int:
     if value < low:
         raise ValueError(f"{name} must be at least {low}, got {value}")
     return value
+
+
+def second_pass_schedule(spec: str, seed: int = 0, name: str = "--second-pass") -> Schedule | None:
+    """The schedule that ``spec`` (one of :data:`SECOND_PASS_FORMS`) names: None for ``always``, else
+    ``Every(K)``, ``LookSAM(K, ALPHA)`` (ALPHA 0.7 unless given), ``Random(P, seed)`` or ``Adaptive(C)`` (C 0 unless
+    given). A ValueError naming ``name`` and ``spec`` for anything else."""
+    if not isinstance(spec, str):
+        raise ValueError(f"{name} must be one of {SECOND_PASS_FORMS}, got {spec!r}")
+    kind, *args = spec.strip().lower().split(":")
+
+    def bad(why: str) -> ValueError:
+        return ValueError(f"{name} {spec}: {why}; expected one of {SECOND_PASS_FORMS}")
+
+    arity = {ALWAYS: (0, 0), "every": (1, 1), "looksam": (1, 2), "random": (1, 1), "adaptive": (0, 1)}
+    if kind not in arity:
+        raise bad(f"unknown schedule {kind!r}")
+    forms = [f for f in SECOND_PASS_FORMS.replace(" or ", ", ").split(", ") if f.split(":")[0] == kind and ":" in f]
+    if not arity[kind][0] <= len(args) <= arity[kind][1]:
+        raise bad(f"write {kind} as {' or '.join(forms)}" if forms else f"{kind} takes no value")
+    if kind == ALWAYS:
+        return None
+    if kind in ("every", "looksam"):
+        try:
+            k = int(args[0])
+        except ValueError:
+            raise bad(f"K must be an integer of at least 1 (a second pass every K steps), got {args[0]!r}") from None
+        if k < 1:
+            raise bad(f"K must be an integer of at least 1 (a second pass every K steps), got {k}")
+    reals = []
+    for text in args[1:] if kind == "looksam" else args if kind != "every" else ():
+        try:
+            reals.append(float(text))
+        except ValueError:
+            raise bad(f"{text!r} is not a number") from None
+    try:
+        if kind == "every":
+            return Every(k)
+        if kind == "looksam":
+            return LookSAM(k, *reals)
+        if kind == "random":
+            if not 0.0 <= reals[0] <= 1.0:
+                raise ValueError(f"P must lie in [0, 1], got {args[0]}")
+            return Random(reals[0], seed)
+        return Adaptive(*reals)
+    except (ValueError, TypeError) as exc:  # the library's range checks (alpha >= 0, c finite)
+        raise bad(str(exc)) from None
 
 
 @dataclass
@@ -107,6 +158,7 @@ class RunConfig:
     momentum: float = 0.9
     weight_decay: float = 5e-4
     schedule: str = "constant"
+    second_pass: str = ALWAYS  # which SAM/GEAR-SAM steps take the second pass: one of SECOND_PASS_FORMS
     rho: float = 0.05
     beta: float = 0.9
     adaptive: bool = False
@@ -130,6 +182,7 @@ class RunConfig:
                 check_at_least(spell(name), getattr(self, name), low)
         for name, bounds in REAL_RANGES.items():
             check_real(spell(name), getattr(self, name), **bounds)
+        self._check_second_pass(spell)
         load_factory(self.model)
         device = resolve_device(self.device)
         if self.channels_last and device.type == "cpu":
@@ -152,6 +205,24 @@ class RunConfig:
         twice = sorted({seed for seed in self.seeds if self.seeds.count(seed) > 1})
         if twice:  # a seed trained twice gives the same run twice, and a spread of 0 that means nothing
             raise ValueError(f"{spell('seeds')} names {twice} more than once; each seed is one run")
+
+    def _check_second_pass(self, spell: Callable[[str], str]) -> None:
+        """The second-pass schedule: a form of :data:`SECOND_PASS_FORMS`, for SAM/GEAR-SAM only."""
+        schedule = second_pass_schedule(self.second_pass, name=spell("second_pass"))
+        if schedule is None:
+            return
+        plain = [o for o in self.optimizers if o not in SHARPNESS_AWARE]
+        if plain:
+            raise ValueError(f"{spell('second_pass')} {self.second_pass} schedules the second pass of "
+                             f"{', '.join(SHARPNESS_AWARE)}; {', '.join(plain)} has none: drop it from "
+                             f"{spell('optimizers')} (or train it in a run of its own)")  # fmt: skip
+        if schedule.corrects and self.adaptive:
+            raise ValueError(f"{spell('second_pass')} {self.second_pass}: LookSAM's correction is defined for plain "
+                             f"gradients, not ASAM's; drop {spell('adaptive')} or use every:K")  # fmt: skip
+
+    def describe(self, name: str) -> str:
+        """Optimizer ``name`` as run summaries show it: with its second-pass schedule where it has one."""
+        return name if name not in SHARPNESS_AWARE or self.second_pass == ALWAYS else f"{name} {self.second_pass}"
 
     @classmethod
     def load(cls, path: Path) -> RunConfig:
@@ -287,9 +358,10 @@ def clear_dir(path: Path) -> None:
             child.unlink()
 
 
-def make_optimizer(name: str, model: nn.Module, cfg: RunConfig) -> torch.optim.Optimizer:
+def make_optimizer(name: str, model: nn.Module, cfg: RunConfig, seed: int = 0) -> torch.optim.Optimizer:
     """The optimizer ``name`` of :data:`OPTIMIZERS` over ``model``: SGD with the run's momentum and weight decay, alone
-    or as the base optimizer of the library's sharpness-aware optimizer of that rule."""
+    or as the base optimizer of the library's sharpness-aware optimizer of that rule, under the run's second-pass
+    schedule (``random:P`` draws its steps from ``seed``)."""
     base = dict(lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
     if name == SGD:
         return torch.optim.SGD(model.parameters(), **base)
@@ -297,6 +369,7 @@ def make_optimizer(name: str, model: nn.Module, cfg: RunConfig) -> torch.optim.O
         raise ValueError(f"unknown optimizer {name!r}; expected one of {OPTIMIZERS}")
     sharpness_aware = SHARPNESS_AWARE[name]
     hyper = dict(rho=cfg.rho, adaptive=cfg.adaptive, backend=cfg.backend, **base)
+    hyper["schedule"] = second_pass_schedule(cfg.second_pass, seed)
     if "beta" in inspect.signature(sharpness_aware).parameters:  # an EMA-based rule (GEAR-SAM); SAM refuses a beta
         hyper["beta"] = cfg.beta
     with warnings.catch_warnings():
@@ -414,6 +487,11 @@ class TrainingRun:
     # of it, in first_step + second_step minus the base optimizer's step (with a fused base step, minus the fused
     # restore and update, around which the base optimizer's step hooks run)
     sam_seconds: float = 0.0
+    cpu_seconds: float = 0.0  # the process's CPU time in training so far (all its threads), without evaluation
+    sam_steps: int = 0  # steps so far that took the second pass (every SAM/GEAR-SAM step under --second-pass always)
+    # of each step recorded by the telemetry but not yet written, oldest first: whether it took the second pass, and
+    # how many of the run's steps had up to it
+    decisions: list[tuple[bool, int]] = field(default_factory=list)
     telemetry: BlockTelemetry | None = None  # SAM/GEAR-SAM runs only
     progress: Progress | None = None
 
@@ -480,17 +558,19 @@ def run_experiment(
         f"{data.name}: {len(data.train[1])} train / {len(data.test[1])} test images, model {cfg.model}, "
         f"{plural(cfg.epochs, 'epoch')}, seeds {list(cfg.seeds)}, rho={cfg.rho}, label noise={cfg.label_noise:.0%}, "
         f"device {device}, run directory {run_dir}"
+        + ("" if cfg.second_pass == ALWAYS else f"; SAM/GEAR-SAM second pass: {cfg.second_pass}")
     )
     results = []
     for seed in cfg.seeds:
         for name in cfg.optimizers:
             result = _train_one(experiment, name, seed)
+            passes = f", second pass on {_share(result)} of the steps" if cfg.describe(name) != name else ""
             log(
-                f"  {name:<9} seed {seed}: test acc {result['test_acc']:6.2f}%  "
-                f"({result['seconds']:.1f}s, {result['sam_seconds']:.2f}s in SAM machinery)"
+                f"  {cfg.describe(name):<9} seed {seed}: test acc {result['test_acc']:6.2f}%  "
+                f"({result['seconds']:.1f}s, {result['sam_seconds']:.2f}s in SAM machinery{passes})"
             )
             results.append(result)
-    table = summarize(results, cfg.optimizers)
+    table = summarize(results, cfg.optimizers, cfg)
     _write_summary(experiment, table)
     log("")
     log(table)
@@ -598,7 +678,7 @@ def _new_run(experiment: Experiment, name: str, seed: int) -> TrainingRun:
     model = build_model(cfg, data).to(device)
     if cfg.channels_last:
         model = model.to(memory_format=torch.channels_last)
-    optimizer = make_optimizer(name, model, cfg)
+    optimizer = make_optimizer(name, model, cfg, seed)
     steps_per_epoch = math.ceil(len(y_train) / cfg.batch_size)
     cosine = {"start": 0, "phase": 0.0, "total": steps_per_epoch * cfg.epochs}
     factor = (lambda s: cosine_factor(s, **cosine)) if cfg.schedule == "cosine" else (lambda s: 1.0)
@@ -621,6 +701,9 @@ def _restore_checkpoint(run: TrainingRun) -> None:
     run.optimizer.load_state_dict(saved["optimizer"])
     run.scheduler.load_state_dict(saved["scheduler"])
     run.epoch, run.step, run.seconds, run.sam_seconds = (saved[k] for k in ("epoch", "step", "seconds", "sam_seconds"))
+    # checkpoints from before schedules: every step of a SAM/GEAR-SAM run took the second pass
+    run.sam_steps = saved.get("sam_steps", run.step if run.sharpness_aware else 0)
+    run.cpu_seconds = saved.get("cpu_seconds", 0.0)
     # checkpoints from before the cosine was saved ran the schedule they were started with
     started_with = {"start": 0, "phase": 0.0, "total": run.steps_per_epoch * saved["config"]["epochs"]}
     run.cosine.update(stretch_cosine(saved.get("cosine", started_with), run.step, run.cosine["total"]))
@@ -630,7 +713,14 @@ def _start_instruments(run: TrainingRun, stream: TextIO | None) -> None:
     """The progress bar over the steps left and, for SAM/GEAR-SAM, the block telemetry (into the metrics log) and
     the hooks that time the base optimizer's step, so that ``sam_seconds`` leaves it out."""
     if run.sharpness_aware:
-        sink = lambda records: run.metrics.write([{"kind": "blocks", **run.tag, **r} for r in records])  # noqa: E731
+
+        def sink(records: list[dict]) -> None:
+            # whether each step took the second pass, and the share of the run's steps so far that did: counted from
+            # the run's first step, where the telemetry's own share counts from its creation (the resumption)
+            taken, run.decisions[:] = run.decisions[: len(records)], run.decisions[len(records) :]
+            run.metrics.write([{"kind": "blocks", **run.tag, **r, "sam_step": sam, "sam_fraction": done / r["step"]}
+                               for (sam, done), r in zip(taken, records)])  # fmt: skip
+
         run.telemetry = BlockTelemetry(run.optimizer, every=run.cfg.telemetry_every, sink=sink, start=run.step)
         run.optimizer.base_optimizer.register_step_pre_hook(lambda *_: run.in_base_step.start())
         run.optimizer.base_optimizer.register_step_post_hook(lambda *_: run.in_base_step.stop())
@@ -641,23 +731,30 @@ def _start_instruments(run: TrainingRun, stream: TextIO | None) -> None:
 def _train_epoch(run: TrainingRun) -> None:
     """One pass over the training set, in an order drawn from the seed and the epoch alone, then the test set;
     writes the epoch's metrics row."""
-    epoch_start = time.perf_counter()
+    epoch_start, cpu_start, sam_steps_before = time.perf_counter(), time.process_time(), run.sam_steps
     # an epoch's batches (order and augmentation) depend on nothing else, so a resumed run draws the same ones
     order_gen = torch.Generator().manual_seed(run.seed * 1_000_003 + run.epoch)
     loss_sum = torch.zeros((), device=run.device)
     sharpness_sum = torch.zeros((), device=run.device)
     correct = torch.zeros((), dtype=torch.int64, device=run.device)
     images = len(run.train[1])
-    for idx in torch.randperm(images, generator=order_gen).split(run.cfg.batch_size):
+    perturbed_images = 0  # the images of the steps that took the second pass: the realized sharpness is theirs
+    batches = torch.randperm(images, generator=order_gen).split(run.cfg.batch_size)
+    for idx in batches:
         batch_loss, batch_correct, batch_sharpness = _train_batch(run, idx.to(run.device), order_gen)
         loss_sum += batch_loss
-        sharpness_sum += batch_sharpness
+        if batch_sharpness is not None:
+            sharpness_sum += batch_sharpness
+            perturbed_images += len(idx)
         correct += batch_correct
     if run.telemetry is not None:
         run.telemetry.flush()
     train_loss, train_acc = (loss_sum / images).item(), (100.0 * correct / images).item()
-    train_sharpness = (sharpness_sum / images).item() if run.sharpness_aware else None
-    run.seconds += time.perf_counter() - epoch_start
+    # None for SGD, and for an epoch whose schedule skipped every second pass
+    train_sharpness = (sharpness_sum / perturbed_images).item() if perturbed_images else None
+    epoch_seconds = time.perf_counter() - epoch_start
+    run.seconds += epoch_seconds
+    run.cpu_seconds += time.process_time() - cpu_start
     test_loss, test_acc = (t.item() for t in evaluate(run.model, *run.test, run.cfg))
     run.epoch += 1
     run.sam_seconds = run.in_optimizer.seconds() - run.in_base_step.seconds()
@@ -665,6 +762,8 @@ def _train_epoch(run: TrainingRun) -> None:
         "kind": "epoch", **run.tag, "epoch": run.epoch, "step": run.step, "lr": run.scheduler.get_last_lr()[0],
         "train_loss": train_loss, "train_acc": train_acc, "test_loss": test_loss, "test_acc": test_acc,
         "train_sharpness": train_sharpness, "seconds": run.seconds, "sam_seconds": run.sam_seconds,
+        "epoch_seconds": epoch_seconds, "cpu_seconds": run.cpu_seconds, "sam_steps": run.sam_steps,
+        "sam_fraction": (run.sam_steps - sam_steps_before) / len(batches),
     }])  # fmt: skip
     run.progress.update(0, f"epoch {run.epoch}/{run.cfg.epochs} loss {train_loss:.3f} test acc {test_acc:.1f}%")
 
@@ -672,16 +771,18 @@ def _train_epoch(run: TrainingRun) -> None:
 def _train_batch(run: TrainingRun, idx: torch.Tensor, order_gen: torch.Generator) -> tuple[torch.Tensor, ...]:
     """One optimizer step on the training images ``idx`` (cropped and flipped from ``order_gen`` where the dataset
     asks for it); returns the batch's summed loss, its number of correct predictions and its summed realized sharpness
-    L(w + eps) - L(w) (0 for SGD), as device tensors."""
+    L(w + eps) - L(w), as device tensors (the sharpness None for SGD and for a step that skipped the second pass)."""
     xb, yb = run.train[0][idx], run.train[1][idx]
     if run.augment:
         xb = crop_and_flip(xb, order_gen)
     logits, loss = _forward(run.model, xb, yb, run.cfg)
     loss.backward()
     batch_loss, batch_correct = loss.detach().float() * len(idx), (logits.argmax(1) == yb).sum()
-    batch_sharpness = torch.zeros((), device=run.device)
+    batch_sharpness = None
     if run.sharpness_aware:
-        batch_sharpness = (_sam_step(run, xb, yb, loss).float() - loss.detach().float()) * len(idx)
+        perturbed = _sam_step(run, xb, yb, loss)
+        if perturbed is not None:
+            batch_sharpness = (perturbed.float() - loss.detach().float()) * len(idx)
     else:
         run.optimizer.step()
         run.optimizer.zero_grad()
@@ -691,14 +792,21 @@ def _train_batch(run: TrainingRun, idx: torch.Tensor, order_gen: torch.Generator
     return batch_loss, batch_correct, batch_sharpness
 
 
-def _sam_step(run: TrainingRun, xb: torch.Tensor, yb: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+def _sam_step(run: TrainingRun, xb: torch.Tensor, yb: torch.Tensor, loss: torch.Tensor) -> torch.Tensor | None:
     """The rest of a SAM/GEAR-SAM step once the batch's gradients (of ``loss``) are in: perturb, forward and backward
-    again at the perturbed weights, then restore and update; returns the loss at the perturbed weights, detached.
-    Only ``first_step`` and ``second_step`` are timed."""
+    again at the perturbed weights, then restore and update; returns the loss at the perturbed weights, detached. On
+    a step the second-pass schedule skips, ``first_step`` has made the update with the first gradient: no second pass,
+    and None. Only ``first_step`` and ``second_step`` are timed."""
     opt = run.optimizer
     run.in_optimizer.start()
-    opt.first_step()
+    second_pass = opt.first_step()
     run.in_optimizer.stop()
+    run.sam_steps += second_pass
+    run.decisions.append((second_pass, run.sam_steps))
+    if not second_pass:
+        run.telemetry.record()  # the step's energies and radii (0: nothing perturbed), without losses
+        opt.zero_grad(set_to_none=False)
+        return None
     # zeroing in place keeps the gradients as views of a fused backend's flat buffer: no copies
     opt.zero_grad(set_to_none=False)
     with frozen_bn_stats(run.model):  # BatchNorm statistics come from the first pass only
@@ -717,7 +825,7 @@ def _save_checkpoint(run: TrainingRun) -> None:
     cosine schedule and the settings."""
     state = {
         "epoch": run.epoch, "step": run.step, "seconds": run.seconds, "sam_seconds": run.sam_seconds,
-        "model": run.model.state_dict(), "optimizer": run.optimizer.state_dict(),
+        "cpu_seconds": run.cpu_seconds, "sam_steps": run.sam_steps, "model": run.model.state_dict(), "optimizer": run.optimizer.state_dict(),
         "scheduler": run.scheduler.state_dict(), "cosine": dict(run.cosine), "config": dataclasses.asdict(run.cfg),
     }  # fmt: skip
     run.checkpoint.parent.mkdir(parents=True, exist_ok=True)
@@ -731,15 +839,27 @@ def _write_result(run: TrainingRun) -> dict:
     test_loss, test_acc = (t.item() for t in evaluate(run.model, *run.test, run.cfg))
     result = {
         "kind": "result", **run.tag, "epochs": run.epoch, "step": run.step, "test_loss": test_loss,
-        "test_acc": test_acc, "seconds": run.seconds, "sam_seconds": run.sam_seconds,
+        "test_acc": test_acc, "seconds": run.seconds, "sam_seconds": run.sam_seconds, "cpu_seconds": run.cpu_seconds,
+        "sam_steps": run.sam_steps,
     }  # fmt: skip
     run.metrics.write([result])
     return result
 
 
-def summarize(results: list[dict], optimizers) -> str:
-    """The comparison table: test accuracy (mean ± std over seeds), training time and time in SAM's machinery."""
-    header = f"{'optimizer':<10}  {'test acc (%)':>16}  {'time / run (s)':>14}  {'SAM machinery (s)':>17}"
+def _share(result: dict) -> str:
+    """The share of a run's steps that took the second pass, in %."""
+    return f"{100.0 * result.get('sam_steps', 0) / max(result['step'], 1):.0f}%"
+
+
+def summarize(results: list[dict], optimizers, cfg: RunConfig | None = None) -> str:
+    """The comparison table: test accuracy (mean ± std over seeds), training time and time in SAM's machinery; under
+    a second-pass schedule (``cfg.second_pass``), the optimizers named with it and the share of their steps that took
+    the second pass."""
+    scheduled = cfg is not None and cfg.second_pass != ALWAYS
+    names = {name: cfg.describe(name) if cfg is not None else name for name in optimizers}
+    width = max(10, *map(len, names.values()))
+    header = f"{'optimizer':<{width}}  {'test acc (%)':>16}  {'time / run (s)':>14}  {'SAM machinery (s)':>17}"
+    header += f"  {'second passes':>13}" if scheduled else ""
     lines = [header, "-" * len(header)]
     for name in optimizers:
         runs = [r for r in results if r["optimizer"] == name]
@@ -748,5 +868,9 @@ def summarize(results: list[dict], optimizers) -> str:
         machinery = statistics.mean(r["sam_seconds"] for r in runs)
         shown = "-" if name == SGD else f"{machinery:.2f}"
         seconds = statistics.mean(r["seconds"] for r in runs)
-        lines.append(f"{name:<10}  {statistics.mean(accs):>8.2f} ± {spread:<5}  {seconds:>14.2f}  {shown:>17}")
+        line = f"{names[name]:<{width}}  {statistics.mean(accs):>8.2f} ± {spread:<5}  {seconds:>14.2f}  {shown:>17}"
+        if scheduled:
+            passes = sum(r.get("sam_steps", 0) for r in runs) / max(sum(r["step"] for r in runs), 1)
+            line += f"  {100.0 * passes:>12.0f}%"
+        lines.append(line)
     return "\n".join(lines)

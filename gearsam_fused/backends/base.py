@@ -22,7 +22,9 @@ from collections.abc import Mapping
 import torch
 
 from ..allocation import allocate
+from ..checks import check_dense_grad
 from ..partition import Block
+from ..sharding import local
 
 
 class Backend:
@@ -42,6 +44,7 @@ class Backend:
         #: Whether the parameters hold ``w + eps``: set by :meth:`perturb_`, cleared by :meth:`restore_`. The one record
         #: of it; the optimizer reads it from here.
         self.perturbed = False
+        self._corrections: dict[int, torch.Tensor] = {}  # id(p) -> LookSAM's buffer of p, made on first use
 
     @staticmethod
     def installed() -> bool:
@@ -85,6 +88,82 @@ class Backend:
         self._restore_and_update(updates)
         self.perturbed = False
 
+    def update_(self, updates: list, correction_scale: torch.Tensor | None = None) -> None:
+        """The base optimizer's update of the current weights, without a perturbation to undo (a step whose second
+        pass a schedule skipped), one pass per bucket; with ``correction_scale`` (float64 ``[B]``) the gradient is
+        ``g + correction_scale[b] * correction`` (LookSAM). As :meth:`restore_and_update_` otherwise."""
+        if self.perturbed:
+            raise RuntimeError("update_ while the parameters hold w + eps: restore them first")
+        self._update(updates, correction_scale)
+
+    def _update(self, updates: list, correction_scale: torch.Tensor | None) -> None:
+        raise NotImplementedError(f"backend {self.name!r} does not fuse the base optimizer's step")
+
+    # LookSAM's direction (gearsam_fused.schedules.LookSAM): one buffer the size of the parameters holds the first
+    # gradient from first_step to second_step, then the orthogonal part g_v of the SAM gradient until the next SAM
+    # step. Allocated on first use. Written here per tensor, straight from the formulas (the reference backend's and
+    # the sharded backend's implementation); the flat-buffer backends do the same per bucket.
+    def _correction(self, p: torch.Tensor) -> torch.Tensor:
+        kept = self._corrections.get(id(p))
+        if kept is None:
+            kept = self._corrections[id(p)] = torch.zeros_like(local(p))
+        return kept
+
+    def _named_grads(self):
+        """(block index, local parameter, its correction, local gradient or None) for every parameter."""
+        for b, block in enumerate(self.blocks):
+            for name, p in zip(block.param_names, block.params):
+                g = check_dense_grad(p.grad, repr(name))
+                yield b, self._correction(p), None if g is None else local(g)
+
+    @torch.no_grad()
+    def keep_gradient_(self) -> None:
+        """``correction <- g``, the current gradients (zero where a parameter has none)."""
+        for _, kept, g in self._named_grads():
+            kept.zero_() if g is None else kept.copy_(g)
+
+    @torch.no_grad()
+    def block_dot(self) -> torch.Tensor:
+        """float64 ``[B]``: ``sum_{p in b} <correction_p, g_p>`` with the current gradients (float64 here; the
+        flat-buffer backends by the per-tile reduction of :meth:`block_energy`)."""
+        dot = torch.zeros(len(self.blocks), dtype=torch.float64, device=self.device)
+        for b, kept, g in self._named_grads():
+            if g is not None:
+                dot[b] += (kept.double() * g.double()).sum().to(self.device)
+        return dot
+
+    @torch.no_grad()
+    def orthogonalize_(self, coefficient: torch.Tensor) -> torch.Tensor:
+        """``correction <- g - coefficient[b] * correction`` per block (float64 ``coefficient``, arithmetic in the
+        compute dtype; ``g = 0`` where a parameter has no gradient), then its block energies
+        ``sum_{p in b} ||correction_p||^2``, float64 ``[B]``."""
+        energy = torch.zeros(len(self.blocks), dtype=torch.float64, device=self.device)
+        for b, kept, g in self._named_grads():
+            dtype = compute_dtype(kept)
+            c = coefficient[b].to(device=kept.device, dtype=dtype)
+            v = -c * kept.to(dtype) if g is None else g.to(dtype) - c * kept.to(dtype)
+            kept.copy_(v)
+            energy[b] += kept.double().square().sum().to(self.device)
+        return energy
+
+    @torch.no_grad()
+    def add_correction_(self, correction_scale: torch.Tensor) -> None:
+        """``g <- g + correction_scale[b] * correction`` in the gradients themselves, for a base optimizer that steps
+        per tensor (parameters without a gradient keep none)."""
+        for b, kept, g in self._named_grads():
+            if g is not None:
+                dtype = compute_dtype(g)
+                s = correction_scale[b].to(device=g.device, dtype=dtype)
+                g.copy_(g.to(dtype) + s * kept.to(dtype))
+
+    def correction_tensors(self) -> list[torch.Tensor]:
+        """The correction buffer as one tensor per parameter, in block order (zeros before first use)."""
+        return [self._correction(p) for block in self.blocks for p in block.params]
+
+    def correction_bytes(self) -> int:
+        """Bytes of the correction buffer (0 until first used)."""
+        return sum(t.nbytes for t in self._corrections.values())
+
     def _restore_and_update(self, updates: list) -> None:
         """:meth:`restore_and_update_`'s tensor work."""
         raise NotImplementedError(f"backend {self.name!r} does not fuse the base optimizer's step")
@@ -113,7 +192,8 @@ class Backend:
             torch._foreach_zero_(grads)
 
     def memory_overhead(self) -> dict[str, int]:
-        """Bytes this backend holds (at its peak within a step) beyond the parameters and their gradients."""
+        """Bytes this backend holds (at its peak within a step) beyond the parameters and their gradients; the
+        correction buffer, once allocated, is in ``correction`` and in ``total``."""
         raise NotImplementedError
 
 

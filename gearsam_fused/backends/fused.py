@@ -15,7 +15,7 @@ import torch
 from ..allocation import GEAR_RULE, check_rule
 from ..base_step import BucketUpdate
 from ..flat import Bucket, FlatLayout
-from .base import Backend
+from .base import Backend, compute_dtype
 
 
 class FusedBackend(Backend):
@@ -26,8 +26,9 @@ class FusedBackend(Backend):
         self.layout = FlatLayout(blocks, param_group=param_group)
 
     # ------------------------------------------------------------------ per-bucket work, by subclasses
-    def _bucket_energy(self, bucket: Bucket, adaptive: bool, eta: float) -> torch.Tensor:
-        """float64 ``[B]`` on the bucket's device: this bucket's share of every block's energy."""
+    def _bucket_energy(self, bucket: Bucket, adaptive: bool, eta: float, grad: torch.Tensor | None = None):
+        """float64 ``[B]`` on the bucket's device: this bucket's share of every block's energy, of ``grad`` (a flat
+        buffer laid out like the bucket's; its gradient when None)."""
         raise NotImplementedError
 
     def _bucket_perturb(self, bucket: Bucket, scale: torch.Tensor, adaptive: bool, eta: float) -> None:
@@ -37,6 +38,11 @@ class FusedBackend(Backend):
         raise NotImplementedError
 
     def _bucket_restore_and_update(self, update: BucketUpdate) -> None:
+        raise NotImplementedError
+
+    def _bucket_update(self, update: BucketUpdate, correction: torch.Tensor | None, scale: torch.Tensor | None):
+        """The base update of the bucket's current weights with the gradient ``g + scale[b] * correction`` (``g``
+        when ``correction`` is None)."""
         raise NotImplementedError
 
     # ------------------------------------------------------------------ the Backend contract
@@ -66,11 +72,101 @@ class FusedBackend(Backend):
         for update in updates:
             self._bucket_restore_and_update(update)
 
+    def _update(self, updates: list[BucketUpdate], correction_scale: torch.Tensor | None) -> None:
+        for update in updates:
+            correction = None if correction_scale is None else self._flat_correction(update.bucket)
+            scale = None if correction_scale is None else correction_scale.to(update.bucket.device)
+            self._bucket_update(update, correction, scale)
+
     def zero_grad_(self) -> None:
         self.layout.zero_grads_()
 
     def memory_overhead(self) -> dict[str, int]:
-        return self.layout.memory_overhead()
+        report = self.layout.memory_overhead()
+        report["correction"] = self.correction_bytes()
+        report["total"] += report["correction"]
+        return report
+
+    # ------------------------------------------------------------------ LookSAM's correction, per bucket
+    def _flat_correction(self, bucket: Bucket) -> torch.Tensor:
+        """The bucket's correction buffer, laid out like its gradient (zeros when first asked for)."""
+        flat = self._corrections.get(id(bucket))
+        if flat is None:
+            flat = self._corrections[id(bucket)] = torch.zeros_like(bucket.grad)
+        return flat
+
+    def _tiles_of(self, flat: torch.Tensor, bucket: Bucket) -> torch.Tensor:
+        return flat.view(bucket.n_tiles, bucket.tile)
+
+    def _live_buckets(self):
+        self.layout.sync()
+        return [bucket for bucket in self.layout.buckets if bucket.n_tiles]
+
+    def _per_block(self, parts) -> torch.Tensor:
+        """The sum, in bucket order, of per-bucket ``[B]`` vectors (zeros when there are none)."""
+        total = torch.zeros(self.layout.n_blocks, dtype=torch.float64, device=self.device)
+        for part in parts:
+            total = total + part.to(self.device)
+        return total
+
+    @torch.no_grad()
+    def keep_gradient_(self) -> None:
+        for bucket in self._live_buckets():
+            self._flat_correction(bucket).copy_(bucket.grad)
+
+    @torch.no_grad()
+    def block_dot(self) -> torch.Tensor:
+        return self._per_block(self._bucket_dot(bucket) for bucket in self._live_buckets())
+
+    def _bucket_dot(self, bucket: Bucket) -> torch.Tensor:
+        """Per tile, the products in the compute dtype summed in float64; per block, the tiles' sums in order. A
+        bounded number of tiles at a time, so the products never take more than a few MB."""
+        a = self._tiles_of(self._flat_correction(bucket), bucket)
+        b = self._tiles_of(bucket.grad, bucket)
+        dtype = compute_dtype(a)
+        rows = max(1, (1 << 20) // bucket.tile)
+        for start in range(0, bucket.n_tiles, rows):
+            products = a[start : start + rows].to(dtype) * b[start : start + rows].to(dtype)
+            torch.sum(products, dim=1, dtype=torch.float64, out=bucket.partials[start : start + rows])
+        return torch.segment_reduce(bucket.partials, "sum", lengths=bucket.tiles_per_block, unsafe=True)
+
+    @torch.no_grad()
+    def orthogonalize_(self, coefficient: torch.Tensor) -> torch.Tensor:
+        parts = []
+        for bucket in self._live_buckets():
+            correction = self._flat_correction(bucket)
+            self._gradient_plus_correction(bucket, coefficient, -1, out=correction)
+            parts.append(self._bucket_energy(bucket, False, 0.0, correction))
+        return self._per_block(parts)
+
+    def _gradient_plus_correction(self, bucket: Bucket, per_block: torch.Tensor, sign: int, out: torch.Tensor):
+        """``out <- g + sign * per_block[b] * correction`` over the bucket, in the compute dtype (one ``addcmul``;
+        ``out`` may be the gradient or the correction itself)."""
+        g = self._tiles_of(bucket.grad, bucket)
+        kept = self._tiles_of(self._flat_correction(bucket), bucket)
+        dtype = compute_dtype(g)
+        scale = per_block.to(bucket.device)[bucket.tile_block].to(dtype).unsqueeze(1)
+        if g.dtype == dtype:
+            torch.addcmul(g, kept, scale, value=sign, out=self._tiles_of(out, bucket))
+        else:
+            out.copy_(torch.addcmul(g.to(dtype), kept.to(dtype), scale, value=sign).view(-1))
+
+    @torch.no_grad()
+    def add_correction_(self, correction_scale: torch.Tensor) -> None:
+        for bucket in self._live_buckets():
+            self._gradient_plus_correction(bucket, correction_scale, 1, out=bucket.grad)
+            # the regions of parameters without a gradient changed too: the next sync must zero them again
+            for slot in bucket.slots:
+                slot.dirty = True
+
+    def correction_tensors(self) -> list[torch.Tensor]:
+        views = {}
+        for bucket in self.layout.buckets:
+            flat = self._flat_correction(bucket)
+            for slot in bucket.slots:
+                v = slot.view
+                views[id(slot.param)] = torch.as_strided(flat, v.shape, v.stride(), v.storage_offset())
+        return [views[id(p)] for block in self.blocks for p in block.params]
 
 
 def _launching_on(device: torch.device):
@@ -99,18 +195,21 @@ class KernelModule(Protocol):
 
     def restore_(self, param: torch.Tensor, backup: torch.Tensor, *, tile: int) -> None: ...
 
-    # The base optimizer's update folded into the restore (formulas in gearsam_fused.triton_kernels.base_step).
+    # The base optimizer's update folded into the restore (formulas in gearsam_fused.triton_kernels.base_step); backup
+    # may be param (no perturbation to undo), and correction/correction_scale/tile_block add LookSAM's term to grad.
     def sgd_step_(
         self, param: torch.Tensor, grad: torch.Tensor, backup: torch.Tensor, momentum_buffer: torch.Tensor | None, *,
         tile: int, lr: float, weight_decay: float, momentum: float, dampening: float, nesterov: bool, maximize: bool,
-        first: bool,
+        first: bool, correction: torch.Tensor | None = None, correction_scale: torch.Tensor | None = None,
+        tile_block: torch.Tensor | None = None,
     ) -> None: ...  # fmt: skip
 
     def adam_step_(
         self, param: torch.Tensor, grad: torch.Tensor, backup: torch.Tensor, exp_avg: torch.Tensor,
         exp_avg_sq: torch.Tensor, max_exp_avg_sq: torch.Tensor | None, *, tile: int, beta1: float, beta2: float,
         eps: float, weight_decay: float, decoupled: bool, amsgrad: bool, maximize: bool, step_size: float,
-        bias_correction2_sqrt: float, decay: float,
+        bias_correction2_sqrt: float, decay: float, correction: torch.Tensor | None = None,
+        correction_scale: torch.Tensor | None = None, tile_block: torch.Tensor | None = None,
     ) -> None: ...  # fmt: skip
 
 
@@ -121,10 +220,10 @@ class KernelBackend(FusedBackend):
         self.kernels = kernels
         super().__init__(blocks, device, param_group)
 
-    def _bucket_energy(self, bucket: Bucket, adaptive: bool, eta: float) -> torch.Tensor:
+    def _bucket_energy(self, bucket: Bucket, adaptive: bool, eta: float, grad: torch.Tensor | None = None):
         with _launching_on(bucket.device):
             return self.kernels.block_energy(
-                bucket.grad,
+                bucket.grad if grad is None else grad,
                 bucket.param,
                 bucket.block_tiles,
                 bucket.partials,
@@ -157,7 +256,19 @@ class KernelBackend(FusedBackend):
 
     def _bucket_restore_and_update(self, update: BucketUpdate) -> None:
         bucket = update.bucket
-        launcher = self.kernels.sgd_step_ if update.kind == "sgd" else self.kernels.adam_step_
         with _launching_on(bucket.device):
-            launcher(bucket.param, bucket.grad, bucket.backup, *update.state, tile=bucket.tile,
-                     **update.kernel_arguments())  # fmt: skip
+            self._launcher(update)(bucket.param, bucket.grad, bucket.backup, *update.state, tile=bucket.tile,
+                                   **update.kernel_arguments())  # fmt: skip
+
+    def _bucket_update(self, update: BucketUpdate, correction, scale) -> None:
+        bucket = update.bucket
+        corrected = {} if correction is None else {
+            "correction": correction, "correction_scale": scale, "tile_block": bucket.tile_block
+        }  # fmt: skip
+        with _launching_on(bucket.device):
+            # backup is param: w is read from the parameters themselves, each element before it is written
+            self._launcher(update)(bucket.param, bucket.grad, bucket.param, *update.state, tile=bucket.tile,
+                                   **update.kernel_arguments(), **corrected)  # fmt: skip
+
+    def _launcher(self, update: BucketUpdate):
+        return self.kernels.sgd_step_ if update.kind == "sgd" else self.kernels.adam_step_

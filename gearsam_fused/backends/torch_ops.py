@@ -15,6 +15,8 @@ place (the Triton backend matches it bit for bit). The fused base step runs the 
 update (``foreach=False``) on the whole flat buffer: they are element-wise, so it equals torch's optimizer stepping
 the pieces bit for bit. They read ``w`` from the backup, so the restore costs no pass of its own, and write their
 intermediates into the parameter buffer, so nothing is allocated (a few passes, where the compiled kernels take one).
+A step a schedule leaves unperturbed reads ``w`` from the parameters and keeps its intermediates in the backup;
+LookSAM's corrected gradient ``g + c_b * g_v`` is one ``addcmul`` (rounded twice, where the kernels take one fma).
 """
 
 from __future__ import annotations
@@ -35,8 +37,8 @@ class TorchBackend(FusedBackend):
         return flat.view(bucket.n_tiles, bucket.tile)
 
     @torch.no_grad()
-    def _bucket_energy(self, bucket: Bucket, adaptive: bool, eta: float) -> torch.Tensor:
-        g = self._tiles(bucket.grad, bucket)
+    def _bucket_energy(self, bucket: Bucket, adaptive: bool, eta: float, grad: torch.Tensor | None = None):
+        g = self._tiles(bucket.grad if grad is None else grad, bucket)
         dtype = compute_dtype(g)
         if adaptive:
             g = self._tiles(bucket.param, bucket).abs().to(dtype).add_(eta).mul_(g)
@@ -70,20 +72,34 @@ class TorchBackend(FusedBackend):
 
     @torch.no_grad()
     def _bucket_restore_and_update(self, update: BucketUpdate) -> None:
-        # torch's own single-tensor update, operation for operation, written with out= so that nothing is allocated:
-        # w is read from the backup, the parameter buffer holds the intermediates until it receives the new w
-        bucket, h = update.bucket, update.hyper
-        w, scratch = bucket.backup, bucket.param
+        # w is read from the backup; the parameter buffer holds the intermediates until it receives the new w
+        bucket = update.bucket
+        self._base_update(update, bucket.backup, bucket.grad, scratch=bucket.param, out=bucket.param)
+
+    @torch.no_grad()
+    def _bucket_update(self, update: BucketUpdate, correction, scale) -> None:
+        # w is the parameter buffer itself; the backup, unused on such a step, holds the intermediates
+        bucket = update.bucket
         g = bucket.grad
-        if h["maximize"]:
+        if correction is not None:
+            tile_scale = scale[bucket.tile_block].to(g.dtype).unsqueeze(1)
+            corrected = self._tiles(bucket.backup, bucket)
+            torch.addcmul(self._tiles(g, bucket), self._tiles(correction, bucket), tile_scale, out=corrected)
+            g = bucket.backup
+        self._base_update(update, bucket.param, g, scratch=bucket.backup, out=bucket.param)
+
+    def _base_update(self, update: BucketUpdate, w, g, *, scratch: torch.Tensor, out: torch.Tensor) -> None:
+        """torch's own single-tensor update, operation for operation, written with out= so that nothing is allocated:
+        ``w`` is read (and may be ``out``), ``g`` is read (and may be ``scratch``), the result is written to ``out``."""
+        if update.hyper["maximize"]:
             g = torch.neg(g, out=scratch)
         if update.kind == "sgd":
-            self._sgd(update, w, g, scratch)
+            self._sgd(update, w, g, scratch, out)
         else:
-            self._adam(update, w, g, scratch)
+            self._adam(update, w, g, scratch, out)
 
     @staticmethod
-    def _sgd(update: BucketUpdate, w: torch.Tensor, g: torch.Tensor, scratch: torch.Tensor) -> None:
+    def _sgd(update: BucketUpdate, w, g, scratch: torch.Tensor, out: torch.Tensor) -> None:
         h, buf = update.hyper, update.state[0]
         if h["weight_decay"] != 0:
             g = torch.add(g, w, alpha=h["weight_decay"], out=scratch)
@@ -93,15 +109,15 @@ class TorchBackend(FusedBackend):
             else:
                 buf.mul_(h["momentum"]).add_(g, alpha=1 - h["dampening"])
             g = torch.add(g, buf, alpha=h["momentum"], out=scratch) if h["nesterov"] else buf
-        torch.add(w, g, alpha=-h["lr"], out=scratch)
+        torch.add(w, g, alpha=-h["lr"], out=out)
 
     @staticmethod
-    def _adam(update: BucketUpdate, w: torch.Tensor, g: torch.Tensor, scratch: torch.Tensor) -> None:
+    def _adam(update: BucketUpdate, w, g, scratch: torch.Tensor, out: torch.Tensor) -> None:
         h, (exp_avg, exp_avg_sq, max_exp_avg_sq) = update.hyper, update.state
         k = update.kernel_arguments()  # step_size, bias_correction2_sqrt and decay, as torch computes them
         if h["weight_decay"] != 0:
             if h["decoupled_weight_decay"]:
-                w = w.mul_(k["decay"])  # the backup is not needed after this step
+                w = w.mul_(k["decay"])  # w is the backup, not needed after this step, or the parameters themselves
             else:
                 g = torch.add(g, w, alpha=h["weight_decay"], out=scratch)
         beta1, beta2 = h["betas"]
@@ -111,4 +127,4 @@ class TorchBackend(FusedBackend):
         if h["amsgrad"]:
             second = torch.maximum(max_exp_avg_sq, exp_avg_sq, out=max_exp_avg_sq)
         denom = torch.sqrt(second, out=scratch).div_(k["bias_correction2_sqrt"]).add_(h["eps"])
-        torch.addcdiv(w, exp_avg, denom, value=-k["step_size"], out=scratch)
+        torch.addcdiv(w, exp_avg, denom, value=-k["step_size"], out=out)

@@ -12,6 +12,10 @@ pass::
                                                    Lightning's clipping (gradient_clip_val): the second gradient only
                                                    second_step()         restore w, base step
 
+On a step the optimizer's ``schedule`` skips (:mod:`gearsam_fused.schedules`) nothing is added: Lightning's
+``optimizer.step(closure)`` runs the closure (the first pass), its hooks and clipping, then ``first_step()``, which
+makes the base update with the (clipped) first gradient, as a plain optimizer's step would.
+
 ``configure_optimizers`` returns a :class:`~gearsam_fused.SAM` or :class:`~gearsam_fused.GEARSAM` (with LR schedulers
 if wanted); checkpoints hold its state dict, so ``ckpt_path=`` resumes the GEAR EMA too.
 """
@@ -32,6 +36,7 @@ class SharpnessAwareMixin:
     A module that overrides ``on_train_batch_start`` or ``optimizer_step`` itself must call ``super()`` there.
     ``training_step`` runs twice per micro-batch; what it logs is the first pass's (the loss at ``w``).
     ``precision="16-mixed"`` is refused: Lightning's loss scaler calls the optimizer's ``step()`` without a closure.
+    Under a ``schedule``, ``training_step`` runs once per micro-batch on the steps the schedule skips.
     """
 
     def on_train_batch_start(self, batch, batch_idx: int):
@@ -53,6 +58,10 @@ class SharpnessAwareMixin:
         if optimizer_closure is None:
             raise ValueError("optimizer_step needs Lightning's closure (automatic optimization)")
         window, self._sam_window = self.__dict__.get("_sam_window", []), []
+        if not sam.sam_step:  # the schedule skips this step's second pass: a plain step, whose update first_step makes
+            with _closure_then_first_step(sam):
+                optimizer.step(closure=optimizer_closure)
+            return
         optimizer_closure()  # the first pass of the window's last micro-batch
         optimizer.step(closure=lambda: self._second_pass(window))
 
@@ -65,8 +74,12 @@ class SharpnessAwareMixin:
                 strategy.backward(loss / divide, None)
 
     def on_before_optimizer_step(self, optimizer) -> None:
-        """Logs ``sam/rho`` and each block's share of the radius (``sam/share/<block>``), from device tensors."""
+        """Logs ``sam/rho`` and each block's share of the radius (``sam/share/<block>``), from device tensors, and
+        ``sam/sam_fraction``, the fraction of the epoch's steps that were SAM steps (1 without a schedule)."""
         sam = getattr(optimizer, "optimizer", optimizer)
+        if isinstance(sam, SharpnessAware):
+            # the epoch's mean of 1 (a SAM step: perturbed by now) and 0 (a step the schedule skips)
+            self.log("sam/sam_fraction", float(sam.perturbed), on_step=False, on_epoch=True, batch_size=1)
         if isinstance(sam, SharpnessAware) and sam.perturbed:
             stats = sam.step_statistics
             if stats.rho > 0:
@@ -75,6 +88,29 @@ class SharpnessAwareMixin:
                 for name, share in zip(sam.block_names, shares.unbind()):
                     self.log(f"sam/share/{name}", share)
         return super().on_before_optimizer_step(optimizer)
+
+
+@contextlib.contextmanager
+def _closure_then_first_step(sam: SharpnessAware):
+    """Within the block, ``sam.step(closure)`` is a plain optimizer's step: run the closure (with the precision plugin's
+    hooks and clipping around it), then ``sam.first_step()``, which on a step the schedule skips makes the update.
+    An LR scheduler's own wrapper of ``step`` (an instance attribute) is put back on exit."""
+    saved = sam.__dict__.get("step")
+
+    def step(closure=None):
+        with torch.enable_grad():
+            loss = closure()
+        sam.first_step()  # the update: the decision, read before the closure, is still "skip"
+        return loss
+
+    sam.step = step
+    try:
+        yield
+    finally:
+        if saved is None:
+            del sam.step
+        else:
+            sam.step = saved
 
 
 @contextlib.contextmanager

@@ -9,11 +9,16 @@ clips the gradient and calls ``optimizer.step()``. :class:`SAMTrainer` keeps tha
     the Trainer:      clip (the second gradient only), optimizer.step() = second_step(): restore w, base step,
                       LR scheduler step, zero_grad
 
+Under a ``schedule`` (:mod:`gearsam_fused.schedules`), a window whose step the schedule skips has no second pass:
+the Trainer clips the first gradient and its ``optimizer.step()`` is ``first_step()``, which makes the base update
+with it, exactly as a plain Trainer's step.
+
 The optimizer is built from ``TrainingArguments`` as the Trainer builds its own (``optim``, learning rate, weight
 decay on the Trainer's decay parameters only) and wrapped in SAM or GEAR-SAM; the Trainer steps it through
 :class:`SecondStep`, whose state dict is the SAM optimizer's, so checkpoints and ``resume_from_checkpoint`` carry the
-GEAR EMA. ``rho``, each block's share of the radius and the share of the step time SAM's own work took go into the
-Trainer's logs (``sam/rho``, ``sam/share/<block>``, ``sam/overhead``), and so into its reporting integrations.
+GEAR EMA (and the schedule's position). ``rho``, each block's share of the radius, the share of the step time SAM's
+own work took and the fraction of the steps since the last log that were SAM steps go into the Trainer's logs
+(``sam/rho``, ``sam/share/<block>``, ``sam/overhead``, ``sam/sam_fraction``), and so into its reporting integrations.
 """
 
 from __future__ import annotations
@@ -34,7 +39,8 @@ FLAVOURS = {"sam": (SAM, False), "asam": (SAM, True), "gear-sam": (GEARSAM, Fals
 
 class SecondStep(torch.optim.Optimizer):
     """The optimizer the Trainer steps: ``step()`` is ``sam.second_step()`` (restore ``w``, then the base optimizer's
-    step with the gradient taken at ``w + eps``). Its ``param_groups``, ``state`` and state dict are ``sam``'s, so the
+    step with the gradient taken at ``w + eps``), or on a step ``sam``'s schedule skips, ``sam.first_step()`` (the
+    base optimizer's step with the first gradient). Its ``param_groups``, ``state`` and state dict are ``sam``'s, so the
     Trainer's LR scheduler and checkpoints work on it as on any optimizer."""
 
     def __init__(self, sam: SharpnessAware):
@@ -45,7 +51,15 @@ class SecondStep(torch.optim.Optimizer):
     def step(self, closure=None):
         if closure is not None:
             raise ValueError("SecondStep.step() takes no closure: SAMTrainer runs the second pass itself")
-        self.sam.second_step()
+        if self.sam.perturbed:
+            self.sam.second_step()
+        elif not self.sam.sam_step:
+            self.sam.first_step()  # a step the schedule skips: the base update with the (clipped) first gradient
+        else:
+            raise RuntimeError(
+                "SecondStep.step() on a SAM step whose weights are not perturbed: SAMTrainer.training_step runs "
+                "first_step() and the second pass on the last micro-batch of each accumulation window"
+            )
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.sam.zero_grad(set_to_none)
@@ -66,6 +80,9 @@ class SAMTrainer(Trainer):
         rho: the radius; ``beta``: GEAR-SAM's EMA factor; ``eta``: ASAM's ``T = |w| + eta``.
         partition: the blocks (:func:`gearsam_fused.partition`; GEAR-SAM allocates over them, SAM reports them).
         backend: as :class:`gearsam_fused.SAM`'s.
+        schedule: which steps take the second pass (:mod:`gearsam_fused.schedules`; None: every step). A step the
+            schedule skips runs the first pass only (over the whole window), and the Trainer's ``optimizer.step()``
+            makes the base update with the clipped first gradient.
 
     Gradient accumulation, ``max_grad_norm`` (applied to the second gradient), bf16, fp16 with the Trainer's loss
     scaler, LR schedulers and checkpoints work as in the Trainer. BatchNorm running statistics see the first pass
@@ -75,10 +92,12 @@ class SAMTrainer(Trainer):
     """
 
     def __init__(self, *args, sam: str = "gear-sam", rho: float = 0.05, beta: float = 0.9, eta: float = 0.01,
-                 partition="coarse", backend: str = "auto", **kwargs):  # fmt: skip
+                 partition="coarse", backend: str = "auto", schedule=None, **kwargs):  # fmt: skip
         if sam not in FLAVOURS:
             raise ValueError(f"sam must be one of {list(FLAVOURS)}, got {sam!r}")
-        self.sam_settings = dict(sam=sam, rho=rho, beta=beta, eta=eta, partition=partition, backend=backend)
+        self.sam_settings = dict(sam=sam, rho=rho, beta=beta, eta=eta, partition=partition, backend=backend,
+                                 schedule=schedule)  # fmt: skip
+        self._sam_steps = [0, 0]  # SAM steps and steps since the last training log
         self._window: list[tuple[dict, object]] = []  # the micro-batches of the current accumulation window
         self._second_step: SecondStep | None = None  # what the Trainer steps (it may wrap it: accelerate does)
         self._clock = _StepClock()
@@ -129,7 +148,8 @@ class SAMTrainer(Trainer):
         cls, adaptive = FLAVOURS[s["sam"]]
         extra = {"beta": s["beta"]} if cls is GEARSAM else {}
         return cls(groups, base, model=model, rho=s["rho"], adaptive=adaptive, eta=s["eta"] if adaptive else 0.0,
-                   partition=s["partition"], backend=s["backend"], **extra, **kwargs)  # fmt: skip
+                   partition=s["partition"], backend=s["backend"], schedule=s["schedule"], **extra,
+                   **kwargs)  # fmt: skip
 
     def training_step(self, model: nn.Module, inputs: dict, num_items_in_batch=None) -> torch.Tensor:
         if not self._window:
@@ -138,8 +158,12 @@ class SAMTrainer(Trainer):
         self._window.append((inputs, num_items_in_batch))
         if self.accelerator.sync_gradients:  # the window's last micro-batch: the Trainer clips and steps next
             window, self._window = self._window, []
+            perturbs = self.sam.sam_step  # known before the window began: the schedule's decision for this step
+            self._sam_steps[0] += perturbs
+            self._sam_steps[1] += 1
             self._clock.mark("sam", self.args.device)
-            self._second_pass(model, window)
+            if perturbs:  # else the Trainer's optimizer.step() makes the update with the first gradient
+                self._second_pass(model, window)
             self._clock.mark("sam_end", self.args.device)
         return loss  # the first pass's, as the Trainer logs it
 
@@ -170,6 +194,10 @@ class SAMTrainer(Trainer):
             overhead = self._clock.share("sam", "sam_end")
             if overhead is not None:
                 logs["sam/overhead"] = overhead
+            sam_steps, steps = self._sam_steps
+            if steps:
+                logs["sam/sam_fraction"] = sam_steps / steps
+                self._sam_steps = [0, 0]
         super().log(logs, *args, **kwargs)
 
 

@@ -1,0 +1,322 @@
+"""The fused base steps' two extensions, on every kernel module: LookSAM's gradient correction
+``g = fma(C(correction_scale[block]), correction, grad)`` (C rounding once to the buffers' type, the fma once), and a
+step whose ``backup`` is ``param`` itself.
+
+The oracle of the correction is exact: each element's ``scale * correction + grad`` is computed in rational arithmetic
+and rounded once to the dtype, so nothing depends on how the host rounds (a float64 sum rounded again to float32 could
+round twice, and ATen's ``add(alpha=)`` is an fma only by construction of its CPU kernels). A kernel given the
+correction must then equal, bit for bit, the same kernel given that gradient without one: the correction changes only
+the gradient, the same code (and on every device the same square root) does the rest, so there is no rounding
+difference left to tolerate on any device."""
+
+import os
+import subprocess
+import sys
+from fractions import Fraction
+from functools import cache
+from pathlib import Path
+
+import pytest
+import torch
+
+from gearsam_fused.backends.cpp_ops import cpp_installed
+from gearsam_fused.backends.triton_ops import triton_installed
+
+from conftest import KERNELS, kernel_module
+
+FLOATS = [torch.float32, torch.float64]
+TILE = 64  # small tiles, so a short bucket holds many of them
+TILE_BLOCK = [0, 0, 1, 2, 2, 3, 1, 3, 3, 0, 2]  # 11 tiles in 4 blocks, not in block order
+SCALES = [0.37, 0.0, -1.25, 3.3e-3]  # per block: 0 leaves grad as it is (but for its sign of zero), one negative
+N = TILE * len(TILE_BLOCK)
+
+SGD_FLAGS = {
+    "plain": dict(lr=0.1),
+    "momentum": dict(lr=0.05, momentum=0.9),
+    "nesterov-wd": dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3),
+    "dampening-maximize": dict(lr=0.0123, momentum=0.5, dampening=0.1, maximize=True),
+    "wd-maximize": dict(lr=0.02, weight_decay=5e-4, maximize=True),
+}
+ADAM_FLAGS = {
+    "adam": dict(lr=1e-2),
+    "adam-l2-amsgrad": dict(lr=1e-2, weight_decay=1e-2, amsgrad=True),
+    "adam-betas-maximize": dict(lr=1e-3, betas=(0.3, 0.8), maximize=True),
+    "adamw-amsgrad": dict(lr=1e-3, weight_decay=0.01, amsgrad=True, decoupled=True),
+}
+
+
+def _round_once(x: Fraction, dtype: torch.dtype) -> float:
+    """The exact value x rounded to nearest-even in dtype, once."""
+    if dtype == torch.float64:
+        return float(x)  # int / int true division: correctly rounded
+    near = torch.tensor(float(x), dtype=torch.float32)  # within one float32 step of the answer (double rounding)
+    steps = [torch.nextafter(near, torch.tensor(v, dtype=torch.float32)) for v in (-float("inf"), float("inf"))]
+    candidates = [near, *steps]
+    return min(candidates, key=lambda c: (abs(Fraction(c.item()) - x), c.view(torch.int32).item() & 1)).item()
+
+
+def scales_in(dtype: torch.dtype) -> list[float]:
+    """C(correction_scale[b]): each block's float64 scale rounded once to dtype."""
+    return torch.tensor(SCALES, dtype=torch.float64).to(dtype).tolist()
+
+
+@cache
+def _exact_corrected(dtype: torch.dtype) -> torch.Tensor:
+    grad, correction = buffers(dtype)[1:3]
+    scales = scales_in(dtype)
+    values = [
+        _round_once(Fraction(scales[TILE_BLOCK[i // TILE]]) * Fraction(c) + Fraction(g), dtype)
+        for i, (g, c) in enumerate(zip(grad.tolist(), correction.tolist()))
+    ]
+    return torch.tensor(values, dtype=dtype)
+
+
+def corrected_grad(dtype: torch.dtype) -> torch.Tensor:
+    """The gradient the corrected step must use, from the exact oracle."""
+    return _exact_corrected(dtype).clone()
+
+
+def buffers(dtype: torch.dtype, seed: int = 0):
+    """(backup, grad, correction): random, with a zero tail in grad (as padding has) and correction magnitudes that
+    span several binades, so the corrected sum rounds in many different ways."""
+    g = torch.Generator().manual_seed(seed)
+    backup = torch.randn(N, generator=g, dtype=torch.float64).to(dtype)
+    grad = torch.randn(N, generator=g, dtype=torch.float64).to(dtype)
+    grad[-20:] = 0
+    exponents = torch.randint(-4, 4, (N,), generator=g).to(torch.float64)
+    correction = (torch.randn(N, generator=g, dtype=torch.float64) * 10.0**exponents).to(dtype)
+    return backup, grad, correction
+
+
+def correction_args(dtype: torch.dtype, device: str) -> dict:
+    _, _, correction = buffers(dtype)
+    return dict(
+        correction=correction.to(device),
+        correction_scale=torch.tensor(SCALES, dtype=torch.float64, device=device),
+        tile_block=torch.tensor(TILE_BLOCK, dtype=torch.int32, device=device),
+    )
+
+
+def sgd_kwargs(flags: str, first: bool) -> dict:
+    return {"momentum": 0.0, "dampening": 0.0, "weight_decay": 0.0, "nesterov": False, "maximize": False,
+            "first": first, "tile": TILE, **SGD_FLAGS[flags]}  # fmt: skip
+
+
+def run_sgd(module, backup, grad, kw: dict, device: str, buffer=None, alias=False, **extra):
+    """(param, momentum buffer) after one sgd_step_ from backup (param itself if alias, else NaN-filled param)."""
+    param = backup.to(device, copy=True) if alias else torch.full_like(backup, float("nan"), device=device)
+    if kw["momentum"]:
+        buffer = (torch.randn(N, generator=torch.Generator().manual_seed(2)) if buffer is None else buffer).to(grad)
+        buffer = buffer.to(device, copy=True)
+    module.sgd_step_(param, grad.to(device), param if alias else backup.to(device), buffer, **kw, **extra)
+    return param.cpu(), None if buffer is None else buffer.cpu()
+
+
+def adam_kwargs(flags: str, step: int = 3) -> dict:
+    kw = {"betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, "amsgrad": False, "maximize": False,
+          "decoupled": False, **ADAM_FLAGS[flags]}  # fmt: skip
+    beta1, beta2 = kw.pop("betas")
+    lr, t = kw.pop("lr"), float(step + 1)
+    return dict(kw, tile=TILE, beta1=beta1, beta2=beta2, step_size=lr / (1 - beta1**t),
+                bias_correction2_sqrt=(1 - beta2**t) ** 0.5, decay=1 - lr * kw["weight_decay"])  # fmt: skip
+
+
+def run_adam(module, backup, grad, kw: dict, device: str, alias=False, **extra):
+    """(param, exp_avg, exp_avg_sq, max_exp_avg_sq or None) after one adam_step_ from a fixed nonzero state."""
+    g = torch.Generator().manual_seed(1)
+    state = [0.1 * torch.randn(N, generator=g), 0.01 * torch.rand(N, generator=g)]
+    state.append(state[1] * 1.5 if kw["amsgrad"] else None)
+    state = [None if s is None else s.to(device, grad.dtype) for s in state]
+    param = backup.to(device, copy=True) if alias else torch.full_like(backup, float("nan"), device=device)
+    module.adam_step_(param, grad.to(device), param if alias else backup.to(device), *state, **kw, **extra)
+    return [None if t is None else t.cpu() for t in (param, *state)]
+
+
+def assert_bitwise(got, expected):
+    for i, (a, b) in enumerate(zip(got, expected, strict=True)):
+        assert (a is None) == (b is None), i
+        if a is not None:
+            assert torch.equal(a, b), f"output {i}: {(a != b).sum().item()} of {a.numel()} elements differ"
+
+
+# ------------------------------------------------------------------------------------------- the correction
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+def test_the_oracle_is_a_fused_multiply_add(dtype):
+    """The exact oracle is a single rounding: it differs from rounding the product and the sum separately on some
+    elements, so the comparisons below tell an fma from a multiply then an add."""
+    _, grad, correction = buffers(dtype)
+    scale = torch.tensor(scales_in(dtype), dtype=dtype)[torch.tensor(TILE_BLOCK).repeat_interleave(TILE)]
+    assert (corrected_grad(dtype) != grad + scale * correction).any()
+
+
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+@pytest.mark.parametrize("backend,device", KERNELS)
+def test_corrected_gradient_is_one_fma(backend, device, dtype):
+    """SGD's first momentum step stores the step's gradient itself: it is the exact, once-rounded fma."""
+    backup, grad, _ = buffers(dtype)
+    kw = sgd_kwargs("momentum", first=True)
+    _, buffer = run_sgd(kernel_module(backend), backup, grad, kw, device, **correction_args(dtype, device))
+    assert torch.equal(buffer, corrected_grad(dtype))
+
+
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+@pytest.mark.parametrize("first", [True, False], ids=["first", "later"])
+@pytest.mark.parametrize("flags", list(SGD_FLAGS), ids=str)
+@pytest.mark.parametrize("backend,device", KERNELS)
+def test_corrected_sgd_is_sgd_on_the_corrected_gradient(backend, device, flags, first, dtype):
+    module = kernel_module(backend)
+    backup, grad, _ = buffers(dtype)
+    kw = sgd_kwargs(flags, first)
+    got = run_sgd(module, backup, grad, kw, device, **correction_args(dtype, device))
+    assert_bitwise(got, run_sgd(module, backup, corrected_grad(dtype), kw, device))
+
+
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+@pytest.mark.parametrize("flags", list(ADAM_FLAGS), ids=str)
+@pytest.mark.parametrize("backend,device", KERNELS)
+def test_corrected_adam_is_adam_on_the_corrected_gradient(backend, device, flags, dtype):
+    module = kernel_module(backend)
+    backup, grad, _ = buffers(dtype)
+    kw = adam_kwargs(flags)
+    got = run_adam(module, backup, grad, kw, device, **correction_args(dtype, device))
+    assert_bitwise(got, run_adam(module, backup, corrected_grad(dtype), kw, device))
+
+
+# ------------------------------------------------------------------------------------------- backup is param
+@pytest.mark.parametrize("corrected", [False, True], ids=["plain", "corrected"])
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+@pytest.mark.parametrize("backend,device", KERNELS)
+def test_sgd_from_param_itself_equals_sgd_from_a_copy(backend, device, dtype, corrected):
+    module = kernel_module(backend)
+    backup, grad, _ = buffers(dtype)
+    extra = correction_args(dtype, device) if corrected else {}
+    for flags in ("nesterov-wd", "wd-maximize"):
+        kw = sgd_kwargs(flags, first=False)
+        got = run_sgd(module, backup, grad, kw, device, alias=True, **extra)
+        assert_bitwise(got, run_sgd(module, backup, grad, kw, device, **extra))
+
+
+@pytest.mark.parametrize("corrected", [False, True], ids=["plain", "corrected"])
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+@pytest.mark.parametrize("backend,device", KERNELS)
+def test_adam_from_param_itself_equals_adam_from_a_copy(backend, device, dtype, corrected):
+    module = kernel_module(backend)
+    backup, grad, _ = buffers(dtype)
+    extra = correction_args(dtype, device) if corrected else {}
+    for flags in ("adam-l2-amsgrad", "adamw-amsgrad"):
+        kw = adam_kwargs(flags)
+        got = run_adam(module, backup, grad, kw, device, alias=True, **extra)
+        assert_bitwise(got, run_adam(module, backup, grad, kw, device, **extra))
+
+
+# ------------------------------------------------------------------------------------------- refused arguments
+def _sgd_call(module, **extra):
+    backup, grad, _ = buffers(torch.float32)
+    module.sgd_step_(backup.clone(), grad, backup, None, **sgd_kwargs("plain", True), **extra)
+
+
+def _adam_call(module, **extra):
+    backup, grad, _ = buffers(torch.float32)
+    state = (torch.zeros_like(grad), torch.zeros_like(grad), None)
+    module.adam_step_(backup.clone(), grad, backup, *state, **adam_kwargs("adam"), **extra)
+
+
+PARTIAL = {  # given -> the message's list of what is missing
+    ("correction",): "correction_scale, tile_block",
+    ("correction_scale",): "correction, tile_block",
+    ("tile_block",): "correction, correction_scale",
+    ("correction", "correction_scale"): "tile_block",
+    ("correction", "tile_block"): "correction_scale",
+    ("correction_scale", "tile_block"): "correction",
+}
+WRONG = {  # argument -> (replacement, message)
+    "correction_scale": (
+        torch.ones(4, dtype=torch.float32),
+        "correction_scale must be torch.float64, got torch.float32",
+    ),
+    "tile_block": (torch.zeros(len(TILE_BLOCK), dtype=torch.int64), "tile_block must be torch.int32, got torch.int64"),
+    "correction": (
+        torch.ones(N, dtype=torch.float64),
+        r"correction \(torch.float64 \(704,\) on cpu\) must match param",
+    ),
+}
+CPU_KERNELS = [c for c in KERNELS if c.values[1] == "cpu"]
+
+
+@pytest.mark.parametrize("call", [_sgd_call, _adam_call], ids=["sgd", "adam"])
+@pytest.mark.parametrize("given", list(PARTIAL), ids="+".join)
+@pytest.mark.parametrize("backend,device", CPU_KERNELS)
+def test_a_partial_correction_is_refused_naming_what_is_missing(backend, device, call, given):
+    extra = {k: v for k, v in correction_args(torch.float32, "cpu").items() if k in given}
+    message = f"correction, correction_scale and tile_block must be given together, missing {PARTIAL[given]}$"
+    with pytest.raises(ValueError, match=message):
+        call(kernel_module(backend), **extra)
+
+
+@pytest.mark.parametrize("call", [_sgd_call, _adam_call], ids=["sgd", "adam"])
+@pytest.mark.parametrize("wrong", list(WRONG) + ["tile_count"])
+@pytest.mark.parametrize("backend,device", CPU_KERNELS)
+def test_a_wrong_correction_buffer_is_refused_by_name(backend, device, call, wrong):
+    extra = correction_args(torch.float32, "cpu")
+    if wrong == "tile_count":
+        extra["tile_block"], message = extra["tile_block"][:-1], "tile_block has 10 entries for 11 tiles"
+    else:
+        extra[wrong], message = WRONG[wrong]
+    with pytest.raises(ValueError, match=message):
+        call(kernel_module(backend), **extra)
+
+
+def test_both_modules_refuse_with_the_same_words():
+    if not (cpp_installed() and triton_installed()):
+        pytest.skip("needs both kernel modules")
+    from gearsam_fused import _C, triton_kernels
+
+    args = correction_args(torch.float32, "cpu")
+    cases = [{"correction": args["correction"]}, {**args, "tile_block": args["tile_block"][:-1]}]
+    cases += [{**args, k: v} for k, (v, _) in WRONG.items()]
+    for extra in cases:
+        for call in (_sgd_call, _adam_call):
+            messages = []
+            for module in (triton_kernels, _C):
+                with pytest.raises(ValueError) as info:
+                    call(module, **extra)
+                messages.append(str(info.value))
+            assert messages[0] == messages[1]
+
+
+# ------------------------------------------------------------------------------------------- compiled for the GPU
+_COMPILE = """
+import sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+sys.path.insert(0, {tests!r})
+from compile_kernels import base_step_variants
+from gearsam_fused.triton_kernels import base_step
+for name, plain, signature, constexprs in base_step_variants():
+    kernel = {{base_step._sgd_kernel: base_step._sgd_corrected_kernel,
+              base_step._adam_kernel: base_step._adam_corrected_kernel}}[plain]
+    signature = dict(signature, corr_ptr=signature["param_ptr"], cscale_ptr="*fp64", tile_block_ptr="*i32")
+    source = ASTSource(fn=kernel, signature={{**signature, **{{k: "constexpr" for k in constexprs}}}},
+                       constexprs=constexprs)
+    ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={{"enable_fp_fusion": False}}).asm["ptx"]
+    approx = sum(".approx" in line or "div.full" in line for line in ptx.splitlines())
+    assert ptx.count("fma.rn") and not approx, (name, approx)
+print("ok")
+"""
+
+
+def test_corrected_triton_kernels_compile_for_hopper():
+    """The corrected twins compiled for sm_90 (no GPU needed), as tests/compile_kernels.py compiles the others: they
+    lower, and every division and root stays correctly rounded."""
+    pytest.importorskip("triton")
+    try:
+        from triton.backends import backends
+    except ImportError:
+        pytest.skip("this triton has no backend registry")
+    if "nvidia" not in backends:
+        pytest.skip("this triton has no NVIDIA backend")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = _COMPILE.format(tests=str(Path(__file__).parent))
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
