@@ -825,8 +825,8 @@ def _save_checkpoint(run: TrainingRun) -> None:
     cosine schedule and the settings."""
     state = {
         "epoch": run.epoch, "step": run.step, "seconds": run.seconds, "sam_seconds": run.sam_seconds,
-        "cpu_seconds": run.cpu_seconds, "sam_steps": run.sam_steps, "model": run.model.state_dict(), "optimizer": run.optimizer.state_dict(),
-        "scheduler": run.scheduler.state_dict(), "cosine": dict(run.cosine), "config": dataclasses.asdict(run.cfg),
+        "cpu_seconds": run.cpu_seconds, "sam_steps": run.sam_steps, "model": run.model.state_dict(),
+        "optimizer": run.optimizer.state_dict(), "scheduler": run.scheduler.state_dict(), "cosine": dict(run.cosine), "config": dataclasses.asdict(run.cfg),
     }  # fmt: skip
     run.checkpoint.parent.mkdir(parents=True, exist_ok=True)
     partial = run.checkpoint.with_suffix(".tmp")
