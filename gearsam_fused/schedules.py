@@ -113,6 +113,9 @@ class Random(Schedule):
         generator = torch.Generator().manual_seed(self.seed)
         return {"generator": generator.get_state()}
 
+    def load_state_dict(self, state, saved, device):
+        state["generator"] = saved["generator"].cpu().clone()  # a CPU generator's state, wherever the optimizer is
+
     def decide_next(self, step, statistic, state):
         generator = torch.Generator()
         generator.set_state(state["generator"])

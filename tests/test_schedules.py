@@ -473,3 +473,24 @@ def test_looksam_on_bfloat16_parameters_follows_the_reference(backend, rule):
     plain, uncorrected = build(rule, Every(2), backend, torch.bfloat16)
     run(uncorrected, plain, data)
     assert rel_err(flat(plain), flat(model)) > 10 * tolerance  # the correction was applied
+
+
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+def test_schedule_state_loads_onto_the_optimizers_device(schedule):
+    """Device tensors of a schedule's state go to the optimizer's device; Random's generator state stays on the host,
+    where its generator lives (the meta device stands in for a GPU)."""
+    make = SCHEDULES[schedule]
+    state = make().initial_state(torch.device("cpu"))
+    make().decide_next(0, torch.tensor(1.0, dtype=torch.float64), state)
+    saved = make().state_dict(state)
+    loaded = make().initial_state(torch.device("meta"))
+    make().load_state_dict(loaded, saved, torch.device("meta"))
+    for key, value in loaded.items():
+        if isinstance(value, torch.Tensor):
+            assert value.device.type == ("cpu" if key == "generator" else "meta"), key
+    if schedule == "random":
+        assert make().decide_next(1, None, loaded) == make().decide_next(1, None, _copy_state(state))
+
+
+def _copy_state(state: dict) -> dict:
+    return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
