@@ -13,6 +13,10 @@ or, in place of ``restore_()`` and the base optimizer's own step, where the back
 (:attr:`Backend.fuses_base_step`; see :mod:`gearsam_fused.base_step`)::
 
     restore_and_update_(updates)                               # w restored and updated by SGD/Adam(W), one pass
+
+A step whose second pass a schedule skips (:mod:`gearsam_fused.schedules`) perturbs nothing and ends with
+``update_(updates, correction_scale)``, the same update from the current weights; LookSAM adds ``keep_gradient_``,
+``block_dot`` and ``orthogonalize_`` to a perturbing step.
 """
 
 from __future__ import annotations
@@ -110,7 +114,7 @@ class Backend:
         return kept
 
     def _named_grads(self):
-        """(block index, local parameter, its correction, local gradient or None) for every parameter."""
+        """(block index, correction, local gradient or None) for every parameter, in block order."""
         for b, block in enumerate(self.blocks):
             for name, p in zip(block.param_names, block.params):
                 g = check_dense_grad(p.grad, repr(name))
