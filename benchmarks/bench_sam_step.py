@@ -8,8 +8,8 @@ step it records:
   events over 50 back-to-back steps);
 * memory traffic by our count, for d parameters in float32: energy reads g (4d); perturb reads w and g and writes the
   backup and w (16d); restore reads the backup and writes w (8d): 28d bytes, the floor for an unfused
-  energy/perturb/restore step. GB/s is that count over the median time, and ``pct_copy`` compares it with the copy
-  bandwidth measured in the same run;
+  energy/perturb/restore step. GB/s is that count over the median time, and ``pct_floor`` compares it with the memory
+  floor measured in the same run (``conftest.MemoryFloor``);
 * kernel launches per step (CUDA: torch profiler; not counted on CPU);
 * memory the contender holds beyond parameters and gradients while perturbed, and on CUDA the allocator's peak
   increase during a step.
@@ -34,7 +34,7 @@ NOT_INSTALLED = contenders.not_installed()  # peers shown as skipped, with the n
 @pytest.mark.parametrize("contender", contenders.available(DEVICE) + list(NOT_INSTALLED))
 @pytest.mark.parametrize("rule", RULES)
 @pytest.mark.parametrize("set_key", param_sets.SET_KEYS)
-def test_sam_step(benchmark, record, quick, copy_bandwidth, contender, rule, set_key):
+def test_sam_step(benchmark, record, quick, floor, contender, rule, set_key):
     if contender in NOT_INSTALLED:
         pytest.skip(NOT_INSTALLED[contender])
     if rule != SAM_RULE and contender in contenders.SAM_ONLY:
@@ -67,12 +67,12 @@ def test_sam_step(benchmark, record, quick, copy_bandwidth, contender, rule, set
         }
     benchmark.group = f"{rule} step, {params.name}, {DEVICE}"
     rounds = 3 if quick else max(5, min(30, int(3e8 / params.numel)))
-    benchmark.pedantic(synchronised_step, rounds=rounds, iterations=1)
+    benchmark.pedantic(synchronised_step, setup=floor.interleaved(), rounds=rounds, iterations=1)
     counted = BYTES_PER_PARAM * params.numel
     gbps = counted / benchmark.stats.stats.median / 1e9
     fields = dict(
         set=params.name, rule=rule, contender=contender, parameters=params.numel, tensors=len(params.params),
-        bytes_counted=counted, gbps=gbps, copy_gbps=copy_bandwidth, pct_copy=100 * gbps / copy_bandwidth,
+        bytes_counted=counted, gbps=gbps, **floor.fields(gbps, params.numel, contender),
         held_bytes=held, **extra,
     )  # fmt: skip
     benchmark.extra_info.update(fields)

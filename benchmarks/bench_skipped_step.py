@@ -100,7 +100,7 @@ def make(name: str, base: str, params: param_sets.ParamSet):
 
 @pytest.mark.parametrize("base", list(BASES))
 @pytest.mark.parametrize("contender", skipped_step_contenders(DEVICE))
-def test_skipped_step(benchmark, record, quick, copy_bandwidth, contender, base):
+def test_skipped_step(benchmark, record, quick, floor, contender, base):
     params = param_sets.build(SET_KEY, DEVICE, quick)
     opt, step = make(contender, base, params)
     # the bare base step of each round runs on a copy of its own: the contender's weights and state stay its own
@@ -135,14 +135,14 @@ def test_skipped_step(benchmark, record, quick, copy_bandwidth, contender, base)
 
     benchmark.group = f"skipped step, {base}, {params.name}, {DEVICE}"
     rounds = 3 if quick else max(5, min(60, int(6e8 / params.numel)))
-    benchmark.pedantic(synchronised_step, setup=setup, rounds=rounds, iterations=1)
+    benchmark.pedantic(synchronised_step, setup=floor.interleaved(setup), rounds=rounds, iterations=1)
     per_round = [s / b for s, b in zip(benchmark.stats.stats.data, bare_s)]
     ratio_q1, ratio, ratio_q3 = quartiles(per_round)
     counted = bytes_per_param(contender, base) * params.numel
     gbps = counted / benchmark.stats.stats.median / 1e9
     fields = dict(
         set=params.name, base=base, contender=contender, parameters=params.numel, tensors=len(params.params),
-        bytes_counted=counted, gbps=gbps, copy_gbps=copy_bandwidth, pct_copy=100 * gbps / copy_bandwidth,
+        bytes_counted=counted, gbps=gbps, **floor.fields(gbps, params.numel, contender),
         paired_bare_ms=1e3 * quartiles(bare_s)[1], over_paired_bare=ratio, over_paired_bare_q1=ratio_q1,
         over_paired_bare_q3=ratio_q3, **extra,
     )  # fmt: skip

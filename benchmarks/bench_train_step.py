@@ -7,6 +7,9 @@ with momentum and weight decay, ``foreach=True``, its faster path on CPU and GPU
 * ``per-tensor loop SAM``  :class:`contenders.PerTensorLoopSAM` with SGD
 * ``pytorch_optimizer``    ``pytorch_optimizer.SAM(..., foreach=True)`` with SGD (skipped with a note when it is not
   installed)
+* ``compiled foreach SAM``, ``compiled foreach GEAR-SAM``  :class:`contenders.CompiledForeachSAM` with SGD (GEAR-SAM
+  over the ``"coarse"`` blocks ours use, beta 0.9): forward and backward eager, the perturbation and SGD's step each
+  under ``torch.compile``; the row records ``compile_s``, the seconds of the warm-up's calls that compiled
 * ``SAM``, ``GEAR-SAM``    gearsam_fused, ``backend="auto"``, ``zero_grad(set_to_none=False)``; the SGD step runs fused
   into the restore where the backend can (the row's ``base_step_mode`` says which path ran)
 * ``SAM every-5``, ``GEAR-SAM LookSAM-5``, ...  the same under a schedule (:data:`SCHEDULES`: ``Every(5)``,
@@ -46,7 +49,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gearsam_fused import GEARSAM, SAM, Adaptive, Every, LookSAM
+from gearsam_fused import GEARSAM, SAM, Adaptive, Every, LookSAM, partition
 from gearsam_fused.models import resnet18
 
 import contenders
@@ -59,7 +62,8 @@ PARTS = ["forward+backward", "base step", "SGD"]
 SCHEDULES = {"every-5": (Every(5), 5), "LookSAM-5": (LookSAM(5), 5), "every-2": (Every(2), 2),
              "adaptive": (Adaptive(), 10)}  # fmt: skip
 SCHEDULE_ROWS = [f"{rule} {schedule}" for schedule in SCHEDULES for rule in ("SAM", "GEAR-SAM")]
-SAM_ROWS = ["per-tensor loop SAM", "pytorch_optimizer", "SAM", "GEAR-SAM", *SCHEDULE_ROWS]
+COMPILED_ROWS = {contenders.COMPILED: "sam", contenders.COMPILED_GEAR: "gear-sam"}  # name -> rule
+SAM_ROWS = ["per-tensor loop SAM", "pytorch_optimizer", *COMPILED_ROWS, "SAM", "GEAR-SAM", *SCHEDULE_ROWS]
 ROWS = PARTS + SAM_ROWS
 
 
@@ -108,22 +112,18 @@ def _step_function(name: str, model, x, y, autocast):
         import pytorch_optimizer as peer
 
         opt = holder = peer.SAM(model.parameters(), torch.optim.SGD, rho=0.05, **SGD_KW)  # foreach=True: its SAM too
+    elif name in COMPILED_ROWS:
+        blocks = [block.params for block in partition(model, "coarse")]  # GEARSAM's default blocks (SAM: one scale)
+        sgd_kw = {k: v for k, v in SGD_KW.items() if k != "foreach"}  # the contender builds SGD with foreach=True
+        opt = contenders.CompiledForeachSAM(blocks, torch.optim.SGD, rho=0.05, rule=COMPILED_ROWS[name], **sgd_kw)
+        holder = model
     elif name in SCHEDULE_ROWS:
         return _schedule_round(name, model, forward_backward)
     else:
         cls = SAM if name == "SAM" else GEARSAM
         opt = holder = cls(model, torch.optim.SGD, rho=0.05, **SGD_KW)
 
-    def sam_step():
-        holder.zero_grad(set_to_none=False)
-        forward_backward()
-        opt.first_step()
-        holder.zero_grad(set_to_none=False)
-        forward_backward()
-        opt.second_step()
-
-    sam_step.optimizer = opt
-    return sam_step
+    return contenders.two_pass_step(opt, holder, forward_backward)
 
 
 def _schedule_round(name: str, model, forward_backward):
@@ -178,6 +178,7 @@ def test_train_step(benchmark, record, quick, name):
     steps = getattr(step, "steps", 1)  # training steps per round
     # a schedule's round is several steps: in quick mode (a smoke run) one round warms it up
     warm_up(synchronised_step, min_steps=1, min_seconds=0.0) if quick and steps > 1 else warm_up(synchronised_step)
+    compiled = getattr(getattr(step, "optimizer", None), "compile_s", None)  # the warm-up's compiling calls
     passes = getattr(step, "second_passes", None)
     if passes is not None:
         passes.clear()  # the warm-up's rounds are not counted
@@ -202,6 +203,10 @@ def test_train_step(benchmark, record, quick, name):
     if steps > 1:
         rounds = 2 if quick else max(20, rounds * 2 // steps)  # at least 80 (CPU) training steps per row
     benchmark.pedantic(synchronised_step, setup=setup, rounds=rounds, iterations=1)
+    if compiled is not None:
+        assert step.optimizer.compile_s == compiled, f"{name} compiled again while it was timed"
+        cache = step.optimizer.compile_cache
+        extra.update(compile_s=compiled, compile_cache_hits=cache["hits"], compile_cache_misses=cache["misses"])
     if name in SAM_ROWS:
         cycle = {} if passes is None else {"steps": [steps] * len(passes), "second_passes": passes}
         extra.update(sam_parts(benchmark.stats.stats.data, parts["forward+backward"], parts["SGD"], **cycle))

@@ -13,6 +13,8 @@ Contenders, each around the same base optimizer (every torch optimizer with ``fo
 ``pytorch_optimizer``          ``pytorch_optimizer.SAM(..., foreach=True)`` (skipped with a note when not installed)
 ``pytorch_optimizer, per tensor``  the same with ``foreach=False`` (its default on CPU): the report compares with the
                                faster of its two paths and names it
+``compiled foreach SAM``       :class:`contenders.CompiledForeachSAM`: SAM in ``torch._foreach_*`` operations, its
+                               perturbation and the base optimizer's ``step()`` each under ``torch.compile``
 ``torch``, ``cpp``, ``triton``  gearsam_fused's SAM on that backend with ``base_step="fused"`` (``triton``: CUDA only)
 ``BACKEND, base per tensor``   the same with ``base_step="per-tensor"``: a flat restore, then the base ``step()``
 ``bare base step``             the base optimizer's ``step()`` alone, no SAM: the floor a SAM step is compared to
@@ -22,13 +24,30 @@ Contenders, each around the same base optimizer (every torch optimizer with ``fo
 Counted bytes per step for d float32 parameters, the floor of a fused step: energy reads g (4d); perturb reads w and
 g and writes the backup and w (16d); restore-and-update reads the backup, g and the optimizer's state and writes w
 and the state: SGD with momentum 20d (backup, g, momentum buffer in; w, buffer out), AdamW 28d (backup, g, two
-moments in; w, two moments out). So 40d for SGD and 48d for AdamW, the same yardstick for every contender (the bare
-base step moves fewer). GB/s is that count over the median time, ``pct_copy`` compares it with the copy bandwidth
-measured in the same run. On CUDA a row also records kernel launches per step (torch profiler) and the median by
+moments in; w, two moments out). So 40d for SGD and 48d for AdamW, the same yardstick for every SAM contender; the
+bare base step is counted at its own 20d and 28d. GB/s is that count over the median time, ``pct_floor`` compares it with the memory floor
+measured in the same run (``conftest.MemoryFloor``). On CUDA a row also records kernel launches per step (torch profiler) and the median by
 CUDA events.
 
+The compiled contender's row also records ``compile_s``, the seconds of its calls that compiled (during the parity
+check and the warm-up, before any timing; see :class:`contenders.CompiledForeachSAM`), and how far its step is from
+ours: before timing, one whole step of it and one of our SAM (``cpp`` backend where usable, else ``torch``) from
+identical weights and gradients, compared after ``first_step`` (``w + eps``) and after ``second_step`` (the new
+``w``), ``a`` the contender's weights and ``b`` ours, the larger of the two points:
+
+``max_rel_diff``             ``max_i |a_i - b_i| / max_i |b_i|`` over all the set's parameters as one vector: it must
+                             be within the test suite's float32 tolerance per step, :data:`FP32_STEP_RTOL`
+``max_rel_diff_per_tensor``  the same per tensor, the largest over the tensors (recorded, not checked): it shows that
+                             torch's AdamW under ``torch.compile`` computes the bias corrections from a float32 step
+                             (``1 - 0.999 ** step`` rounded in float32, where eager torch uses a Python float), so
+                             its first update is 6.8e-6 smaller; on a tensor that starts at zero (a bias) that is the
+                             tensor's whole value
+
+The gradient is the same at both points (no second pass), so the point after the restore checks the base update and
+the perturbation is checked on its own.
+
 The sets are :data:`param_sets.WHOLE_STEP_SET_KEYS`; quick mode runs :data:`QUICK_SET_KEYS` only, with a shorter
-warm-up: a smoke run, not a measurement.
+warm-up: a smoke run, not a measurement (the compiled contender there on :data:`COMPILED_QUICK_SET_KEYS` only).
 """
 
 from __future__ import annotations
@@ -49,10 +68,23 @@ BASES = {
     "AdamW": (torch.optim.AdamW, {"lr": 1e-3, "weight_decay": 0.01}),
 }
 BYTES_PER_PARAM = {"SGD": 4 + 16 + 20, "AdamW": 4 + 16 + 28}
+#: the base optimizer's step alone: w, g and the state in, w and the state out
+BARE_BYTES_PER_PARAM = {"SGD": 20, "AdamW": 28}
 #: the sets of a quick run: a network's shapes and the two sets of many small tensors, where the fusion matters most
 QUICK_SET_KEYS = ["resnet18", "small_tensors", "tensors_4096"]
 
+#: the only set of a quick run with the compiled contender: compiling its step for the sets of 2000 tensors takes
+#: minutes (dynamo traces, and inductor generates code for, every tensor of the lists), which a smoke run cannot pay
+COMPILED_QUICK_SET_KEYS = ["resnet18"]
+#: above this many tensors the compiled contender is skipped, saying why: for the set of 2000 tensors of 4096 elements,
+#: compiling its SAM and SGD steps took more than 25 minutes on 2 CPU cores with a cold cache (2026-11-25; 128
+#: tensors: about 50 s, 256: 90 s), which no run of the suite can pay for every base optimizer
+COMPILED_MAX_TENSORS = 1000
+#: the test suite's relative error allowed per float32 step (tests/conftest.py)
+FP32_STEP_RTOL = 1e-6
+
 LOOP = "per-tensor loop"
+COMPILED = contenders.COMPILED
 BARE, BARE_FUSED = "bare base step", "bare base step (fused)"
 PER_TENSOR = ", base per tensor"  # suffix of our contenders that step the base optimizer per tensor
 OUR_BACKENDS = ("torch", "cpp", "triton")
@@ -62,7 +94,7 @@ NOT_INSTALLED = contenders.not_installed()  # peers shown as skipped, with the n
 def whole_step_contenders(device: str) -> list[str]:
     """The contenders that can run on ``device`` here, in the order the report lists them."""
     usable = contenders.available(device)  # leaves out triton on CPU and backends that are not built
-    names = [name for name in (LOOP, *contenders.PEER_PATHS) if name in usable]
+    names = [name for name in (LOOP, *contenders.PEER_PATHS) if name in usable] + [COMPILED]
     for backend in OUR_BACKENDS:
         if backend in usable:
             names += [backend, backend + PER_TENSOR]
@@ -83,6 +115,8 @@ def make(name: str, base: str, model: torch.nn.Module):
         import pytorch_optimizer
 
         opt = pytorch_optimizer.SAM(model.parameters(), cls, rho=RHO, foreach=contenders.PEER_PATHS[name], **kwargs)
+    elif name == COMPILED:
+        opt = contenders.CompiledForeachSAM(model.parameters(), cls, rho=RHO, **kwargs)  # foreach=True inside
     else:
         backend, per_tensor, _ = name.partition(PER_TENSOR)
         mode = "per-tensor" if per_tensor else "fused"  # "fused" fails at construction when it cannot be honoured
@@ -95,6 +129,31 @@ def make(name: str, base: str, model: torch.nn.Module):
     return opt, step
 
 
+def rel_diffs(a: list[torch.Tensor], b: list[torch.Tensor]) -> tuple[float, float]:
+    """``max_i |a_i - b_i| / max_i |b_i|`` over all the tensors as one vector, and the largest of it per tensor (its
+    denominator at least 1e-30)."""
+    errors = [(x - y).abs().max().item() for x, y in zip(a, b)]
+    peaks = [y.abs().max().item() for y in b]
+    return max(errors) / max(max(peaks), 1e-30), max(e / max(p, 1e-30) for e, p in zip(errors, peaks))
+
+
+def compiled_parity(opt, params: list[torch.Tensor], set_key: str, base: str, quick: bool) -> dict[str, float]:
+    """One whole step of the compiled contender ``opt`` (over ``params``, the set ``set_key`` freshly built) and one
+    of our SAM on a second copy of the set: :func:`rel_diffs` after ``first_step`` and after ``second_step``, the
+    larger of the two, as ``max_rel_diff`` and ``max_rel_diff_per_tensor``."""
+    twin = param_sets.build(set_key, DEVICE, quick)
+    assert all(torch.equal(p, q) and torch.equal(p.grad, q.grad) for p, q in zip(params, twin.params))
+    backend = "cpp" if "cpp" in contenders.available(DEVICE) else "torch"
+    cls, kwargs = BASES[base]
+    ours = SAM(twin.model, cls, rho=RHO, backend=backend, foreach=True, **kwargs)
+    diffs = []
+    for first, second in ((opt.first_step, ours.first_step), (opt.second_step, ours.second_step)):
+        first(), second()
+        synchronize()
+        diffs.append(rel_diffs(params, twin.params))
+    return {"max_rel_diff": max(d[0] for d in diffs), "max_rel_diff_per_tensor": max(d[1] for d in diffs)}
+
+
 def pytest_generate_tests(metafunc):
     # the sets depend on --quick, known once the options are parsed
     if "set_key" in metafunc.fixturenames:
@@ -104,12 +163,21 @@ def pytest_generate_tests(metafunc):
 
 @pytest.mark.parametrize("base", list(BASES))
 @pytest.mark.parametrize("contender", whole_step_contenders(DEVICE) + list(NOT_INSTALLED))
-def test_whole_step(benchmark, record, quick, copy_bandwidth, contender, base, set_key):
+def test_whole_step(benchmark, record, quick, floor, contender, base, set_key):
     if contender in NOT_INSTALLED:
         pytest.skip(NOT_INSTALLED[contender])
+    if contender == COMPILED and quick and set_key not in COMPILED_QUICK_SET_KEYS:
+        pytest.skip(f"{contender}: quick mode compiles it for {COMPILED_QUICK_SET_KEYS} only")
     params = param_sets.build(set_key, DEVICE, quick)
+    if contender == COMPILED and len(params.params) > COMPILED_MAX_TENSORS:
+        pytest.skip(f"{contender}: {len(params.params)} tensors; compiling for 2000 took more than 25 minutes on 2 "
+                    f"CPU cores (COMPILED_MAX_TENSORS)")  # fmt: skip
     opt, step = make(contender, base, params.model)
     ours = isinstance(opt, SAM)
+    extra = {}
+    if contender == COMPILED:  # before anything else touches the weights: the same step as ours, or no row
+        extra.update(compiled_parity(opt, params.params, set_key, base, quick))
+        assert extra["max_rel_diff"] <= FP32_STEP_RTOL, f"{contender} differs from our SAM: {extra['max_rel_diff']}"
 
     def synchronised_step():
         step()
@@ -117,7 +185,7 @@ def test_whole_step(benchmark, record, quick, copy_bandwidth, contender, base, s
 
     # kernel compilation, allocator, re-homing of the gradients, the optimizer's state (a quick run only smoke-tests)
     warm_up(synchronised_step, min_steps=2, min_seconds=0.1) if quick else warm_up(synchronised_step)
-    extra = {}
+    compiled = opt.compile_s if contender == COMPILED else None  # the parity step's and the warm-up's compiling calls
     if ours:
         # not timing: the row must measure the path its name says, never silently the other one
         expected = "per-tensor" if contender.endswith(PER_TENSOR) else "fused"
@@ -128,12 +196,16 @@ def test_whole_step(benchmark, record, quick, copy_bandwidth, contender, base, s
         extra["cuda_event_median_ms"] = cuda_event_median_ms(step)
     benchmark.group = f"whole step, {base}, {params.name}, {DEVICE}"
     rounds = 3 if quick else max(5, min(30, int(3e8 / params.numel)))
-    benchmark.pedantic(synchronised_step, rounds=rounds, iterations=1)
-    counted = BYTES_PER_PARAM[base] * params.numel
+    benchmark.pedantic(synchronised_step, setup=floor.interleaved(), rounds=rounds, iterations=1)
+    if compiled is not None:
+        assert opt.compile_s == compiled, f"{contender} compiled again while it was timed"
+        extra.update(compile_s=compiled, compile_cache_hits=opt.compile_cache["hits"],
+                     compile_cache_misses=opt.compile_cache["misses"])  # fmt: skip
+    counted = (BARE_BYTES_PER_PARAM if contender in (BARE, BARE_FUSED) else BYTES_PER_PARAM)[base] * params.numel
     gbps = counted / benchmark.stats.stats.median / 1e9
     fields = dict(
         set=params.name, base=base, contender=contender, parameters=params.numel, tensors=len(params.params),
-        bytes_counted=counted, gbps=gbps, copy_gbps=copy_bandwidth, pct_copy=100 * gbps / copy_bandwidth, **extra,
+        bytes_counted=counted, gbps=gbps, **floor.fields(gbps, params.numel, contender), **extra,
     )  # fmt: skip
     benchmark.extra_info.update(fields)
     record(**fields)

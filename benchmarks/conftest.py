@@ -1,4 +1,4 @@
-"""Settings shared by the benchmark suite: quick mode, the device, a copy bandwidth measured in the same run, and the
+"""Settings shared by the benchmark suite: quick mode, the device, the memory floor measured in the same run, and the
 results file every run appends its rows to, each row saying where, when and from which commit it was measured.
 
     python -m pytest benchmarks [--quick] [--results PATH]      (or: python benchmarks/run.py [--quick])
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import time
 import uuid
 from pathlib import Path
@@ -84,22 +85,86 @@ def cuda_launches(step) -> int:
     return sum(1 for e in prof.events() if e.device_type.name == "CUDA")
 
 
-@pytest.fixture(scope="session")
-def copy_bandwidth(quick) -> float:
-    """GB/s of one large device-to-device copy (bytes read plus bytes written), median of 10: the yardstick for
-    the bandwidth the fused steps reach."""
-    n = (8 if quick else 64 if DEVICE == "cpu" else 256) * 2**20  # float32 elements
-    src = torch.randn(n, device=DEVICE)
-    dst = torch.empty_like(src)
-    times = []
-    for i in range(13):
+#: Parameters from which a row's counted bytes cannot fit in any cache: there, a rate above the floor is a bug in the
+#: benchmark (a wrong count or a wrong floor), and the benchmark fails instead of recording it.
+FLOOR_CHECKED_FROM = 50_000_000
+
+
+class MemoryFloor:
+    """The machine's streaming bandwidth, the floor every row's counted-bytes rate is compared with: STREAM-like
+    kernels over buffers far beyond the caches, run through torch with every thread the benchmarks use, each counted
+    by the bytes it really moves:
+
+    ======  =====================  =====================================================================
+    kind    operation              bytes per float32 element (CPU)
+    ======  =====================  =====================================================================
+    copy    ``b.copy_(a)``         12: a read, b written, and b read first (write-allocate: a store to a
+                                   line not in the cache reads the line) -- 8 on CUDA, which does not
+    triad   ``c = a + s * b``      16: a and b read, c written and read first -- 12 on CUDA
+    update  ``a += s * b``         12: a and b read, a written; nothing hidden, as a is read anyway
+    ======  =====================  =====================================================================
+
+    At the start of a run the three kinds run interleaved, best of 10 rounds; the fastest kind is the floor's. Then
+    a row measures it again, once before each of its own timed rounds (:meth:`interleaved`), because this machine's
+    bandwidth moves with its neighbours' load: the row is compared with the floor of the same moments.
+
+    A copy counted at 8 bytes per element, as STREAM counts it, reads two thirds of the machine's bandwidth on a CPU:
+    rows of kernels that write mostly what they also read then come out "above the floor".
+    """
+
+    def __init__(self, elements: int):
+        self.a, self.b, self.c = (torch.rand(elements, device=DEVICE) for _ in range(3))
+        hidden = 4 if DEVICE == "cpu" else 0  # write-allocate: bytes read per element written without being read
+        self.kinds = {
+            "copy": (lambda: self.b.copy_(self.a), 8 + hidden),
+            "triad": (lambda: torch.add(self.a, self.b, alpha=1e-3, out=self.c), 12 + hidden),
+            "update": (lambda: self.a.add_(self.b, alpha=1e-9), 12),
+        }
+        self.start_gbps = {kind: max(self._rate(kind) for _ in range(10)) for kind in self.kinds}
+        self.kind = max(self.start_gbps, key=self.start_gbps.get)
+        self.samples: list[float] = []  # the floor's rates measured between a row's rounds
+
+    def _rate(self, kind: str) -> float:
+        run, bytes_per_element = self.kinds[kind]
         synchronize()
         start = time.perf_counter()
-        dst.copy_(src)
+        run()
         synchronize()
-        if i >= 3:
-            times.append(time.perf_counter() - start)
-    return 2 * src.nbytes / sorted(times)[len(times) // 2] / 1e9
+        return bytes_per_element * self.a.numel() / (time.perf_counter() - start) / 1e9
+
+    def interleaved(self, setup=None):
+        """A ``setup`` for ``benchmark.pedantic`` that measures the floor once, then calls ``setup`` (if any) and
+        returns what it returns: the floor is measured before each of the row's rounds, outside its timing."""
+        self.samples = []
+
+        def measure_then_setup():
+            self.samples.append(self._rate(self.kind))
+            return setup() if setup is not None else None
+
+        return measure_then_setup
+
+    def fields(self, gbps: float, parameters: int, what: str) -> dict:
+        """A row's floor fields for its counted-bytes rate ``gbps`` (the rate of its median round), from the floor
+        measured between its rounds: ``floor_gbps`` their median, ``pct_floor`` the row's rate over it. Where the
+        row cannot fit in the caches (:data:`FLOOR_CHECKED_FROM`) and its rate is above even the best of those
+        measurements, the row is a benchmark bug and ``what`` fails with the numbers."""
+        samples, self.samples = self.samples or [self._rate(self.kind) for _ in range(3)], []
+        median, best = statistics.median(samples), max(samples)
+        if parameters >= FLOOR_CHECKED_FROM:
+            assert gbps <= best, (
+                f"{what}: {gbps:.1f} GB/s by counted bytes is above the memory floor measured between its rounds "
+                f"(best {best:.1f} GB/s, {self.kind}) at {parameters / 1e6:.0f}M parameters: the count or the floor "
+                f"is wrong"
+            )
+        return {"floor_gbps": median, "floor_best_gbps": best, "floor_kind": self.kind, "pct_floor": 100 * gbps / median,
+                "floor_start_gbps": dict(self.start_gbps)}  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def floor(quick) -> MemoryFloor:
+    """The memory floor of this run (:class:`MemoryFloor`): its kind chosen at the start, then measured between
+    each row's rounds."""
+    return MemoryFloor((8 if quick else 64 if DEVICE == "cpu" else 256) * 2**20)
 
 
 def machine() -> dict:

@@ -6,11 +6,18 @@
 # Exit status: 0 when every phase of this run passed, 1 when one did not, 2 for a usage error.
 set -uo pipefail
 
-PHASES=(info build tests sanitize bench train)
-# seconds per phase (PHASE_TIMEOUT sets them all, TIMEOUT_<PHASE> one of them): room for what the build (44 s) and
-# the tests (150 s) took on an H100, and small enough that info+build+tests, sanitize+train and bench each fit into
-# a run of 10 minutes
-declare -A LIMITS=([info]=60 [build]=240 [tests]=280 [sanitize]=300 [bench]=540 [train]=240)
+PHASES=(info build tests sanitize bench models train)
+# seconds per phase (PHASE_TIMEOUT sets them all, TIMEOUT_<PHASE> one of them), small enough that info+build+tests
+# (60+150+380 = 590), sanitize+train (300+240 = 540), bench and models each fit into a run of 10 minutes.
+#   build: 44 s on the H100 of 2026-11-23 (16 cores), so 150.
+#   tests: that run took 150 s for 549 cuda-marked tests on 8 processes; today `pytest -m cuda --collect-only tests`
+#     counts 909, so 150 x 909 / 549 = 248 s, and 380 with half of that again as room.
+#   models: bench_models.py on CUDA, 4 models x 6 rows. One forward+backward pass (f) of ResNet-50 b128, ViT-B/16 b64
+#     or GPT-2 small 8x1024 in bf16 is about 0.1-0.15 s on an H100, the CIFAR ResNet-18 about 0.01 s. A SAM row is
+#     about 76 f (3 warm-up steps of 2.3 f, one memory step, 20 rounds of 3.3 f: the SAM step, one pass and one base
+#     step), the base row about 25 f: about 410 f per model, so 41 + 53 + 53 + 5 = 152 s of steps; plus compiling the
+#     compiled contender, about 45 s per model (180 s), and imports and model set-up (30 s): about 360 s; 540 for room.
+declare -A LIMITS=([info]=60 [build]=150 [tests]=380 [sanitize]=300 [bench]=540 [models]=540 [train]=240)
 
 usage() {
   cat <<'EOF'
@@ -23,6 +30,8 @@ Runs the suite's phases on a CUDA machine, in this order:
   tests     python -m pytest -m cuda tests, with a per-test timeout       -> cuda-tests.log, cuda-tests.xml
   sanitize  compute-sanitizer memcheck and racecheck over kernels_once.py   -> kernels.txt, sanitize-TOOL.log
   bench     benchmarks/run.py on CUDA                                       -> bench.log, bench-runs.jsonl, bench.md
+  models    benchmarks/bench_models.py: training steps of ResNet-50, ViT-B/16, GPT-2 small and the CIFAR
+            ResNet-18 with each SAM contender                               -> models.log, models-runs.jsonl, models.md
   train     a short CUDA training run (SGD, SAM, GEAR-SAM, bf16)            -> train.log, train-run/
 Then it writes RESULTS_DIR/summary.md, covering every phase run into RESULTS_DIR so far, and prints it.
 
@@ -33,14 +42,15 @@ Then it writes RESULTS_DIR/summary.md, covering every phase run into RESULTS_DIR
 
 Environment:
   PYTHON            interpreter (default: python3)
-  PHASE_TIMEOUT     seconds for every phase (default: info 60, build 240, tests 280, sanitize 300, bench 540,
-                    train 240); TIMEOUT_<PHASE>, e.g. TIMEOUT_BENCH=300, for one phase
+  PHASE_TIMEOUT     seconds for every phase (default: info 60, build 150, tests 380, sanitize 300, bench 540,
+                    models 540, train 240); TIMEOUT_<PHASE>, e.g. TIMEOUT_BENCH=300, for one phase
   WORKERS           pytest-xdist processes sharing the GPU in tests (default 8; 0: a single process)
   TEST_TIMEOUT      seconds per test (pytest-timeout; default 300)
   PYTEST_ARGS       extra pytest arguments for tests, e.g. "-k amp"
   SANITIZE_TOOLS    compute-sanitizer tools (default "memcheck racecheck"; initcheck and synccheck also work)
   SANITIZE_BIG      1: also the bfloat16 buffer of more than 2**31 elements, about 13 GiB (default 0)
   BENCH_ARGS        extra arguments for benchmarks/run.py, e.g. --quick
+  MODELS_ARGS       extra pytest arguments for bench_models.py, e.g. --quick or "-k gpt2_small"
   SANITIZER         compute-sanitizer to use (default: the one on PATH, else $CUDA_HOME/bin, else /usr/local/cuda/bin)
 EOF
 }
@@ -107,6 +117,7 @@ PYTEST_ARGS=${PYTEST_ARGS:-}
 SANITIZE_TOOLS=${SANITIZE_TOOLS:-memcheck racecheck}
 SANITIZE_BIG=${SANITIZE_BIG:-0}
 BENCH_ARGS=${BENCH_ARGS:-}
+MODELS_ARGS=${MODELS_ARGS:-}
 # compute-sanitizer ships with the toolkit, which is not always on PATH
 SANITIZER=${SANITIZER:-$(command -v compute-sanitizer || echo "${CUDA_HOME:-/usr/local/cuda}/bin/compute-sanitizer")}
 RUN_ID=$(date -u +%Y-%m-%dT%H:%M:%SZ)
@@ -215,14 +226,33 @@ phase_sanitize() {
   done
 }
 
+peer_note() {  # the note of a phase whose benchmarks skip pytorch_optimizer's contender ("" when it is installed)
+  dry || "$PYTHON" -c 'import pytorch_optimizer' 2>/dev/null \
+    || echo "pytorch_optimizer is not installed: its contender is skipped"
+}
+
 phase_bench() {
   # the peer contender is optional: without it the suite skips its rows, and the summary says why
-  local STEP_NOTE=
-  dry || "$PYTHON" -c 'import pytorch_optimizer' 2>/dev/null \
-    || STEP_NOTE="pytorch_optimizer is not installed: its contender is skipped"
+  local STEP_NOTE
+  STEP_NOTE=$(peer_note)
   # shellcheck disable=SC2086
   step "run.py" bench.log "$PYTHON" benchmarks/run.py --results "$RESULTS_DIR/bench-runs.jsonl" \
     --report "$RESULTS_DIR/bench.md" $BENCH_ARGS
+}
+
+phase_models() {
+  # its own phase, not part of run.py: on CUDA it takes minutes of its own (see LIMITS), and run.py's report does not
+  # render its rows; a model whose package (torchvision, timm, transformers) is missing is skipped, -rs says why
+  local STEP_NOTE
+  STEP_NOTE=$(peer_note)
+  dry || rm -f "$RESULTS_DIR/models.md"  # the tables of an earlier run are not this run's
+  # shellcheck disable=SC2086
+  step "bench_models.py" models.log "$PYTHON" -m pytest -q -rs -p no:cacheprovider benchmarks/bench_models.py \
+    --results="$RESULTS_DIR/models-runs.jsonl" --benchmark-quiet --benchmark-disable-gc \
+    --benchmark-storage="file://${TMPDIR:-/tmp}/gearsam-bench-models" -W ignore::DeprecationWarning $MODELS_ARGS
+  STEP_NOTE=
+  step "tables" models.log "$PYTHON" benchmarks/bench_models.py "$RESULTS_DIR/models-runs.jsonl" \
+    "$RESULTS_DIR/models.md"
 }
 
 phase_train() {

@@ -98,6 +98,44 @@ def _where(row: dict) -> str:
     )
 
 
+#: bytes a copy moves per byte it is counted with, as runs before the floor counted it: on a CPU the copied-to line is
+#: read before it is written (write-allocate), so 12 bytes move per float32 element counted at 8
+COPY_MOVED_PER_COUNTED = {"cpu": 1.5, "cuda": 1.0}
+#: bytes per parameter of the base optimizer's own step (params, gradients, state in; params, state out)
+BARE_STEP_BYTES = {"SGD": 20, "AdamW": 28}
+
+
+def floor_gbps(row: dict) -> float:
+    """The memory floor of the row's run (conftest.MemoryFloor); for runs before it was measured, the copy bandwidth
+    they measured, counted by the bytes it moved."""
+    return row["floor_gbps"] if "floor_gbps" in row else row["copy_gbps"] * COPY_MOVED_PER_COUNTED[row["device"]]
+
+
+def counted_gbps(row: dict) -> float:
+    """The row's rate by its counted bytes. Whole-step runs before the bare base step was counted at its own bytes
+    counted it at the SAM step's: recounted here."""
+    if row["benchmark"] == "bench_whole_step" and row["contender"].startswith("bare base step"):
+        own = BARE_STEP_BYTES[row["base"]] * row["parameters"]
+        return row["gbps"] * own / row["bytes_counted"]
+    return row["gbps"]
+
+
+def pct_floor(row: dict) -> float:
+    return 100 * counted_gbps(row) / floor_gbps(row)
+
+
+def floor_note(group: list[dict]) -> str:
+    """How the floor of a table's rows was measured."""
+    first = group[0]
+    if "floor_best_gbps" in first:  # measured between each row's rounds
+        floors = sorted(r["floor_gbps"] for r in group)
+        return (f"memory floor ({first['floor_kind']}) measured between each row's rounds, "
+                f"{floors[0]:.0f}-{floors[-1]:.0f} GB/s over the rows")  # fmt: skip
+    if "floor_gbps" in first:
+        return f"memory floor {first['floor_gbps']:.0f} GB/s ({first['floor_kind']})"
+    return f"memory floor {floor_gbps(first):.0f} GB/s (the run's copy, by the bytes it moved)"
+
+
 def _ratio(baseline: float | None, value: float) -> str:
     return f"{baseline / value:.2f}x" if baseline else "-"
 
@@ -135,25 +173,33 @@ def sam_step_tables(rows: list[dict]) -> list[str]:
         peer_path, peer = best_peer(sam)
         lines += [
             f"**{'SAM' if rule == SAM_RULE else 'GEAR-SAM'} step, {name}** ({first['parameters'] / 1e6:.1f}M parameters in "
-            f"{first['tensors']} tensors; copy bandwidth {first['copy_gbps']:.0f} GB/s"
+            f"{first['tensors']} tensors; {floor_note(group)}"
             f"{f'; pytorch_optimizer SAM = its faster path here, `{peer_path}`' if len(_peers(sam)) > 1 else ''})",
             "",
-            "| contender | median ms | IQR ms | vs per-tensor loop SAM | vs pytorch_optimizer SAM | GB/s | % of copy | launches | held MB |",
+            "| contender | median ms | IQR ms | vs per-tensor loop SAM | vs pytorch_optimizer SAM | GB/s | % of floor | launches | held MB |",
             "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for r in group:
             lines.append(
                 f"| {r['contender']} | {r['median_ms']:.3f} | {r['q3_ms'] - r['q1_ms']:.3f} | {_ratio(loop, r['median_ms'])} | "
-                f"{_ratio(peer, r['median_ms'])} | {r['gbps']:.1f} | {r['pct_copy']:.0f} | {r.get('launches', '-')} | "
+                f"{_ratio(peer, r['median_ms'])} | {counted_gbps(r):.1f} | {pct_floor(r):.0f} | {r.get('launches', '-')} | "
                 f"{r['held_bytes'] / 2**20:.1f} |"
             )
         lines.append("")
     return lines
 
 
+COMPILED = "compiled foreach SAM"  # as contenders.COMPILED (no torch import here)
+
+
+def _compiled_note(group: list[dict]) -> str:
+    row = next((r for r in group if r["contender"] == COMPILED and "max_rel_diff" in r), None)
+    return f"; compiled foreach SAM's weights {row['max_rel_diff']:.1e} from ours, relative" if row else ""
+
+
 def whole_step_tables(rows: list[dict]) -> list[str]:
     """Per (set, base optimizer): every contender's whole step (SAM and the base optimizer's update), against the
-    per-tensor implementations and against the base optimizer's step alone."""
+    per-tensor implementations, the compiled foreach SAM and the base optimizer's step alone."""
     groups: dict[tuple[str, str], list[dict]] = defaultdict(list)
     for row in rows:
         if row["benchmark"] == "bench_whole_step":
@@ -162,30 +208,34 @@ def whole_step_tables(rows: list[dict]) -> list[str]:
     for (name, base), group in groups.items():
         first = group[0]
         by = {r["contender"]: r["median_ms"] for r in group}
-        loop, bare = by.get("per-tensor loop"), by.get("bare base step")
+        loop, bare, compiled = by.get("per-tensor loop"), by.get("bare base step"), by.get(COMPILED)
         peer_path, peer = best_peer(by)
         lines += [
             f"**Whole step, {base}, {name}** ({first['parameters'] / 1e6:.1f}M parameters in {first['tensors']} "
-            f"tensors; {first['bytes_counted'] // first['parameters']} bytes counted per parameter; copy bandwidth "
-            f"{first['copy_gbps']:.0f} GB/s"
-            f"{f'; pytorch_optimizer = its faster path here, `{peer_path}`' if len(_peers(by)) > 1 else ''})",
+            f"tensors; {first['bytes_counted'] // first['parameters']} bytes counted per parameter; {floor_note(group)}"
+            f"{f'; pytorch_optimizer = its faster path here, `{peer_path}`' if len(_peers(by)) > 1 else ''}"
+            f"{_compiled_note(group)})",
             "",
-            "| contender | median ms | IQR ms | vs per-tensor loop | vs pytorch_optimizer | / bare base step | GB/s | % of copy | launches |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "| contender | median ms | IQR ms | vs per-tensor loop | vs pytorch_optimizer | vs compiled foreach SAM | "
+            "/ bare base step | GB/s | % of floor | compile s | launches |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for r in group:
             over_bare = f"{r['median_ms'] / bare:.2f}x" if bare else "-"
+            compile_s = f"{r['compile_s']:.0f}" if r.get("compile_s") is not None else "-"
             lines.append(
                 f"| {r['contender']} | {r['median_ms']:.3f} | {r['q3_ms'] - r['q1_ms']:.3f} | {_ratio(loop, r['median_ms'])} | "
-                f"{_ratio(peer, r['median_ms'])} | {over_bare} | {r['gbps']:.1f} | {r['pct_copy']:.0f} | "
-                f"{r.get('launches', '-')} |"
+                f"{_ratio(peer, r['median_ms'])} | {_ratio(compiled, r['median_ms'])} | {over_bare} | "
+                f"{counted_gbps(r):.1f} | {pct_floor(r):.0f} | {compile_s} | {r.get('launches', '-')} |"
             )
         lines.append("")
     if lines:
         lines += [
             "Whole step = `first_step` + `second_step` with the base optimizer's update. \"vs\" columns: the other's median "
             "over this one's (above 1x: this one is faster); \"/ bare base step\": this median over the base optimizer's "
-            "step alone (`foreach=True`, no SAM). GB/s from the counted bytes (SGD 40, AdamW 48 per parameter).",
+            "step alone (`foreach=True`, no SAM). GB/s from the counted bytes: SGD 40, AdamW 48 per parameter for a SAM "
+            "step, the bare base step its own 20 and 28; % of floor: that rate over the memory floor measured between the row's rounds (median). compile s: "
+            "the compiled contender's first calls, which compile it (not in its median).",
             "",
         ]
     return lines
@@ -204,10 +254,10 @@ def skipped_step_tables(rows: list[dict]) -> list[str]:
         bare = next((r["median_ms"] for r in group if r["contender"] == "bare base step"), None)
         lines += [
             f"**Skipped step, {base}, {name}** ({first['parameters'] / 1e6:.1f}M parameters in {first['tensors']} "
-            f"tensors; copy bandwidth {first['copy_gbps']:.0f} GB/s)",
+            f"tensors; {floor_note(group)})",
             "",
             "| contender | bytes per parameter | median ms | IQR ms | / bare base step | / bare base step, same round "
-            "[IQR] | GB/s | % of copy | launches |",
+            "[IQR] | GB/s | % of floor | launches |",
             "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for r in group:
@@ -216,7 +266,7 @@ def skipped_step_tables(rows: list[dict]) -> list[str]:
                       if "over_paired_bare" in r else "-")  # fmt: skip
             lines.append(
                 f"| {r['contender']} | {r['bytes_counted'] // r['parameters']} | {r['median_ms']:.3f} | "
-                f"{r['q3_ms'] - r['q1_ms']:.3f} | {over_bare} | {paired} | {r['gbps']:.1f} | {r['pct_copy']:.0f} | "
+                f"{r['q3_ms'] - r['q1_ms']:.3f} | {over_bare} | {paired} | {counted_gbps(r):.1f} | {pct_floor(r):.0f} | "
                 f"{r.get('launches', '-')} |"
             )
         lines.append("")
@@ -310,7 +360,8 @@ def train_step_table(rows: list[dict]) -> list[str]:
             passes = f"{r['sam_fraction']:.2f} of steps ({r['schedule']}, {r['steps_per_round']} steps per round)"
         else:
             passes = "every step" if "tax_ms" in r else ""
-        lines.append(f"| {r['contender']} | {median:.2f} | {iqr:.2f} | {beyond} | {tax} | {base} | {over} | {passes} |")
+        name = r["contender"] + (f" (compiling: {r['compile_s']:.0f} s)" if r.get("compile_s") is not None else "")
+        lines.append(f"| {name} | {median:.2f} | {iqr:.2f} | {beyond} | {tax} | {base} | {over} | {passes} |")
     lines += [
         "",
         "Per round, back to back: one forward+backward pass, one SGD step (its own forward+backward and update), then "

@@ -29,7 +29,7 @@ import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
 from pathlib import Path
 
-PHASES = ("info", "build", "tests", "sanitize", "bench", "train")
+PHASES = ("info", "build", "tests", "sanitize", "bench", "models", "train")
 RECORDS = "phases.tsv"
 FIELDS = ("run", "phase", "step", "status", "seconds", "log", "note")
 JUNIT = "cuda-tests.xml"

@@ -3,6 +3,7 @@
 
 #include <torch/extension.h>
 
+#include "cpu/stream.h"
 #include "gearsam.h"
 
 namespace py = pybind11;
@@ -66,5 +67,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "exp_avg_sq and max_exp_avg_sq (given iff amsgrad) are updated in place. step_size = lr / (1 - beta1^k), "
       "bias_correction2_sqrt = (1 - beta2^k)^0.5 and decay = 1 - lr * weight_decay, computed in Python as torch does. "
       "backup may be param; correction, correction_scale and tile_block as for sgd_step_.");
+  m.def("cpu_stream_threshold_bytes", &gearsam::cpu::stream_threshold_bytes,
+        "The CPU kernels write outputs they do not read (backup, restored or updated parameter) with non-temporal "
+        "stores where the output is larger than this many bytes (the last-level cache); -1 where they never do.");
   m.def("built_with_cuda", &gearsam::built_with_cuda, "Whether this build contains the CUDA kernels.");
 }

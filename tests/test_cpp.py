@@ -138,6 +138,60 @@ def test_any_number_of_threads_gives_bitwise_identical_kernels():
         torch.set_num_threads(previous)
 
 
+@needs_cpp
+def test_buffers_past_the_last_level_cache_stream_their_outputs_to_the_same_bits():
+    """Outputs the CPU kernels write without reading (backup, restored and updated parameter) go out with
+    non-temporal stores past ``cpu_stream_threshold_bytes()``: the same bits as torch, on a bucket just past it (float32
+    on 1 and 2 threads, float64), with a length that is no multiple of the kernels' runs."""
+    from gearsam_fused import _C
+
+    threshold = _C.cpu_stream_threshold_bytes()
+    if threshold < 0:
+        pytest.skip("this CPU has no non-temporal stores: the kernels never stream")
+    if threshold > 2**28:
+        pytest.skip(f"a last-level cache of {threshold / 2**20:.0f} MiB: a bucket past it is too large for a test")
+    tile = 1024
+    previous = torch.get_num_threads()
+    try:
+        for dtype, threads in ((torch.float32, 1), (torch.float32, 2), (torch.float64, 2)):
+            n = (threshold // dtype.itemsize // tile + 3) * tile  # just past the threshold
+            g = torch.Generator().manual_seed(0)
+            w0, grad = torch.randn(n, generator=g, dtype=dtype), torch.randn(n, generator=g, dtype=dtype)
+            torch.set_num_threads(threads)
+            w, backup = w0.clone(), torch.empty_like(w0)
+            scale = torch.tensor([0.01], dtype=torch.float64)
+            _C.perturb_(w, grad, backup, scale, torch.zeros(n // tile, dtype=torch.int32), tile=tile, adaptive=False,
+                        eta=0.0)  # fmt: skip
+            assert torch.equal(backup, w0)
+            assert torch.equal(w, w0 + grad * torch.tensor(0.01, dtype=dtype))
+            _C.restore_(w, backup, tile=tile)
+            assert torch.equal(w, w0)
+
+            p = torch.nn.Parameter(w0.clone())
+            p.grad = grad.clone()
+            sgd = torch.optim.SGD([p], lr=0.1, momentum=0.9, weight_decay=5e-4, foreach=False)
+            sgd.state[p] = {"momentum_buffer": grad * 0.5}
+            sgd.step()
+            out, buf = torch.full_like(w0, float("nan")), grad * 0.5
+            _C.sgd_step_(out, grad, w0, buf, tile=tile, lr=0.1, weight_decay=5e-4, momentum=0.9, dampening=0.0,
+                         nesterov=False, maximize=False, first=False)  # fmt: skip
+            assert torch.equal(out, p.detach()) and torch.equal(buf, sgd.state[p]["momentum_buffer"])
+
+            p = torch.nn.Parameter(w0.clone())
+            p.grad = grad.clone()
+            adamw = torch.optim.AdamW([p], lr=1e-3, weight_decay=0.01, foreach=False)
+            adamw.step()
+            out, m, v = torch.full_like(w0, float("nan")), torch.zeros_like(w0), torch.zeros_like(w0)
+            _C.adam_step_(out, grad, w0, m, v, None, tile=tile, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01,
+                          decoupled=True, amsgrad=False, maximize=False, step_size=1e-3 / (1 - 0.9),
+                          bias_correction2_sqrt=(1 - 0.999) ** 0.5, decay=1 - 1e-3 * 0.01)  # fmt: skip
+            state = adamw.state[p]
+            assert torch.equal(out, p.detach())
+            assert torch.equal(m, state["exp_avg"]) and torch.equal(v, state["exp_avg_sq"])
+    finally:
+        torch.set_num_threads(previous)
+
+
 # ------------------------------------------------------------------------------------------- errors
 def test_missing_extension_says_how_to_build_it(monkeypatch):
     monkeypatch.setattr(cpp_ops, "_load", lambda: (None, "No module named 'gearsam_fused._C'"))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime
 import importlib.util
+import json
 import os
 import re
 import subprocess
@@ -16,10 +17,12 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 BENCHMARKS = ROOT / "benchmarks"
 SCRIPT = BENCHMARKS / "gpu_suite.sh"
-PHASES = ["info", "build", "tests", "sanitize", "bench", "train"]
+PHASES = ["info", "build", "tests", "sanitize", "bench", "models", "train"]
 NOTE = "pytorch_optimizer is not installed: its contender is skipped"
 KNOBS = {"PHASE_TIMEOUT", "WORKERS", "TEST_TIMEOUT", "PYTEST_ARGS", "SANITIZE_TOOLS", "SANITIZE_BIG", "BENCH_ARGS",
-         "SANITIZER", "TORCH_CUDA_ARCH_LIST"}  # fmt: skip
+         "MODELS_ARGS", "SANITIZER", "TORCH_CUDA_ARCH_LIST"}  # fmt: skip
+#: the runs of at most 10 minutes each that the README splits the suite into, with the default limits
+SPLIT = [["info", "build", "tests"], ["sanitize", "train"], ["bench"], ["models"]]
 
 
 def _load(name: str):
@@ -33,7 +36,7 @@ def _load(name: str):
 summary = _load("suite_summary")
 
 
-def suite(*args: str, cwd: Path = ROOT, **env: str) -> subprocess.CompletedProcess:
+def suite(*args: str, cwd: Path = ROOT, timeout: int = 60, **env: str) -> subprocess.CompletedProcess:
     """Runs gpu_suite.sh with ``args``, the suite's knobs taken from ``env`` only; returns the finished process."""
     base = {k: v for k, v in os.environ.items() if k not in KNOBS and not k.startswith("TIMEOUT_")}
     return subprocess.run(
@@ -41,7 +44,7 @@ def suite(*args: str, cwd: Path = ROOT, **env: str) -> subprocess.CompletedProce
         cwd=cwd,
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=timeout,
         env={**base, "PYTHON": sys.executable, **env},
         check=False,
     )
@@ -110,11 +113,14 @@ def test_the_dry_run_lists_every_phase_in_order_with_its_commands(tmp_path):
         "--tool racecheck --error-exitcode 99",
         "benchmarks/kernels_once.py",
         f"benchmarks/run.py --results {out}/bench-runs.jsonl --report {out}/bench.md",
+        f"-m pytest -q -rs -p no:cacheprovider benchmarks/bench_models.py --results={out}/models-runs.jsonl",
+        f"benchmarks/bench_models.py {out}/models-runs.jsonl {out}/models.md",
         "gearsam_fused train --device cuda",
         f"suite_summary.py summary {out} --phases {','.join(PHASES)}",
     ]:
         assert fragment in text, fragment
     assert text.index("--tool memcheck") < text.index("--tool racecheck")
+    assert text.index("benchmarks/bench_models.py --results") < text.index(f"bench_models.py {out}/models-runs.jsonl")
     assert not out.exists()  # nothing ran
 
 
@@ -139,6 +145,28 @@ def test_the_dry_run_takes_its_knobs_from_the_environment():
     assert "== tests (limit 77 s)" in done.stdout and " -n " not in done.stdout
     assert "--tool initcheck" in done.stdout and "kernels_once.py --big" in done.stdout
     assert "memcheck" not in done.stdout
+
+
+def test_the_default_limits_fit_the_split_runs_into_10_minutes_each():
+    done = suite("--dry-run")
+    limits = {m[1]: int(m[2]) for m in re.finditer(r"^== (\w+) \(limit (\d+) s\)", done.stdout, re.MULTILINE)}
+    assert sorted(limits) == sorted(PHASES) and sorted(p for run in SPLIT for p in run) == sorted(PHASES)
+    for run in SPLIT:
+        assert sum(limits[p] for p in run) <= 600, (run, limits)
+    assert limits["tests"] >= 248  # the last H100 run's 150 s for 549 tests, scaled to the 909 of 2026-11-25
+
+
+def test_the_models_phase_runs_the_model_benchmark_and_writes_its_tables(tmp_path):
+    # quick mode on CPU, one row: the phase's two commands from the repository root, as on a GPU machine
+    done = suite(str(tmp_path), "--only", "models", MODELS_ARGS="--quick -k cifar_resnet18-SAM", timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "models-runs.jsonl").read_text().splitlines()]
+    assert [(r["benchmark"], r["model"], r["contender"]) for r in rows] == [("bench_models", "CIFAR ResNet-18", "SAM")]
+    tables = (tmp_path / "models.md").read_text()
+    assert "### CIFAR ResNet-18 (" in tables and "| SAM | " in tables
+    log = (tmp_path / "models.log").read_text()
+    assert "1 passed" in log and "== models tables" in log
+    assert table((tmp_path / "summary.md").read_text())["models"][0] == "ok"
 
 
 def test_results_dir_is_the_first_positional_argument_else_a_dated_default(tmp_path):
@@ -219,7 +247,7 @@ def test_phase_statuses_and_test_counts_in_the_summary(tmp_path):
             ("bench", [("run.py", "ok", 300, "bench.log", NOTE)], None),
         )
     )  # fmt: skip
-    text = summary.write_summary(tmp_path)
+    text = summary.write_summary(tmp_path, tuple(PHASES))
     assert (tmp_path / "summary.md").read_text() == text
     rows = table(text)
     assert list(rows) == PHASES
@@ -229,7 +257,7 @@ def test_phase_statuses_and_test_counts_in_the_summary(tmp_path):
     assert rows["tests"][:2] == ["FAIL", "151"] and "3 passed, 1 failed, 2 skipped, 1 errors" in rows["tests"][3]
     assert rows["sanitize"][:2] == ["TIMEOUT", "420"]
     assert rows["bench"][0] == "FAIL" and "did not finish" in rows["bench"][3] and NOTE in rows["bench"][3]
-    assert rows["train"] == ["skipped-not-selected", "", "", ""]
+    assert rows["models"] == rows["train"] == ["skipped-not-selected", "", "", ""]
     assert "Tests (`cuda-tests.xml`): 3 passed, 1 failed, 2 skipped, 1 errors." in text
     assert "- tests/test_kernels.py::test_d[cpp-cuda]\n- tests/test_optim.py::test_g" in text
 
@@ -244,7 +272,7 @@ def test_a_second_run_adds_to_the_first_and_replaces_the_phases_it_repeats(tmp_p
             ("tests", [("pytest -m cuda", "FAIL", 150, "cuda-tests.log", "exit 1")], 151),
         )
     )
-    first = table(summary.render(tmp_path))
+    first = table(summary.render(tmp_path, tuple(PHASES)))
     assert first["tests"][:3] == ["FAIL", "151", "R1"] and first["sanitize"][0] == "skipped-not-selected"
     with path.open("a") as f:
         f.write(
@@ -254,11 +282,11 @@ def test_a_second_run_adds_to_the_first_and_replaces_the_phases_it_repeats(tmp_p
                 ("sanitize", [("memcheck", "ok", 60, "m.log", "")], 61),
             )
         )
-    second = table(summary.render(tmp_path))
+    second = table(summary.render(tmp_path, tuple(PHASES)))
     assert second["build"][:3] == ["ok", "41", "R1"]
     assert second["tests"][:3] == ["ok", "141", "R2"]
     assert second["sanitize"][:3] == ["ok", "61", "R2"]
-    assert [second[p][0] for p in ("info", "bench", "train")] == ["skipped-not-selected"] * 3
+    assert [second[p][0] for p in ("info", "bench", "models", "train")] == ["skipped-not-selected"] * 4
 
 
 def test_runs_split_over_two_invocations_of_the_script_share_one_summary(tmp_path):
@@ -276,7 +304,8 @@ def test_runs_split_over_two_invocations_of_the_script_share_one_summary(tmp_pat
     rows = table(text)
     statuses = {phase: cells[0] for phase, cells in rows.items()}
     assert statuses == {"info": "skipped-not-selected", "build": "skipped-not-selected", "tests": "TIMEOUT",
-                        "sanitize": "skipped-not-selected", "bench": "TIMEOUT", "train": "TIMEOUT"}  # fmt: skip
+                        "sanitize": "skipped-not-selected", "bench": "TIMEOUT", "models": "skipped-not-selected",
+                        "train": "TIMEOUT"}  # fmt: skip
     assert "not started: no time left in the phase" in rows["bench"][3]
     assert "no readable cuda-tests.xml" in rows["tests"][3]
 

@@ -15,6 +15,10 @@
 // square root is ATen's own (see torch_sqrt_), so the results equal restore_ followed by torch.optim.SGD / Adam /
 // AdamW (foreach=False), bit for bit. The build uses -ffp-contract=off, so only the std::fma calls fuse. Zero padding
 // stays zero (with eps > 0 for Adam).
+//
+// Structure (csrc/README.md, "Memory traffic"): tiles split between threads; a parameter larger than the last-level
+// cache is written with non-temporal stores (stream.h), from a scratch run or, for Adam, from AVX2 registers; Adam runs
+// in chunks of a thread's tiles, so that ATen's square root is called once per chunk.
 
 #include <ATen/Dispatch.h>
 #include <ATen/ops/from_blob.h>
@@ -23,8 +27,14 @@
 #include <algorithm>
 #include <cmath>
 #include <type_traits>
+#include <vector>
+
+#if defined(__GNUC__) && defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 #include "../gearsam.h"
+#include "stream.h"
 #include "tiles.h"
 
 namespace gearsam::cpu {
@@ -73,6 +83,9 @@ struct TileGrad {
   const scalar_t* grad;
   const scalar_t* correction;  // null without a correction
   scalar_t scale;
+
+  // The same source from element `offset` on.
+  TileGrad at(int64_t offset) const { return {grad + offset, correction ? correction + offset : nullptr, scale}; }
 };
 
 // The correction's data (null without one), read per tile by TileGrad.
@@ -103,12 +116,22 @@ GEARSAM_INLINE scalar_t step_grad(const TileGrad<scalar_t>& g, int64_t i) {
     return g.grad[i];
 }
 
+// Elements a pass computes into a scratch buffer before streaming them to an output it does not read (stream.h).
+constexpr int64_t kScratch = 2048;
+
+// Offsets a pointer that may be null (a buffer the optimizer does not have).
+template <typename T>
+T* offset(T* p, int64_t i) {
+  return p ? p + i : nullptr;
+}
+
 // The flags that decide whether a buffer is loaded or stored are template parameters: a loop without control flow
-// vectorises. The others are loop-invariant selects, which the compiler turns into blends.
+// vectorises. The others are loop-invariant selects, which the compiler turns into blends. Every pointer points at the
+// run's first element.
 template <typename scalar_t, bool kMomentum, bool kFirst, bool kCorrected>
 GEARSAM_INLINE void sgd_loop(scalar_t* out, const TileGrad<scalar_t> g_in, const scalar_t* w_in, scalar_t* buf,
-                             int64_t begin, int64_t end, const SgdConstants<scalar_t>& c) {
-  for (int64_t i = begin; i < end; ++i) {
+                             int64_t n, const SgdConstants<scalar_t>& c) {
+  for (int64_t i = 0; i < n; ++i) {
     const scalar_t w = w_in[i];  // read before out[i] is written: backup may be param
     scalar_t g = step_grad<kCorrected>(g_in, i);
     g = c.maximize ? -g : g;
@@ -126,27 +149,35 @@ GEARSAM_INLINE void sgd_loop(scalar_t* out, const TileGrad<scalar_t> g_in, const
 }
 
 template <typename scalar_t, bool kMomentum, bool kFirst, bool kCorrected>
-void sgd_range(scalar_t* out, const TileGrad<scalar_t> g_in, const scalar_t* w_in, scalar_t* buf, int64_t begin,
-               int64_t end, const SgdConstants<scalar_t>& c) {
-  sgd_loop<scalar_t, kMomentum, kFirst, kCorrected>(out, g_in, w_in, buf, begin, end, c);
+void sgd_run(scalar_t* out, const TileGrad<scalar_t> g_in, const scalar_t* w_in, scalar_t* buf, int64_t n,
+             const SgdConstants<scalar_t>& c) {
+  sgd_loop<scalar_t, kMomentum, kFirst, kCorrected>(out, g_in, w_in, buf, n, c);
 }
 
 template <typename scalar_t, bool kMomentum, bool kFirst, bool kCorrected>
-GEARSAM_FMA_CLONE void sgd_range_fma(scalar_t* out, const TileGrad<scalar_t> g_in, const scalar_t* w_in,
-                                     scalar_t* buf, int64_t begin, int64_t end, const SgdConstants<scalar_t>& c) {
-  sgd_loop<scalar_t, kMomentum, kFirst, kCorrected>(out, g_in, w_in, buf, begin, end, c);
+GEARSAM_FMA_CLONE void sgd_run_fma(scalar_t* out, const TileGrad<scalar_t> g_in, const scalar_t* w_in, scalar_t* buf,
+                                   int64_t n, const SgdConstants<scalar_t>& c) {
+  sgd_loop<scalar_t, kMomentum, kFirst, kCorrected>(out, g_in, w_in, buf, n, c);
 }
 
+// Each tile in runs of at most kScratch elements; a run's parameter is written in place, or into scratch and streamed
+// out when `stream`.
 template <typename scalar_t, bool kMomentum, bool kFirst, bool kCorrected>
 void sgd_tiles(scalar_t* out, const scalar_t* g_in, const CorrectionData<scalar_t>& correction, const scalar_t* w_in,
-               scalar_t* buf, int64_t n_tiles, int64_t tile, const SgdConstants<scalar_t>& c) {
+               scalar_t* buf, int64_t n_tiles, int64_t tile, bool stream, const SgdConstants<scalar_t>& c) {
   const bool fma = cpu_has_fma();
   for_each_tile(n_tiles, tile, [&](int64_t t) {
     const TileGrad<scalar_t> g = correction.tile(g_in, t);
-    if (fma)
-      sgd_range_fma<scalar_t, kMomentum, kFirst, kCorrected>(out, g, w_in, buf, t * tile, (t + 1) * tile, c);
-    else
-      sgd_range<scalar_t, kMomentum, kFirst, kCorrected>(out, g, w_in, buf, t * tile, (t + 1) * tile, c);
+    scalar_t scratch[kScratch];
+    for (int64_t start = t * tile; start < (t + 1) * tile; start += kScratch) {
+      const int64_t n = std::min(kScratch, (t + 1) * tile - start);
+      scalar_t* dst = stream ? scratch : out + start;
+      if (fma)
+        sgd_run_fma<scalar_t, kMomentum, kFirst, kCorrected>(dst, g.at(start), w_in + start, offset(buf, start), n, c);
+      else
+        sgd_run<scalar_t, kMomentum, kFirst, kCorrected>(dst, g.at(start), w_in + start, offset(buf, start), n, c);
+      if (stream) stream_copy(out + start, scratch, n * sizeof(scalar_t));
+    }
   });
 }
 
@@ -160,14 +191,15 @@ void sgd_tiles(const at::Tensor& param, const at::Tensor& grad, const at::Tensor
   const scalar_t* w_in = backup.const_data_ptr<scalar_t>();
   scalar_t* buf = c.with_momentum ? momentum_buffer.mutable_data_ptr<scalar_t>() : nullptr;
   const int64_t n_tiles = param.numel() / tile;
+  const bool stream = stream_stores(param.nbytes());
   with_flag(correction.given(), [&](auto corrected) {
     constexpr bool kC = decltype(corrected)::value;
     if (!c.with_momentum)
-      sgd_tiles<scalar_t, false, false, kC>(out, g_in, cd, w_in, buf, n_tiles, tile, c);
+      sgd_tiles<scalar_t, false, false, kC>(out, g_in, cd, w_in, buf, n_tiles, tile, stream, c);
     else if (c.first)
-      sgd_tiles<scalar_t, true, true, kC>(out, g_in, cd, w_in, buf, n_tiles, tile, c);
+      sgd_tiles<scalar_t, true, true, kC>(out, g_in, cd, w_in, buf, n_tiles, tile, stream, c);
     else
-      sgd_tiles<scalar_t, true, false, kC>(out, g_in, cd, w_in, buf, n_tiles, tile, c);
+      sgd_tiles<scalar_t, true, false, kC>(out, g_in, cd, w_in, buf, n_tiles, tile, stream, c);
   });
 }
 
@@ -181,15 +213,16 @@ void torch_sqrt_(scalar_t* values, int64_t n) {
   at::sqrt_(chunk);
 }
 
-// Elements per call of torch_sqrt_: long enough to amortise the dispatch, short enough to stay in L1 between passes.
-constexpr int64_t kSqrtChunk = 2048;
+// Elements per call of torch_sqrt_: long enough that ATen's dispatch (a few microseconds per call) is small beside
+// the chunk's memory traffic, short enough that the chunk's roots, moments and weights stay in L2 between the passes.
+constexpr int64_t kSqrtChunk = 16384;
 
-// Adam's pass 1 over elements [begin, end): the moments, and into root[] the second moment to take the root of.
+// Adam's pass 1 over n elements: the moments, and into root[i] the second moment to take the root of.
 template <typename scalar_t, bool kAmsgrad, bool kCorrected>
 GEARSAM_INLINE void adam_moments_loop(const TileGrad<scalar_t> g_in, const scalar_t* w_in, scalar_t* m_io,
-                                      scalar_t* v_io, scalar_t* vmax_io, scalar_t* root, int64_t begin, int64_t end,
+                                      scalar_t* v_io, scalar_t* vmax_io, scalar_t* root, int64_t n,
                                       const AdamConstants<scalar_t>& c) {
-  for (int64_t i = begin; i < end; ++i) {
+  for (int64_t i = 0; i < n; ++i) {
     scalar_t g = step_grad<kCorrected>(g_in, i);
     g = c.maximize ? -g : g;
     g = c.l2 ? std::fma(c.weight_decay, w_in[i], g) : g;
@@ -203,70 +236,147 @@ GEARSAM_INLINE void adam_moments_loop(const TileGrad<scalar_t> g_in, const scala
       second = nan_max(vmax_io[i], v);
       vmax_io[i] = second;
     }
-    root[i - begin] = second;
+    root[i] = second;
   }
 }
 
 // Adam's pass 2: the parameter from the backup (decayed first for AdamW, as torch decays before it steps). Element i
-// of the backup is read before out[i] is written, so backup may be param.
+// of the backup is read before out[i] is written, so backup may be param. A multiply, an add and two divisions, each
+// rounding on its own (no fma), so the bits do not depend on the instruction set the loop is compiled for.
 template <typename scalar_t>
 GEARSAM_INLINE void adam_update_loop(scalar_t* out, const scalar_t* w_in, const scalar_t* m_io, const scalar_t* root,
-                                     int64_t begin, int64_t end, const AdamConstants<scalar_t>& c) {
-  for (int64_t i = begin; i < end; ++i) {
+                                     int64_t n, const AdamConstants<scalar_t>& c) {
+  for (int64_t i = 0; i < n; ++i) {
     const scalar_t w = c.decoupled ? w_in[i] * c.decay : w_in[i];
-    const scalar_t denom = root[i - begin] / c.bias_correction2_sqrt + c.eps;
+    const scalar_t denom = root[i] / c.bias_correction2_sqrt + c.eps;
     out[i] = w + (c.neg_step_size * m_io[i]) / denom;
   }
 }
 
 template <typename scalar_t, bool kAmsgrad, bool kCorrected>
 void adam_moments(const TileGrad<scalar_t> g_in, const scalar_t* w_in, scalar_t* m_io, scalar_t* v_io,
-                  scalar_t* vmax_io, scalar_t* root, int64_t begin, int64_t end, const AdamConstants<scalar_t>& c) {
-  adam_moments_loop<scalar_t, kAmsgrad, kCorrected>(g_in, w_in, m_io, v_io, vmax_io, root, begin, end, c);
+                  scalar_t* vmax_io, scalar_t* root, int64_t n, const AdamConstants<scalar_t>& c) {
+  adam_moments_loop<scalar_t, kAmsgrad, kCorrected>(g_in, w_in, m_io, v_io, vmax_io, root, n, c);
 }
 
 template <typename scalar_t, bool kAmsgrad, bool kCorrected>
 GEARSAM_FMA_CLONE void adam_moments_fma(const TileGrad<scalar_t> g_in, const scalar_t* w_in, scalar_t* m_io,
-                                        scalar_t* v_io, scalar_t* vmax_io, scalar_t* root, int64_t begin, int64_t end,
+                                        scalar_t* v_io, scalar_t* vmax_io, scalar_t* root, int64_t n,
                                         const AdamConstants<scalar_t>& c) {
-  adam_moments_loop<scalar_t, kAmsgrad, kCorrected>(g_in, w_in, m_io, v_io, vmax_io, root, begin, end, c);
+  adam_moments_loop<scalar_t, kAmsgrad, kCorrected>(g_in, w_in, m_io, v_io, vmax_io, root, n, c);
 }
 
 template <typename scalar_t>
+void adam_update(scalar_t* out, const scalar_t* w_in, const scalar_t* m_io, const scalar_t* root, int64_t n,
+                 const AdamConstants<scalar_t>& c) {
+  adam_update_loop(out, w_in, m_io, root, n, c);
+}
+
+// The same loop at AVX2's width, where the divisions that dominate it do twice the work per instruction.
+template <typename scalar_t>
+GEARSAM_FMA_CLONE void adam_update_fma(scalar_t* out, const scalar_t* w_in, const scalar_t* m_io,
+                                       const scalar_t* root, int64_t n, const AdamConstants<scalar_t>& c) {
+  adam_update_loop(out, w_in, m_io, root, n, c);
+}
+
+#if defined(__GNUC__) && defined(__x86_64__)
+#define GEARSAM_AVX2_STREAM 1
+// Pass 2 for a streamed parameter in AVX2, with adam_update_loop's operations one for one (the same bits), each
+// result stored straight to memory: no round trip through scratch. n a multiple of the vector width, out 32-byte
+// aligned (adam_chunk checks).
+GEARSAM_FMA_CLONE void adam_update_stream(float* out, const float* w_in, const float* m_io, const float* root,
+                                          int64_t n, const AdamConstants<float>& c) {
+  const __m256 decay = _mm256_set1_ps(c.decay), bc2 = _mm256_set1_ps(c.bias_correction2_sqrt);
+  const __m256 eps = _mm256_set1_ps(c.eps), step = _mm256_set1_ps(c.neg_step_size);
+  for (int64_t i = 0; i < n; i += 8) {
+    const __m256 w = c.decoupled ? _mm256_mul_ps(_mm256_loadu_ps(w_in + i), decay) : _mm256_loadu_ps(w_in + i);
+    const __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_loadu_ps(root + i), bc2), eps);
+    _mm256_stream_ps(out + i, _mm256_add_ps(w, _mm256_div_ps(_mm256_mul_ps(step, _mm256_loadu_ps(m_io + i)), denom)));
+  }
+}
+
+GEARSAM_FMA_CLONE void adam_update_stream(double* out, const double* w_in, const double* m_io, const double* root,
+                                          int64_t n, const AdamConstants<double>& c) {
+  const __m256d decay = _mm256_set1_pd(c.decay), bc2 = _mm256_set1_pd(c.bias_correction2_sqrt);
+  const __m256d eps = _mm256_set1_pd(c.eps), step = _mm256_set1_pd(c.neg_step_size);
+  for (int64_t i = 0; i < n; i += 4) {
+    const __m256d w = c.decoupled ? _mm256_mul_pd(_mm256_loadu_pd(w_in + i), decay) : _mm256_loadu_pd(w_in + i);
+    const __m256d denom = _mm256_add_pd(_mm256_div_pd(_mm256_loadu_pd(root + i), bc2), eps);
+    _mm256_stream_pd(out + i, _mm256_add_pd(w, _mm256_div_pd(_mm256_mul_pd(step, _mm256_loadu_pd(m_io + i)), denom)));
+  }
+}
+#endif
+
+template <typename scalar_t>
 void adam_moments_dispatch(bool fma, const TileGrad<scalar_t>& g_in, const scalar_t* w_in, scalar_t* m_io,
-                           scalar_t* v_io, scalar_t* vmax_io, scalar_t* root, int64_t begin, int64_t end,
+                           scalar_t* v_io, scalar_t* vmax_io, scalar_t* root, int64_t n,
                            const AdamConstants<scalar_t>& c) {
   with_flag(g_in.correction != nullptr, [&](auto corrected) {
     with_flag(c.amsgrad, [&](auto amsgrad) {
       constexpr bool kA = decltype(amsgrad)::value, kC = decltype(corrected)::value;
       if (fma)
-        adam_moments_fma<scalar_t, kA, kC>(g_in, w_in, m_io, v_io, vmax_io, root, begin, end, c);
+        adam_moments_fma<scalar_t, kA, kC>(g_in, w_in, m_io, v_io, vmax_io, root, n, c);
       else
-        adam_moments<scalar_t, kA, kC>(g_in, w_in, m_io, v_io, vmax_io, root, begin, end, c);
+        adam_moments<scalar_t, kA, kC>(g_in, w_in, m_io, v_io, vmax_io, root, n, c);
     });
   });
+}
+
+// The buffers of one Adam step, and where it writes the parameter.
+template <typename scalar_t>
+struct AdamBuffers {
+  scalar_t* out;
+  const scalar_t* grad;
+  CorrectionData<scalar_t> correction;
+  const scalar_t* w_in;
+  scalar_t *m, *v, *vmax;
+  bool stream;  // the parameter written with non-temporal stores
+};
+
+// Elements [begin, end) of one thread's tiles: pass 1 tile by tile (each tile has its own correction scale), the
+// square roots of the whole chunk in one call, then pass 2, into scratch and streamed out when b.stream.
+template <typename scalar_t>
+void adam_chunk(bool fma, const AdamBuffers<scalar_t>& b, scalar_t* root, scalar_t* scratch, int64_t begin,
+                int64_t end, int64_t tile, const AdamConstants<scalar_t>& c) {
+  for (int64_t start = begin; start < end; start = (start / tile + 1) * tile) {
+    const int64_t stop = std::min(end, (start / tile + 1) * tile);
+    adam_moments_dispatch(fma, b.correction.tile(b.grad, start / tile).at(start), b.w_in + start, b.m + start,
+                          b.v + start, offset(b.vmax, start), root + (start - begin), stop - start, c);
+  }
+  const int64_t n = end - begin;
+  torch_sqrt_(root, n);
+#if defined(GEARSAM_AVX2_STREAM)
+  if (b.stream && fma && n % (32 / sizeof(scalar_t)) == 0 && reinterpret_cast<uintptr_t>(b.out + begin) % 32 == 0) {
+    adam_update_stream(b.out + begin, b.w_in + begin, b.m + begin, root, n, c);
+    return;
+  }
+#endif
+  scalar_t* dst = b.stream ? scratch : b.out + begin;
+  if (fma)
+    adam_update_fma(dst, b.w_in + begin, b.m + begin, root, n, c);
+  else
+    adam_update(dst, b.w_in + begin, b.m + begin, root, n, c);
+  if (b.stream) stream_copy(b.out + begin, scratch, n * sizeof(scalar_t));
 }
 
 template <typename scalar_t>
 void adam_tiles(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& backup, const at::Tensor& exp_avg,
                 const at::Tensor& exp_avg_sq, const at::Tensor& max_exp_avg_sq, int64_t tile,
                 const AdamConstants<scalar_t>& c, const Correction& correction) {
-  scalar_t* out = param.mutable_data_ptr<scalar_t>();
-  const scalar_t* g_in = grad.const_data_ptr<scalar_t>();
-  const CorrectionData<scalar_t> cd(correction);
-  const scalar_t* w_in = backup.const_data_ptr<scalar_t>();
-  scalar_t* m_io = exp_avg.mutable_data_ptr<scalar_t>();
-  scalar_t* v_io = exp_avg_sq.mutable_data_ptr<scalar_t>();
-  scalar_t* vmax_io = c.amsgrad ? max_exp_avg_sq.mutable_data_ptr<scalar_t>() : nullptr;
+  const AdamBuffers<scalar_t> b{param.mutable_data_ptr<scalar_t>(),
+                                grad.const_data_ptr<scalar_t>(),
+                                CorrectionData<scalar_t>(correction),
+                                backup.const_data_ptr<scalar_t>(),
+                                exp_avg.mutable_data_ptr<scalar_t>(),
+                                exp_avg_sq.mutable_data_ptr<scalar_t>(),
+                                c.amsgrad ? max_exp_avg_sq.mutable_data_ptr<scalar_t>() : nullptr,
+                                stream_stores(param.nbytes())};
   const bool fma = cpu_has_fma();
-  for_each_tile(param.numel() / tile, tile, [&](int64_t t) {
-    const TileGrad<scalar_t> g = cd.tile(g_in, t);
-    scalar_t root[kSqrtChunk];
-    for (int64_t start = t * tile; start < (t + 1) * tile; start += kSqrtChunk) {
-      const int64_t end = std::min(start + kSqrtChunk, (t + 1) * tile);
-      adam_moments_dispatch(fma, g, w_in, m_io, v_io, vmax_io, root, start, end, c);
-      torch_sqrt_(root, end - start);
-      adam_update_loop(out, w_in, m_io, root, start, end, c);  // no fma: the same code for every CPU
+  for_each_tile_range(param.numel() / tile, tile, [&](int64_t first_tile, int64_t last_tile) {
+    std::vector<scalar_t> work(2 * kSqrtChunk);  // roots and scratch, per task: the tasks' stacks may be small
+    for (int64_t begin = first_tile * tile; begin < last_tile * tile; begin += kSqrtChunk) {
+      const int64_t end = std::min(begin + kSqrtChunk, last_tile * tile);
+      adam_chunk(fma, b, work.data(), work.data() + kSqrtChunk, begin, end, tile, c);
     }
   });
 }

@@ -6,7 +6,8 @@
 //   restore:  w_i <- backup_i   (memcpy)
 //
 // Each tile is first copied to the backup whole, then updated while it is still in cache: cheaper than writing the
-// backup element by element in the update loop.
+// backup element by element in the update loop. The backup and the restored parameter are written without being read,
+// with non-temporal stores where the buffer is larger than the cache (stream.h).
 
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
@@ -31,9 +32,13 @@ void perturb_tiles(const at::Tensor& param, const at::Tensor& grad, const at::Te
   const double* block_scale = scale.const_data_ptr<double>();
   const int32_t* block_of = tile_block.const_data_ptr<int32_t>();
   const compute_t eta_c = static_cast<compute_t>(eta);
+  const bool stream = stream_stores(backup.nbytes());
   for_each_tile(tile_block.numel(), tile, [&](int64_t t) {
     const compute_t s = static_cast<compute_t>(block_scale[block_of[t]]);
-    std::memcpy(saved + t * tile, w + t * tile, tile * sizeof(scalar_t));
+    if (stream)
+      stream_copy(saved + t * tile, w + t * tile, tile * sizeof(scalar_t));
+    else
+      std::memcpy(saved + t * tile, w + t * tile, tile * sizeof(scalar_t));
     if (s == 0) return;  // a block skipped this step keeps its bits, even where its gradient is inf or NaN
     for (int64_t i = t * tile; i < (t + 1) * tile; ++i) {
       const compute_t x = static_cast<compute_t>(w[i]);
@@ -63,8 +68,14 @@ void restore(const at::Tensor& param, const at::Tensor& backup) {
   char* dst = static_cast<char*>(param.mutable_data_ptr());
   const char* src = static_cast<const char*>(backup.const_data_ptr());
   const int64_t bytes = param.numel() * param.element_size();
+  const bool stream = stream_stores(bytes);
   at::parallel_for(0, bytes, kGrainElements * 4, [&](int64_t begin, int64_t end) {
-    std::memcpy(dst + begin, src + begin, end - begin);
+    if (stream) {
+      stream_copy(dst + begin, src + begin, end - begin);
+      store_fence();
+    } else {
+      std::memcpy(dst + begin, src + begin, end - begin);
+    }
   });
 }
 
