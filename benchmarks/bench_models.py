@@ -29,8 +29,8 @@ decay 5e-4, ``foreach=True``), the transformers torch's AdamW (weight decay 0.01
   ``fused=True``)
 * ``compiled foreach SAM``  ``contenders.CompiledForeachSAM(params, base, rho=0.05, rule="sam", **base_kwargs)``: a
   ``torch.compile``-d foreach SAM step around the compiled ``step()`` of its base optimizer, which it builds with
-  ``foreach=True`` (skipped, saying so, where ``contenders`` has no such class); compiling happens in the warm-up, and
-  the row records how long the calls that compiled took (``compile_s``)
+  ``foreach=True``; compiling happens in the warm-up, and the row records how long the calls that compiled took
+  (``compile_s``)
 * ``SAM``, ``GEAR-SAM``     gearsam_fused, ``backend="auto"``, ``base_step="auto"``: the base step runs fused into the
   restore where it can (the transformers' AdamW without ``fused=True``, which the fused step does not take; the
   row's ``base_step_mode`` says which path ran, ``base_step_reason`` why when it was not fused)
@@ -170,8 +170,6 @@ def _not_available(model: Model, contender: str) -> str:
     missing = contenders.not_installed()
     if contender in missing:
         return missing[contender]
-    if contender == COMPILED and not hasattr(contenders, "CompiledForeachSAM"):
-        return "contenders.CompiledForeachSAM does not exist in this checkout: the compiled contender is skipped"
     return ""
 
 
