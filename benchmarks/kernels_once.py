@@ -27,6 +27,7 @@ from torch import nn
 
 from gearsam_fused.allocation import GEAR_RULE, RULES
 from gearsam_fused.backends import BACKENDS, available_backends
+from gearsam_fused.backends.cpp_ops import cpp_built_with_cuda
 from gearsam_fused.backends.reference import ReferenceBackend
 from gearsam_fused.flat import TILE
 from gearsam_fused.partition import Block
@@ -85,8 +86,7 @@ def check_backend(name: str, dtype: torch.dtype, rule: str, adaptive: bool) -> N
 
 def check_scalar_cpp_kernels(dtype: torch.dtype, adaptive: bool) -> None:
     """The C++ kernels' one-element-at-a-time variants: a tile of 7, and buffers one element off alignment."""
-    from gearsam_fused import _C
-
+    kernels = torch.ops.gearsam_fused  # registered when available_backends() loaded the extension
     for tile, offset in ((7, 0), (TILE, 1)):
         n_tiles = 3
         n = n_tiles * tile
@@ -95,16 +95,16 @@ def check_scalar_cpp_kernels(dtype: torch.dtype, adaptive: bool) -> None:
         block_tiles = torch.tensor([0, 1, 1, n_tiles], dtype=torch.int64, device="cuda")  # block 1 is empty
         tile_block = torch.tensor([0, 2, 2], dtype=torch.int32, device="cuda")
         partials = torch.empty(n_tiles, dtype=torch.float64, device="cuda")
-        energy = _C.block_energy(grad, param, block_tiles, partials, tile=tile, adaptive=adaptive, eta=ETA)
+        energy = kernels.block_energy(grad, param, block_tiles, partials, tile=tile, adaptive=adaptive, eta=ETA)
         t = (param.double().abs() + ETA) if adaptive else torch.ones_like(param, dtype=torch.float64)
         per_tile = ((t * grad.double()) ** 2).view(n_tiles, tile).sum(1)
         expected = torch.stack([per_tile[0], per_tile.new_zeros(()), per_tile[1:].sum()])
         torch.testing.assert_close(energy, expected, rtol=1e-6, atol=0, msg=lambda m: f"scalar energy {dtype}: {m}")
-        scale, _ = _C.allocate(energy, torch.zeros_like(energy), gear=True, rho=0.05, beta=0.9, delta=1e-12)
+        scale, _ = kernels.allocate(energy, torch.zeros_like(energy), gear=True, rho=0.05, beta=0.9, delta=1e-12)
         original = param.clone()
-        _C.perturb_(param, grad, backup, scale, tile_block, tile=tile, adaptive=adaptive, eta=ETA)
+        kernels.perturb_(param, grad, backup, scale, tile_block, tile=tile, adaptive=adaptive, eta=ETA)
         assert torch.equal(backup, original), f"scalar perturb {dtype}: backup"
-        _C.restore_(param, backup, tile=tile)
+        kernels.restore_(param, backup, tile=tile)
         assert torch.equal(param, original), f"scalar restore {dtype}"
 
 
@@ -127,7 +127,10 @@ def check_base_steps(name: str) -> None:
     """The fused base steps (``sgd_step_``, ``adam_step_``) with every optional buffer in use, float32 and float64, on
     one tile, on 3000 tiles (every thread loops) and, for the C++ kernels' scalar variant, on a tile of 7 and on
     buffers one element off alignment; each against torch's CPU optimizer on the same values."""
-    kernels = __import__("gearsam_fused.triton_kernels" if name == "triton" else "gearsam_fused._C", fromlist=["_"])
+    if name == "triton":
+        from gearsam_fused import triton_kernels as kernels
+    else:
+        kernels = torch.ops.gearsam_fused
     shapes = [(TILE, 1, 0), (TILE, 3000, 0)] + ([(7, 3, 0), (TILE, 3, 1)] if name == "cpp" else [])
     g = torch.Generator().manual_seed(3)
     for dtype in (torch.float32, torch.float64):
@@ -205,7 +208,7 @@ def main() -> int:
         print("kernels_once.py needs a CUDA GPU", file=sys.stderr)
         return 2
     names = [n for n in ("triton", "cpp") if n in available_backends()]
-    if "cpp" in names and not __import__("gearsam_fused._C", fromlist=["_"]).built_with_cuda():
+    if "cpp" in names and not cpp_built_with_cuda():
         names.remove("cpp")
 
     def run_all():

@@ -5,17 +5,19 @@
 //   perturb_      backup = w;  w <- w + scale[block] * T^2 g    T = |w| + eta (ASAM) or 1
 //   restore_      w <- backup                                   a copy of the stored bits
 //
-// and, to end the step in one pass, restore_ fused with the base optimizer's update (reads backup, never param;
-// bit for bit what torch's own optimizer gives on the CPU after restore_):
+// and, to end the step in one pass, restore_ fused with the base optimizer's update (reads backup, never param, where
+// backup is given; bit for bit what torch's own optimizer gives on the CPU after restore_):
 //
 //   sgd_step_     w <- backup - lr * d, momentum buffer         torch.optim.SGD
 //   adam_step_    w <- backup - step_size * m / denom, m, v     torch.optim.Adam / AdamW
 //
-// backup may be param itself (a step from the current weights): each element is read before it is written. Both
-// steps optionally correct the gradient first (LookSAM): g = fma(C(correction_scale[block]), correction, grad).
+// backup is None for a step from the current weights (no perturbation to undo): w is then read from param itself,
+// each element before it is written. Both steps optionally correct the gradient first (LookSAM):
+// g = fma(C(correction_scale[block]), correction, grad).
 //
-// ops.cpp checks the arguments and calls the implementation for the tensors' device: namespace cpu (cpu/*.cpp) or
-// namespace cuda (cuda/*.cu, declared and compiled only when WITH_CUDA is defined). Every implementation receives tensors that
+// library.cpp registers these six as the operators torch.ops.gearsam_fused.<name> (schemas there). ops.cpp checks
+// the arguments and calls the implementation for the tensors' device: namespace cpu (cpu/*.cpp) or namespace cuda
+// (cuda/*.cu, declared and compiled only when WITH_CUDA is defined). Every implementation receives tensors that
 // ops.cpp has already checked, and allocates nothing.
 #pragma once
 
@@ -55,12 +57,14 @@ struct CorrectionArgs {
   c10::optional<at::Tensor> correction, correction_scale, tile_block;
 };
 
-void sgd_step_(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& backup,
+// backup: the weights w to step from, or nullopt for param's own (a step with no perturbation to undo).
+void sgd_step_(const at::Tensor& param, const at::Tensor& grad, const c10::optional<at::Tensor>& backup,
                const c10::optional<at::Tensor>& momentum_buffer, int64_t tile, const SgdOptions& options,
                const CorrectionArgs& correction = {});
-void adam_step_(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& backup, const at::Tensor& exp_avg,
-                const at::Tensor& exp_avg_sq, const c10::optional<at::Tensor>& max_exp_avg_sq, int64_t tile,
-                const AdamOptions& options, const CorrectionArgs& correction = {});
+void adam_step_(const at::Tensor& param, const at::Tensor& grad, const c10::optional<at::Tensor>& backup,
+                const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
+                const c10::optional<at::Tensor>& max_exp_avg_sq, int64_t tile, const AdamOptions& options,
+                const CorrectionArgs& correction = {});
 
 // The checked correction the implementations receive: g = fma(C(scale[tile_block[t]]), values, grad) for the
 // elements of tile t, C rounding once to the buffers' type. All three undefined where the step has none.
@@ -114,7 +118,8 @@ struct AdamConstants {
   }
 };
 
-// momentum_buffer and max_exp_avg_sq are undefined tensors where the optimizer has none; backup may be param.
+// momentum_buffer and max_exp_avg_sq are undefined tensors where the optimizer has none; backup is param itself
+// where the public operation was given none.
 #define GEARSAM_DEVICE_IMPLEMENTATIONS                                                                              \
   void block_energy(const at::Tensor& grad, const at::Tensor& param, const at::Tensor& block_tiles,                 \
                     const at::Tensor& partials, const at::Tensor& energy, int64_t tile, bool adaptive, double eta); \

@@ -40,7 +40,8 @@ std::string describe(const at::Tensor& t) {
   return out.str();
 }
 
-// Same rules and messages as the Triton launchers (triton_kernels/_common.py).
+// Same rules and messages as the Triton launchers (triton_kernels/_common.py). The operators' fakes
+// (gearsam_fused/backends/cpp_library.py) repeat every check of this file that needs no data: change both together.
 void check_flat(const char* name, const at::Tensor& t, int64_t tile = 0, c10::optional<at::ScalarType> dtype = {},
                 const at::Tensor* on_device_of = nullptr) {
   TORCH_CHECK_VALUE(t.defined(), name, " is undefined");
@@ -81,20 +82,29 @@ void check_base_step_dtype(const at::Tensor& param) {
                     "fused base step supports float32 and float64 buffers, got ", dtype_name(type), " for param");
 }
 
+// An optional tensor argument that was passed (None arrives as nullopt; an undefined tensor counts as None too).
+bool given(const c10::optional<at::Tensor>& t) { return t.has_value() && t->defined(); }
+
+// The weights a base step reads: backup, checked like param, or param itself where there is none.
+const at::Tensor& weights_source(const c10::optional<at::Tensor>& backup, const at::Tensor& param) {
+  if (!given(backup)) return param;
+  check_same("backup", *backup, "param", param);
+  return *backup;
+}
+
 // A state buffer the optimizer keeps exactly when `needed` (`why` says when that is): given without it or missing
 // with it means the caller's state and options disagree, which no kernel can resolve.
 void check_optional_state(const char* name, const c10::optional<at::Tensor>& t, bool needed, const char* why,
                           const at::Tensor& param) {
-  const bool given = t.has_value() && t->defined();
-  TORCH_CHECK_VALUE(!needed || given, name, " is required when ", why, ", got None");
-  TORCH_CHECK_VALUE(needed || !given, name, " must be None unless ", why);
-  if (given) check_same(name, *t, "param", param);
+  const bool is_given = given(t);
+  TORCH_CHECK_VALUE(!needed || is_given, name, " is required when ", why, ", got None");
+  TORCH_CHECK_VALUE(needed || !is_given, name, " must be None unless ", why);
+  if (is_given) check_same(name, *t, "param", param);
 }
 
 // LookSAM's correction: all three tensors or none, checked as perturb_ checks its scale and tile_block (same
 // messages as triton_kernels/base_step.py). Given in part, the caller's correction state is broken: refused.
 Correction check_correction(const CorrectionArgs& args, const at::Tensor& param, int64_t tile) {
-  const auto given = [](const c10::optional<at::Tensor>& t) { return t.has_value() && t->defined(); };
   const bool any = given(args.correction) || given(args.correction_scale) || given(args.tile_block);
   if (!any) return {};
   std::string missing;
@@ -185,35 +195,36 @@ void restore_(const at::Tensor& param, const at::Tensor& backup, int64_t tile) {
   GEARSAM_ON_DEVICE_OF(param, restore, param, backup);
 }
 
-void sgd_step_(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& backup,
+void sgd_step_(const at::Tensor& param, const at::Tensor& grad, const c10::optional<at::Tensor>& backup,
                const c10::optional<at::Tensor>& momentum_buffer, int64_t tile, const SgdOptions& options,
                const CorrectionArgs& correction) {
   check_tile(tile);
   check_flat("param", param, tile);
   check_base_step_dtype(param);
   check_same("grad", grad, "param", param);
-  check_same("backup", backup, "param", param);  // backup may be param itself
+  // None: the implementation reads w from param itself, each element before it writes it
+  const at::Tensor& w = weights_source(backup, param);
   check_optional_state("momentum_buffer", momentum_buffer, options.momentum != 0, "momentum != 0", param);
   const Correction c = check_correction(correction, param, tile);
   if (param.numel() == 0) return;
-  GEARSAM_ON_DEVICE_OF(param, sgd_step, param, grad, backup, momentum_buffer.value_or(at::Tensor()), tile, options,
-                       c);
+  GEARSAM_ON_DEVICE_OF(param, sgd_step, param, grad, w, momentum_buffer.value_or(at::Tensor()), tile, options, c);
 }
 
-void adam_step_(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& backup, const at::Tensor& exp_avg,
-                const at::Tensor& exp_avg_sq, const c10::optional<at::Tensor>& max_exp_avg_sq, int64_t tile,
-                const AdamOptions& options, const CorrectionArgs& correction) {
+void adam_step_(const at::Tensor& param, const at::Tensor& grad, const c10::optional<at::Tensor>& backup,
+                const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
+                const c10::optional<at::Tensor>& max_exp_avg_sq, int64_t tile, const AdamOptions& options,
+                const CorrectionArgs& correction) {
   check_tile(tile);
   check_flat("param", param, tile);
   check_base_step_dtype(param);
   check_same("grad", grad, "param", param);
-  check_same("backup", backup, "param", param);  // backup may be param itself
+  const at::Tensor& w = weights_source(backup, param);  // as in sgd_step_
   check_same("exp_avg", exp_avg, "param", param);
   check_same("exp_avg_sq", exp_avg_sq, "param", param);
   check_optional_state("max_exp_avg_sq", max_exp_avg_sq, options.amsgrad, "amsgrad=True", param);
   const Correction c = check_correction(correction, param, tile);
   if (param.numel() == 0) return;
-  GEARSAM_ON_DEVICE_OF(param, adam_step, param, grad, backup, exp_avg, exp_avg_sq,
+  GEARSAM_ON_DEVICE_OF(param, adam_step, param, grad, w, exp_avg, exp_avg_sq,
                        max_exp_avg_sq.value_or(at::Tensor()), tile, options, c);
 }
 

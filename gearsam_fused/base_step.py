@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from itertools import chain
 
 import torch
+from torch.optim import optimizer as torch_optimizer
 
 from .flat import Bucket, FlatLayout
 
@@ -92,6 +93,21 @@ class FlatBaseStep:
         self.layout = layout
         #: why the last :meth:`plan` declined ("" when it did not)
         self.reason = ""
+        self._reserve()
+
+    def _reserve(self) -> None:
+        """Allocate the flat state buffers (and Adam's count vector) the groups' options call for, as the first step
+        would: a step compiled with ``torch.compile`` finds them in place (a trace cannot create them; see
+        :meth:`~gearsam_fused.flat.Bucket.state_buffer`). The optimizer's per-parameter state stays empty until then."""
+        for bucket in self.layout.buckets:
+            group = self.optimizer.param_groups[bucket.group]
+            if self.kind == "sgd":
+                keys = self._state_keys({"momentum": group["momentum"]})
+            else:
+                keys = self._state_keys({"amsgrad": group["amsgrad"]})
+                bucket.step_counts(_step_dtype())
+            for key in keys:
+                bucket.state_buffer(key)
 
     @staticmethod
     def why_not(optimizer: torch.optim.Optimizer) -> str:
@@ -114,11 +130,28 @@ class FlatBaseStep:
         self.reason = ""
         return updates
 
+    def adopt(self) -> None:
+        """Take loaded state into the flat buffers now (``load_state_dict`` calls this) rather than at the next step:
+        a step compiled with ``torch.compile`` cannot read the loaded step counts. Buckets whose parameters have no
+        state yet, or that the next :meth:`plan` would decline, are left to it."""
+        state = self.optimizer.state
+        for bucket in self.layout.buckets:
+            if bucket.dtype not in _FLOAT_DTYPES or not any(state.get(slot.param) for slot in bucket.slots):
+                continue
+            hyper = self._hyper(self.optimizer.param_groups[bucket.group], bucket.group)
+            if hyper is None:
+                continue
+            fresh = self._adopt(bucket, self._state_keys(hyper))
+            if fresh is False and self.kind == "adam":
+                self._adopt_counts(bucket, fresh)
+        self.reason = ""
+
     def finish(self, updates: list[BucketUpdate]) -> None:
         """Record the step: advance Adam's per-parameter step counts (one operation per bucket)."""
         for update in updates:
             if update.kind == "adam":
                 update.bucket.step_counts(_step_dtype())[0].add_(1)
+                update.bucket.counted = update.step
 
     def _decline(self, reason: str) -> None:
         self.reason = reason
@@ -153,7 +186,10 @@ class FlatBaseStep:
 
     def _hyper(self, group: dict, index: int) -> dict | None:
         for flag, why in _UNFUSED_FLAGS.items():
-            if group.get(flag):
+            # torch.compile's trace shows every group of a torch optimizer with capturable=True (it would make the
+            # optimizer's own step capturable on a GPU), so a trace reads the flag from the optimizer's defaults
+            traced = flag == "capturable" and torch.compiler.is_compiling()
+            if (self.optimizer.defaults if traced else group).get(flag):
                 return self._decline(f"param group {index}: {why}")
         if self.kind == "sgd":
             names = ("lr", "weight_decay", "momentum", "dampening", "nesterov", "maximize")
@@ -214,9 +250,12 @@ class FlatBaseStep:
         counts, views = bucket.step_counts(_step_dtype())
         state = self.optimizer.state
         entries = [state[slot.param] for slot in bucket.slots]
+        ours = not fresh and all(e.get("step") is v for e, v in zip(entries, views))
+        if ours and bucket.counted is not None and torch.compiler.is_compiling():
+            return bucket.counted  # a trace cannot read the vector; the compiled sync checks it (flat.sync_)
         if fresh:
             counts.zero_()
-        if fresh or not all(e.get("step") is v for e, v in zip(entries, views)):
+        if not ours:
             for entry, view in zip(entries, views):
                 current = entry.get("step")
                 if current is not view:
@@ -226,6 +265,9 @@ class FlatBaseStep:
                     rest = {k: entry.pop(k) for k in list(entry) if k != "step"}
                     entry.pop("step", None)
                     entry.update(step=view, **rest)
+        if fresh:
+            bucket.counted = 0
+            return 0
         low, high = counts.aminmax()
         if low != high:
             return self._decline(
@@ -234,7 +276,8 @@ class FlatBaseStep:
         value = float(low)
         if not math.isfinite(value) or value != int(value):
             return self._decline(f"param group {bucket.group}: step count {value} is not a whole number")
-        return int(value)
+        bucket.counted = int(value)
+        return bucket.counted
 
 
 def _step_dtype() -> torch.dtype:
@@ -247,10 +290,10 @@ def run_pre_hooks(optimizer: torch.optim.Optimizer) -> tuple[tuple, dict]:
     them: with the step's ``(args, kwargs)``, which a hook may replace by returning a new pair; any other return but
     None is an error. Returns the pair the step is to run with. A fused base step does not call ``step()``, and a
     user's hook must still run."""
-    from torch.optim import optimizer as module
-
     args, kwargs = (optimizer,), {}
-    for hook in chain(module._global_optimizer_pre_hooks.values(), optimizer._optimizer_step_pre_hooks.values()):
+    for hook in chain(
+        torch_optimizer._global_optimizer_pre_hooks.values(), optimizer._optimizer_step_pre_hooks.values()
+    ):
         result = hook(optimizer, args, kwargs)
         if result is None:
             continue
@@ -277,7 +320,7 @@ def step_closure(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict):
 def run_post_hooks(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
     """Call the hooks torch calls after ``optimizer.step()`` (the optimizer's, then the global ones) with the step's
     ``(args, kwargs)``."""
-    from torch.optim import optimizer as module
-
-    for hook in chain(optimizer._optimizer_step_post_hooks.values(), module._global_optimizer_post_hooks.values()):
+    for hook in chain(
+        optimizer._optimizer_step_post_hooks.values(), torch_optimizer._global_optimizer_post_hooks.values()
+    ):
         hook(optimizer, args, kwargs)

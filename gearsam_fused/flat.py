@@ -23,6 +23,7 @@ are read and puts the values back in place (re-homing the tensor), so a kernel n
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -79,6 +80,7 @@ class _Slot:
 
     def __post_init__(self):
         self.view_address = self.view.data_ptr()
+        self.offset = self.view.storage_offset()  # read once: a trace cannot read it
 
 
 class Bucket:
@@ -116,6 +118,8 @@ class Bucket:
         self.state: dict[str, torch.Tensor] = {}
         self.state_views: dict[str, list[torch.Tensor]] = {}
         self._counts: tuple[torch.Tensor, list[torch.Tensor]] | None = None
+        #: the value every entry of :meth:`step_counts` held after the base step last read or advanced it (None before)
+        self.counted: int | None = None
 
         self.slots: list[_Slot] = []
         with torch.no_grad():
@@ -138,10 +142,17 @@ class Bucket:
     def state_buffer(self, key: str) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """The flat buffer of optimizer state ``key`` (zeros when first asked for) and each slot's view of it, laid
         out like ``param``: a state tensor of a parameter is a view at the parameter's place."""
+        if key not in self.state and torch.compiler.is_compiling():
+            # tensors made inside a compiled step and kept across steps come out wrong (torch 2.13)
+            raise RuntimeError(
+                f"optimizer state {key!r} does not exist yet and a step compiled with torch.compile cannot create it "
+                "(an option changed since the optimizer was built, e.g. momentum from 0); run one step without "
+                "torch.compile first"
+            )
         if key not in self.state:
             flat = torch.zeros_like(self.param)
             self.state[key] = flat
-            self.state_views[key] = [torch.as_strided(flat, s.view.shape, s.view.stride(), s.view.storage_offset())
+            self.state_views[key] = [torch.as_strided(flat, s.view.shape, s.view.stride(), s.offset)
                                      for s in self.slots]  # fmt: skip
         return self.state[key], self.state_views[key]
 
@@ -150,9 +161,21 @@ class Bucket:
         Adam keeps ``state["step"]`` as such a CPU scalar per parameter; as views of one vector they are all advanced
         by one operation, and read without touching the device."""
         if self._counts is None:
+            if torch.compiler.is_compiling():
+                raise RuntimeError("a step compiled with torch.compile cannot create Adam's step counts")
             counts = torch.zeros(len(self.slots), dtype=dtype)
             self._counts = counts, list(counts.unbind())
         return self._counts
+
+    def check_counted(self) -> None:
+        """Refuse step counts changed behind the base step's back: a compiled step takes the count from
+        :attr:`counted`, since a trace cannot read the vector."""
+        if self._counts is not None and self.counted is not None and not bool((self._counts[0] == self.counted).all()):
+            raise RuntimeError(
+                f"the Adam step counts (state['step']) of the parameters of param group {self.group} were changed in "
+                f"place since the optimizer set them to {self.counted}; a compiled step cannot read them: change them "
+                "through load_state_dict, or step eagerly once after changing them"
+            )
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """Every tensor the bucket allocated, by role."""
@@ -181,16 +204,31 @@ class FlatLayout:
         self.buckets = [
             Bucket(dev, dt, members, len(blocks), tile, align, group) for (dev, dt, group), members in keyed.items()
         ]
+        #: how compiled code finds this layout again (see :func:`sync_`)
+        self.key = _register(self)
 
     # ------------------------------------------------------------------ keeping the views honest
-    @torch.no_grad()
     def sync(self) -> None:
         """Make the flat buffers hold the current parameters and gradients.
 
         A parameter whose ``.data`` was replaced by other memory is copied back in and re-homed (a change of device,
         dtype, shape or strides is refused). A gradient other than the view we installed is copied in and re-homed; a
         region whose parameter now has no gradient is zeroed, so it contributes nothing and that ``.grad`` stays None.
+
+        Under ``torch.compile`` the same checks run each time the compiled code runs, not once when it is traced:
+        they compare memory addresses, which a trace cannot see, so the graph holds them as one opaque operation
+        (:func:`sync_`) that declares the gradient buffers it writes. A replaced parameter is refused there instead of
+        re-homed: declaring writes to the parameter buffer too would be right, but Inductor (torch 2.13) miscompiles a
+        copy of a buffer that an opaque operation wrote (the backup would hold ``w + eps``).
         """
+        if torch.compiler.is_compiling():
+            torch.ops.gearsam_fused.sync_([bucket.grad for bucket in self.buckets], self.key)
+        else:
+            self.sync_now()
+
+    @torch.no_grad()
+    def sync_now(self, rehome: bool = True) -> None:
+        """:meth:`sync`, run eagerly; with ``rehome=False`` a replaced parameter is an error."""
         for bucket in self.buckets:
             stale: list[torch.Tensor] = []
             targets: list[torch.Tensor] = []
@@ -198,7 +236,7 @@ class FlatLayout:
             for slot in bucket.slots:
                 p = slot.param
                 if p.data_ptr() != slot.view_address:
-                    self._rehome_param(bucket, slot)
+                    self._rehome_param(bucket, slot, rehome)
                 g = p.grad
                 if g is slot.grad_view:
                     slot.dirty = True
@@ -218,7 +256,7 @@ class FlatLayout:
                 torch._foreach_copy_(targets, sources)
 
     @staticmethod
-    def _rehome_param(bucket: Bucket, slot: _Slot) -> None:
+    def _rehome_param(bucket: Bucket, slot: _Slot, rehome: bool) -> None:
         p = slot.param
         now = (p.device, p.dtype, tuple(p.shape), p.stride())
         placed = (bucket.device, bucket.dtype, tuple(slot.view.shape), slot.view.stride())
@@ -227,6 +265,11 @@ class FlatLayout:
                 f"parameter {slot.name!r} was replaced by a tensor of another device, dtype, shape or memory layout "
                 f"({_describe(*now)}, was {_describe(*placed)}) after the optimizer placed it; build the optimizer "
                 "after moving, casting or converting the model"
+            )
+        if not rehome:
+            raise RuntimeError(
+                f"parameter {slot.name!r} was replaced (its .data assigned) after the optimizer placed it; a compiled "
+                "step cannot put it back in place: run one step without torch.compile after replacing parameters"
             )
         slot.view.copy_(p.detach())
         p.data = slot.view
@@ -257,6 +300,37 @@ class FlatLayout:
         grad_buffer = sum(b.grad.nbytes for b in self.buckets)
         return {"backup": backup, "padding": padding, "tables": tables, "total": backup + padding + tables,
                 "grad_buffer": grad_buffer}  # fmt: skip
+
+
+_LAYOUTS: weakref.WeakValueDictionary[int, FlatLayout] = weakref.WeakValueDictionary()
+
+
+def _register(layout: FlatLayout) -> int:
+    """A key under which :func:`sync_` finds ``layout`` when compiled code runs (the layout's id, held weakly)."""
+    _LAYOUTS[id(layout)] = layout
+    return id(layout)
+
+
+@torch.library.custom_op("gearsam_fused::sync_", mutates_args=("grads",))
+def sync_(grads: list[torch.Tensor], layout: int) -> None:
+    """:meth:`FlatLayout.sync_now` (without re-homing parameters) of the layout registered under ``layout``, whose
+    flat gradient buffers (every bucket's, in order) are ``grads``, then :meth:`Bucket.check_counted`. It writes the
+    buffers through views of its own, so it refuses copies of them (a compiler that handed it copies would lose what
+    it wrote)."""
+    target = _LAYOUTS.get(layout)
+    if target is None:
+        raise RuntimeError("the optimizer whose flat buffers this compiled step syncs no longer exists")
+    mine = [bucket.grad for bucket in target.buckets]
+    if len(mine) != len(grads) or any(a.data_ptr() != b.data_ptr() for a, b in zip(mine, grads)):
+        raise RuntimeError("sync_ was handed copies of the flat gradient buffers instead of the buffers themselves")
+    target.sync_now(rehome=False)
+    for bucket in target.buckets:
+        bucket.check_counted()
+
+
+@sync_.register_fake
+def _(grads: list[torch.Tensor], layout: int) -> None:
+    return None
 
 
 def compact_state_dict(state: dict) -> dict:

@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+import weakref
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -52,6 +54,42 @@ class StepStatistics(NamedTuple):
     radius: torch.Tensor  #: rho_b
     rho: float  #: the global radius of that step
     sam_step: bool = True  #: whether that step perturbed (False: its schedule skipped the second pass; radius is 0)
+
+
+@dataclass
+class _Run:
+    """What an optimizer carries from one call to the next besides the base optimizer's state. A plain object rather
+    than attributes of the optimizer: inside a function compiled with ``torch.compile``, assignments to attributes of
+    a ``torch.optim.Optimizer`` are dropped without a word (torch 2.13), and ``first_step``/``second_step`` compile."""
+
+    ema: torch.Tensor  #: GEAR-SAM's s_b (SAM keeps it at 0)
+    energy: torch.Tensor  #: the last first_step's e_b
+    radius: torch.Tensor  #: the last first_step's rho_b
+    orthogonal_energy: torch.Tensor  #: LookSAM's block energies of g_v (the buffer itself is the backend's)
+    last_rho: float
+    last_base_step: str
+    schedule_state: dict
+    last_sam: bool = True
+    undo: tuple | None = None  #: allocation and schedule state of before a cancellable first_step
+    steps_done: int = 0  #: steps completed, for the schedule
+    next_sam: bool | _Pending = True  #: the schedule's decision for the next step (maybe still on the device)
+    cleared: list | None = None  #: the gradients as zero_grad() left them after first_step (see _grad_marks)
+
+    def record(self, energy: torch.Tensor, radius: torch.Tensor, rho: float, sam: bool) -> None:
+        """Keep a first_step's statistics (see :class:`StepStatistics`)."""
+        self.energy, self.radius, self.last_rho, self.last_sam = energy, radius, rho, sam
+
+    def checkpoint(self) -> tuple:
+        """What :meth:`roll_back` needs to undo the step about to begin (the EMA is copied: allocate updates it in
+        place)."""
+        return (self.ema.clone(), self.energy, self.radius, self.last_rho, self.last_sam,
+                _snapshot(self.schedule_state), self.next_sam)  # fmt: skip
+
+    def roll_back(self) -> None:
+        """Back to :attr:`undo`, the checkpoint of the cancelled step."""
+        ema, self.energy, self.radius, self.last_rho, self.last_sam, self.schedule_state, self.next_sam = self.undo
+        self.ema.copy_(ema)
+        self.undo = None
 
 
 class SharpnessAware(torch.optim.Optimizer):
@@ -154,22 +192,13 @@ class SharpnessAware(torch.optim.Optimizer):
         param_group = {id(p): g for g, group in enumerate(self.param_groups) for p in group["params"]}
         self._backend = make_backend(self.backend_name, self.blocks, device, param_group)
         self._flat_step, self._flat_step_why_not = self._make_flat_step()
-        self._last_base_step = FUSED if self._flat_step is not None else PER_TENSOR
-
+        self._key = _register(self)  # how compiled code finds this optimizer again (check_second_gradient_)
         zeros = torch.zeros(len(self.blocks), dtype=torch.float64, device=device)
-        self._ema = zeros.clone()
-        self._energy = zeros.clone()
-        self._radius = zeros.clone()
-        self._last_rho = float(rho)
-        self._last_sam = True
-        self._undo: tuple | None = None  # allocation and schedule state of before a cancellable first_step
-        # The schedule: steps completed, the decision for the next step (a bool, or a copy still on its way from the
-        # device), its state, and LookSAM's block energies of g_v (the buffer itself is the backend's).
-        self._steps_done = 0
-        self._next_sam: bool | _Pending = True
-        self._schedule_state = self.schedule.initial_state(device) if self.schedule is not None else {}
-        self._orthogonal_energy = zeros.clone()
-        self._cleared: list | None = None  # the gradients as zero_grad() left them after first_step (_grad_marks)
+        self._run = _Run(
+            ema=zeros.clone(), energy=zeros.clone(), radius=zeros.clone(), orthogonal_energy=zeros.clone(),
+            last_rho=float(rho), last_base_step=FUSED if self._flat_step is not None else PER_TENSOR,
+            schedule_state=self.schedule.initial_state(device) if self.schedule is not None else {},
+        )  # fmt: skip
 
     def _make_flat_step(self) -> tuple[FlatBaseStep | None, str]:
         """The fused base step over the backend's buckets, or None and why not (an error if it was asked for)."""
@@ -247,12 +276,12 @@ class SharpnessAware(torch.optim.Optimizer):
         ``"fused"``, restored and updated over the flat buffers in one pass per bucket (torch's SGD, Adam and AdamW on
         a flat-buffer backend), or ``"per-tensor"``, restored and then stepped by the base optimizer itself.
         :attr:`base_step_reason` says why a step was not fused."""
-        return self._last_base_step
+        return self._run.last_base_step
 
     @property
     def base_step_reason(self) -> str:
         """Why the last :meth:`second_step` stepped the base optimizer per tensor ("" when it was fused)."""
-        if self._last_base_step == FUSED:
+        if self._run.last_base_step == FUSED:
             return ""
         return self._flat_step_why_not or self._flat_step.reason
 
@@ -262,15 +291,15 @@ class SharpnessAware(torch.optim.Optimizer):
         backward are needed (always True without a ``schedule``). Known before that step's first forward; between
         ``first_step`` and ``second_step`` it already speaks of the step after. Reading it may wait for the device to
         finish the step before (:class:`~gearsam_fused.schedules.Adaptive` on CUDA), never for later work."""
-        if isinstance(self._next_sam, _Pending):
-            self._next_sam = self._next_sam.value()
-        return self._next_sam
+        if isinstance(self._run.next_sam, _Pending):
+            self._run.next_sam = self._run.next_sam.value()
+        return self._run.next_sam
 
     @property
     def step_statistics(self) -> StepStatistics:
         """The last ``first_step``'s raw statistics on the device, without a copy (see :class:`StepStatistics`);
         :meth:`block_stats` is the same on the host, copied and described."""
-        return StepStatistics(self._energy, self._ema, self._radius, self._last_rho, self._last_sam)
+        return StepStatistics(self._run.energy, self._run.ema, self._run.radius, self._run.last_rho, self._run.last_sam)
 
     def _rho(self) -> float:
         values = {group["rho"] for group in self.param_groups}
@@ -287,8 +316,19 @@ class SharpnessAware(torch.optim.Optimizer):
         False), make the base optimizer's update with this gradient instead (LookSAM: corrected) and return False:
         the step is complete. With ``cancellable=True`` a perturbing step also keeps the allocation and schedule state
         of before it (``O(blocks)`` numbers), so that :meth:`cancel_step` can undo the whole step."""
+        _own_graph()
+        sam = self._first_step(zero_grad, cancellable)
+        _own_graph()
+        return sam
+
+    def _first_step(self, zero_grad: bool, cancellable: bool) -> bool:
         if self.perturbed:
             raise RuntimeError("first_step() called twice: call second_step() to restore the weights first")
+        if self.schedule is not None and torch.compiler.is_compiling():
+            raise RuntimeError(
+                "a schedule decides on the host which steps take the second pass, which a step compiled with "
+                "torch.compile cannot do; compile the step without a schedule, or run it eagerly"
+            )
         rho = self._rho()
         # any() stops at the first gradient it finds, so a normal step pays O(1) here.
         if not any(p.grad is not None for block in self.blocks for p in block.params):
@@ -303,21 +343,20 @@ class SharpnessAware(torch.optim.Optimizer):
         # The EMA is updated in place by allocate, so undoing needs a copy; only cancellable steps pay for it.
         undo = None
         if cancellable and sam:
-            undo = (self._ema.clone(), self._energy, self._radius, self._last_rho, self._last_sam,
-                    _snapshot(self._schedule_state), self._next_sam)  # fmt: skip
+            undo = self._run.checkpoint()
         energy = sum_over(self._shard_groups, self._backend.block_energy(self.adaptive, self.eta))
         if self.schedule is not None:
             self._decide_next(energy)
         if not sam:
             self._skipped_step(energy, rho)
         else:
-            scale, radius = self._backend.allocate(self.rule, energy, self._ema, rho, self.beta, self.delta)
+            scale, radius = self._backend.allocate(self.rule, energy, self._run.ema, rho, self.beta, self.delta)
             if self.schedule is not None and self.schedule.corrects:
                 self._backend.keep_gradient_()  # g, for second_step's decomposition of the SAM gradient
             self._backend.perturb_(scale, self.adaptive, self.eta)
-            self._energy, self._radius, self._last_rho, self._last_sam = energy, radius, rho, True
-            self._undo = undo
-        self._cleared = None
+            self._run.record(energy, radius, rho, sam=True)
+            self._run.undo = undo
+        self._run.cleared = None
         if zero_grad:
             self.zero_grad()
         return sam
@@ -325,14 +364,14 @@ class SharpnessAware(torch.optim.Optimizer):
     def _decide_next(self, energy: torch.Tensor) -> None:
         """Let the schedule decide the next step from this one's energies; a device decision is copied to the host
         without waiting (read when :attr:`sam_step` is next asked)."""
-        decision = self.schedule.decide_next(self._steps_done, energy.sum(), self._schedule_state)
-        self._next_sam = _Pending(decision) if isinstance(decision, torch.Tensor) else bool(decision)
+        decision = self.schedule.decide_next(self._run.steps_done, energy.sum(), self._run.schedule_state)
+        self._run.next_sam = _Pending(decision) if isinstance(decision, torch.Tensor) else bool(decision)
 
     def _skipped_step(self, energy: torch.Tensor, rho: float) -> None:
         """A step without the second pass: GEAR-SAM's EMA still takes the energies, then the base optimizer steps
         with the first gradient (plus LookSAM's correction) over the flat buffers or by its own ``step()``."""
         if self.rule == GEAR_RULE:
-            self._backend.allocate(self.rule, energy, self._ema, rho, self.beta, self.delta)
+            self._backend.allocate(self.rule, energy, self._run.ema, rho, self.beta, self.delta)
         correction = self._correction_scale(energy) if self.schedule.corrects else None
         updates = self._flat_step.plan() if self._flat_step is not None else None
         if updates is None and self.base_step == FUSED:
@@ -340,19 +379,19 @@ class SharpnessAware(torch.optim.Optimizer):
         if updates is None:
             if correction is not None:
                 self._backend.add_correction_(correction)
-            self.base_optimizer.step()
+            self._per_tensor_base_step()
         else:
             self._fused_base_step(updates, correction, perturbed=False)
-        self._last_base_step = PER_TENSOR if updates is None else FUSED
-        self._energy, self._radius, self._last_rho, self._last_sam = energy, torch.zeros_like(energy), rho, False
-        self._undo = None
-        self._steps_done += 1
+        self._run.last_base_step = PER_TENSOR if updates is None else FUSED
+        self._run.record(energy, torch.zeros_like(energy), rho, sam=False)
+        self._run.undo = None
+        self._run.steps_done += 1
         self._opt_called = True  # tells torch LR schedulers that an optimizer step happened
 
     def _correction_scale(self, energy: torch.Tensor) -> torch.Tensor:
         """LookSAM's ``alpha * ||g|| / ||g_v||`` per block: over all blocks for SAM, per block for GEAR-SAM (0 where
         ``g_v = 0``)."""
-        orthogonal = self._orthogonal_energy
+        orthogonal = self._run.orthogonal_energy
         if self.rule != GEAR_RULE:
             energy, orthogonal = energy.sum().expand_as(energy), orthogonal.sum().expand_as(orthogonal)
         positive = orthogonal > 0
@@ -363,32 +402,32 @@ class SharpnessAware(torch.optim.Optimizer):
         """LookSAM on a SAM step: ``g_v = g_s - (<g, g_s> / ||g||^2) g`` over all blocks (SAM) or per block (GEAR-SAM),
         with g the first gradient the backend kept and g_s the current one."""
         dot = sum_over(self._shard_groups, self._backend.block_dot())
-        energy = self._energy
+        energy = self._run.energy
         if self.rule != GEAR_RULE:
             dot, energy = dot.sum().expand_as(dot), energy.sum().expand_as(energy)
         positive = energy > 0
         coefficient = torch.where(positive, dot / torch.where(positive, energy, 1.0), 0.0)
-        self._orthogonal_energy = sum_over(self._shard_groups, self._backend.orthogonalize_(coefficient))
+        self._run.orthogonal_energy = sum_over(self._shard_groups, self._backend.orthogonalize_(coefficient))
 
     @torch.no_grad()
     def second_step(self, zero_grad: bool = False) -> None:
         """Restore ``w`` exactly and step the base optimizer with the gradient taken at ``w + eps``: in one pass over
         the flat buffers where the base step is fused (see :attr:`base_step_mode`), else by its own ``step()``."""
+        _own_graph()
+        self._second_step(zero_grad)
+        _own_graph()
+
+    def _second_step(self, zero_grad: bool) -> None:
         if not self.perturbed:
-            if self._last_sam is False and self._cleared is None:
+            if self._run.last_sam is False and self._run.cleared is None:
                 raise RuntimeError(
                     f"second_step() after a step the schedule {self.schedule!r} skipped: first_step() returned False "
                     "and already made the base optimizer's update; run the second pass and second_step() only when "
                     "first_step() returns True"
                 )
             raise RuntimeError("second_step() called without a preceding first_step()")
-        if self._no_second_gradient():
-            kept = self._abandon_step()
-            raise RuntimeError(
-                "second_step() found no gradient computed at w + eps: after first_step(), run the second forward and "
-                f"backward before second_step(); the weights were restored to w and no step was taken{kept}"
-            )
-        self._cleared = None
+        self._check_second_gradient()
+        self._run.cleared = None
         updates = self._flat_step.plan() if self._flat_step is not None else None
         if updates is None and self.base_step == FUSED:
             self._backend.restore_()  # w, not w + eps, stays in the model
@@ -397,15 +436,24 @@ class SharpnessAware(torch.optim.Optimizer):
             self._orthogonalize()
         if updates is None:
             self._backend.restore_()
-            self.base_optimizer.step()
+            self._per_tensor_base_step()
         else:
             self._fused_base_step(updates)
-        self._last_base_step = PER_TENSOR if updates is None else FUSED
-        self._undo = None
-        self._steps_done += 1
+        self._run.last_base_step = PER_TENSOR if updates is None else FUSED
+        self._run.undo = None
+        self._run.steps_done += 1
         self._opt_called = True  # tells torch LR schedulers that an optimizer step happened
         if zero_grad:
             self.zero_grad()
+
+    def _per_tensor_base_step(self) -> None:
+        """The base optimizer's own ``step()``. Inside a compiled step over re-homed parameters it runs eagerly (a
+        graph break, like those torch's ``step()`` makes around itself): the compiler refuses a step that writes
+        parameters sharing one buffer ("non-differentiable view input mutations")."""
+        if self._backend.fuses_base_step and torch.compiler.is_compiling():
+            _eager_step(self.base_optimizer)
+        else:
+            self.base_optimizer.step()
 
     def _fused_base_step(self, updates: list, correction: torch.Tensor | None = None, perturbed: bool = True) -> None:
         """Restore and update (``perturbed``), or update the current weights, over the flat buffers, between the base
@@ -438,21 +486,43 @@ class SharpnessAware(torch.optim.Optimizer):
         bumps the version of one it accumulates into (a flat buffer's views share one counter)."""
         return [(p.grad, p.grad._version) for block in self.blocks for p in block.params if p.grad is not None]
 
+    def _check_second_gradient(self) -> None:
+        """Refuse a second_step with no gradient computed at ``w + eps`` (after putting ``w`` back). Under
+        ``torch.compile``, gradients cleared in place are compared when the compiled code runs
+        (:func:`check_second_gradient_`): their version counters are not traceable."""
+        if self._run.cleared and torch.compiler.is_compiling():
+            if not self._backend.fuses_base_step:
+                raise RuntimeError(
+                    f"backend {self.backend_name!r} keeps no flat gradient buffers: after zero_grad(set_to_none=False) "
+                    "its compiled second_step cannot tell whether a backward ran; use zero_grad() (set_to_none=True)"
+                )
+            grads = [bucket.grad for bucket in self._backend.layout.buckets]
+            torch.ops.gearsam_fused.check_second_gradient_(grads, self._key)
+        elif self._no_second_gradient():
+            self._refuse_without_second_gradient()
+
+    def _refuse_without_second_gradient(self):
+        kept = self._abandon_step()
+        raise RuntimeError(
+            "second_step() found no gradient computed at w + eps: after first_step(), run the second forward and "
+            f"backward before second_step(); the weights were restored to w and no step was taken{kept}"
+        )
+
     def _no_second_gradient(self) -> bool:
         """Whether no gradient exists, or none changed since :meth:`zero_grad` cleared them after ``first_step``. O(1)
         after ``zero_grad(set_to_none=True)``, the usual case: the first gradient found ends the search."""
         params = (p for block in self.blocks for p in block.params)
-        if not self._cleared:
+        if not self._run.cleared:
             return all(p.grad is None for p in params)
         current = self._grad_marks()
-        return len(current) == len(self._cleared) and all(
-            g is h and v == w for (g, v), (h, w) in zip(current, self._cleared)
+        return len(current) == len(self._run.cleared) and all(
+            g is h and v == w for (g, v), (h, w) in zip(current, self._run.cleared)
         )
 
     def _abandon_step(self) -> str:
         """Put ``w`` back, and the allocation state too where the step kept it; says what was not undone."""
-        self._cleared = None
-        if self._undo is not None:
+        self._run.cleared = None
+        if self._run.undo is not None:
             self.cancel_step()
             return ""
         self._backend.restore_()
@@ -468,16 +538,13 @@ class SharpnessAware(torch.optim.Optimizer):
         :class:`gearsam_fused.amp.SAMScaler`)."""
         if not self.perturbed:
             raise RuntimeError("cancel_step() called without a preceding first_step()")
-        if self._undo is None:
+        if self._run.undo is None:
             raise RuntimeError(
                 "cancel_step() needs first_step(cancellable=True), which keeps the state to roll back; the weights "
                 "still hold w + eps, so call second_step() to finish this step"
             )
         self._backend.restore_()
-        ema, self._energy, self._radius, self._last_rho, self._last_sam, schedule_state, self._next_sam = self._undo
-        self._ema.copy_(ema)
-        self._schedule_state = schedule_state
-        self._undo = None
+        self._run.roll_back()
 
     @torch.no_grad()
     def step(self, closure: Callable[[], torch.Tensor] | None = None):
@@ -535,7 +602,7 @@ class SharpnessAware(torch.optim.Optimizer):
                 loss_fn(model(x), y).backward()
             opt.second_step()
         """
-        if not self.perturbed or self._undo is None:
+        if not self.perturbed or self._run.undo is None:
             raise RuntimeError("cancel_on_error() belongs after first_step(cancellable=True), before second_step()")
         try:
             yield
@@ -548,12 +615,15 @@ class SharpnessAware(torch.optim.Optimizer):
         gradient buffer in one operation and keeps the gradients as its views, so the next ``backward`` accumulates
         straight into the buffer; ``set_to_none=True`` frees them, and the next ``first_step`` copies the fresh
         gradients in (one extra pass over the gradients)."""
-        if set_to_none:
+        if set_to_none and torch.compiler.is_compiling():
+            for p in (p for group in self.param_groups for p in group["params"]):
+                p.grad = None  # torch's zero_grad does just this, but is not traceable
+        elif set_to_none:
             super().zero_grad(set_to_none=True)
         else:
             self._backend.zero_grad_()
         if self.perturbed:  # second_step checks that a backward came after this
-            self._cleared = self._grad_marks()
+            self._run.cleared = self._grad_marks()
 
     def memory_overhead(self) -> dict[str, int]:
         """Bytes the backend holds beyond the parameters and their gradients: ``backup`` (the saved weights),
@@ -610,10 +680,10 @@ class SharpnessAware(torch.optim.Optimizer):
         state["param_groups"][0][_STATE_KEY] = {
             "rule": self.rule,
             "block_names": self.block_names,
-            "ema": self._ema.detach().cpu().clone(),
-            "energy": self._energy.detach().cpu().clone(),
-            "radius": self._radius.detach().cpu().clone(),
-            "last_rho": self._last_rho,
+            "ema": self._run.ema.detach().cpu().clone(),
+            "energy": self._run.energy.detach().cpu().clone(),
+            "radius": self._run.radius.detach().cpu().clone(),
+            "last_rho": self._run.last_rho,
             "shapes": [[tuple(p.shape) for p in b.params] for b in self.blocks],
         }
         if self.schedule is not None:
@@ -623,12 +693,12 @@ class SharpnessAware(torch.optim.Optimizer):
     def _schedule_entry(self) -> dict:
         entry = {
             "schedule": repr(self.schedule),
-            "steps_done": self._steps_done,
+            "steps_done": self._run.steps_done,
             "next_sam": self.sam_step,
-            "state": self.schedule.state_dict(self._schedule_state),
+            "state": self.schedule.state_dict(self._run.schedule_state),
         }
         if self.schedule.corrects:
-            entry["orthogonal_energy"] = self._orthogonal_energy.detach().cpu().clone()
+            entry["orthogonal_energy"] = self._run.orthogonal_energy.detach().cpu().clone()
             entry["correction"] = [t.detach().cpu().clone() for t in self._backend.correction_tensors()]
         return entry
 
@@ -638,10 +708,10 @@ class SharpnessAware(torch.optim.Optimizer):
         if self.schedule is None:
             return
         if entry is None:
-            self._steps_done, self._next_sam = 0, True
-            self._schedule_state = self.schedule.initial_state(self._ema.device)
+            self._run.steps_done, self._run.next_sam = 0, True
+            self._run.schedule_state = self.schedule.initial_state(self._run.ema.device)
             if self.schedule.corrects:
-                self._orthogonal_energy.zero_()
+                self._run.orthogonal_energy.zero_()
                 for t in self._backend.correction_tensors():
                     t.zero_()
             return
@@ -650,11 +720,11 @@ class SharpnessAware(torch.optim.Optimizer):
                 f"state dict was saved with schedule {entry['schedule']}, this optimizer has {self.schedule!r}; build "
                 "it with the same schedule to resume"
             )
-        self._steps_done, self._next_sam = int(entry["steps_done"]), bool(entry["next_sam"])
-        self._schedule_state = self.schedule.initial_state(self._ema.device)
-        self.schedule.load_state_dict(self._schedule_state, entry["state"], self._ema.device)
+        self._run.steps_done, self._run.next_sam = int(entry["steps_done"]), bool(entry["next_sam"])
+        self._run.schedule_state = self.schedule.initial_state(self._run.ema.device)
+        self.schedule.load_state_dict(self._run.schedule_state, entry["state"], self._run.ema.device)
         if self.schedule.corrects:
-            self._orthogonal_energy.copy_(entry["orthogonal_energy"])
+            self._run.orthogonal_energy.copy_(entry["orthogonal_energy"])
             for t, saved in zip(self._backend.correction_tensors(), entry["correction"], strict=True):
                 t.copy_(saved)
 
@@ -687,11 +757,13 @@ class SharpnessAware(torch.optim.Optimizer):
         self.base_optimizer.load_state_dict(state_dict)
         self.param_groups = self.base_optimizer.param_groups
         self.state = self.base_optimizer.state
+        if self._flat_step is not None:
+            self._flat_step.adopt()
         for name in ("ema", "energy", "radius"):
-            getattr(self, "_" + name).copy_(ours[name])
-        self._last_rho = float(ours["last_rho"])
+            getattr(self._run, name).copy_(ours[name])
+        self._run.last_rho = float(ours["last_rho"])
         self._load_schedule(ours.get("schedule"))
-        self._undo = None
+        self._run.undo = None
 
     def _load_plain_state_dict(self, state_dict: dict) -> None:
         """Take over the state of a plain torch optimizer (a run switched to SAM from its checkpoint): the base
@@ -710,13 +782,15 @@ class SharpnessAware(torch.optim.Optimizer):
         self.base_optimizer.load_state_dict(state_dict)
         self.param_groups = self.base_optimizer.param_groups
         self.state = self.base_optimizer.state
+        if self._flat_step is not None:
+            self._flat_step.adopt()
         for group, rho in zip(self.param_groups, rhos):
             group.setdefault("rho", rho)
-        for tensor in (self._ema, self._energy, self._radius):
+        for tensor in (self._run.ema, self._run.energy, self._run.radius):
             tensor.zero_()
-        self._last_rho = float(rhos[0])
+        self._run.last_rho = float(rhos[0])
         self._load_schedule(None)
-        self._undo = None
+        self._run.undo = None
         if self.rule == GEAR_RULE:
             warnings.warn(
                 f"loaded a state dict without a {_STATE_KEY!r} entry (saved by a plain "
@@ -725,6 +799,58 @@ class SharpnessAware(torch.optim.Optimizer):
                 UserWarning,
                 stacklevel=3,
             )
+
+
+@torch.compiler.disable
+def _eager_step(optimizer: torch.optim.Optimizer) -> None:
+    optimizer.step()
+
+
+@torch._dynamo.assume_constant_result
+def _graph_may_break() -> bool:
+    """Whether the code being compiled may break into several graphs (``fullgraph=False``), read when it is traced.
+    False when it cannot be told (a torch without the attribute read here): then nothing breaks the graph, and a
+    graph that AOT autograd cannot take fails loudly."""
+    from torch._dynamo.symbolic_convert import InstructionTranslator
+
+    tx = getattr(InstructionTranslator, "current_tx", lambda: None)()
+    return tx is not None and getattr(tx, "one_graph", True) is False
+
+
+def _own_graph() -> None:
+    """Inside a larger compiled function (a whole training step), end the graph here, so that the step's writes to
+    the flat buffers and the model's reads of the parameters, views of them, are never in one graph: AOT autograd
+    refuses graphs that write an input sharing memory with other inputs. A no-op in eager code and under
+    ``fullgraph=True``, where the step is all there is to compile."""
+    if torch.compiler.is_compiling() and _graph_may_break():
+        torch._dynamo.graph_break()
+
+
+_OPTIMIZERS: weakref.WeakValueDictionary[int, SharpnessAware] = weakref.WeakValueDictionary()
+
+
+def _register(optimizer: SharpnessAware) -> int:
+    """A key under which compiled code finds ``optimizer`` when it runs (its id, held weakly)."""
+    _OPTIMIZERS[id(optimizer)] = optimizer
+    return id(optimizer)
+
+
+# Declared as writing the gradient buffers, though it only reads them: so that it stays in the graph, before the
+# sync that copies new gradients in.
+@torch.library.custom_op("gearsam_fused::check_second_gradient_", mutates_args=("grads",))
+def check_second_gradient_(grads: list[torch.Tensor], optimizer: int) -> None:
+    """:meth:`SharpnessAware.second_step`'s check that a backward ran after ``first_step`` and an in-place
+    ``zero_grad``, made when compiled code runs; ``grads`` are the optimizer's flat gradient buffers."""
+    opt = _OPTIMIZERS.get(optimizer)
+    if opt is None:
+        raise RuntimeError("the optimizer this compiled step belongs to no longer exists")
+    if opt._no_second_gradient():
+        opt._refuse_without_second_gradient()
+
+
+@check_second_gradient_.register_fake
+def _(grads: list[torch.Tensor], optimizer: int) -> None:
+    return None
 
 
 class _Pending:

@@ -58,9 +58,9 @@ def kernel_module(backend: str):
         from gearsam_fused import triton_kernels
 
         return triton_kernels
-    from gearsam_fused import _C
+    from gearsam_fused.backends.cpp_ops import _load
 
-    return _C
+    return _load()[0]  # torch.ops.gearsam_fused
 
 
 class NoStep(torch.optim.Optimizer):

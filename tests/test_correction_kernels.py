@@ -1,6 +1,6 @@
 """The fused base steps' two extensions, on every kernel module: LookSAM's gradient correction
 ``g = fma(C(correction_scale[block]), correction, grad)`` (C rounding once to the buffers' type, the fma once), and a
-step whose ``backup`` is ``param`` itself.
+step with no ``backup`` (``None``: w is read from ``param`` itself).
 
 The oracle of the correction is exact: each element's ``scale * correction + grad`` is computed in rational arithmetic
 and rounded once to the dtype, so nothing depends on how the host rounds (a float64 sum rounded again to float32 could
@@ -103,12 +103,13 @@ def sgd_kwargs(flags: str, first: bool) -> dict:
 
 
 def run_sgd(module, backup, grad, kw: dict, device: str, buffer=None, alias=False, **extra):
-    """(param, momentum buffer) after one sgd_step_ from backup (param itself if alias, else NaN-filled param)."""
+    """(param, momentum buffer) after one sgd_step_ from backup (from param itself, backup None, if alias; else into a
+    NaN-filled param)."""
     param = backup.to(device, copy=True) if alias else torch.full_like(backup, float("nan"), device=device)
     if kw["momentum"]:
         buffer = (torch.randn(N, generator=torch.Generator().manual_seed(2)) if buffer is None else buffer).to(grad)
         buffer = buffer.to(device, copy=True)
-    module.sgd_step_(param, grad.to(device), param if alias else backup.to(device), buffer, **kw, **extra)
+    module.sgd_step_(param, grad.to(device), None if alias else backup.to(device), buffer, **kw, **extra)
     return param.cpu(), None if buffer is None else buffer.cpu()
 
 
@@ -128,7 +129,7 @@ def run_adam(module, backup, grad, kw: dict, device: str, alias=False, **extra):
     state.append(state[1] * 1.5 if kw["amsgrad"] else None)
     state = [None if s is None else s.to(device, grad.dtype) for s in state]
     param = backup.to(device, copy=True) if alias else torch.full_like(backup, float("nan"), device=device)
-    module.adam_step_(param, grad.to(device), param if alias else backup.to(device), *state, **kw, **extra)
+    module.adam_step_(param, grad.to(device), None if alias else backup.to(device), *state, **kw, **extra)
     return [None if t is None else t.cpu() for t in (param, *state)]
 
 
@@ -182,7 +183,7 @@ def test_corrected_adam_is_adam_on_the_corrected_gradient(backend, device, flags
     assert_bitwise(got, run_adam(module, backup, corrected_grad(dtype), kw, device))
 
 
-# ------------------------------------------------------------------------------------------- backup is param
+# ------------------------------------------------------------------------------------------- no backup
 @pytest.mark.parametrize("corrected", [False, True], ids=["plain", "corrected"])
 @pytest.mark.parametrize("dtype", FLOATS, ids=str)
 @pytest.mark.parametrize("backend,device", KERNELS)
@@ -269,15 +270,13 @@ def test_a_wrong_correction_buffer_is_refused_by_name(backend, device, call, wro
 def test_both_modules_refuse_with_the_same_words():
     if not (cpp_installed() and triton_installed()):
         pytest.skip("needs both kernel modules")
-    from gearsam_fused import _C, triton_kernels
-
     args = correction_args(torch.float32, "cpu")
     cases = [{"correction": args["correction"]}, {**args, "tile_block": args["tile_block"][:-1]}]
     cases += [{**args, k: v} for k, (v, _) in WRONG.items()]
     for extra in cases:
         for call in (_sgd_call, _adam_call):
             messages = []
-            for module in (triton_kernels, _C):
+            for module in (kernel_module("triton"), kernel_module("cpp")):
                 with pytest.raises(ValueError) as info:
                     call(module, **extra)
                 messages.append(str(info.value))

@@ -1,6 +1,8 @@
 """The compiled extension (``gearsam_fused._C``, sources in ``csrc/``): that it is built, that its CPU results do not
-depend on the number of threads, that a missing build says how to build it, and that every CUDA source compiles for
-Hopper. Its parity with the reference backend runs with the other backends in test_kernels.py and test_engine.py."""
+depend on the number of threads, that a missing build says how to build it, what its operators do with tensors they
+have no kernel for, and that every CUDA source compiles for Hopper. The operators' schemas and fakes are tested in
+test_library_ops.py; their parity with the reference backend runs with the other backends in test_kernels.py and
+test_engine.py."""
 
 import concurrent.futures
 import copy
@@ -99,7 +101,7 @@ def test_any_number_of_threads_gives_bitwise_identical_runs(cls, adaptive, base)
 def test_any_number_of_threads_gives_bitwise_identical_kernels():
     """The launchers themselves, on a bucket of 64 tiles in 3 uneven blocks, in every floating dtype, on 1, 2, 3
     and 4 threads: energy, allocation, perturbation, and (float32, float64) the fused SGD and Adam steps."""
-    from gearsam_fused import _C
+    kernels = torch.ops.gearsam_fused
 
     tile, tiles_per_block = 2048, torch.tensor([1, 40, 23])
     block_tiles = torch.cat([torch.zeros(1, dtype=torch.int64), tiles_per_block.cumsum(0)])
@@ -117,19 +119,19 @@ def test_any_number_of_threads_gives_bitwise_identical_kernels():
                 torch.set_num_threads(threads)
                 w, grad = base_w.to(dtype, copy=True), base_g.to(dtype, copy=True)
                 partials = torch.empty(64, dtype=torch.float64)
-                energy = _C.block_energy(grad, w, block_tiles, partials, tile=tile, adaptive=True, eta=0.01)
+                energy = kernels.block_energy(grad, w, block_tiles, partials, tile=tile, adaptive=True, eta=0.01)
                 smoothed = ema.clone()
-                scale, radius = _C.allocate(energy, smoothed, gear=True, rho=0.05, beta=0.9, delta=1e-12)
+                scale, radius = kernels.allocate(energy, smoothed, gear=True, rho=0.05, beta=0.9, delta=1e-12)
                 backup = torch.empty_like(w)
-                _C.perturb_(w, grad, backup, scale, tile_block, tile=tile, adaptive=True, eta=0.01)
+                kernels.perturb_(w, grad, backup, scale, tile_block, tile=tile, adaptive=True, eta=0.01)
                 results.append([energy, partials, smoothed, scale, radius, backup, w])
                 if dtype in (torch.float32, torch.float64):  # the base step's dtypes
                     sgd, buf = w.clone(), (base_g * 0.5).to(dtype)
-                    _C.sgd_step_(sgd, grad, backup, buf, tile=tile, lr=0.1, weight_decay=5e-4, momentum=0.9,
-                                 dampening=0.0, nesterov=True, maximize=False, first=False)  # fmt: skip
+                    kernels.sgd_step_(sgd, grad, backup, buf, tile=tile, lr=0.1, weight_decay=5e-4, momentum=0.9,
+                                      dampening=0.0, nesterov=True, maximize=False, first=False)  # fmt: skip
                     moments = [(base_g * c).abs().to(dtype) for c in (0.1, 0.01, 0.02)]
                     adam = w.clone()
-                    _C.adam_step_(adam, grad, backup, *moments, tile=tile, **adam_kw)
+                    kernels.adam_step_(adam, grad, backup, *moments, tile=tile, **adam_kw)
                     results[-1] += [sgd, buf, adam, *moments]
             for threads, other in zip(THREADS[1:], results[1:]):
                 for a, b in zip(results[0], other):
@@ -145,6 +147,7 @@ def test_buffers_past_the_last_level_cache_stream_their_outputs_to_the_same_bits
     on 1 and 2 threads, float64), with a length that is no multiple of the kernels' runs."""
     from gearsam_fused import _C
 
+    kernels = torch.ops.gearsam_fused
     threshold = _C.cpu_stream_threshold_bytes()
     if threshold < 0:
         pytest.skip("this CPU has no non-temporal stores: the kernels never stream")
@@ -160,11 +163,11 @@ def test_buffers_past_the_last_level_cache_stream_their_outputs_to_the_same_bits
             torch.set_num_threads(threads)
             w, backup = w0.clone(), torch.empty_like(w0)
             scale = torch.tensor([0.01], dtype=torch.float64)
-            _C.perturb_(w, grad, backup, scale, torch.zeros(n // tile, dtype=torch.int32), tile=tile, adaptive=False,
-                        eta=0.0)  # fmt: skip
+            kernels.perturb_(w, grad, backup, scale, torch.zeros(n // tile, dtype=torch.int32), tile=tile,
+                             adaptive=False, eta=0.0)  # fmt: skip
             assert torch.equal(backup, w0)
             assert torch.equal(w, w0 + grad * torch.tensor(0.01, dtype=dtype))
-            _C.restore_(w, backup, tile=tile)
+            kernels.restore_(w, backup, tile=tile)
             assert torch.equal(w, w0)
 
             p = torch.nn.Parameter(w0.clone())
@@ -173,8 +176,8 @@ def test_buffers_past_the_last_level_cache_stream_their_outputs_to_the_same_bits
             sgd.state[p] = {"momentum_buffer": grad * 0.5}
             sgd.step()
             out, buf = torch.full_like(w0, float("nan")), grad * 0.5
-            _C.sgd_step_(out, grad, w0, buf, tile=tile, lr=0.1, weight_decay=5e-4, momentum=0.9, dampening=0.0,
-                         nesterov=False, maximize=False, first=False)  # fmt: skip
+            kernels.sgd_step_(out, grad, w0, buf, tile=tile, lr=0.1, weight_decay=5e-4, momentum=0.9, dampening=0.0,
+                              nesterov=False, maximize=False, first=False)  # fmt: skip
             assert torch.equal(out, p.detach()) and torch.equal(buf, sgd.state[p]["momentum_buffer"])
 
             p = torch.nn.Parameter(w0.clone())
@@ -182,9 +185,10 @@ def test_buffers_past_the_last_level_cache_stream_their_outputs_to_the_same_bits
             adamw = torch.optim.AdamW([p], lr=1e-3, weight_decay=0.01, foreach=False)
             adamw.step()
             out, m, v = torch.full_like(w0, float("nan")), torch.zeros_like(w0), torch.zeros_like(w0)
-            _C.adam_step_(out, grad, w0, m, v, None, tile=tile, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01,
-                          decoupled=True, amsgrad=False, maximize=False, step_size=1e-3 / (1 - 0.9),
-                          bias_correction2_sqrt=(1 - 0.999) ** 0.5, decay=1 - 1e-3 * 0.01)  # fmt: skip
+            kernels.adam_step_(out, grad, w0, m, v, None, tile=tile, beta1=0.9, beta2=0.999, eps=1e-8,
+                               weight_decay=0.01, decoupled=True, amsgrad=False, maximize=False,
+                               step_size=1e-3 / (1 - 0.9), bias_correction2_sqrt=(1 - 0.999) ** 0.5,
+                               decay=1 - 1e-3 * 0.01)  # fmt: skip
             state = adamw.state[p]
             assert torch.equal(out, p.detach())
             assert torch.equal(m, state["exp_avg"]) and torch.equal(v, state["exp_avg_sq"])
@@ -207,10 +211,26 @@ def test_cpu_only_build_refuses_cuda_parameters():
         ValueError, match=r"built without CUDA kernels, but parameters are on CUDA; reinstall with nvcc"
     ):
         resolve_backend_name("cpp", {torch.device("cuda", 0)})
-    from gearsam_fused import _C
+    # the operators' CUDA key is registered in every build, so a direct call says the same instead of "could not run"
+    assert torch._C._dispatch_has_kernel_for_dispatch_key("gearsam_fused::restore_", "CUDA")
+    if torch.cuda.is_available():
+        with pytest.raises(ValueError, match="has no CUDA kernels; reinstall with nvcc on PATH"):
+            torch.ops.gearsam_fused.restore_(torch.empty(8, device="cuda"), torch.empty(8, device="cuda"), tile=8)
 
-    with pytest.raises(ValueError, match="tensors on meta are not supported"):
-        _C.restore_(torch.empty(8, device="meta"), torch.empty(8, device="meta"), tile=8)
+
+@needs_cpp
+def test_operators_check_meta_tensors_and_refuse_tensors_they_have_no_kernel_for():
+    """Meta tensors run the fake implementation (gearsam_fused/backends/cpp_library.py): the checks, no data. A kind of
+    tensor with neither a kernel nor a fake, such as a sparse one, is refused by the dispatcher, naming the operator."""
+    kernels = cpp_ops._load()[0]
+    meta = torch.empty(8, device="meta")
+    kernels.restore_(meta, torch.empty(8, device="meta"), tile=8)
+    with pytest.raises(ValueError, match=r"param has 8 elements, not a multiple of the tile \(3\)"):
+        kernels.restore_(meta, torch.empty(8, device="meta"), tile=3)
+    sparse = torch.zeros(8).to_sparse()
+    with pytest.raises(NotImplementedError, match="Could not run 'gearsam_fused::restore_' with arguments from the "
+                       "'SparseCPU' backend"):  # fmt: skip
+        kernels.restore_(sparse, sparse.clone(), tile=8)
 
 
 # ------------------------------------------------------------------------------------------- CUDA sources

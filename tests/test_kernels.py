@@ -215,7 +215,8 @@ def test_launchers_name_the_bad_buffer(backend, device):
             adaptive=False,
             eta=0.0,
         )
-    with pytest.raises(TypeError, match="gear"):
+    # a registered op's schema refuses a non-bool before the launcher runs: the dispatcher's error names the argument
+    with pytest.raises((TypeError, RuntimeError), match="gear"):
         k.allocate(
             torch.zeros(2, dtype=torch.float64),
             torch.zeros(2, dtype=torch.float64),

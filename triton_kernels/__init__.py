@@ -19,6 +19,29 @@ adam_step\\_       w = backup, then torch's Adam(W) step on w and its moments  1
 Kernels that do arithmetic are launched with ``enable_fp_fusion=False``: no multiply-add is contracted into an FMA,
 so ``w + scale * g`` rounds exactly like the unfused formula of the reference backend, on every Triton version.
 
+Each launcher is a ``torch.library.triton_op`` of the same name in the ``gearsam_fused_triton`` namespace
+(``torch.ops.gearsam_fused_triton.perturb_``), called as the function it replaces, so that torch.compile, fake tensors
+and functionalisation see it as one operator with its mutations declared:
+
+================  ==============================================
+op                mutates
+================  ==============================================
+block_energy      partials
+allocate          ema
+perturb\\_         param, backup
+restore\\_         param
+sgd_step\\_        param, momentum_buffer
+adam_step\\_       param, exp_avg, exp_avg_sq, max_exp_avg_sq
+================  ==============================================
+
+Its kernels are launched through ``torch.library.wrap_triton``. Functionalisation keeps each op whole
+(``_common.kept_whole``) instead of tracing into its kernels, because of the launch option above: eagerly, and in
+make_fx or aot_eager graphs, ``enable_fp_fusion=False`` reaches Triton's launch (wrap_triton passes launch keywords
+on), but Inductor compiles a traced user kernel itself with its own options, takes nothing of the launch's, and
+leaves Triton's default FMA contraction on. Kept whole, a compiled graph calls the op, and the op launches its
+kernels as eager code does. A tensor argument of an op cannot be keyword-only, so the base steps take
+``correction``, ``correction_scale`` and ``tile_block`` positionally or by keyword, before the scalars.
+
 Kernels that read ASAM's ``eta`` receive it twice, as ``eta32`` (a ``tl.float32`` argument) and ``eta64`` (a
 ``tl.float64`` one), and use the one of their compute precision, chosen at compile time. The reference adds ``eta``
 to ``|w|`` in the compute precision, so a float32 kernel must add ``eta`` rounded to float32 (a float64 ``eta`` would

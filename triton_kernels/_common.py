@@ -1,31 +1,11 @@
-"""Launcher-side checks: a kernel given the wrong buffer fails here with a message, not with garbage."""
+"""What the launchers share: their buffer checks (worded once, in :mod:`gearsam_fused.checks`), the compute type, and
+how they are registered as operators."""
 
 from __future__ import annotations
 
 import torch
 
-
-def check_flat(name: str, t: torch.Tensor, tile: int | None = None, dtype: torch.dtype | None = None,
-               device: torch.device | None = None) -> None:  # fmt: skip
-    if device is not None and t.device != device:
-        raise ValueError(f"{name} is on {t.device}, the buffers on {device}")
-    if not t.is_contiguous() or t.dim() != 1:
-        raise ValueError(f"{name} must be a contiguous 1-D tensor, got shape {tuple(t.shape)}, strides {t.stride()}")
-    if tile is not None and t.numel() % tile:
-        raise ValueError(f"{name} has {t.numel()} elements, not a multiple of the tile ({tile})")
-    if dtype is not None and t.dtype != dtype:
-        raise ValueError(f"{name} must be {dtype}, got {t.dtype}")
-
-
-def check_same(name: str, t: torch.Tensor, like_name: str, like: torch.Tensor) -> None:
-    """A buffer read or written beside ``like``: flat itself (a strided view of the right length would be read as if
-    it were contiguous), then of ``like``'s shape, dtype and device."""
-    check_flat(name, t)
-    if t.shape != like.shape or t.dtype != like.dtype or t.device != like.device:
-        raise ValueError(
-            f"{name} ({t.dtype} {tuple(t.shape)} on {t.device}) must match {like_name} "
-            f"({like.dtype} {tuple(like.shape)} on {like.device})"
-        )
+from ..checks import check_flat, check_same  # noqa: F401  (the launchers' checks, worded once)
 
 
 def compute_type(dtype: torch.dtype):
@@ -33,3 +13,38 @@ def compute_type(dtype: torch.dtype):
     import triton.language as tl
 
     return tl.float64 if dtype == torch.float64 else tl.float32
+
+
+# ------------------------------------------------------------------------------------------- registration
+#: The torch.library namespace of the launchers: ``torch.ops.gearsam_fused_triton.perturb_`` and so on.
+NAMESPACE = "gearsam_fused_triton"
+
+
+def launches(kernel, tensor: torch.Tensor) -> bool:
+    """Whether a launcher given ``tensor`` runs ``kernel`` now: not when the tensor is fake and the kernel interpreted.
+
+    A registered launcher is also the op's fake implementation, run on fake tensors by torch.compile and opcheck. On
+    the GPU ``wrap_triton`` turns the launch into a traceable call that does nothing on fake tensors; Triton's
+    interpreter has no such call (``wrap_triton`` hands an interpreted kernel back as it is), and it would read the
+    fake tensors' data."""
+    from torch._subclasses.fake_tensor import is_fake
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return not (is_fake(tensor) and isinstance(kernel, InterpretedFunction))
+
+
+def _call_whole(mode, op, types, args, kwargs):
+    """The op handed to functionalisation as one operator, as torch.export hands over a ``triton_op``."""
+    return mode.__torch_dispatch__(op, types, args, kwargs)
+
+
+def kept_whole(op):
+    """``op`` (a ``triton_op``), functionalised as one operator rather than traced into its kernels.
+
+    Traced into, its kernels would be compiled by Inductor, which takes none of their launch options: FMA contraction
+    would be back on (see the package docstring); under the interpreter they would not be traced at all (see
+    :func:`launches`). Kept whole, a compiled graph calls the op, which launches its kernels as eager code does."""
+    from torch._subclasses.functional_tensor import FunctionalTensorMode
+
+    op.register_torch_dispatch(FunctionalTensorMode, _call_whole)
+    return op

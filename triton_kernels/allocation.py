@@ -25,8 +25,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from torch.library import triton_op, wrap_triton
 
-from ._common import check_flat, check_same
+from ._common import NAMESPACE, check_flat, check_same, kept_whole, launches
 
 #: Blocks handled per loop iteration.
 _CHUNK = 1024
@@ -84,18 +85,19 @@ def _allocate_kernel(energy_ptr, ema_ptr, scale_ptr, radius_ptr, n_blocks, rho: 
         tl.store(scale_ptr + offsets, scale, mask=mask)
 
 
+@kept_whole
+@triton_op(f"{NAMESPACE}::allocate", mutates_args=("ema",))
 def allocate(energy: torch.Tensor, ema: torch.Tensor, *, gear: bool, rho: float, beta: float,
              delta: float) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """``(scale, radius)``, float64 ``[B]``, by the GEAR rule (``gear``, updates ``ema`` in place) or the SAM rule."""
-    if not isinstance(gear, bool):
-        raise TypeError(f"gear must be a bool, got {gear!r}")
+    """``(scale, radius)``, float64 ``[B]``, by the GEAR rule (``gear``, updates ``ema`` in place) or the SAM rule.
+    ``gear`` is a bool by the op's schema: the dispatcher refuses anything else before this runs."""
     check_flat("energy", energy, dtype=torch.float64)
     check_same("ema", ema, "energy", energy)
     scale = torch.empty_like(energy)
     radius = torch.empty_like(energy)
     n_blocks = energy.numel()
-    if n_blocks:
-        _allocate_kernel[(1,)](
+    if n_blocks and launches(_allocate_kernel, energy):
+        wrap_triton(_allocate_kernel)[(1,)](
             energy,
             ema,
             scale,

@@ -1,9 +1,10 @@
 """SAM's restore folded into the base optimizer's update: one pass over a flat bucket after the second backward.
 
 ``param`` holds ``w + eps`` and ``backup`` holds ``w``; each kernel reads ``backup`` (never ``param``), applies torch's
-update to it and writes ``param`` and the optimizer state. ``backup`` may also be ``param`` itself, for a step from
-the current weights: a program reads each element before it writes it. C is the buffers' dtype (float32 or float64),
-``C(x)`` a host scalar rounded once to C, ``fma`` a single rounding; every other operation rounds on its own::
+update to it and writes ``param`` and the optimizer state. ``backup=None`` is a step from the current weights, with no
+perturbation to undo: ``w`` is read from ``param`` itself, each element before it is written (a registered op may not
+take one tensor twice when it writes it). C is the buffers' dtype (float32 or float64), ``C(x)`` a host scalar
+rounded once to C, ``fma`` a single rounding; every other operation rounds on its own::
 
     both:        g = fma(C(c[block]), correction, grad) if correction     (LookSAM; c = correction_scale, per tile)
     sgd_step_:   g = ±g;  g = fma(C(wd), w, g) if wd
@@ -27,11 +28,15 @@ share the same body.
 
 from __future__ import annotations
 
+import math
+import struct
+
 import torch
 import triton
 import triton.language as tl
+from torch.library import triton_op, wrap_triton
 
-from ._common import check_flat, check_same, compute_type
+from ._common import NAMESPACE, check_flat, check_same, compute_type, kept_whole, launches
 
 
 @triton.jit
@@ -83,7 +88,7 @@ def _sgd_tile(param_ptr, grad_ptr, backup_ptr, buf_ptr, corr_ptr, cscale_ptr, ti
     HAS_WEIGHT_DECAY; with HAS_MOMENTUM: buf = g if FIRST else fma(keep, g, buf * momentum), d = fma(momentum, buf, g)
     if NESTEROV else buf;  without: d = g.  param = fma(neg_lr, d, w).  keep is 1 - dampening, neg_lr is -lr."""
     offsets = tl.program_id(0).to(tl.int64) * TILE + tl.arange(0, TILE)
-    w = tl.load(backup_ptr + offsets)  # loaded before param is stored: backup may be param
+    w = tl.load(backup_ptr + offsets)  # loaded before param is stored: backup_ptr is param_ptr for backup=None
     g = _step_grad(grad_ptr, corr_ptr, cscale_ptr, tile_block_ptr, offsets, CORRECTED, COMPUTE)
     if MAXIMIZE:
         g = -g  # a sign flip, as torch's neg: +0 becomes -0
@@ -139,7 +144,7 @@ def _adam_tile(param_ptr, grad_ptr, backup_ptr, exp_avg_ptr, exp_avg_sq_ptr, max
     v = fma(keep2 * g, g, v * beta2);  vmax = max(vmax, v) if AMSGRAD;
     param = w + (neg_step * m) / (sqrt(vmax if AMSGRAD else v) / bc2 + eps).  wt is 1 - beta1, keep2 is 1 - beta2."""
     offsets = tl.program_id(0).to(tl.int64) * TILE + tl.arange(0, TILE)
-    w = tl.load(backup_ptr + offsets)  # loaded before param is stored: backup may be param
+    w = tl.load(backup_ptr + offsets)  # loaded before param is stored: backup_ptr is param_ptr for backup=None
     g = _step_grad(grad_ptr, corr_ptr, cscale_ptr, tile_block_ptr, offsets, CORRECTED, COMPUTE)
     if MAXIMIZE:
         g = -g
@@ -237,18 +242,28 @@ def _check_correction(param: torch.Tensor, tile: int, correction: torch.Tensor |
 
 
 def _in_compute(x: float, dtype: torch.dtype) -> float:
-    """x rounded to ``dtype`` (float32 or float64), back as a Python float."""
-    return torch.tensor(x, dtype=torch.float64).to(dtype).item()
+    """x rounded to ``dtype`` (float32 or float64), back as a Python float. Host arithmetic, no tensor: the launcher
+    also runs as the op's fake implementation."""
+    if dtype == torch.float64:
+        return float(x)
+    try:
+        return struct.unpack("f", struct.pack("f", x))[0]  # the C cast: round to nearest-even
+    except OverflowError:  # rounds past float32's largest value
+        return math.copysign(math.inf, x)
 
 
-def sgd_step_(param: torch.Tensor, grad: torch.Tensor, backup: torch.Tensor, momentum_buffer: torch.Tensor | None,
-              *, tile: int, lr: float, weight_decay: float, momentum: float, dampening: float, nesterov: bool,
-              maximize: bool, first: bool, correction: torch.Tensor | None = None,
-              correction_scale: torch.Tensor | None = None, tile_block: torch.Tensor | None = None) -> None:  # fmt: skip
-    """``param`` <- torch's SGD step taken from ``backup`` (which may be ``param`` itself); ``momentum_buffer`` (given
-    iff ``momentum != 0``) updated in place, and only written, not read, on the ``first`` step. ``grad`` and ``backup``
-    are only read. With ``correction``, ``correction_scale`` (float64 ``[B]``) and ``tile_block`` (int32 per tile),
-    all or none, the step's gradient is ``fma(C(correction_scale[block]), correction, grad)`` (LookSAM)."""
+@kept_whole
+@triton_op(f"{NAMESPACE}::sgd_step_", mutates_args=("param", "momentum_buffer"))
+def sgd_step_(param: torch.Tensor, grad: torch.Tensor, backup: torch.Tensor | None,
+              momentum_buffer: torch.Tensor | None, correction: torch.Tensor | None = None,
+              correction_scale: torch.Tensor | None = None, tile_block: torch.Tensor | None = None, *, tile: int,
+              lr: float, weight_decay: float, momentum: float, dampening: float, nesterov: bool, maximize: bool,
+              first: bool) -> None:  # fmt: skip
+    """``param`` <- torch's SGD step taken from ``backup`` (from ``param`` itself if ``backup`` is None);
+    ``momentum_buffer`` (given iff ``momentum != 0``) updated in place, and only written, not read, on the ``first``
+    step. ``grad`` and ``backup`` are only read. With ``correction``, ``correction_scale`` (float64 ``[B]``) and
+    ``tile_block`` (int32 per tile), all or none, the step's gradient is ``fma(C(correction_scale[block]),
+    correction, grad)`` (LookSAM). Tensors are positional-or-keyword: a registered op takes no keyword-only tensor."""
     _check_base_buffers(param, tile, grad=grad, backup=backup, momentum_buffer=momentum_buffer)
     if (momentum_buffer is None) != (momentum == 0):
         raise ValueError(
@@ -257,15 +272,15 @@ def sgd_step_(param: torch.Tensor, grad: torch.Tensor, backup: torch.Tensor, mom
         )
     corrected = _check_correction(param, tile, correction, correction_scale, tile_block)
     n_tiles = param.numel() // tile
-    if not n_tiles:
+    kernel = _sgd_corrected_kernel if corrected else _sgd_kernel
+    if not n_tiles or not launches(kernel, param):
         return
     # the differences are taken in double, as torch takes them, and rounded to C in the kernel
     neg_lr, keep = -lr, 1.0 - dampening
-    kernel = _sgd_corrected_kernel if corrected else _sgd_kernel
-    kernel[(n_tiles,)](
+    wrap_triton(kernel)[(n_tiles,)](
         param,
         grad,
-        backup,
+        param if backup is None else backup,
         param if momentum_buffer is None else momentum_buffer,  # a placeholder pointer, never dereferenced
         *corrected,
         neg_lr,
@@ -287,16 +302,18 @@ def sgd_step_(param: torch.Tensor, grad: torch.Tensor, backup: torch.Tensor, mom
     )
 
 
-def adam_step_(param: torch.Tensor, grad: torch.Tensor, backup: torch.Tensor, exp_avg: torch.Tensor,
-               exp_avg_sq: torch.Tensor, max_exp_avg_sq: torch.Tensor | None, *, tile: int, beta1: float,
-               beta2: float, eps: float, weight_decay: float, decoupled: bool, amsgrad: bool, maximize: bool,
-               step_size: float, bias_correction2_sqrt: float, decay: float, correction: torch.Tensor | None = None,
-               correction_scale: torch.Tensor | None = None, tile_block: torch.Tensor | None = None) -> None:  # fmt: skip
-    """``param`` <- torch's Adam (AdamW if ``decoupled``) step taken from ``backup`` (which may be ``param`` itself);
-    the moments (and ``max_exp_avg_sq``, given iff ``amsgrad``) updated in place. The caller computes, in double as
-    torch does, ``step_size = lr / (1 - beta1**step)``, ``bias_correction2_sqrt = (1 - beta2**step)**0.5`` and
-    ``decay = 1 - lr * weight_decay`` (used by AdamW only). ``correction``, ``correction_scale`` and ``tile_block``
-    as for :func:`sgd_step_`."""
+@kept_whole
+@triton_op(f"{NAMESPACE}::adam_step_", mutates_args=("param", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"))
+def adam_step_(param: torch.Tensor, grad: torch.Tensor, backup: torch.Tensor | None, exp_avg: torch.Tensor,
+               exp_avg_sq: torch.Tensor, max_exp_avg_sq: torch.Tensor | None, correction: torch.Tensor | None = None,
+               correction_scale: torch.Tensor | None = None, tile_block: torch.Tensor | None = None, *, tile: int,
+               beta1: float, beta2: float, eps: float, weight_decay: float, decoupled: bool, amsgrad: bool,
+               maximize: bool, step_size: float, bias_correction2_sqrt: float, decay: float) -> None:  # fmt: skip
+    """``param`` <- torch's Adam (AdamW if ``decoupled``) step taken from ``backup`` (from ``param`` itself if
+    ``backup`` is None); the moments (and ``max_exp_avg_sq``, given iff ``amsgrad``) updated in place. The caller
+    computes, in double as torch does, ``step_size = lr / (1 - beta1**step)``, ``bias_correction2_sqrt =
+    (1 - beta2**step)**0.5`` and ``decay = 1 - lr * weight_decay`` (used by AdamW only). ``correction``,
+    ``correction_scale`` and ``tile_block`` as for :func:`sgd_step_`."""
     _check_base_buffers(
         param,
         tile,
@@ -313,14 +330,14 @@ def adam_step_(param: torch.Tensor, grad: torch.Tensor, backup: torch.Tensor, ex
         )
     corrected = _check_correction(param, tile, correction, correction_scale, tile_block)
     n_tiles = param.numel() // tile
-    if not n_tiles:
+    kernel = _adam_corrected_kernel if corrected else _adam_kernel
+    if not n_tiles or not launches(kernel, param):
         return
     wt, keep2, neg_step = 1.0 - beta1, 1.0 - beta2, -step_size
-    kernel = _adam_corrected_kernel if corrected else _adam_kernel
-    kernel[(n_tiles,)](
+    wrap_triton(kernel)[(n_tiles,)](
         param,
         grad,
-        backup,
+        param if backup is None else backup,
         exp_avg,
         exp_avg_sq,
         exp_avg_sq if max_exp_avg_sq is None else max_exp_avg_sq,  # a placeholder pointer, never dereferenced

@@ -13,8 +13,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from torch.library import triton_op, wrap_triton
 
-from ._common import check_flat, check_same, compute_type
+from ._common import NAMESPACE, check_flat, check_same, compute_type, kept_whole, launches
 
 #: Tiles summed per loop iteration of the per-block reduction.
 _BLOCK_CHUNK = 256
@@ -46,12 +47,14 @@ def _block_sum_kernel(partial_ptr, block_tiles_ptr, energy_ptr, CHUNK: tl.conste
     tl.store(energy_ptr + block, tl.sum(acc, axis=0))
 
 
+@kept_whole
+@triton_op(f"{NAMESPACE}::block_energy", mutates_args=("partials",))
 def block_energy(grad: torch.Tensor, param: torch.Tensor, block_tiles: torch.Tensor, partials: torch.Tensor, *,
                  tile: int, adaptive: bool, eta: float) -> torch.Tensor:  # fmt: skip
     """float64 ``[B]``: ``e_b`` of every block of the bucket (``B = len(block_tiles) - 1``).
 
     ``grad`` and ``param`` are the bucket's flat buffers (``param`` is read only when ``adaptive``); ``partials`` is
-    float64 scratch with one entry per tile.
+    float64 scratch with one entry per tile, overwritten.
     """
     check_flat("grad", grad, tile)
     check_same("param", param, "grad", grad)
@@ -62,8 +65,8 @@ def block_energy(grad: torch.Tensor, param: torch.Tensor, block_tiles: torch.Ten
         raise ValueError(f"partials has {partials.numel()} entries for {n_tiles} tiles")
     n_blocks = block_tiles.numel() - 1
     energy = torch.empty(n_blocks, dtype=torch.float64, device=grad.device)
-    if n_tiles:
-        _tile_energy_kernel[(n_tiles,)](
+    if n_tiles and launches(_tile_energy_kernel, grad):
+        wrap_triton(_tile_energy_kernel)[(n_tiles,)](
             grad,
             param,
             partials,
@@ -74,6 +77,6 @@ def block_energy(grad: torch.Tensor, param: torch.Tensor, block_tiles: torch.Ten
             ACC=compute_type(grad.dtype),
             enable_fp_fusion=False,
         )
-    if n_blocks:
-        _block_sum_kernel[(n_blocks,)](partials, block_tiles, energy, CHUNK=_BLOCK_CHUNK)
+    if n_blocks and launches(_block_sum_kernel, grad):
+        wrap_triton(_block_sum_kernel)[(n_blocks,)](partials, block_tiles, energy, CHUNK=_BLOCK_CHUNK)
     return energy

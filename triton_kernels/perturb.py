@@ -12,8 +12,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from torch.library import triton_op, wrap_triton
 
-from ._common import check_flat, check_same, compute_type
+from ._common import NAMESPACE, check_flat, check_same, compute_type, kept_whole, launches
 
 
 @triton.jit
@@ -57,6 +58,8 @@ def _restore_kernel(param_ptr, backup_ptr, TILE: tl.constexpr):
     tl.store(param_ptr + offsets, tl.load(backup_ptr + offsets))
 
 
+@kept_whole
+@triton_op(f"{NAMESPACE}::perturb_", mutates_args=("param", "backup"))
 def perturb_(param: torch.Tensor, grad: torch.Tensor, backup: torch.Tensor, scale: torch.Tensor,
              tile_block: torch.Tensor, *, tile: int, adaptive: bool, eta: float) -> None:  # fmt: skip
     """In place on ``param`` (saving it to ``backup``); ``scale`` is float64 ``[B]``, ``tile_block`` int32 per tile."""
@@ -68,8 +71,8 @@ def perturb_(param: torch.Tensor, grad: torch.Tensor, backup: torch.Tensor, scal
     n_tiles = param.numel() // tile
     if tile_block.numel() != n_tiles:
         raise ValueError(f"tile_block has {tile_block.numel()} entries for {n_tiles} tiles")
-    if n_tiles:
-        _perturb_kernel[(n_tiles,)](
+    if n_tiles and launches(_perturb_kernel, param):
+        wrap_triton(_perturb_kernel)[(n_tiles,)](
             param,
             grad,
             backup,
@@ -84,10 +87,12 @@ def perturb_(param: torch.Tensor, grad: torch.Tensor, backup: torch.Tensor, scal
         )
 
 
+@kept_whole
+@triton_op(f"{NAMESPACE}::restore_", mutates_args=("param",))
 def restore_(param: torch.Tensor, backup: torch.Tensor, *, tile: int) -> None:
     """``param`` takes back the bits saved in ``backup``."""
     check_flat("param", param, tile)
     check_same("backup", backup, "param", param)
     n_tiles = param.numel() // tile
-    if n_tiles:
-        _restore_kernel[(n_tiles,)](param, backup, TILE=tile)
+    if n_tiles and launches(_restore_kernel, param):
+        wrap_triton(_restore_kernel)[(n_tiles,)](param, backup, TILE=tile)

@@ -1,14 +1,15 @@
 """The ``cpp`` backend: the compiled kernels of ``gearsam_fused._C`` (sources in ``csrc/``) over flat buckets.
 
 CPU kernels (threaded with ATen's ``parallel_for``, deterministic for any number of threads) are built wherever a C++
-compiler is found at install time; CUDA kernels are added when torch is a CUDA build and nvcc is found. The launchers
-have the same names and arguments as the Triton ones, so the step is the same four operations per bucket.
+compiler is found at install time; CUDA kernels are added when torch is a CUDA build and nvcc is found. Importing the
+extension registers the kernels as the operators ``torch.ops.gearsam_fused.*`` (``csrc/library.cpp``; their fakes, for
+torch.compile and fake tensors, in :mod:`.cpp_library`), which have the same names and arguments as the Triton
+launchers, so the step is the same four operations per bucket.
 """
 
 from __future__ import annotations
 
 import functools
-from types import ModuleType
 
 import torch
 
@@ -23,13 +24,14 @@ BUILD_HINT = (
 
 
 @functools.cache
-def _load() -> tuple[ModuleType | None, str]:
-    """The compiled module, or None and why it could not be imported."""
+def _load() -> tuple[torch._ops._OpNamespace | None, str]:
+    """The kernel module, ``torch.ops.gearsam_fused`` (its operators registered, their fakes too), or None and why
+    the extension could not be imported."""
     try:
-        from .. import _C
+        from . import cpp_library  # noqa: F401  (imports _C, which registers the operators; then their fakes)
     except ImportError as exc:
         return None, str(exc)
-    return _C, ""
+    return torch.ops.gearsam_fused, ""
 
 
 def cpp_installed() -> bool:
@@ -37,8 +39,11 @@ def cpp_installed() -> bool:
 
 
 def cpp_built_with_cuda() -> bool:
-    module = _load()[0]
-    return module is not None and module.built_with_cuda()
+    if _load()[0] is None:
+        return False
+    from .. import _C
+
+    return _C.built_with_cuda()
 
 
 class CppBackend(KernelBackend):
@@ -60,7 +65,7 @@ class CppBackend(KernelBackend):
             raise ValueError(
                 f"backend 'cpp' runs on CPU and CUDA tensors, but parameters are on {', '.join(unsupported)}"
             )
-        if any(d.type == "cuda" for d in devices) and not module.built_with_cuda():
+        if any(d.type == "cuda" for d in devices) and not cpp_built_with_cuda():
             raise ValueError(
                 "backend 'cpp' was built without CUDA kernels, but parameters are on CUDA; reinstall with nvcc on PATH "
                 "and a CUDA build of torch (GEARSAM_BUILD_CUDA=1 turns a skipped CUDA build into an error), or use "

@@ -176,8 +176,10 @@ def _launching_on(device: torch.device):
 
 class KernelModule(Protocol):
     """What :class:`KernelBackend` needs of a kernel module: six launchers over one bucket's flat buffers, with
-    these keyword signatures. ``gearsam_fused.triton_kernels`` and the compiled ``gearsam_fused._C`` both provide them.
-    The formulas are those of :class:`~gearsam_fused.backends.base.Backend`'s methods of the same names."""
+    these keyword signatures. Both kernel modules are namespaces of registered operators (``torch.library``), so that
+    ``torch.compile`` and fake tensors see them: ``torch.ops.gearsam_fused`` (the compiled extension, ``csrc/``) and
+    ``gearsam_fused.triton_kernels`` (``torch.ops.gearsam_fused_triton``). The formulas are those of
+    :class:`~gearsam_fused.backends.base.Backend`'s methods of the same names."""
 
     def block_energy(
         self, grad: torch.Tensor, param: torch.Tensor, block_tiles: torch.Tensor, partials: torch.Tensor, *,
@@ -196,16 +198,17 @@ class KernelModule(Protocol):
     def restore_(self, param: torch.Tensor, backup: torch.Tensor, *, tile: int) -> None: ...
 
     # The base optimizer's update folded into the restore (formulas in gearsam_fused.triton_kernels.base_step); backup
-    # may be param (no perturbation to undo), and correction/correction_scale/tile_block add LookSAM's term to grad.
+    # None reads w from param (no perturbation to undo), and correction/correction_scale/tile_block add LookSAM's term
+    # to grad.
     def sgd_step_(
-        self, param: torch.Tensor, grad: torch.Tensor, backup: torch.Tensor, momentum_buffer: torch.Tensor | None, *,
+        self, param: torch.Tensor, grad: torch.Tensor, backup: torch.Tensor | None, momentum_buffer: torch.Tensor | None, *,
         tile: int, lr: float, weight_decay: float, momentum: float, dampening: float, nesterov: bool, maximize: bool,
         first: bool, correction: torch.Tensor | None = None, correction_scale: torch.Tensor | None = None,
         tile_block: torch.Tensor | None = None,
     ) -> None: ...  # fmt: skip
 
     def adam_step_(
-        self, param: torch.Tensor, grad: torch.Tensor, backup: torch.Tensor, exp_avg: torch.Tensor,
+        self, param: torch.Tensor, grad: torch.Tensor, backup: torch.Tensor | None, exp_avg: torch.Tensor,
         exp_avg_sq: torch.Tensor, max_exp_avg_sq: torch.Tensor | None, *, tile: int, beta1: float, beta2: float,
         eps: float, weight_decay: float, decoupled: bool, amsgrad: bool, maximize: bool, step_size: float,
         bias_correction2_sqrt: float, decay: float, correction: torch.Tensor | None = None,
@@ -266,8 +269,8 @@ class KernelBackend(FusedBackend):
             "correction": correction, "correction_scale": scale, "tile_block": bucket.tile_block
         }  # fmt: skip
         with _launching_on(bucket.device):
-            # backup is param: w is read from the parameters themselves, each element before it is written
-            self._launcher(update)(bucket.param, bucket.grad, bucket.param, *update.state, tile=bucket.tile,
+            # no backup: w is read from the parameters themselves, each element before it is written
+            self._launcher(update)(bucket.param, bucket.grad, None, *update.state, tile=bucket.tile,
                                    **update.kernel_arguments(), **corrected)  # fmt: skip
 
     def _launcher(self, update: BucketUpdate):

@@ -1,0 +1,95 @@
+// The six kernels as operators of torch.library: torch.ops.gearsam_fused.<name>, with the names and keyword arguments
+// of the Triton launchers (gearsam_fused.triton_kernels), so one backend class drives both. As operators they pass
+// through the dispatcher, so torch.compile, fake tensors and functionalisation see them: each schema declares the
+// inputs it writes (Tensor(a!)), and gearsam_fused/backends/cpp_library.py registers their fake implementations
+// (shapes and the argument checks that need no data; also the Meta kernels). Formulas: gearsam.h.
+//
+// The CPU and the CUDA key both run the checked entry points of ops.cpp, which pick the implementation by the
+// tensors' device: a build without CUDA kernels then still refuses CUDA tensors with a message that says how to get
+// them, rather than the dispatcher's "could not run" for a missing key. Python calls release the GIL in the
+// dispatcher.
+
+#include <torch/library.h>
+
+#include "gearsam.h"
+
+namespace {
+
+using OptionalTensor = c10::optional<at::Tensor>;
+
+// The base steps take their hyperparameters as flat keywords, like the Triton launchers, and pack them here.
+void sgd_step(const at::Tensor& param, const at::Tensor& grad, const OptionalTensor& backup,
+              const OptionalTensor& momentum_buffer, int64_t tile, double lr, double weight_decay, double momentum,
+              double dampening, bool nesterov, bool maximize, bool first, const OptionalTensor& correction,
+              const OptionalTensor& correction_scale, const OptionalTensor& tile_block) {
+  gearsam::sgd_step_(param, grad, backup, momentum_buffer, tile,
+                     {lr, weight_decay, momentum, dampening, nesterov, maximize, first},
+                     {correction, correction_scale, tile_block});
+}
+
+void adam_step(const at::Tensor& param, const at::Tensor& grad, const OptionalTensor& backup,
+               const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq, const OptionalTensor& max_exp_avg_sq,
+               int64_t tile, double beta1, double beta2, double eps, double weight_decay, bool decoupled,
+               bool amsgrad, bool maximize, double step_size, double bias_correction2_sqrt, double decay,
+               const OptionalTensor& correction, const OptionalTensor& correction_scale,
+               const OptionalTensor& tile_block) {
+  gearsam::adam_step_(param, grad, backup, exp_avg, exp_avg_sq, max_exp_avg_sq, tile,
+                      {beta1, beta2, eps, weight_decay, decoupled, amsgrad, maximize, step_size,
+                       bias_correction2_sqrt, decay},
+                      {correction, correction_scale, tile_block});
+}
+
+void register_kernels(torch::Library& m) {
+  m.impl("block_energy", &gearsam::block_energy);
+  m.impl("allocate", &gearsam::allocate);
+  m.impl("perturb_", &gearsam::perturb_);
+  m.impl("restore_", &gearsam::restore_);
+  m.impl("sgd_step_", &sgd_step);
+  m.impl("adam_step_", &adam_step);
+}
+
+}  // namespace
+
+TORCH_LIBRARY(gearsam_fused, m) {
+  // Where the fake implementations live: torch requires this link for an operator defined in C++ whose fake is
+  // registered from Python.
+  m.set_python_module("gearsam_fused.backends.cpp_library");
+
+  // float64 [B]: e_b = sum over block b of (T g)^2, T = |w| + eta if adaptive else 1; per-tile partials are written
+  // to `partials`, then summed per block in tile order.
+  m.def(
+      "block_energy(Tensor grad, Tensor param, Tensor block_tiles, Tensor(a!) partials, *, int tile, bool adaptive, "
+      "float eta) -> Tensor");
+  // (scale, radius), float64 [B], by the GEAR rule (gear=True, which updates ema in place) or the SAM rule (ema
+  // untouched; declared written all the same, as a schema cannot make that depend on gear).
+  m.def(
+      "allocate(Tensor energy, Tensor(a!) ema, *, bool gear, float rho, float beta, float delta) -> "
+      "(Tensor, Tensor)");
+  // backup = param; param += scale[tile_block[tile]] * T^2 * grad, in place.
+  m.def(
+      "perturb_(Tensor(a!) param, Tensor grad, Tensor(b!) backup, Tensor scale, Tensor tile_block, *, int tile, "
+      "bool adaptive, float eta) -> ()");
+  // param = backup, bit for bit.
+  m.def("restore_(Tensor(a!) param, Tensor backup, *, int tile) -> ()");
+  // param = backup (param's own values where backup is None) after one step of torch.optim.SGD on grad, bit for bit;
+  // momentum_buffer (given iff momentum != 0) is updated in place, or set to the step's gradient when first. With
+  // correction, correction_scale and tile_block (all or none) the step's gradient is
+  // fma(correction_scale[tile_block[tile]], correction, grad).
+  m.def(
+      "sgd_step_(Tensor(a!) param, Tensor grad, Tensor? backup, Tensor(b!)? momentum_buffer, *, int tile, float lr, "
+      "float weight_decay, float momentum, float dampening, bool nesterov, bool maximize, bool first, "
+      "Tensor? correction=None, Tensor? correction_scale=None, Tensor? tile_block=None) -> ()");
+  // param = backup (or param's own values) after one step of torch.optim.Adam (AdamW when decoupled) on grad, bit for
+  // bit; exp_avg, exp_avg_sq and max_exp_avg_sq (given iff amsgrad) are updated in place. step_size =
+  // lr / (1 - beta1^k), bias_correction2_sqrt = (1 - beta2^k)^0.5 and decay = 1 - lr * weight_decay, computed in
+  // Python as torch does; correction, correction_scale and tile_block as for sgd_step_.
+  m.def(
+      "adam_step_(Tensor(a!) param, Tensor grad, Tensor? backup, Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq, "
+      "Tensor(d!)? max_exp_avg_sq, *, int tile, float beta1, float beta2, float eps, float weight_decay, "
+      "bool decoupled, bool amsgrad, bool maximize, float step_size, float bias_correction2_sqrt, float decay, "
+      "Tensor? correction=None, Tensor? correction_scale=None, Tensor? tile_block=None) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(gearsam_fused, CPU, m) { register_kernels(m); }
+
+TORCH_LIBRARY_IMPL(gearsam_fused, CUDA, m) { register_kernels(m); }

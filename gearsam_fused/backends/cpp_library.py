@@ -1,0 +1,140 @@
+"""Fake implementations of the operators ``torch.ops.gearsam_fused.*`` that ``gearsam_fused._C`` defines
+(``csrc/library.cpp``): what torch.compile, fake tensors and the meta device run in place of the kernels.
+
+Each one applies the argument checks of ``csrc/ops.cpp`` that need no data, in the same order and with the same
+messages, then gives outputs of the right shape, dtype and device without computing anything: the energy is float64
+``[block_tiles.numel() - 1]`` on ``grad``'s device, ``allocate``'s scale and radius are shaped like the energy, the
+other four operators return nothing. ``register_fake`` also makes them the operators' Meta kernels.
+
+``_C`` names this module as where its fakes live (``m.set_python_module``), so torch checks that they are registered
+from here; ``cpp_ops`` imports it with the extension.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import _C  # noqa: F401  (defines the operators this module extends)
+from ..checks import check_flat, check_same
+
+_FLOATING = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
+
+# ------------------------------------------------------------------------------------------- ops.cpp's checks
+def _check_flat(name: str, t: torch.Tensor, tile: int = 0, dtype: torch.dtype | None = None,
+                on_device_of: torch.Tensor | None = None) -> None:  # fmt: skip
+    check_flat(name, t, tile or None, dtype, None if on_device_of is None else on_device_of.device)
+
+
+def _check_tile(tile: int) -> None:
+    if tile <= 0:
+        raise ValueError(f"tile must be positive, got {tile}")
+
+
+def _check_floating(name: str, t: torch.Tensor) -> None:
+    if t.dtype not in _FLOATING:
+        raise ValueError(f"{name} must be float32, float64, float16 or bfloat16, got {t.dtype}")
+
+
+def _check_base_step(param: torch.Tensor, grad: torch.Tensor, backup: torch.Tensor | None, tile: int) -> None:
+    """The base steps' checks up to their state: tile, param (float32 or float64 only), grad, and backup unless it is
+    None (w read from param)."""
+    _check_tile(tile)
+    _check_flat("param", param, tile)
+    if param.dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"fused base step supports float32 and float64 buffers, got {param.dtype} for param")
+    check_same("grad", grad, "param", param)
+    if backup is not None:
+        check_same("backup", backup, "param", param)
+
+
+def _check_optional_state(name: str, t: torch.Tensor | None, needed: bool, why: str, param: torch.Tensor) -> None:
+    """A state buffer the optimizer keeps exactly when ``needed``."""
+    if needed and t is None:
+        raise ValueError(f"{name} is required when {why}, got None")
+    if not needed and t is not None:
+        raise ValueError(f"{name} must be None unless {why}")
+    if t is not None:
+        check_same(name, t, "param", param)
+
+
+def _check_correction(param: torch.Tensor, tile: int, correction, correction_scale, tile_block) -> None:
+    """LookSAM's correction: all three tensors or none."""
+    given = {"correction": correction, "correction_scale": correction_scale, "tile_block": tile_block}
+    if all(t is None for t in given.values()):
+        return
+    missing = [name for name, t in given.items() if t is None]
+    if missing:
+        raise ValueError(
+            "correction, correction_scale and tile_block must be given together, missing " + ", ".join(missing)
+        )
+    check_same("correction", correction, "param", param)
+    _check_flat("correction_scale", correction_scale, 0, torch.float64, param)
+    _check_flat("tile_block", tile_block, 0, torch.int32, param)
+    n_tiles = param.numel() // tile
+    if tile_block.numel() != n_tiles:
+        raise ValueError(f"tile_block has {tile_block.numel()} entries for {n_tiles} tiles")
+
+
+# ------------------------------------------------------------------------------------------- the fakes
+@torch.library.register_fake("gearsam_fused::block_energy")
+def _block_energy(grad, param, block_tiles, partials, *, tile, adaptive, eta):
+    _check_tile(tile)
+    _check_flat("grad", grad, tile)
+    _check_floating("grad", grad)
+    check_same("param", param, "grad", grad)
+    _check_flat("block_tiles", block_tiles, 0, torch.int64, grad)
+    _check_flat("partials", partials, 0, torch.float64, grad)
+    n_tiles = grad.numel() // tile
+    if partials.numel() != n_tiles:
+        raise ValueError(f"partials has {partials.numel()} entries for {n_tiles} tiles")
+    if block_tiles.numel() < 1:
+        raise ValueError("block_tiles needs at least one entry (B + 1 for B blocks)")
+    return grad.new_empty(block_tiles.numel() - 1, dtype=torch.float64)
+
+
+@torch.library.register_fake("gearsam_fused::allocate")
+def _allocate(energy, ema, *, gear, rho, beta, delta):
+    _check_flat("energy", energy, 0, torch.float64)
+    check_same("ema", ema, "energy", energy)
+    return torch.empty_like(energy), torch.empty_like(energy)
+
+
+@torch.library.register_fake("gearsam_fused::perturb_")
+def _perturb(param, grad, backup, scale, tile_block, *, tile, adaptive, eta):
+    _check_tile(tile)
+    _check_flat("param", param, tile)
+    _check_floating("param", param)
+    check_same("grad", grad, "param", param)
+    check_same("backup", backup, "param", param)
+    _check_flat("scale", scale, 0, torch.float64, param)
+    _check_flat("tile_block", tile_block, 0, torch.int32, param)
+    n_tiles = param.numel() // tile
+    if tile_block.numel() != n_tiles:
+        raise ValueError(f"tile_block has {tile_block.numel()} entries for {n_tiles} tiles")
+
+
+@torch.library.register_fake("gearsam_fused::restore_")
+def _restore(param, backup, *, tile):
+    _check_tile(tile)
+    _check_flat("param", param, tile)
+    check_same("backup", backup, "param", param)
+
+
+@torch.library.register_fake("gearsam_fused::sgd_step_")
+def _sgd_step(param, grad, backup, momentum_buffer, *, tile, lr, weight_decay, momentum, dampening, nesterov, maximize,
+              first, correction=None, correction_scale=None, tile_block=None):  # fmt: skip
+    _check_base_step(param, grad, backup, tile)
+    _check_optional_state("momentum_buffer", momentum_buffer, momentum != 0, "momentum != 0", param)
+    _check_correction(param, tile, correction, correction_scale, tile_block)
+
+
+@torch.library.register_fake("gearsam_fused::adam_step_")
+def _adam_step(param, grad, backup, exp_avg, exp_avg_sq, max_exp_avg_sq, *, tile, beta1, beta2, eps, weight_decay,
+               decoupled, amsgrad, maximize, step_size, bias_correction2_sqrt, decay, correction=None,
+               correction_scale=None, tile_block=None):  # fmt: skip
+    _check_base_step(param, grad, backup, tile)
+    check_same("exp_avg", exp_avg, "param", param)
+    check_same("exp_avg_sq", exp_avg_sq, "param", param)
+    _check_optional_state("max_exp_avg_sq", max_exp_avg_sq, amsgrad, "amsgrad=True", param)
+    _check_correction(param, tile, correction, correction_scale, tile_block)

@@ -1,0 +1,411 @@
+"""The compiled kernels as torch.library operators, ``torch.ops.gearsam_fused.*`` (``csrc/library.cpp``, fakes in
+``gearsam_fused/backends/cpp_library.py``): ``torch.library.opcheck`` on each of them (schema and mutations, fake
+tensors, AOT dispatch with dynamic shapes), their results against the math they stand for, bit for bit, the fakes'
+shapes and checks, and a torch.compile'd SAM step equal to eager."""
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from gearsam_fused.allocation import gear_allocate, sam_allocate
+from gearsam_fused.backends.cpp_ops import cpp_built_with_cuda, cpp_installed
+
+from conftest import CUDA
+
+pytestmark = pytest.mark.skipif(not cpp_installed(), reason="the C++ extension is not built")
+
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=[
+            pytest.mark.cuda,
+            pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU"),
+            pytest.mark.skipif(not cpp_built_with_cuda(), reason="the C++ extension has no CUDA kernels"),
+        ],
+    ),
+]
+#: The buffer types of the energy and the perturbation; the base steps take the first two only.
+FLOATS = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
+BASE_FLOATS = FLOATS[:2]
+
+TILE = 8
+TILES_PER_BLOCK = [1, 3, 2]  # 3 blocks, 6 tiles
+N_TILES = sum(TILES_PER_BLOCK)
+N = TILE * N_TILES
+SCALE = [0.5, 0.0, 2.0]  # per block; 0 skips its block
+
+SGD_FLAGS = {
+    "plain": dict(),
+    "momentum": dict(momentum=0.9, dampening=0.1),
+    "nesterov-maximize": dict(momentum=0.9, nesterov=True, maximize=True),
+    "first": dict(momentum=0.9, first=True),
+}
+#: (decoupled, amsgrad, maximize) of each Adam variant: Adam with L2 decay, AdamW, AdamW with amsgrad, maximizing.
+ADAM_FLAGS = {"adam": (False, False, False), "adamw": (True, False, False), "adamw-amsgrad": (True, True, True)}
+LR, WEIGHT_DECAY, BETAS, EPS, STEP = 1e-2, 1e-2, (0.9, 0.999), 1e-8, 3
+
+
+def ops():
+    return torch.ops.gearsam_fused
+
+
+# ------------------------------------------------------------------------------------------- the arguments
+def tables(device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(block_tiles int64 [B + 1], tile_block int32 [n_tiles]) of the bucket."""
+    per_block = torch.tensor(TILES_PER_BLOCK)
+    block_tiles = torch.cat([torch.zeros(1, dtype=torch.int64), per_block.cumsum(0)])
+    tile_block = torch.repeat_interleave(torch.arange(len(per_block), dtype=torch.int32), per_block)
+    return block_tiles.to(device), tile_block.to(device)
+
+
+def randn(count: int, dtype, device, seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(N, generator=g, dtype=torch.float64).to(device, dtype) for _ in range(count)]
+
+
+def per_block(values, device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float64, device=device)
+
+
+def energy_args(dtype, device, adaptive: bool):
+    param, grad = randn(2, dtype, device)
+    partials = torch.empty(N_TILES, dtype=torch.float64, device=device)
+    return (grad, param, tables(device)[0], partials), dict(tile=TILE, adaptive=adaptive, eta=0.01)
+
+
+def allocate_args(device, gear: bool):
+    energy, ema = per_block([4.0, 0.0, 9.0], device), per_block([1.0, 2.0, 0.5], device)
+    return (energy, ema), dict(gear=gear, rho=0.05, beta=0.9, delta=1e-12)
+
+
+def perturb_args(dtype, device, adaptive: bool):
+    param, grad = randn(2, dtype, device)
+    backup = torch.empty_like(param)
+    kw = dict(tile=TILE, adaptive=adaptive, eta=0.01)
+    return (param, grad, backup, per_block(SCALE, device), tables(device)[1]), kw
+
+
+def restore_args(dtype, device):
+    return tuple(randn(2, dtype, device)), dict(tile=TILE)
+
+
+def correction(dtype, device) -> dict:
+    """LookSAM's three keywords, with a negative and a zero block scale."""
+    return dict(correction=randn(1, dtype, device, seed=1)[0], correction_scale=per_block([0.37, 0.0, -1.25], device),
+                tile_block=tables(device)[1])  # fmt: skip
+
+
+def sgd_args(dtype, device, flags: str, with_backup: bool, corrected: bool):
+    """sgd_step_ from backup (given) or from param itself (None)."""
+    kw = {"tile": TILE, "lr": 0.1, "weight_decay": 1e-3, "momentum": 0.0, "dampening": 0.0, "nesterov": False,
+          "maximize": False, "first": False, **SGD_FLAGS[flags]}  # fmt: skip
+    param, grad, backup, buffer = randn(4, dtype, device)
+    extra = correction(dtype, device) if corrected else {}
+    return (param, grad, backup if with_backup else None, buffer if kw["momentum"] else None), {**kw, **extra}
+
+
+def adam_args(dtype, device, flags: str, with_backup: bool, corrected: bool):
+    """adam_step_ at step STEP, its scalars derived as gearsam_fused derives them from lr, betas and the step."""
+    decoupled, amsgrad, maximize = ADAM_FLAGS[flags]
+    param, grad, backup = randn(3, dtype, device)
+    g = torch.Generator().manual_seed(2)
+    exp_avg = (0.1 * torch.randn(N, generator=g)).to(device, dtype)
+    exp_avg_sq, max_exp_avg_sq = ((0.01 * torch.rand(N, generator=g) * c).to(device, dtype) for c in (1.0, 1.5))
+    kw = dict(tile=TILE, beta1=BETAS[0], beta2=BETAS[1], eps=EPS, weight_decay=WEIGHT_DECAY, decoupled=decoupled,
+              amsgrad=amsgrad, maximize=maximize, step_size=LR / (1 - BETAS[0] ** STEP),
+              bias_correction2_sqrt=(1 - BETAS[1] ** STEP) ** 0.5, decay=1 - LR * WEIGHT_DECAY)  # fmt: skip
+    state = (exp_avg, exp_avg_sq, max_exp_avg_sq if amsgrad else None)
+    extra = correction(dtype, device) if corrected else {}
+    return (param, grad, backup if with_backup else None, *state), {**kw, **extra}
+
+
+# ------------------------------------------------------------------------------------------- opcheck
+def opcheck(name: str, args, kwargs) -> None:
+    torch.library.opcheck(getattr(ops(), name).default, args, kwargs)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("adaptive", [False, True], ids=["sam", "asam"])
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+def test_opcheck_energy_and_perturb(dtype, adaptive, device):
+    opcheck("block_energy", *energy_args(dtype, device, adaptive))
+    opcheck("perturb_", *perturb_args(dtype, device, adaptive))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+def test_opcheck_restore(dtype, device):
+    opcheck("restore_", *restore_args(dtype, device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("gear", [False, True], ids=["sam-rule", "gear-rule"])
+def test_opcheck_allocate(gear, device):
+    opcheck("allocate", *allocate_args(device, gear))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("corrected", [False, True], ids=["plain", "looksam"])
+@pytest.mark.parametrize("with_backup", [True, False], ids=["backup", "no-backup"])
+@pytest.mark.parametrize("flags", list(SGD_FLAGS))
+@pytest.mark.parametrize("dtype", BASE_FLOATS, ids=str)
+def test_opcheck_sgd_step(dtype, flags, with_backup, corrected, device):
+    opcheck("sgd_step_", *sgd_args(dtype, device, flags, with_backup, corrected))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("corrected", [False, True], ids=["plain", "looksam"])
+@pytest.mark.parametrize("with_backup", [True, False], ids=["backup", "no-backup"])
+@pytest.mark.parametrize("flags", list(ADAM_FLAGS))
+@pytest.mark.parametrize("dtype", BASE_FLOATS, ids=str)
+def test_opcheck_adam_step(dtype, flags, with_backup, corrected, device):
+    opcheck("adam_step_", *adam_args(dtype, device, flags, with_backup, corrected))
+
+
+# ------------------------------------------------------------------------------------------- the bits
+def dyadic(count: int, dtype, device) -> list[torch.Tensor]:
+    """Multiples of 1/4 in [-2, 2]: every square, product and sum the energy takes of them is exact in any order."""
+    g = torch.Generator().manual_seed(3)
+    return [(torch.randint(-8, 9, (N,), generator=g) / 4).to(device, dtype) for _ in range(count)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("adaptive", [False, True], ids=["sam", "asam"])
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+def test_energy_is_the_sum_of_squares(dtype, adaptive, device):
+    """On values whose sums are exact, so that the kernel's summation order cannot show: bit for bit."""
+    param, grad = dyadic(2, dtype, device)
+    block_tiles = tables(device)[0]
+    partials = torch.full((N_TILES,), float("nan"), dtype=torch.float64, device=device)
+    energy = ops().block_energy(grad, param, block_tiles, partials, tile=TILE, adaptive=adaptive, eta=0.5)
+    t = param.double().abs() + 0.5 if adaptive else 1.0
+    per_tile = (t * grad.double()).square().view(N_TILES, TILE).sum(1)
+    assert torch.equal(partials, per_tile)
+    lengths = torch.tensor(TILES_PER_BLOCK, device=device)
+    assert torch.equal(energy, torch.segment_reduce(per_tile, "sum", lengths=lengths))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("gear", [False, True], ids=["sam-rule", "gear-rule"])
+def test_allocate_is_the_rule(gear, device):
+    """On scores whose norms are exact and a power-of-two rho, every quantity rounds once: gearsam_fused.allocation's
+    rules bit for bit (and the SAM rule leaves ema alone)."""
+    # GEAR: s = (ema + e) / 2 = [4, 2, 4], t = s / max s = [1, 0.5, 1], ||t|| = 1.5; SAM: sqrt(sum e) = 3
+    energy, ema = per_block([4.0, 1.0, 4.0], device), per_block([4.0, 3.0, 4.0], device)
+    expected_ema = ema.clone()
+    scale, radius = ops().allocate(energy, ema, gear=gear, rho=0.5, beta=0.5, delta=0.0)
+    if gear:
+        expected = gear_allocate(energy, expected_ema, 0.5, 0.5, 0.0)
+    else:
+        expected = sam_allocate(energy, 0.5, 0.0)
+    assert torch.equal(ema, expected_ema)
+    assert torch.equal(scale, expected[0]) and torch.equal(radius, expected[1])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("adaptive", [False, True], ids=["sam", "asam"])
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+def test_perturb_and_restore_are_the_reference_math(dtype, adaptive, device):
+    """w + (T^2 g) * scale[b] in the compute type (float32 for bf16/fp16), multiply and add rounded apart, then
+    rounded to the buffer; w itself where scale[b] is 0. restore_ brings back the stored bits."""
+    (param, grad, backup, scale, tile_block), kw = perturb_args(dtype, device, adaptive)
+    w0 = param.clone()
+    ops().perturb_(param, grad, backup, scale, tile_block, **kw)
+    compute = torch.float64 if dtype == torch.float64 else torch.float32
+    w, direction = w0.to(compute), grad.to(compute)
+    if adaptive:
+        direction = (w.abs() + kw["eta"]).square() * direction
+    s = scale[tile_block.long()].repeat_interleave(TILE).to(compute)
+    assert torch.equal(backup, w0)
+    assert torch.equal(param, torch.where(s == 0, w, w + direction * s).to(dtype))
+    ops().restore_(param, backup, tile=TILE)
+    assert torch.equal(param, w0)
+
+
+def torch_step(cls, kwargs: dict, w: torch.Tensor, grad: torch.Tensor, state: dict):
+    """torch's own optimizer (foreach=False), one step over a CPU parameter holding ``w``: (new w, new state)."""
+    p = torch.nn.Parameter(w.cpu().clone())
+    p.grad = grad.cpu().clone()
+    opt = cls([p], foreach=False, **kwargs)
+    opt.state[p] = {k: v.cpu().clone() for k, v in state.items()}
+    opt.step()
+    return p.detach(), opt.state[p]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("with_backup", [True, False], ids=["backup", "no-backup"])
+@pytest.mark.parametrize("flags", list(SGD_FLAGS))
+@pytest.mark.parametrize("dtype", BASE_FLOATS, ids=str)
+def test_sgd_step_is_torchs_sgd(dtype, flags, with_backup, device):
+    """From backup, or (None) from param's own values: torch.optim.SGD bit for bit, on every device."""
+    (param, grad, backup, buffer), kw = sgd_args(dtype, device, flags, with_backup, corrected=False)
+    w = param.clone() if backup is None else backup
+    state = {} if buffer is None or kw["first"] else {"momentum_buffer": buffer}
+    torch_kw = {k: kw[k] for k in ("lr", "weight_decay", "momentum", "dampening", "nesterov", "maximize")}
+    expected_w, expected = torch_step(torch.optim.SGD, torch_kw, w, grad, state)
+    ops().sgd_step_(param, grad, backup, buffer, **kw)
+    assert torch.equal(param.cpu(), expected_w)
+    if buffer is not None:
+        assert torch.equal(buffer.cpu(), expected["momentum_buffer"])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("with_backup", [True, False], ids=["backup", "no-backup"])
+@pytest.mark.parametrize("flags", list(ADAM_FLAGS))
+@pytest.mark.parametrize("dtype", BASE_FLOATS, ids=str)
+def test_adam_step_is_torchs_adam(dtype, flags, with_backup, device):
+    """torch.optim.Adam / AdamW from step STEP - 1: the moments bit for bit; the weights too on the CPU (CUDA takes a
+    correctly rounded square root where torch's CPU one may be an ulp off: see csrc/README.md)."""
+    (param, grad, backup, *moments), kw = adam_args(dtype, device, flags, with_backup, corrected=False)
+    w = param.clone() if backup is None else backup
+    names = ["exp_avg", "exp_avg_sq", "max_exp_avg_sq"]
+    state = {"step": torch.tensor(STEP - 1.0), **{k: v for k, v in zip(names, moments) if v is not None}}
+    cls = torch.optim.AdamW if kw["decoupled"] else torch.optim.Adam
+    torch_kw = dict(lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY, amsgrad=kw["amsgrad"])
+    torch_kw["maximize"] = kw["maximize"]
+    expected_w, expected = torch_step(cls, torch_kw, w, grad, state)
+    ops().adam_step_(param, grad, backup, *moments, **kw)
+    for name, moment in zip(names, moments):
+        if moment is not None:
+            assert torch.equal(moment.cpu(), expected[name]), name
+    if device == "cpu":
+        assert torch.equal(param, expected_w)
+    else:
+        eps = torch.finfo(dtype).eps
+        torch.testing.assert_close(param.cpu(), expected_w, rtol=2 * eps, atol=4 * eps * kw["step_size"])
+
+
+# ------------------------------------------------------------------------------------------- fake tensors
+def test_fakes_give_the_shapes_of_the_outputs():
+    """Under FakeTensorMode: the energy is float64 [B] on grad's device, allocate's scale and radius are like it, the
+    in-place operators return nothing. On the meta device too: one entry per block, however many tiles."""
+    (grad, param, block_tiles, partials), kw = energy_args(torch.bfloat16, "cpu", adaptive=True)
+    perturb, perturb_kw = perturb_args(torch.bfloat16, "cpu", adaptive=True)
+    sgd, sgd_kw = sgd_args(torch.float64, "cpu", "momentum", with_backup=False, corrected=True)
+    with FakeTensorMode() as mode:
+        fake = mode.from_tensor
+        energy = ops().block_energy(fake(grad), fake(param), fake(block_tiles), fake(partials), **kw)
+        assert (energy.shape, energy.dtype, energy.device) == ((3,), torch.float64, grad.device)
+        scale, radius = ops().allocate(energy, torch.zeros_like(energy), gear=True, rho=0.05, beta=0.9, delta=1e-12)
+        for out in (scale, radius):
+            assert (out.shape, out.dtype, out.device) == ((3,), torch.float64, grad.device)
+        assert ops().perturb_(*map(fake, perturb), **perturb_kw) is None
+        sgd_kw = {k: fake(v) if isinstance(v, torch.Tensor) else v for k, v in sgd_kw.items()}
+        assert ops().sgd_step_(*(None if t is None else fake(t) for t in sgd), **sgd_kw) is None
+    meta = dict(device="meta")
+    energy = ops().block_energy(torch.empty(64 * 16, **meta), torch.empty(64 * 16, **meta),
+                                torch.zeros(5, dtype=torch.int64, **meta), torch.empty(64, dtype=torch.float64, **meta),
+                                tile=16, adaptive=False, eta=0.0)  # fmt: skip
+    assert (energy.shape, energy.dtype, energy.device.type) == ((4,), torch.float64, "meta")
+
+
+def _wrong_calls():
+    """(operator, a function of the operators giving its call with one wrong argument), one for each kind of check."""
+    f32, f64 = torch.float32, torch.float64
+
+    def energy(**change):
+        (grad, param, block_tiles, partials), kw = energy_args(f32, "cpu", True)
+        args = {"grad": grad, "param": param, "block_tiles": block_tiles, "partials": partials, **kw, **change}
+        return "block_energy", args
+
+    def perturb(**change):
+        (param, grad, backup, scale, tile_block), kw = perturb_args(f32, "cpu", False)
+        args = {"param": param, "grad": grad, "backup": backup, "scale": scale, "tile_block": tile_block, **kw}
+        return "perturb_", {**args, **change}
+
+    def sgd(**change):
+        (param, grad, backup, buffer), kw = sgd_args(f32, "cpu", "momentum", True, corrected=True)
+        return "sgd_step_", {"param": param, "grad": grad, "backup": backup, "momentum_buffer": buffer, **kw, **change}
+
+    def adam(**change):
+        (param, grad, backup, m, v, vmax), kw = adam_args(f64, "cpu", "adamw-amsgrad", True, corrected=False)
+        args = {"param": param, "grad": grad, "backup": backup, "exp_avg": m, "exp_avg_sq": v, "max_exp_avg_sq": vmax}
+        return "adam_step_", {**args, **kw, **change}
+
+    def allocate(**change):
+        (energy, ema), kw = allocate_args("cpu", gear=True)
+        return "allocate", {"energy": energy, "ema": ema, **kw, **change}
+
+    bf16 = {
+        k: torch.zeros(N, dtype=torch.bfloat16) for k in ("param", "grad", "backup", "momentum_buffer", "correction")
+    }
+    return {
+        "tile": lambda: energy(tile=0),
+        "not-a-multiple": lambda: energy(tile=7),
+        "int-grad": lambda: energy(grad=torch.zeros(N, dtype=torch.int32), param=torch.zeros(N, dtype=torch.int32)),
+        "param-dtype": lambda: energy(param=torch.zeros(N, dtype=f64)),
+        "block_tiles-dtype": lambda: energy(block_tiles=tables("cpu")[0].int()),
+        "partials-count": lambda: energy(partials=torch.zeros(N_TILES + 1, dtype=f64)),
+        "no-blocks": lambda: energy(block_tiles=torch.zeros(0, dtype=torch.int64)),
+        "strided-grad": lambda: perturb(grad=torch.zeros(2 * N)[::2]),
+        "backup-shape": lambda: perturb(backup=torch.zeros(N + TILE)),
+        "scale-dtype": lambda: perturb(scale=torch.zeros(3)),
+        "tile_block-count": lambda: perturb(tile_block=tables("cpu")[1][:-1]),
+        "2-d-param": lambda: perturb(param=torch.zeros(N_TILES, TILE)),
+        "base-step-dtype": lambda: sgd(**bf16),
+        "momentum-missing": lambda: sgd(momentum_buffer=None),
+        "momentum-unneeded": lambda: sgd(momentum=0.0),
+        "correction-partial": lambda: sgd(correction_scale=None),
+        "correction-dtype": lambda: sgd(correction=torch.zeros(N, dtype=f64)),
+        "correction_scale-dtype": lambda: sgd(correction_scale=torch.zeros(3, dtype=f32)),
+        "amsgrad-missing": lambda: adam(max_exp_avg_sq=None),
+        "exp_avg-shape": lambda: adam(exp_avg=torch.zeros(N - TILE, dtype=f64)),
+        "ema-shape": lambda: allocate(ema=per_block([1.0], "cpu")),
+        "energy-dtype": lambda: allocate(energy=torch.ones(3), ema=torch.ones(3)),
+    }
+
+
+def as_meta(t: torch.Tensor) -> torch.Tensor:
+    """``t`` on the meta device with its strides (``to`` would make a strided view contiguous)."""
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+
+
+@pytest.mark.parametrize("case", list(_wrong_calls()))
+def test_fakes_refuse_what_the_kernels_refuse_with_the_same_words(case):
+    """The same wrong argument on CPU tensors (ops.cpp's checks), on fake ones and on meta ones (the fake, run by
+    FakeTensorMode or as the Meta kernel): the same ValueError."""
+    name, kwargs = _wrong_calls()[case]()
+    op = getattr(ops(), name)
+    messages = []
+    with pytest.raises(ValueError) as real:
+        op(**kwargs)
+    messages.append(str(real.value))
+    with FakeTensorMode() as mode, pytest.raises(ValueError) as fake:
+        op(**{k: mode.from_tensor(v) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()})
+    messages.append(str(fake.value))
+    with pytest.raises(ValueError) as meta:
+        op(**{k: as_meta(v) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()})
+    messages.append(str(meta.value).replace("on meta", "on cpu"))
+    assert messages[1:] == messages[:1] * 2
+
+
+# ------------------------------------------------------------------------------------------- torch.compile
+def sam_step(grad, param, backup, block_tiles, partials, tile_block, ema, buffer):
+    """A whole GEAR-SAM step on one bucket, from its operators alone: energy, allocation, perturbation, and the fused
+    restore with SGD (a second step from the weights themselves, backup None)."""
+    energy = ops().block_energy(grad, param, block_tiles, partials, tile=TILE, adaptive=True, eta=0.01)
+    scale, radius = ops().allocate(energy, ema, gear=True, rho=0.05, beta=0.9, delta=1e-12)
+    ops().perturb_(param, grad, backup, scale, tile_block, tile=TILE, adaptive=True, eta=0.01)
+    sgd = dict(tile=TILE, lr=0.1, weight_decay=5e-4, momentum=0.9, dampening=0.0, nesterov=True, maximize=False)
+    ops().sgd_step_(param, grad, backup, buffer, first=True, **sgd)
+    ops().sgd_step_(param, grad, None, buffer, first=False, **sgd)
+    return energy, radius
+
+
+def test_compiled_step_gives_the_bits_of_eager():
+    """torch.compile(fullgraph=True, inductor) traces the operators through their fakes and functionalises their
+    writes: its outputs and every buffer the step writes are the eager ones, bit for bit."""
+    (grad, param, block_tiles, partials), _ = energy_args(torch.float32, "cpu", adaptive=True)
+    tile_block = tables("cpu")[1]
+
+    def fresh():
+        return [grad, param.clone(), torch.empty_like(param), block_tiles, partials.clone(), tile_block,
+                per_block([0.5, 2.0, 1.0], "cpu"), torch.empty_like(param)]  # fmt: skip
+
+    eager, compiled = fresh(), fresh()
+    expected = sam_step(*eager)
+    got = torch.compile(sam_step, fullgraph=True, backend="inductor")(*compiled)
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
+    assert all(torch.equal(a, b) for a, b in zip(compiled, eager))
+    assert not torch.equal(eager[1], param)  # the step moved the weights
