@@ -58,6 +58,14 @@ def _check_optional_state(name: str, t: torch.Tensor | None, needed: bool, why: 
         check_same(name, t, "param", param)
 
 
+def _check_tile_block(tile_block: torch.Tensor, param: torch.Tensor, tile: int) -> None:
+    """The int32 block of each of ``param``'s tiles."""
+    _check_flat("tile_block", tile_block, 0, torch.int32, param)
+    n_tiles = param.numel() // tile
+    if tile_block.numel() != n_tiles:
+        raise ValueError(f"tile_block has {tile_block.numel()} entries for {n_tiles} tiles")
+
+
 def _check_correction(param: torch.Tensor, tile: int, correction, correction_scale, tile_block) -> None:
     """LookSAM's correction: all three tensors or none."""
     given = {"correction": correction, "correction_scale": correction_scale, "tile_block": tile_block}
@@ -70,10 +78,7 @@ def _check_correction(param: torch.Tensor, tile: int, correction, correction_sca
         )
     check_same("correction", correction, "param", param)
     _check_flat("correction_scale", correction_scale, 0, torch.float64, param)
-    _check_flat("tile_block", tile_block, 0, torch.int32, param)
-    n_tiles = param.numel() // tile
-    if tile_block.numel() != n_tiles:
-        raise ValueError(f"tile_block has {tile_block.numel()} entries for {n_tiles} tiles")
+    _check_tile_block(tile_block, param, tile)
 
 
 # ------------------------------------------------------------------------------------------- the fakes
@@ -108,10 +113,7 @@ def _perturb(param, grad, backup, scale, tile_block, *, tile, adaptive, eta):
     check_same("grad", grad, "param", param)
     check_same("backup", backup, "param", param)
     _check_flat("scale", scale, 0, torch.float64, param)
-    _check_flat("tile_block", tile_block, 0, torch.int32, param)
-    n_tiles = param.numel() // tile
-    if tile_block.numel() != n_tiles:
-        raise ValueError(f"tile_block has {tile_block.numel()} entries for {n_tiles} tiles")
+    _check_tile_block(tile_block, param, tile)
 
 
 @torch.library.register_fake("gearsam_fused::restore_")
