@@ -161,9 +161,8 @@ def check_base_steps(name: str) -> None:
             param_d = torch.full_like(w_d, float("nan"))
             step, lr, beta1, beta2 = 5, 1e-3, 0.9, 0.999
             kernels.adam_step_(param_d, grad_d, w_d, m_d, v_d, vmax_d, tile=tile, beta1=beta1, beta2=beta2, eps=1e-8,
-                               weight_decay=0.01, decoupled=True, amsgrad=True, maximize=False,
-                               step_size=lr / (1 - beta1**step), bias_correction2_sqrt=(1 - beta2**step) ** 0.5,
-                               decay=1 - lr * 0.01)  # fmt: skip
+                               weight_decay=0.01, decoupled=True, amsgrad=True, maximize=False, lr=lr,
+                               step=step)  # fmt: skip
             p = nn.Parameter(w.clone())
             p.grad = grad.clone()
             adamw = torch.optim.AdamW([p], lr=lr, weight_decay=0.01, amsgrad=True, foreach=False)

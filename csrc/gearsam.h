@@ -38,9 +38,9 @@ void perturb_(const at::Tensor& param, const at::Tensor& grad, const at::Tensor&
               const at::Tensor& tile_block, int64_t tile, bool adaptive, double eta);
 void restore_(const at::Tensor& param, const at::Tensor& backup, int64_t tile);
 
-// The hyperparameters of the fused base steps as Python passes them (double). step_size, bias_correction2_sqrt and
-// decay are what torch's Adam derives from lr, the betas and the step count in Python, so the caller computes them
-// the same way: lr / (1 - beta1^k), (1 - beta2^k)^0.5, 1 - lr * weight_decay.
+// The hyperparameters of the fused base steps (double). step_size, bias_correction2_sqrt and decay are what torch's
+// Adam derives from lr, the betas and the step count k in Python: lr / (1 - beta1^k), (1 - beta2^k)^0.5,
+// 1 - lr * weight_decay; the operator (library.cpp) derives them the same way from lr and k.
 struct SgdOptions {
   double lr, weight_decay, momentum, dampening;
   bool nesterov, maximize, first;

@@ -11,6 +11,8 @@
 
 #include <torch/library.h>
 
+#include <cmath>
+
 #include "gearsam.h"
 
 namespace {
@@ -30,9 +32,13 @@ void sgd_step(const at::Tensor& param, const at::Tensor& grad, const OptionalTen
 void adam_step(const at::Tensor& param, const at::Tensor& grad, const OptionalTensor& backup,
                const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq, const OptionalTensor& max_exp_avg_sq,
                int64_t tile, double beta1, double beta2, double eps, double weight_decay, bool decoupled,
-               bool amsgrad, bool maximize, double step_size, double bias_correction2_sqrt, double decay,
-               const OptionalTensor& correction, const OptionalTensor& correction_scale,
-               const OptionalTensor& tile_block) {
+               bool amsgrad, bool maximize, double lr, int64_t step, const OptionalTensor& correction,
+               const OptionalTensor& correction_scale, const OptionalTensor& tile_block) {
+  // gearsam_fused.base_step.adam_scalars, operation for operation: Python's float ** is C's pow, so the bits agree
+  const double k = static_cast<double>(step);
+  const double step_size = lr / (1.0 - std::pow(beta1, k));
+  const double bias_correction2_sqrt = std::pow(1.0 - std::pow(beta2, k), 0.5);
+  const double decay = 1.0 - lr * weight_decay;
   gearsam::adam_step_(param, grad, backup, exp_avg, exp_avg_sq, max_exp_avg_sq, tile,
                       {beta1, beta2, eps, weight_decay, decoupled, amsgrad, maximize, step_size,
                        bias_correction2_sqrt, decay},
@@ -80,13 +86,14 @@ TORCH_LIBRARY(gearsam_fused, m) {
       "float weight_decay, float momentum, float dampening, bool nesterov, bool maximize, bool first, "
       "Tensor? correction=None, Tensor? correction_scale=None, Tensor? tile_block=None) -> ()");
   // param = backup (or param's own values) after one step of torch.optim.Adam (AdamW when decoupled) on grad, bit for
-  // bit; exp_avg, exp_avg_sq and max_exp_avg_sq (given iff amsgrad) are updated in place. step_size =
-  // lr / (1 - beta1^k), bias_correction2_sqrt = (1 - beta2^k)^0.5 and decay = 1 - lr * weight_decay, computed in
-  // Python as torch does; correction, correction_scale and tile_block as for sgd_step_.
+  // bit; exp_avg, exp_avg_sq and max_exp_avg_sq (given iff amsgrad) are updated in place. step is the step count
+  // k of this update (1 for the first), a SymInt so that a compiled step does not specialise on it; step_size =
+  // lr / (1 - beta1^k), bias_correction2_sqrt = (1 - beta2^k)^0.5 and decay = 1 - lr * weight_decay are derived
+  // here as torch derives them in Python; correction, correction_scale and tile_block as for sgd_step_.
   m.def(
       "adam_step_(Tensor(a!) param, Tensor grad, Tensor? backup, Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq, "
       "Tensor(d!)? max_exp_avg_sq, *, int tile, float beta1, float beta2, float eps, float weight_decay, "
-      "bool decoupled, bool amsgrad, bool maximize, float step_size, float bias_correction2_sqrt, float decay, "
+      "bool decoupled, bool amsgrad, bool maximize, float lr, SymInt step, "
       "Tensor? correction=None, Tensor? correction_scale=None, Tensor? tile_block=None) -> ()");
 }
 

@@ -54,20 +54,28 @@ class BucketUpdate:
     step: int
 
     def kernel_arguments(self) -> dict:
-        """The keyword arguments of the kernel modules' ``sgd_step_``/``adam_step_`` (besides ``tile``); derived
-        scalars are computed in float64 exactly as torch computes them."""
+        """The keyword arguments of the kernel modules' ``sgd_step_``/``adam_step_`` (besides ``tile``): the group's
+        hyperparameters and SGD's first-step flag or Adam's step count (see :func:`adam_scalars`)."""
         h = self.hyper
         if self.kind == "sgd":
             names = ("lr", "weight_decay", "momentum", "dampening", "nesterov", "maximize")
             return {**{k: h[k] for k in names}, "first": self.step == 1}
         beta1, beta2 = h["betas"]
-        step = float(self.step)  # torch reads the step count as a Python float
         return {
             "beta1": beta1, "beta2": beta2, "eps": h["eps"], "weight_decay": h["weight_decay"],
             "decoupled": h["decoupled_weight_decay"], "amsgrad": h["amsgrad"], "maximize": h["maximize"],
-            "step_size": h["lr"] / (1 - beta1**step), "bias_correction2_sqrt": (1 - beta2**step) ** 0.5,
-            "decay": 1 - h["lr"] * h["weight_decay"],
+            "lr": h["lr"], "step": self.step,
         }  # fmt: skip
+
+
+def adam_scalars(lr: float, beta1: float, beta2: float, weight_decay: float, step: int) -> tuple[float, float, float]:
+    """``(step_size, bias_correction2_sqrt, decay)`` of Adam's ``step``-th update, in float64 as torch's Adam computes
+    them in Python: ``lr / (1 - beta1**k)``, ``(1 - beta2**k) ** 0.5`` and ``1 - lr * weight_decay`` (AdamW's), with
+    ``k`` the step count as a float. The kernels take ``lr`` and ``step`` and derive these themselves (the Triton
+    launcher by this function, ``csrc/library.cpp`` by the same operations in C++), so that a compiled step passes
+    the step count, which the compiler keeps symbolic, rather than floats it would specialise on."""
+    k = float(step)
+    return lr / (1 - beta1**k), (1 - beta2**k) ** 0.5, 1 - lr * weight_decay
 
 
 def _plain(value):

@@ -123,8 +123,7 @@ def test_adam_kernel_is_torchs_adam(backend, device, flags, step, dtype):
     kernel_module(backend).adam_step_(
         param, grad.to(device), backup.to(device), *buffers, *([] if kw["amsgrad"] else [None]), tile=TILE, beta1=beta1, beta2=beta2,
         eps=kw["eps"], weight_decay=kw["weight_decay"], decoupled=cls is torch.optim.AdamW, amsgrad=kw["amsgrad"],
-        maximize=kw["maximize"], step_size=step_size, bias_correction2_sqrt=(1 - beta2**t) ** 0.5,
-        decay=1 - kw["lr"] * kw["weight_decay"],
+        maximize=kw["maximize"], lr=kw["lr"], step=step + 1,
     )  # fmt: skip
     for name, buffer in zip(names, buffers):
         assert torch.equal(buffer.cpu(), expected[name]), name
@@ -145,7 +144,7 @@ def test_kernels_refuse_what_they_cannot_update(backend, device):
     with pytest.raises(ValueError, match="momentum_buffer"):
         kernels.sgd_step_(backup.clone(), grad, backup, None, momentum=0.9, **sgd)
     adam = dict(tile=TILE, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, decoupled=False, maximize=False,
-                step_size=1e-3, bias_correction2_sqrt=0.1, decay=1.0)  # fmt: skip
+                lr=1e-3, step=1)  # fmt: skip
     with pytest.raises(ValueError, match="max_exp_avg_sq"):
         kernels.adam_step_(backup.clone(), grad, backup, grad.clone(), grad.clone(), None, amsgrad=True, **adam)
     with pytest.raises(ValueError, match="exp_avg_sq"):

@@ -108,15 +108,10 @@ def test_compiled_step_matches_eager(backend, device, rule, base):
 
 @pytest.mark.parametrize("base", list(BASES))
 @pytest.mark.parametrize("backend, device", CPU_BACKENDS)
-def test_the_compiled_step_stops_recompiling(backend, device, base, request):
-    """The first steps compile a few graphs (SGD's first momentum step; Adam's counts 0, 1, then a symbolic count);
-    after them, none."""
-    if base != "sgd" and backend != "torch":
-        # Adam's step size and bias correction are Python floats computed from the step count; a registered op's
-        # float argument is specialised to its value, so each step compiles anew (until the recompile limit, then
-        # the step runs eagerly, with the same results). Passing them as tensors (the capturable step) removes this.
-        reason = "the kernels take Adam's step-dependent scalars as floats: one graph per step"
-        request.applymarker(pytest.mark.xfail(strict=True, reason=reason))
+def test_the_compiled_step_stops_recompiling(backend, device, base):
+    """The first steps compile a few graphs (SGD's first momentum step; Adam's counts 0, 1, then a symbolic count:
+    the kernels take the count, not the floats derived from it, which the compiler would specialise on); after them,
+    none."""
     batches = data(6)
     model, opt = build("gear-sam", base, backend)
     first, second = compiled_steps(opt)

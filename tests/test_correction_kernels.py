@@ -117,9 +117,7 @@ def adam_kwargs(flags: str, step: int = 3) -> dict:
     kw = {"betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, "amsgrad": False, "maximize": False,
           "decoupled": False, **ADAM_FLAGS[flags]}  # fmt: skip
     beta1, beta2 = kw.pop("betas")
-    lr, t = kw.pop("lr"), float(step + 1)
-    return dict(kw, tile=TILE, beta1=beta1, beta2=beta2, step_size=lr / (1 - beta1**t),
-                bias_correction2_sqrt=(1 - beta2**t) ** 0.5, decay=1 - lr * kw["weight_decay"])  # fmt: skip
+    return dict(kw, tile=TILE, beta1=beta1, beta2=beta2, lr=kw.pop("lr"), step=step + 1)
 
 
 def run_adam(module, backup, grad, kw: dict, device: str, alias=False, **extra):

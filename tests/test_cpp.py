@@ -110,7 +110,7 @@ def test_any_number_of_threads_gives_bitwise_identical_kernels():
     base_w, base_g = torch.randn(64 * tile, generator=g), torch.randn(64 * tile, generator=g)
     ema = torch.tensor([0.5, 2.0, 1.0], dtype=torch.float64)
     adam_kw = dict(beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, decoupled=True, amsgrad=True, maximize=False,
-                step_size=1e-3 / (1 - 0.9**3), bias_correction2_sqrt=(1 - 0.999**3) ** 0.5, decay=1 - 1e-3 * 0.01)  # fmt: skip
+                lr=1e-3, step=3)  # fmt: skip
     previous = torch.get_num_threads()
     try:
         for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
@@ -186,9 +186,8 @@ def test_buffers_past_the_last_level_cache_stream_their_outputs_to_the_same_bits
             adamw.step()
             out, m, v = torch.full_like(w0, float("nan")), torch.zeros_like(w0), torch.zeros_like(w0)
             kernels.adam_step_(out, grad, w0, m, v, None, tile=tile, beta1=0.9, beta2=0.999, eps=1e-8,
-                               weight_decay=0.01, decoupled=True, amsgrad=False, maximize=False,
-                               step_size=1e-3 / (1 - 0.9), bias_correction2_sqrt=(1 - 0.999) ** 0.5,
-                               decay=1 - 1e-3 * 0.01)  # fmt: skip
+                               weight_decay=0.01, decoupled=True, amsgrad=False, maximize=False, lr=1e-3,
+                               step=1)  # fmt: skip
             state = adamw.state[p]
             assert torch.equal(out, p.detach())
             assert torch.equal(m, state["exp_avg"]) and torch.equal(v, state["exp_avg_sq"])

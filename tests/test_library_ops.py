@@ -9,6 +9,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from gearsam_fused.allocation import gear_allocate, sam_allocate
 from gearsam_fused.backends.cpp_ops import cpp_built_with_cuda, cpp_installed
+from gearsam_fused.base_step import adam_scalars
 
 from conftest import CUDA
 
@@ -106,15 +107,14 @@ def sgd_args(dtype, device, flags: str, with_backup: bool, corrected: bool):
 
 
 def adam_args(dtype, device, flags: str, with_backup: bool, corrected: bool):
-    """adam_step_ at step STEP, its scalars derived as gearsam_fused derives them from lr, betas and the step."""
+    """adam_step_ at step STEP."""
     decoupled, amsgrad, maximize = ADAM_FLAGS[flags]
     param, grad, backup = randn(3, dtype, device)
     g = torch.Generator().manual_seed(2)
     exp_avg = (0.1 * torch.randn(N, generator=g)).to(device, dtype)
     exp_avg_sq, max_exp_avg_sq = ((0.01 * torch.rand(N, generator=g) * c).to(device, dtype) for c in (1.0, 1.5))
     kw = dict(tile=TILE, beta1=BETAS[0], beta2=BETAS[1], eps=EPS, weight_decay=WEIGHT_DECAY, decoupled=decoupled,
-              amsgrad=amsgrad, maximize=maximize, step_size=LR / (1 - BETAS[0] ** STEP),
-              bias_correction2_sqrt=(1 - BETAS[1] ** STEP) ** 0.5, decay=1 - LR * WEIGHT_DECAY)  # fmt: skip
+              amsgrad=amsgrad, maximize=maximize, lr=LR, step=STEP)  # fmt: skip
     state = (exp_avg, exp_avg_sq, max_exp_avg_sq if amsgrad else None)
     extra = correction(dtype, device) if corrected else {}
     return (param, grad, backup if with_backup else None, *state), {**kw, **extra}
@@ -273,7 +273,8 @@ def test_adam_step_is_torchs_adam(dtype, flags, with_backup, device):
         assert torch.equal(param, expected_w)
     else:
         eps = torch.finfo(dtype).eps
-        torch.testing.assert_close(param.cpu(), expected_w, rtol=2 * eps, atol=4 * eps * kw["step_size"])
+        step_size = adam_scalars(LR, *BETAS, WEIGHT_DECAY, STEP)[0]
+        torch.testing.assert_close(param.cpu(), expected_w, rtol=2 * eps, atol=4 * eps * step_size)
 
 
 # ------------------------------------------------------------------------------------------- fake tensors

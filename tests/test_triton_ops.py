@@ -145,9 +145,7 @@ def test_opcheck_sgd_step(ops, backend, device, dtype, flags, backup, corrected)
 @pytest.mark.parametrize("backend,device", DEVICES)
 def test_opcheck_adam_step(ops, backend, device, dtype, flags, backup, corrected):
     kw = {"weight_decay": 0.0, "decoupled": False, "amsgrad": False, "maximize": False, **ADAM[flags]}
-    lr, beta1, beta2, t = 1e-2, 0.9, 0.999, 3.0
-    scalars = dict(kw, tile=TILE, beta1=beta1, beta2=beta2, eps=1e-8, step_size=lr / (1 - beta1**t),
-                   bias_correction2_sqrt=(1 - beta2**t) ** 0.5, decay=1 - lr * kw["weight_decay"])  # fmt: skip
+    scalars = dict(kw, tile=TILE, beta1=0.9, beta2=0.999, eps=1e-8, lr=1e-2, step=3)
     args = base_step_args(dtype, device, backup, corrected)
     args["exp_avg"] = 0.1 * randn(dtype, device, 4)
     args["exp_avg_sq"] = 0.01 * randn(dtype, device, 5).square()
@@ -247,7 +245,7 @@ def op_calls(device):
     sgd = dict(tile=TILE, lr=0.05, weight_decay=1e-3, momentum=0.9, dampening=0.0, nesterov=True, maximize=False,
                first=False)  # fmt: skip
     adam = dict(tile=TILE, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=1e-2, decoupled=True, amsgrad=True,
-                maximize=False, step_size=0.01, bias_correction2_sqrt=0.05, decay=0.9999)  # fmt: skip
+                maximize=False, lr=0.01, step=2)  # fmt: skip
     moments = [0.1 * f32[3], 0.01 * f32[4].square(), 0.02 * f32[5].square()]
     partials = torch.zeros(5, dtype=torch.float64, device=device)
     energy = f32[0].double()[:3].square()

@@ -36,6 +36,7 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
+from ..base_step import adam_scalars
 from ._common import NAMESPACE, check_flat, check_same, compute_type, kept_whole, launches
 
 
@@ -308,12 +309,12 @@ def adam_step_(param: torch.Tensor, grad: torch.Tensor, backup: torch.Tensor | N
                exp_avg_sq: torch.Tensor, max_exp_avg_sq: torch.Tensor | None, correction: torch.Tensor | None = None,
                correction_scale: torch.Tensor | None = None, tile_block: torch.Tensor | None = None, *, tile: int,
                beta1: float, beta2: float, eps: float, weight_decay: float, decoupled: bool, amsgrad: bool,
-               maximize: bool, step_size: float, bias_correction2_sqrt: float, decay: float) -> None:  # fmt: skip
-    """``param`` <- torch's Adam (AdamW if ``decoupled``) step taken from ``backup`` (from ``param`` itself if
-    ``backup`` is None); the moments (and ``max_exp_avg_sq``, given iff ``amsgrad``) updated in place. The caller
-    computes, in double as torch does, ``step_size = lr / (1 - beta1**step)``, ``bias_correction2_sqrt =
-    (1 - beta2**step)**0.5`` and ``decay = 1 - lr * weight_decay`` (used by AdamW only). ``correction``,
-    ``correction_scale`` and ``tile_block`` as for :func:`sgd_step_`."""
+               maximize: bool, lr: float, step: int) -> None:  # fmt: skip
+    """``param`` <- torch's Adam (AdamW if ``decoupled``) ``step``-th step (1 for the first) taken from ``backup``
+    (from ``param`` itself if ``backup`` is None); the moments (and ``max_exp_avg_sq``, given iff ``amsgrad``)
+    updated in place. ``step_size``, ``bias_correction2_sqrt`` and ``decay`` (AdamW's) are derived from ``lr`` and
+    ``step`` as torch does (:func:`gearsam_fused.base_step.adam_scalars`). ``correction``, ``correction_scale`` and
+    ``tile_block`` as for :func:`sgd_step_`."""
     _check_base_buffers(
         param,
         tile,
@@ -333,6 +334,7 @@ def adam_step_(param: torch.Tensor, grad: torch.Tensor, backup: torch.Tensor | N
     kernel = _adam_corrected_kernel if corrected else _adam_kernel
     if not n_tiles or not launches(kernel, param):
         return
+    step_size, bias_correction2_sqrt, decay = adam_scalars(lr, beta1, beta2, weight_decay, step)
     wt, keep2, neg_step = 1.0 - beta1, 1.0 - beta2, -step_size
     wrap_triton(kernel)[(n_tiles,)](
         param,

@@ -133,7 +133,7 @@ def _sgd_step(param, grad, backup, momentum_buffer, *, tile, lr, weight_decay, m
 
 @torch.library.register_fake("gearsam_fused::adam_step_")
 def _adam_step(param, grad, backup, exp_avg, exp_avg_sq, max_exp_avg_sq, *, tile, beta1, beta2, eps, weight_decay,
-               decoupled, amsgrad, maximize, step_size, bias_correction2_sqrt, decay, correction=None,
+               decoupled, amsgrad, maximize, lr, step, correction=None,
                correction_scale=None, tile_block=None):  # fmt: skip
     _check_base_step(param, grad, backup, tile)
     check_same("exp_avg", exp_avg, "param", param)

@@ -210,8 +210,8 @@ class KernelModule(Protocol):
     def adam_step_(
         self, param: torch.Tensor, grad: torch.Tensor, backup: torch.Tensor | None, exp_avg: torch.Tensor,
         exp_avg_sq: torch.Tensor, max_exp_avg_sq: torch.Tensor | None, *, tile: int, beta1: float, beta2: float,
-        eps: float, weight_decay: float, decoupled: bool, amsgrad: bool, maximize: bool, step_size: float,
-        bias_correction2_sqrt: float, decay: float, correction: torch.Tensor | None = None,
+        eps: float, weight_decay: float, decoupled: bool, amsgrad: bool, maximize: bool, lr: float, step: int,
+        correction: torch.Tensor | None = None,
         correction_scale: torch.Tensor | None = None, tile_block: torch.Tensor | None = None,
     ) -> None: ...  # fmt: skip
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from ..base_step import BucketUpdate
+from ..base_step import BucketUpdate, adam_scalars
 from ..flat import Bucket
 from .base import compute_dtype
 from .fused import FusedBackend
@@ -114,17 +114,17 @@ class TorchBackend(FusedBackend):
     @staticmethod
     def _adam(update: BucketUpdate, w, g, scratch: torch.Tensor, out: torch.Tensor) -> None:
         h, (exp_avg, exp_avg_sq, max_exp_avg_sq) = update.hyper, update.state
-        k = update.kernel_arguments()  # step_size, bias_correction2_sqrt and decay, as torch computes them
+        beta1, beta2 = h["betas"]
+        step_size, bias_correction2_sqrt, decay = adam_scalars(h["lr"], beta1, beta2, h["weight_decay"], update.step)
         if h["weight_decay"] != 0:
             if h["decoupled_weight_decay"]:
-                w = w.mul_(k["decay"])  # w is the backup, not needed after this step, or the parameters themselves
+                w = w.mul_(decay)  # w is the backup, not needed after this step, or the parameters themselves
             else:
                 g = torch.add(g, w, alpha=h["weight_decay"], out=scratch)
-        beta1, beta2 = h["betas"]
         exp_avg.lerp_(g, 1 - beta1)
         exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
         second = exp_avg_sq
         if h["amsgrad"]:
             second = torch.maximum(max_exp_avg_sq, exp_avg_sq, out=max_exp_avg_sq)
-        denom = torch.sqrt(second, out=scratch).div_(k["bias_correction2_sqrt"]).add_(h["eps"])
-        torch.addcdiv(w, exp_avg, denom, value=-k["step_size"], out=out)
+        denom = torch.sqrt(second, out=scratch).div_(bias_correction2_sqrt).add_(h["eps"])
+        torch.addcdiv(w, exp_avg, denom, value=-step_size, out=out)
