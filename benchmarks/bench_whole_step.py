@@ -17,6 +17,11 @@ Contenders, each around the same base optimizer (every torch optimizer with ``fo
                                perturbation and the base optimizer's ``step()`` each under ``torch.compile``
 ``torch``, ``cpp``, ``triton``  gearsam_fused's SAM on that backend with ``base_step="fused"`` (``triton``: CUDA only)
 ``BACKEND, base per tensor``   the same with ``base_step="per-tensor"``: a flat restore, then the base ``step()``
+``BACKEND, compiled``          the fused row's optimizer (``cpp``; ``triton`` on CUDA) with ``first_step`` and
+                               ``second_step`` each under ``torch.compile(fullgraph=True)``, compiled in the warm-up
+``BACKEND, CUDA graph``        (CUDA only) the fused row's optimizer built with ``capturable=True``, three steps on a
+                               side stream, one step captured in a ``torch.cuda.CUDAGraph``; the timed step is
+                               ``graph.replay()`` (sets :data:`GRAPH_SET_KEYS`)
 ``bare base step``             the base optimizer's ``step()`` alone, no SAM: the floor a SAM step is compared to
 ``bare base step (fused)``     the same with ``fused=True`` (CUDA only)
 =============================  ====================================================================================
@@ -29,11 +34,17 @@ bare base step is counted at its own 20d and 28d. GB/s is that count over the me
 measured in the same run (``conftest.MemoryFloor``). On CUDA a row also records kernel launches per step (torch profiler) and the median by
 CUDA events.
 
-The compiled contender's row also records ``compile_s``, the seconds of its calls that compiled (during the parity
-check and the warm-up, before any timing; see :class:`contenders.CompiledForeachSAM`), and how far its step is from
-ours: before timing, one whole step of it and one of our SAM (``cpp`` backend where usable, else ``torch``) from
-identical weights and gradients, compared after ``first_step`` (``w + eps``) and after ``second_step`` (the new
-``w``), ``a`` the contender's weights and ``b`` ours, the larger of the two points:
+The compiled rows record ``compile_s``, the seconds of their calls that compiled (:class:`contenders.CompileTimer`:
+the first calls, and the recompiles of the first steps -- SGD's first momentum step, Adam's step counts 0, 1 and then
+a symbolic one), before any timing: the warm-up goes on until a whole step compiles nothing, and a row that compiles
+while it is timed fails. Our compiled rows are the same kernels as the eager row (registered operators that the
+compiler calls as they are) and the same counted bytes. The CUDA-graph rows record ``capture_s``, the wall time of
+the three side-stream steps and the capture. Both must record ``base_step_mode == "fused"``, as the eager rows.
+
+The compiled foreach SAM's row also records how far its step is from ours: before timing, one whole step of it and
+one of our SAM (``cpp`` backend where usable, else ``torch``) from identical weights and gradients, compared after
+``first_step`` (``w + eps``) and after ``second_step`` (the new ``w``), ``a`` the contender's weights and ``b`` ours,
+the larger of the two points:
 
 ``max_rel_diff``             ``max_i |a_i - b_i| / max_i |b_i|`` over all the set's parameters as one vector: it must
                              be within the test suite's float32 tolerance per step, :data:`FP32_STEP_RTOL`
@@ -47,13 +58,16 @@ The gradient is the same at both points (no second pass), so the point after the
 the perturbation is checked on its own.
 
 The sets are :data:`param_sets.WHOLE_STEP_SET_KEYS`; quick mode runs :data:`QUICK_SET_KEYS` only, with a shorter
-warm-up: a smoke run, not a measurement (the compiled contender there on :data:`COMPILED_QUICK_SET_KEYS` only).
+warm-up: a smoke run, not a measurement (the compiled contenders there on :data:`COMPILED_QUICK_SET_KEYS` only).
 """
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
+import torch._dynamo
 
 from gearsam_fused import SAM
 
@@ -73,13 +87,17 @@ BARE_BYTES_PER_PARAM = {"SGD": 20, "AdamW": 28}
 #: the sets of a quick run: a network's shapes and the two sets of many small tensors, where the fusion matters most
 QUICK_SET_KEYS = ["resnet18", "small_tensors", "tensors_4096"]
 
-#: the only set of a quick run with the compiled contender: compiling its step for the sets of 2000 tensors takes
-#: minutes (dynamo traces, and inductor generates code for, every tensor of the lists), which a smoke run cannot pay
+#: the only set of a quick run with the compiled contenders (ours and the foreach SAM): compiling a step for the sets
+#: of 2000 tensors takes minutes (dynamo traces, and inductor generates code for, every tensor of the lists), which a
+#: smoke run cannot pay
 COMPILED_QUICK_SET_KEYS = ["resnet18"]
 #: above this many tensors the compiled contender is skipped, saying why: for the set of 2000 tensors of 4096 elements,
 #: compiling its SAM and SGD steps took more than 25 minutes on 2 CPU cores with a cold cache (2026-11-25; 128
 #: tensors: about 50 s, 256: 90 s), which no run of the suite can pay for every base optimizer
 COMPILED_MAX_TENSORS = 1000
+#: our compiled step over the set of 2048 small tensors, first calls, 2 CPU cores shared with other jobs (2026-11-25):
+#: dynamo traces the step's Python for every tensor of the set (ResNet-18's 62 tensors: 15-25 s)
+OURS_COMPILE_NOTE = "10 minutes"
 #: the test suite's relative error allowed per float32 step (tests/conftest.py)
 FP32_STEP_RTOL = 1e-6
 
@@ -87,7 +105,19 @@ LOOP = "per-tensor loop"
 COMPILED = contenders.COMPILED
 BARE, BARE_FUSED = "bare base step", "bare base step (fused)"
 PER_TENSOR = ", base per tensor"  # suffix of our contenders that step the base optimizer per tensor
+#: suffixes of our fused contenders under torch.compile(fullgraph=True) and captured in a CUDA graph (CUDA only)
+COMPILED_STEP, CUDA_GRAPH = ", compiled", ", CUDA graph"
 OUR_BACKENDS = ("torch", "cpp", "triton")
+#: our backends whose kernels are registered operators that a compiled step calls as they are, the ones with
+#: capturable kernels (``capturable=True``) too; the torch backend's step under torch.compile is not benchmarked
+COMPILED_BACKENDS = ("cpp", "triton")
+#: the sets of the CUDA-graph rows: a network's shapes and many small tensors, where launches cost most
+GRAPH_SET_KEYS = ["resnet18", "small_tensors"]
+#: eager steps on a side stream before the capture, as torch's CUDA graph recipe does (kernels compiled, the
+#: optimizer's state and its step counts made, the allocator warm)
+GRAPH_WARM_UP_STEPS = 3
+#: steps the warm-up of a compiled row may add until a whole step compiles nothing
+MAX_SETTLING_STEPS = 10
 NOT_INSTALLED = contenders.not_installed()  # peers shown as skipped, with the note, instead of left out
 
 
@@ -98,7 +128,31 @@ def whole_step_contenders(device: str) -> list[str]:
     for backend in OUR_BACKENDS:
         if backend in usable:
             names += [backend, backend + PER_TENSOR]
+            if backend in COMPILED_BACKENDS:  # triton: only where usable, i.e. on CUDA
+                names.append(backend + COMPILED_STEP)
+            if backend in COMPILED_BACKENDS and device == "cuda":
+                names.append(backend + CUDA_GRAPH)
     return [*names, BARE, *([BARE_FUSED] if device == "cuda" else [])]
+
+
+def capture(opt) -> tuple[torch.cuda.CUDAGraph, float]:
+    """``opt`` (built with ``capturable=True``) warmed up by :data:`GRAPH_WARM_UP_STEPS` whole steps on a side stream,
+    then one whole step captured: the graph, and the seconds all of that took. The gradients stay where they are,
+    views of the flat buffers (nothing sets them to None), so the graph reads the buffers the benchmark filled."""
+    start = time.perf_counter()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(GRAPH_WARM_UP_STEPS):
+            opt.first_step()
+            opt.second_step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        opt.first_step()
+        opt.second_step()
+    torch.cuda.synchronize()
+    return graph, time.perf_counter() - start
 
 
 def make(name: str, base: str, model: torch.nn.Module):
@@ -117,6 +171,29 @@ def make(name: str, base: str, model: torch.nn.Module):
         opt = pytorch_optimizer.SAM(model.parameters(), cls, rho=RHO, foreach=contenders.PEER_PATHS[name], **kwargs)
     elif name == COMPILED:
         opt = contenders.CompiledForeachSAM(model.parameters(), cls, rho=RHO, **kwargs)  # foreach=True inside
+    elif name.endswith(COMPILED_STEP):
+        torch._dynamo.reset()  # no graph of an earlier row (another set, another optimizer) is reused or counted
+        opt = SAM(model, cls, rho=RHO, backend=name.removesuffix(COMPILED_STEP), base_step="fused", foreach=True,
+                  **kwargs)  # fmt: skip
+        first = torch.compile(opt.first_step, fullgraph=True)
+        second = torch.compile(opt.second_step, fullgraph=True)
+        timer = contenders.CompileTimer()
+
+        def compiled_step():
+            timer(first)
+            timer(second)
+
+        compiled_step.timer = timer
+        return opt, compiled_step
+    elif name.endswith(CUDA_GRAPH):
+        # lr, rho and the step counts on the device; "fused" is implied (and checked below, as for every row)
+        opt = SAM(model, cls, rho=RHO, backend=name.removesuffix(CUDA_GRAPH), base_step="fused", foreach=True,
+                  capturable=True, **kwargs)  # fmt: skip
+        graph, seconds = capture(opt)
+        replay = graph.replay
+        step = lambda: replay()  # noqa: E731 (a function of its own, to carry the attributes)
+        step.graph, step.capture_s = graph, seconds  # the graph lives as long as the step
+        return opt, step
     else:
         backend, per_tensor, _ = name.partition(PER_TENSOR)
         mode = "per-tensor" if per_tensor else "fused"  # "fused" fails at construction when it cannot be honoured
@@ -166,12 +243,18 @@ def pytest_generate_tests(metafunc):
 def test_whole_step(benchmark, record, quick, floor, contender, base, set_key):
     if contender in NOT_INSTALLED:
         pytest.skip(NOT_INSTALLED[contender])
-    if contender == COMPILED and quick and set_key not in COMPILED_QUICK_SET_KEYS:
+    compiles = contender == COMPILED or contender.endswith(COMPILED_STEP)
+    if compiles and quick and set_key not in COMPILED_QUICK_SET_KEYS:
         pytest.skip(f"{contender}: quick mode compiles it for {COMPILED_QUICK_SET_KEYS} only")
+    if contender.endswith(CUDA_GRAPH) and set_key not in GRAPH_SET_KEYS:
+        pytest.skip(f"{contender}: captured for {GRAPH_SET_KEYS} only")
     params = param_sets.build(set_key, DEVICE, quick)
     if contender == COMPILED and len(params.params) > COMPILED_MAX_TENSORS:
         pytest.skip(f"{contender}: {len(params.params)} tensors; compiling for 2000 took more than 25 minutes on 2 "
                     f"CPU cores (COMPILED_MAX_TENSORS)")  # fmt: skip
+    if contender.endswith(COMPILED_STEP) and len(params.params) > COMPILED_MAX_TENSORS:
+        pytest.skip(f"{contender}: {len(params.params)} tensors; compiling our step for 2048 took more than "
+                    f"{OURS_COMPILE_NOTE} on 2 CPU cores (COMPILED_MAX_TENSORS)")  # fmt: skip
     opt, step = make(contender, base, params.model)
     ours = isinstance(opt, SAM)
     extra = {}
@@ -185,7 +268,16 @@ def test_whole_step(benchmark, record, quick, floor, contender, base, set_key):
 
     # kernel compilation, allocator, re-homing of the gradients, the optimizer's state (a quick run only smoke-tests)
     warm_up(synchronised_step, min_steps=2, min_seconds=0.1) if quick else warm_up(synchronised_step)
-    compiled = opt.compile_s if contender == COMPILED else None  # the parity step's and the warm-up's compiling calls
+    timer = opt._timer if contender == COMPILED else getattr(step, "timer", None)  # the compiled rows'
+    if timer is not None:  # the first steps recompile (step counts): warm up until a whole step compiles nothing
+        for _ in range(MAX_SETTLING_STEPS):
+            calls = timer.compiling_calls
+            synchronised_step()
+            if timer.compiling_calls == calls:
+                break
+        else:
+            pytest.fail(f"{contender} still compiled after {MAX_SETTLING_STEPS} more warm-up steps")
+    compiled = timer.compile_s if timer is not None else None  # the parity step's and the warm-up's compiling calls
     if ours:
         # not timing: the row must measure the path its name says, never silently the other one
         expected = "per-tensor" if contender.endswith(PER_TENSOR) else "fused"
@@ -198,9 +290,11 @@ def test_whole_step(benchmark, record, quick, floor, contender, base, set_key):
     rounds = 3 if quick else max(5, min(30, int(3e8 / params.numel)))
     benchmark.pedantic(synchronised_step, setup=floor.interleaved(), rounds=rounds, iterations=1)
     if compiled is not None:
-        assert opt.compile_s == compiled, f"{contender} compiled again while it was timed"
-        extra.update(compile_s=compiled, compile_cache_hits=opt.compile_cache["hits"],
-                     compile_cache_misses=opt.compile_cache["misses"])  # fmt: skip
+        assert timer.compile_s == compiled, f"{contender} compiled again while it was timed"
+        extra.update(compile_s=compiled, compile_cache_hits=timer.cache["hits"],
+                     compile_cache_misses=timer.cache["misses"])  # fmt: skip
+    if contender.endswith(CUDA_GRAPH):
+        extra["capture_s"] = step.capture_s
     counted = (BARE_BYTES_PER_PARAM if contender in (BARE, BARE_FUSED) else BYTES_PER_PARAM)[base] * params.numel
     gbps = counted / benchmark.stats.stats.median / 1e9
     fields = dict(

@@ -91,6 +91,38 @@ class PerTensorLoopSAM:
         return sum(t.nbytes for t in self.backups.values())
 
 
+class CompileTimer:
+    """Calls compiled functions and sums the wall time of the calls during which dynamo compiled (a new frame or a
+    new graph: the first calls, and each recompile), in :attr:`compile_s`; those calls also ran the function once,
+    which is not subtracted. :attr:`cache` counts inductor's FX graph cache hits and misses in those calls: a row with
+    misses paid for code generation, one with hits only did not. :attr:`compiling_calls` counts the calls."""
+
+    def __init__(self):
+        self.compile_s = 0.0
+        self.cache = {"hits": 0, "misses": 0}
+        self.compiling_calls = 0
+
+    @staticmethod
+    def _counts() -> tuple[int, int, int, int]:
+        from torch._dynamo.utils import counters
+
+        # "frames" alone misses the compiles of a fullgraph=True function here (torch 2.13): the graph count sees them
+        return (counters["frames"]["total"], counters["stats"]["unique_graphs"],
+                counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"])  # fmt: skip
+
+    def __call__(self, function, *args, **kwargs):
+        (frames, graphs, hits, misses), start = self._counts(), time.perf_counter()
+        result = function(*args, **kwargs)
+        elapsed = time.perf_counter() - start
+        now = self._counts()
+        if now[:2] != (frames, graphs):
+            self.compile_s += elapsed
+            self.compiling_calls += 1
+            self.cache["hits"] += now[2] - hits
+            self.cache["misses"] += now[3] - misses
+        return result
+
+
 COMPILED = "compiled foreach SAM"
 COMPILED_GEAR = "compiled foreach GEAR-SAM"
 
@@ -143,8 +175,7 @@ class CompiledForeachSAM:
         torch._dynamo.reset()
         self._perturb = torch.compile(self._perturb_eager)
         self._base_step = torch.compile(self.base_optimizer.step)
-        self.compile_s = 0.0
-        self.compile_cache = {"hits": 0, "misses": 0}  # inductor's FX graph cache, in the compiling calls
+        self._timer = CompileTimer()
 
     @torch.no_grad()
     def _perturb_eager(self, params, grads, backup, ema):
@@ -165,17 +196,15 @@ class CompiledForeachSAM:
 
     def _timed(self, function, *args):
         """``function(*args)``, its time added to :attr:`compile_s` when dynamo compiled during the call."""
-        from torch._dynamo.utils import counters
+        self._timer(function, *args)
 
-        def cache():
-            return counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"]
+    @property
+    def compile_s(self) -> float:
+        return self._timer.compile_s
 
-        frames, (hits, misses), start = counters["frames"]["total"], cache(), time.perf_counter()
-        function(*args)
-        if counters["frames"]["total"] != frames:
-            self.compile_s += time.perf_counter() - start
-            self.compile_cache["hits"] += cache()[0] - hits
-            self.compile_cache["misses"] += cache()[1] - misses
+    @property
+    def compile_cache(self) -> dict[str, int]:
+        return self._timer.cache
 
     def first_step(self):
         self._timed(self._perturb, self.params, [p.grad for p in self.params], self.backup, self.ema)

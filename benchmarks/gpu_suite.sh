@@ -10,6 +10,9 @@ PHASES=(info build tests sanitize bench models train)
 # seconds per phase (PHASE_TIMEOUT sets them all, TIMEOUT_<PHASE> one of them), small enough that info+build+tests
 # (60+150+380 = 590), sanitize+train (300+240 = 540), bench and models each fit into a run of 10 minutes.
 #   build: 44 s on the H100 of 2026-11-23 (16 cores), so 150.
+#   bench: never run on a GPU yet. Its whole step now also compiles our step (cpp, triton) for the 4 sets of at most
+#     1000 tensors x 2 base optimizers (16 compiles; ResNet-18's on 2 loaded CPU cores: about 20 s cold) and captures
+#     8 CUDA graphs (quick to capture): if 540 s is too short, TIMEOUT_BENCH=590 or BENCH_ARGS="--quick".
 #   tests: that run took 150 s for 549 cuda-marked tests on 8 processes; today `pytest -m cuda --collect-only tests`
 #     counts 909, so 150 x 909 / 549 = 248 s, and 380 with half of that again as room.
 #   models: bench_models.py on CUDA, 4 models x 6 rows. One forward+backward pass (f) of ResNet-50 b128, ViT-B/16 b64

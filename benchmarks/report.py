@@ -197,6 +197,13 @@ def _compiled_note(group: list[dict]) -> str:
     return f"; compiled foreach SAM's weights {row['max_rel_diff']:.1e} from ours, relative" if row else ""
 
 
+def _seconds(value: float | None) -> str:
+    """A compile or capture time: whole seconds from 10 s, tenths below (a CUDA graph's capture may take under one)."""
+    if value is None:
+        return "-"
+    return f"{value:.0f}" if value >= 10 else f"{value:.1f}"
+
+
 def whole_step_tables(rows: list[dict]) -> list[str]:
     """Per (set, base optimizer): every contender's whole step (SAM and the base optimizer's update), against the
     per-tensor implementations, the compiled foreach SAM and the base optimizer's step alone."""
@@ -222,7 +229,7 @@ def whole_step_tables(rows: list[dict]) -> list[str]:
         ]
         for r in group:
             over_bare = f"{r['median_ms'] / bare:.2f}x" if bare else "-"
-            compile_s = f"{r['compile_s']:.0f}" if r.get("compile_s") is not None else "-"
+            compile_s = _seconds(r.get("compile_s", r.get("capture_s")))
             lines.append(
                 f"| {r['contender']} | {r['median_ms']:.3f} | {r['q3_ms'] - r['q1_ms']:.3f} | {_ratio(loop, r['median_ms'])} | "
                 f"{_ratio(peer, r['median_ms'])} | {_ratio(compiled, r['median_ms'])} | {over_bare} | "
@@ -235,7 +242,10 @@ def whole_step_tables(rows: list[dict]) -> list[str]:
             "over this one's (above 1x: this one is faster); \"/ bare base step\": this median over the base optimizer's "
             "step alone (`foreach=True`, no SAM). GB/s from the counted bytes: SGD 40, AdamW 48 per parameter for a SAM "
             "step, the bare base step its own 20 and 28; % of floor: that rate over the memory floor measured between the row's rounds (median). compile s: "
-            "the compiled contender's first calls, which compile it (not in its median).",
+            "the compiled contenders' calls that compiled (the first calls and the first steps' recompiles; not in "
+            "their median): the compiled foreach SAM, and our `BACKEND, compiled` (`first_step` and `second_step` under "
+            "`torch.compile(fullgraph=True)`); for a `BACKEND, CUDA graph` row (`capturable=True`, the timed step "
+            "a `graph.replay()`), its three warm-up steps and the capture.",
             "",
         ]
     return lines

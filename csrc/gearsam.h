@@ -15,6 +15,18 @@
 // each element before it is written. Both steps optionally correct the gradient first (LookSAM):
 // g = fma(C(correction_scale[block]), correction, grad).
 //
+// A capturable step (CUDA graphs replay kernels with the host arguments frozen at capture) reads what changes per
+// step from device memory, through two optional tensors on the buffers' device; with neither given every operation
+// is exactly what it is without them, bit for bit:
+//
+//   scalars     float64, contiguous 1-D: (rho,) for allocate, (lr, k) for the base steps (k the step count of this
+//               update, 1 for the first, a whole number). It replaces the host rho, or lr and step (Adam) / first
+//               (SGD: first = (k == 1)), which must then be 0 (false); the constants are derived from it exactly as
+//               from the host values (the same operations, on the device for CUDA).
+//   found_inf   float32, one element (GradScaler's, 0-d or [1]). Nonzero skips the step: allocate gives scale and
+//               radius 0 and leaves ema unwritten; a base step writes param = backup (nothing where backup is None)
+//               and nothing else, and does not read grad (it may hold inf or NaN).
+//
 // library.cpp registers these six as the operators torch.ops.gearsam_fused.<name> (schemas there). ops.cpp checks
 // the arguments and calls the implementation for the tensors' device: namespace cpu (cpu/*.cpp) or namespace cuda
 // (cuda/*.cu, declared and compiled only when WITH_CUDA is defined). Every implementation receives tensors that
@@ -28,27 +40,67 @@
 #include <cmath>
 #include <tuple>
 
+// The options and constants below are built on the device too (from scalars read there): __host__ __device__ under
+// nvcc, nothing for the host compiler, which compiles this header as well.
+#ifdef __CUDACC__
+#define GEARSAM_HOST_DEVICE __host__ __device__
+#else
+#define GEARSAM_HOST_DEVICE
+#endif
+
 namespace gearsam {
 
 at::Tensor block_energy(const at::Tensor& grad, const at::Tensor& param, const at::Tensor& block_tiles,
                         const at::Tensor& partials, int64_t tile, bool adaptive, double eta);
 std::tuple<at::Tensor, at::Tensor> allocate(const at::Tensor& energy, const at::Tensor& ema, bool gear, double rho,
-                                            double beta, double delta);
+                                            double beta, double delta, const c10::optional<at::Tensor>& scalars = {},
+                                            const c10::optional<at::Tensor>& found_inf = {});
 void perturb_(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& backup, const at::Tensor& scale,
               const at::Tensor& tile_block, int64_t tile, bool adaptive, double eta);
 void restore_(const at::Tensor& param, const at::Tensor& backup, int64_t tile);
 
-// The hyperparameters of the fused base steps (double). step_size, bias_correction2_sqrt and decay are what torch's
-// Adam derives from lr, the betas and the step count k in Python: lr / (1 - beta1^k), (1 - beta2^k)^0.5,
-// 1 - lr * weight_decay; the operator (library.cpp) derives them the same way from lr and k.
+// b - c * d with the product rounded on its own: in device code nvcc would contract a plain `b - c * d` into an fma
+// (the host code is built with -ffp-contract=off).
+GEARSAM_HOST_DEVICE inline double sub_product(double b, double c, double d) {
+#ifdef __CUDA_ARCH__
+  return __dsub_rn(b, __dmul_rn(c, d));
+#else
+  return b - c * d;
+#endif
+}
+
+// The hyperparameters of the fused base steps (double), with the two that change per step: lr and SGD's first (the
+// momentum buffer starts from this step's gradient) or Adam's step count k (1 for the first). at_step replaces them
+// by the (lr, k) a capturable step reads from its scalars, so both paths build the same constants from the same
+// doubles.
 struct SgdOptions {
   double lr, weight_decay, momentum, dampening;
   bool nesterov, maximize, first;
+
+  GEARSAM_HOST_DEVICE SgdOptions at_step(double step_lr, double k) const {
+    SgdOptions o = *this;
+    o.lr = step_lr;
+    o.first = k == 1.0;
+    return o;
+  }
 };
 struct AdamOptions {
   double beta1, beta2, eps, weight_decay;
   bool decoupled, amsgrad, maximize;
-  double step_size, bias_correction2_sqrt, decay;
+  double lr, k;
+
+  GEARSAM_HOST_DEVICE AdamOptions at_step(double step_lr, double step_k) const {
+    AdamOptions o = *this;
+    o.lr = step_lr;
+    o.k = step_k;
+    return o;
+  }
+  // What torch's Adam derives from lr, the betas and k in Python (gearsam_fused.base_step.adam_scalars), operation
+  // for operation: Python's float ** is C's pow. (On the device, CUDA's pow: within 2 ulp where glibc's is within 1,
+  // so a CUDA step given scalars may differ from the host-valued one in a constant's last bit.)
+  GEARSAM_HOST_DEVICE double step_size() const { return lr / (1.0 - ::pow(beta1, k)); }
+  GEARSAM_HOST_DEVICE double bias_correction2_sqrt() const { return ::pow(1.0 - ::pow(beta2, k), 0.5); }
+  GEARSAM_HOST_DEVICE double decay() const { return sub_product(1.0, lr, weight_decay); }
 };
 
 // LookSAM's gradient correction as the public operations take it: correction (like grad), correction_scale (float64
@@ -57,14 +109,19 @@ struct CorrectionArgs {
   c10::optional<at::Tensor> correction, correction_scale, tile_block;
 };
 
+// A capturable step's device values as the public base steps take them (header comment): either may be absent.
+struct DeviceStepArgs {
+  c10::optional<at::Tensor> scalars, found_inf;
+};
+
 // backup: the weights w to step from, or nullopt for param's own (a step with no perturbation to undo).
 void sgd_step_(const at::Tensor& param, const at::Tensor& grad, const c10::optional<at::Tensor>& backup,
                const c10::optional<at::Tensor>& momentum_buffer, int64_t tile, const SgdOptions& options,
-               const CorrectionArgs& correction = {});
+               const CorrectionArgs& correction = {}, const DeviceStepArgs& device_step = {});
 void adam_step_(const at::Tensor& param, const at::Tensor& grad, const c10::optional<at::Tensor>& backup,
                 const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
                 const c10::optional<at::Tensor>& max_exp_avg_sq, int64_t tile, const AdamOptions& options,
-                const CorrectionArgs& correction = {});
+                const CorrectionArgs& correction = {}, const DeviceStepArgs& device_step = {});
 
 // The checked correction the implementations receive: g = fma(C(scale[tile_block[t]]), values, grad) for the
 // elements of tile t, C rounding once to the buffers' type. All three undefined where the step has none.
@@ -73,15 +130,22 @@ struct Correction {
   bool given() const { return values.defined(); }
 };
 
+// The checked scalars and found_inf, undefined where not given. The CPU implementations read them on the host (they
+// are CPU tensors there), the CUDA kernels from device memory, without a synchronisation.
+struct DeviceStep {
+  at::Tensor scalars, found_inf;
+};
+
 // The options with every scalar rounded once to the buffers' type T, as torch rounds a Python-scalar alpha or value
 // (differences such as 1 - dampening are taken in double first, as Python does). Both implementations start from
-// these, so the CPU and CUDA kernels multiply by the very same constants. Plain values: they are kernel arguments.
+// these, so the CPU and CUDA kernels multiply by the very same constants. Plain values: they are kernel arguments,
+// and a CUDA kernel given scalars builds them itself from options.at_step(lr, k), with the same operations.
 template <typename T>
 struct SgdConstants {
   T neg_lr, weight_decay, momentum, one_minus_dampening;
   bool l2, with_momentum, nesterov, maximize, first;
 
-  explicit SgdConstants(const SgdOptions& o)
+  GEARSAM_HOST_DEVICE explicit SgdConstants(const SgdOptions& o)
       : neg_lr(static_cast<T>(-o.lr)),
         weight_decay(static_cast<T>(o.weight_decay)),
         momentum(static_cast<T>(o.momentum)),
@@ -100,18 +164,18 @@ struct AdamConstants {
   T weight_decay, decay, lerp_weight, beta2, one_minus_beta2, eps, bias_correction2_sqrt, neg_step_size;
   bool l2, decoupled, small_weight, amsgrad, maximize;
 
-  explicit AdamConstants(const AdamOptions& o)
+  GEARSAM_HOST_DEVICE explicit AdamConstants(const AdamOptions& o)
       : weight_decay(static_cast<T>(o.weight_decay)),
-        decay(static_cast<T>(o.decay)),
+        decay(static_cast<T>(o.decay())),
         lerp_weight(static_cast<T>(1.0 - o.beta1)),
         beta2(static_cast<T>(o.beta2)),
         one_minus_beta2(static_cast<T>(1.0 - o.beta2)),
         eps(static_cast<T>(o.eps)),
-        bias_correction2_sqrt(static_cast<T>(o.bias_correction2_sqrt)),
-        neg_step_size(static_cast<T>(-o.step_size)),
+        bias_correction2_sqrt(static_cast<T>(o.bias_correction2_sqrt())),
+        neg_step_size(static_cast<T>(-o.step_size())),
         l2(o.weight_decay != 0 && !o.decoupled),
         decoupled(o.weight_decay != 0 && o.decoupled),
-        small_weight(std::abs(lerp_weight) < T(0.5)),
+        small_weight(lerp_weight < T(0.5) && lerp_weight > T(-0.5)),  // |lerp_weight| < 0.5, on either device
         amsgrad(o.amsgrad),
         maximize(o.maximize) {
     if (!small_weight) lerp_weight = lerp_weight - T(1);
@@ -119,21 +183,22 @@ struct AdamConstants {
 };
 
 // momentum_buffer and max_exp_avg_sq are undefined tensors where the optimizer has none; backup is param itself
-// where the public operation was given none.
+// where the public operation was given none (so a skipped step, found_inf nonzero, then writes nothing at all).
 #define GEARSAM_DEVICE_IMPLEMENTATIONS                                                                              \
   void block_energy(const at::Tensor& grad, const at::Tensor& param, const at::Tensor& block_tiles,                 \
                     const at::Tensor& partials, const at::Tensor& energy, int64_t tile, bool adaptive, double eta); \
   void allocate(const at::Tensor& energy, const at::Tensor& ema, const at::Tensor& scale, const at::Tensor& radius, \
-                bool gear, double rho, double beta, double delta);                                                   \
+                bool gear, double rho, double beta, double delta, const DeviceStep& device_step);                   \
   void perturb(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& backup, const at::Tensor& scale,  \
                const at::Tensor& tile_block, int64_t tile, bool adaptive, double eta);                              \
   void restore(const at::Tensor& param, const at::Tensor& backup);                                                   \
   void sgd_step(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& backup,                           \
                 const at::Tensor& momentum_buffer, int64_t tile, const SgdOptions& options,                          \
-                const Correction& correction);                                                                       \
+                const Correction& correction, const DeviceStep& device_step);                                        \
   void adam_step(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& backup,                          \
                  const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq, const at::Tensor& max_exp_avg_sq,          \
-                 int64_t tile, const AdamOptions& options, const Correction& correction);
+                 int64_t tile, const AdamOptions& options, const Correction& correction,                             \
+                 const DeviceStep& device_step);
 
 namespace cpu {
 GEARSAM_DEVICE_IMPLEMENTATIONS

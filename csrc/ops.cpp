@@ -5,6 +5,10 @@
 #include <ATen/ops/empty_like.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
+#include <charconv>
+#include <cmath>
+#include <cstdlib>
 #include <sstream>
 #include <string>
 
@@ -127,6 +131,57 @@ Correction check_correction(const CorrectionArgs& args, const at::Tensor& param,
   return c;
 }
 
+// A double as Python's repr writes it, so that a message quoting one reads the same from the fakes: the shortest
+// digits that round-trip, fixed notation for decimal exponents -4..15 (".0" on whole numbers), else "1.5e-05".
+std::string python_float(double x) {
+  if (!std::isfinite(x)) return std::isnan(x) ? "nan" : (x > 0 ? "inf" : "-inf");
+  char buf[32];
+  const std::string s(buf, std::to_chars(buf, buf + sizeof buf, x, std::chars_format::scientific).ptr);
+  const size_t e = s.find('e');
+  const int exp = std::atoi(s.c_str() + e + 1);
+  std::string digits = s.substr(s[0] == '-', e - (s[0] == '-'));  // "d.ddd" or "d", without the sign
+  digits.erase(std::remove(digits.begin(), digits.end(), '.'), digits.end());
+  std::string out;
+  if (exp < -4 || exp >= 16) {
+    out = digits.substr(0, 1) + (digits.size() > 1 ? "." + digits.substr(1) : "") + (exp < 0 ? "e-" : "e+") +
+          (std::abs(exp) < 10 ? "0" : "") + std::to_string(std::abs(exp));
+  } else if (exp < 0) {
+    out = "0." + std::string(-exp - 1, '0') + digits;
+  } else {
+    digits.resize(std::max<size_t>(digits.size(), exp + 2), '0');  // at least one digit after the point
+    out = digits.substr(0, exp + 1) + "." + digits.substr(exp + 1);
+  }
+  return (s[0] == '-' ? "-" : "") + out;
+}
+
+// A capturable step's scalars: float64, contiguous 1-D, on the buffers' device, with one entry per `names` (what
+// `op` reads from them, e.g. "lr, step").
+void check_scalars(const at::Tensor& scalars, const char* op, int64_t count, const char* names,
+                   const at::Tensor& like) {
+  check_flat("scalars", scalars, 0, at::kDouble, &like);
+  TORCH_CHECK_VALUE(scalars.numel() == count, "scalars has ", scalars.numel(), " elements; ", op, " takes ", count,
+                    " (", names, ")");
+}
+
+// GradScaler's found_inf: float32, one element on the buffers' device. GradScaler's own is 0-d, so any shape with one
+// element is accepted (the kernels load its single value).
+void check_found_inf(const at::Tensor& found_inf, const at::Tensor& like) {
+  TORCH_CHECK_VALUE(found_inf.device() == like.device(), "found_inf is on ", found_inf.device(), ", the buffers on ",
+                    like.device());
+  TORCH_CHECK_VALUE(found_inf.scalar_type() == at::kFloat, "found_inf must be torch.float32, got ",
+                    dtype_name(found_inf.scalar_type()));
+  TORCH_CHECK_VALUE(found_inf.numel() == 1, "found_inf has ", found_inf.numel(), " elements, expected 1");
+}
+
+// Both checked, as the implementations take them (undefined where not given); scalars as for check_scalars.
+DeviceStep check_device_step(const DeviceStepArgs& args, const char* op, int64_t count, const char* names,
+                             const at::Tensor& like) {
+  DeviceStep step;
+  if (given(args.scalars)) check_scalars(step.scalars = *args.scalars, op, count, names, like);
+  if (given(args.found_inf)) check_found_inf(step.found_inf = *args.found_inf, like);
+  return step;
+}
+
 bool on_cuda(const at::Tensor& t) {
   if (t.is_cpu()) return false;
   TORCH_CHECK_VALUE(t.is_cuda(), "tensors on ", t.device(), " are not supported; use CPU or CUDA tensors");
@@ -162,12 +217,17 @@ at::Tensor block_energy(const at::Tensor& grad, const at::Tensor& param, const a
 }
 
 std::tuple<at::Tensor, at::Tensor> allocate(const at::Tensor& energy, const at::Tensor& ema, bool gear, double rho,
-                                            double beta, double delta) {
+                                            double beta, double delta, const c10::optional<at::Tensor>& scalars,
+                                            const c10::optional<at::Tensor>& found_inf) {
   check_flat("energy", energy, 0, at::kDouble);
   check_same("ema", ema, "energy", energy);
+  const DeviceStep step = check_device_step({scalars, found_inf}, "allocate", 1, "rho", energy);
+  // a host rho beside the scalars would be silently ignored
+  TORCH_CHECK_VALUE(!step.scalars.defined() || rho == 0.0,
+                    "rho is read from scalars when it is given; pass rho=0.0, got ", python_float(rho));
   at::Tensor scale = at::empty_like(energy);
   at::Tensor radius = at::empty_like(energy);
-  GEARSAM_ON_DEVICE_OF(energy, allocate, energy, ema, scale, radius, gear, rho, beta, delta);
+  GEARSAM_ON_DEVICE_OF(energy, allocate, energy, ema, scale, radius, gear, rho, beta, delta, step);
   return {scale, radius};
 }
 
@@ -197,7 +257,7 @@ void restore_(const at::Tensor& param, const at::Tensor& backup, int64_t tile) {
 
 void sgd_step_(const at::Tensor& param, const at::Tensor& grad, const c10::optional<at::Tensor>& backup,
                const c10::optional<at::Tensor>& momentum_buffer, int64_t tile, const SgdOptions& options,
-               const CorrectionArgs& correction) {
+               const CorrectionArgs& correction, const DeviceStepArgs& device_step) {
   check_tile(tile);
   check_flat("param", param, tile);
   check_base_step_dtype(param);
@@ -206,14 +266,19 @@ void sgd_step_(const at::Tensor& param, const at::Tensor& grad, const c10::optio
   const at::Tensor& w = weights_source(backup, param);
   check_optional_state("momentum_buffer", momentum_buffer, options.momentum != 0, "momentum != 0", param);
   const Correction c = check_correction(correction, param, tile);
+  const DeviceStep step = check_device_step(device_step, "sgd_step_", 2, "lr, step", param);
+  // host values beside the scalars would be silently ignored
+  TORCH_CHECK_VALUE(!step.scalars.defined() || (options.lr == 0.0 && !options.first),
+                    "lr and first are read from scalars when it is given; pass lr=0.0 and first=False");
   if (param.numel() == 0) return;
-  GEARSAM_ON_DEVICE_OF(param, sgd_step, param, grad, w, momentum_buffer.value_or(at::Tensor()), tile, options, c);
+  GEARSAM_ON_DEVICE_OF(param, sgd_step, param, grad, w, momentum_buffer.value_or(at::Tensor()), tile, options, c,
+                       step);
 }
 
 void adam_step_(const at::Tensor& param, const at::Tensor& grad, const c10::optional<at::Tensor>& backup,
                 const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
                 const c10::optional<at::Tensor>& max_exp_avg_sq, int64_t tile, const AdamOptions& options,
-                const CorrectionArgs& correction) {
+                const CorrectionArgs& correction, const DeviceStepArgs& device_step) {
   check_tile(tile);
   check_flat("param", param, tile);
   check_base_step_dtype(param);
@@ -223,9 +288,12 @@ void adam_step_(const at::Tensor& param, const at::Tensor& grad, const c10::opti
   check_same("exp_avg_sq", exp_avg_sq, "param", param);
   check_optional_state("max_exp_avg_sq", max_exp_avg_sq, options.amsgrad, "amsgrad=True", param);
   const Correction c = check_correction(correction, param, tile);
+  const DeviceStep step = check_device_step(device_step, "adam_step_", 2, "lr, step", param);
+  TORCH_CHECK_VALUE(!step.scalars.defined() || (options.lr == 0.0 && options.k == 0.0),  // as in sgd_step_
+                    "lr and step are read from scalars when it is given; pass lr=0.0 and step=0");
   if (param.numel() == 0) return;
   GEARSAM_ON_DEVICE_OF(param, adam_step, param, grad, w, exp_avg, exp_avg_sq,
-                       max_exp_avg_sq.value_or(at::Tensor()), tile, options, c);
+                       max_exp_avg_sq.value_or(at::Tensor()), tile, options, c, step);
 }
 
 bool built_with_cuda() {

@@ -47,9 +47,17 @@ def _unit(s: torch.Tensor) -> torch.Tensor:
     return _safe_ratio(t, torch.linalg.vector_norm(t))
 
 
+def _finite(value: torch.Tensor, found_inf: torch.Tensor | None) -> torch.Tensor:
+    """Where ``value`` is finite and no overflow was found (``found_inf``: a one-element tensor, nonzero when the
+    step's gradients overflowed under loss scaling, which skips the whole step)."""
+    finite = value.isfinite()
+    return finite if found_inf is None else finite & (found_inf.reshape(()) == 0)
+
+
 def gear_allocate(
-    energy: torch.Tensor, ema: torch.Tensor, rho: float, beta: float, delta: float
-) -> tuple[torch.Tensor, torch.Tensor]:
+    energy: torch.Tensor, ema: torch.Tensor, rho: float | torch.Tensor, beta: float, delta: float,
+    found_inf: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """GEAR-SAM allocation (paper Eq. ema_energy, Prop. 1 and the stabilised direction).
 
     Updates ``ema`` in place, then returns ``(scale, radius)``::
@@ -60,16 +68,19 @@ def gear_allocate(
 
     and ``r_b = scale_b = 0`` for a block whose energy is not finite: one inf or NaN gradient skips its block for one
     step instead of entering the EMA, which would zero every later radius. ``sum_b r_b**2 == rho**2`` whenever
-    ``s != 0`` and every energy is finite, and ``||eps|| <= rho`` always.
+    ``s != 0`` and every energy is finite, and ``||eps|| <= rho`` always. Where ``found_inf`` is set, every block is
+    skipped so. ``rho`` may be a float64 0-d tensor (``capturable=True``): the same operations, the same bits.
     """
-    finite = energy.isfinite()
+    finite = _finite(energy, found_inf)
     ema.copy_(torch.where(finite, (ema * beta).add_(energy, alpha=1.0 - beta), ema))
     radius = torch.where(finite, rho * _unit(ema), 0.0)
     scale = torch.where(finite, radius / (energy.sqrt() + delta), 0.0)
     return scale, radius
 
 
-def sam_allocate(energy: torch.Tensor, rho: float, delta: float) -> tuple[torch.Tensor, torch.Tensor]:
+def sam_allocate(
+    energy: torch.Tensor, rho: float | torch.Tensor, delta: float, found_inf: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """SAM as a block allocation (paper Obs. 1): one global scale, and the radii it implies per block.
 
     Returns ``(scale, radius)``::
@@ -77,11 +88,11 @@ def sam_allocate(energy: torch.Tensor, rho: float, delta: float) -> tuple[torch.
         scale_b  = rho / (sqrt(sum_j e_j) + delta)          the same for every block
         r_b      = rho * sqrt(e_b) / sqrt(sum_j e_j)        (all zero when the gradient is zero)
 
-    and every ``scale_b = r_b = 0`` when the total energy is not finite (no perturbation that step). ``scale`` is
-    exactly what the common SAM implementation uses, so results match it; ``radius`` is telemetry.
+    and every ``scale_b = r_b = 0`` when the total energy is not finite or ``found_inf`` is set (no perturbation that
+    step). ``scale`` is exactly what the common SAM implementation uses, so results match it; ``radius`` is telemetry.
     """
     total = energy.sum()
-    finite = total.isfinite()
+    finite = _finite(total, found_inf)
     norm = total.sqrt()
     scale = torch.where(finite, rho / (norm + delta), 0.0).expand_as(energy).clone()
     radius = torch.where(finite, rho * _safe_ratio(energy.sqrt(), norm), 0.0)
@@ -89,9 +100,10 @@ def sam_allocate(energy: torch.Tensor, rho: float, delta: float) -> tuple[torch.
 
 
 def allocate(
-    rule: str, energy: torch.Tensor, ema: torch.Tensor, rho: float, beta: float, delta: float
-) -> tuple[torch.Tensor, torch.Tensor]:
+    rule: str, energy: torch.Tensor, ema: torch.Tensor, rho: float | torch.Tensor, beta: float, delta: float,
+    found_inf: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """``(scale, radius)`` by ``rule``: :func:`gear_allocate` (which updates ``ema``) or :func:`sam_allocate`."""
     if check_rule(rule) == GEAR_RULE:
-        return gear_allocate(energy, ema, rho, beta, delta)
-    return sam_allocate(energy, rho, delta)
+        return gear_allocate(energy, ema, rho, beta, delta, found_inf)
+    return sam_allocate(energy, rho, delta, found_inf)

@@ -22,6 +22,12 @@ through an existing ``GradScaler``::
 ``first_step`` returns False when the second pass is not to run: after an overflow in the first pass, and on a step
 the optimizer's ``schedule`` skips (:mod:`gearsam_fused.schedules`), whose update ``first_step`` has then made with
 the unscaled first gradient. ``second_step`` is called on every step: it finishes the scaler's bookkeeping.
+
+With an optimizer built with ``capturable=True`` nothing is read on the host: the overflow flags go to the optimizer
+(``first_step(found_inf=...)``, ``second_step(found_inf=...)``), whose kernels skip an overflowing step on the device,
+so the step can be captured in a CUDA graph. ``first_step`` then always returns True (the host does not know), and the
+report's fields are read from the device when they are asked for (:class:`DeviceStepReport`). Weights, optimizer
+state, step counts, GEAR EMA and loss scale come out bit for bit as on the host path.
 """
 
 from __future__ import annotations
@@ -68,6 +74,47 @@ class ScaledStepReport:
     sam_step: bool = True
 
 
+def _reason(first_finite: bool, second_finite: bool) -> str | None:
+    failed = [name for name, ok in (("first", first_finite), ("second", second_finite)) if not ok]
+    if not failed:
+        return None
+    return f"non-finite gradient in the {' and '.join(failed)} pass{'es' if len(failed) > 1 else ''}"
+
+
+class DeviceStepReport:
+    """:class:`ScaledStepReport`'s fields for a step whose overflow was handled on the device (``capturable=True``):
+    each is read from the device when asked for, which synchronises; the step itself never waits."""
+
+    sam_step = True
+
+    def __init__(self, first_found: torch.Tensor, second_found: torch.Tensor, scale: torch.Tensor):
+        self._found = first_found, second_found
+        self._scale = scale
+
+    @property
+    def first_pass_finite(self) -> bool:
+        return not bool(self._found[0].item())
+
+    @property
+    def second_pass_finite(self) -> bool:
+        return not bool(self._found[1].item())
+
+    @property
+    def skipped(self) -> bool:
+        return not (self.first_pass_finite and self.second_pass_finite)
+
+    @property
+    def reason(self) -> str | None:
+        return _reason(self.first_pass_finite, self.second_pass_finite)
+
+    @property
+    def scale(self) -> float:
+        return float(self._scale.item())
+
+    def __repr__(self) -> str:
+        return f"DeviceStepReport(first_found={self._found[0]!r}, second_found={self._found[1]!r})"
+
+
 class SAMScaler:
     """Runs a SAM / GEAR-SAM step with float16 loss scaling by ``scaler`` (a ``torch.amp.GradScaler``).
 
@@ -85,7 +132,8 @@ class SAMScaler:
 
     Reading an overflow flag synchronises with the device once per pass, as ``GradScaler.step`` does once per step.
     When the first pass overflows, :meth:`first_step` returns False; the second forward/backward may then be left out
-    (``second_step`` still has to be called). With a disabled scaler both methods are the optimizer's own steps.
+    (``second_step`` still has to be called). With a disabled scaler both methods are the optimizer's own steps. With
+    a ``capturable`` optimizer the flags stay on the device (see the module docstring).
     """
 
     def __init__(self, optimizer: SharpnessAware, scaler: torch.amp.GradScaler):
@@ -113,8 +161,10 @@ class SAMScaler:
                         )
         self.optimizer = optimizer
         self.scaler = scaler
+        #: Whether the overflow flags go to the optimizer's kernels instead of being read on the host.
+        self.on_device = optimizer.capturable and scaler.is_enabled()
         #: Report of the last completed step (None before the first).
-        self.last: ScaledStepReport | None = None
+        self.last: ScaledStepReport | DeviceStepReport | None = None
         # the first pass's overflow records, whether it was finite, and whether the step is a SAM step
         self._first: tuple[dict, bool, bool] | None = None
 
@@ -139,6 +189,12 @@ class SAMScaler:
         return any(p.grad is not None for group in self.optimizer.param_groups for p in group["params"])
 
     @staticmethod
+    def _found(records: dict) -> torch.Tensor:
+        """The pass's overflow flag: a capturable optimizer's parameters are on one device, so there is one."""
+        (found,) = records.values()
+        return found
+
+    @staticmethod
     def _finite(records: dict) -> bool:
         return not any(bool(found.item()) for found in records.values())
 
@@ -161,8 +217,12 @@ class SAMScaler:
         if not self._has_grads():
             raise RuntimeError("SAMScaler.first_step() found no gradients: call scaler.scale(loss).backward() first")
         records = self._unscaled_records()
-        finite = self._finite(records)
-        if finite:
+        if self.on_device:
+            opt.first_step(found_inf=self._found(records))
+            finite = True  # as far as the host knows: the device skips the step
+        else:
+            finite = self._finite(records)
+        if finite and not self.on_device:
             opt.first_step(cancellable=True)  # on a skipped step: the update, with the unscaled first gradient
         # The second pass must be unscaled by itself: hold this pass's records here and give the scaler a fresh slate.
         del self.scaler._per_optimizer_states[id(opt)]
@@ -198,24 +258,30 @@ class SAMScaler:
             else:  # a step the schedule skips has no second pass: nothing to unscale, only the first pass's records
                 self._state()
                 records = {}
-            second_finite = self._finite(records)
-            if second_ran and second_finite:
-                opt.second_step()
-            elif second_ran:
-                opt.cancel_step()
+            if self.on_device:
+                second_found = self._found(records)
+                # the scale both passes used (update() changes the tensor in place); reading it would synchronise
+                report = DeviceStepReport(self._found(first_records), second_found, self.scaler._scale.clone())
+                opt.second_step(found_inf=second_found)
+            else:
+                second_finite = self._finite(records)
+                if second_ran and second_finite:
+                    opt.second_step()
+                elif second_ran:
+                    opt.cancel_step()
             # scaler.update() reads these: an overflow in either pass lowers the scale, as after a skipped step.
             for device, found in first_records.items():
                 records[device] = records[device] + found if device in records else found
             state = self.scaler._per_optimizer_states[id(opt)]
             state["found_inf_per_device"] = records
             state["stage"] = OptState.STEPPED
-            scale = self.scaler.get_scale()
+            scale = None if self.on_device else self.scaler.get_scale()
         self._first = None
-        failed = [name for name, ok in (("first", first_finite), ("second", second_finite)) if not ok]
-        reason = None
-        if failed:
-            reason = f"non-finite gradient in the {' and '.join(failed)} pass{'es' if len(failed) > 1 else ''}"
-        self.last = ScaledStepReport(bool(failed), reason, first_finite, second_finite, scale, sam)
+        if self.on_device:
+            self.last = report
+        else:
+            reason = _reason(first_finite, second_finite)
+            self.last = ScaledStepReport(reason is not None, reason, first_finite, second_finite, scale, sam)
         if zero_grad:
             opt.zero_grad(set_to_none=set_to_none)
         return self.last

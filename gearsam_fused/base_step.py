@@ -8,8 +8,9 @@ The optimizer's state lives in flat buffers laid out like the parameters
 ``state_dict()``, LR schedulers and the optimizer's own ``step()`` see torch's per-parameter state as always.
 
 Anything else takes torch's own step after a plain restore, automatically: other optimizer classes (including
-subclasses, which may change the step), flags whose semantics the flat update does not reproduce (``fused``,
-``capturable``, ``differentiable``, hyperparameters that are tensors on a device or need gradients), dtypes other than
+subclasses, which may change the step), flags of the base optimizer whose semantics the flat update does not reproduce
+(``fused``, its own ``capturable``, ``differentiable``, hyperparameters that are tensors on a device or need gradients,
+except the lr of a step made ``capturable`` by the SAM optimizer, which the kernels read on the device), dtypes other than
 float32 and float64 (torch rounds every intermediate to a low-precision parameter's dtype), and steps in which a
 parameter has no gradient (torch skips it) or the parameters' states are not all at the same step. The reason is
 recorded (:attr:`FlatBaseStep.reason`).
@@ -45,27 +46,33 @@ class BucketUpdate:
     """One bucket's share of a fused base step: the update ``kind`` (``"sgd"`` or ``"adam"``), the group's
     hyperparameters as Python numbers (``hyper``), the flat state buffers in the kernels' argument order (None for an
     unused one), and ``step``: Adam's step count after this update (1 for the first); SGD's is 1 when its momentum
-    buffer starts from this step's gradient, else 2."""
+    buffer starts from this step's gradient, else 2. A capturable step (``scalars`` given) has them on the device:
+    ``hyper["lr"]`` is the group's lr tensor, ``step`` is None, and the kernels read ``(lr, step)`` from ``scalars``
+    (float64 ``[2]``, written by :meth:`FlatBaseStep.stage`)."""
 
     bucket: Bucket
     kind: str
     hyper: dict
     state: list[torch.Tensor | None]
-    step: int
+    step: int | None
+    scalars: torch.Tensor | None = None
 
     def kernel_arguments(self) -> dict:
         """The keyword arguments of the kernel modules' ``sgd_step_``/``adam_step_`` (besides ``tile``): the group's
-        hyperparameters and SGD's first-step flag or Adam's step count (see :func:`adam_scalars`)."""
+        hyperparameters and SGD's first-step flag or Adam's step count (see :func:`adam_scalars`), or, capturable,
+        ``scalars`` with the host values they replace at 0."""
         h = self.hyper
         if self.kind == "sgd":
-            names = ("lr", "weight_decay", "momentum", "dampening", "nesterov", "maximize")
-            return {**{k: h[k] for k in names}, "first": self.step == 1}
-        beta1, beta2 = h["betas"]
-        return {
-            "beta1": beta1, "beta2": beta2, "eps": h["eps"], "weight_decay": h["weight_decay"],
-            "decoupled": h["decoupled_weight_decay"], "amsgrad": h["amsgrad"], "maximize": h["maximize"],
-            "lr": h["lr"], "step": self.step,
-        }  # fmt: skip
+            names = ("weight_decay", "momentum", "dampening", "nesterov", "maximize")
+            when = {"lr": h["lr"], "first": self.step == 1} if self.scalars is None else {"lr": 0.0, "first": False}
+        else:
+            beta1, beta2 = h["betas"]
+            h = {**h, "beta1": beta1, "beta2": beta2, "decoupled": h["decoupled_weight_decay"]}
+            names = ("beta1", "beta2", "eps", "weight_decay", "decoupled", "amsgrad", "maximize")
+            when = {"lr": h["lr"], "step": self.step} if self.scalars is None else {"lr": 0.0, "step": 0}
+        if self.scalars is not None:
+            when["scalars"] = self.scalars
+        return {**{k: h[k] for k in names}, **when}
 
 
 def adam_scalars(lr: float, beta1: float, beta2: float, weight_decay: float, step: int) -> tuple[float, float, float]:
@@ -93,14 +100,21 @@ class FlatBaseStep:
 
     Each step, :meth:`plan` checks what the flat update needs and hands the backend one :class:`BucketUpdate` per
     bucket, or returns None after setting :attr:`reason`; after the backend's update, :meth:`finish` advances the
-    step counts."""
+    step counts.
 
-    def __init__(self, optimizer: torch.optim.Optimizer, layout: FlatLayout):
+    ``capturable``: every bucket keeps its step count on its device (SGD's too: it says which step starts the momentum
+    buffer) and a float64 ``[2]`` of ``(lr, step)`` the kernels read, so that no step reads a value on the host and a
+    CUDA graph replays it with the current lr; the groups' ``lr`` are tensors on the device. :meth:`stage` writes
+    them before the update, and :meth:`finish` takes back the count of a step that ``found_inf`` skipped."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, layout: FlatLayout, capturable: bool = False):
         self.optimizer = optimizer
         self.kind = FUSED_OPTIMIZERS[type(optimizer)]
         self.layout = layout
+        self.capturable = capturable
         #: why the last :meth:`plan` declined ("" when it did not)
         self.reason = ""
+        self._scalars: dict[int, torch.Tensor] = {}  # id(bucket) -> (lr, step), capturable
         self._reserve()
 
     def _reserve(self) -> None:
@@ -113,7 +127,10 @@ class FlatBaseStep:
                 keys = self._state_keys({"momentum": group["momentum"]})
             else:
                 keys = self._state_keys({"amsgrad": group["amsgrad"]})
-                bucket.step_counts(_step_dtype())
+            if self.kind == "adam" or self.capturable:
+                bucket.step_counts(_step_dtype(), on_device=self.capturable)
+            if self.capturable:
+                self._scalars[id(bucket)] = torch.zeros(2, dtype=torch.float64, device=bucket.device)
             for key in keys:
                 bucket.state_buffer(key)
 
@@ -152,12 +169,29 @@ class FlatBaseStep:
             fresh = self._adopt(bucket, self._state_keys(hyper))
             if fresh is False and self.kind == "adam":
                 self._adopt_counts(bucket, fresh)
+            elif fresh is not None and self.capturable:  # SGD: the loaded momentum buffers start no more
+                bucket.step_counts(_step_dtype())[0].fill_(0 if fresh else 1)
         self.reason = ""
 
-    def finish(self, updates: list[BucketUpdate]) -> None:
-        """Record the step: advance Adam's per-parameter step counts (one operation per bucket)."""
+    def stage(self, updates: list[BucketUpdate]) -> None:
+        """Capturable: advance every bucket's step count on the device and write ``(lr, step)`` where the kernels
+        read them (device operations only). Nothing without ``capturable``."""
         for update in updates:
-            if update.kind == "adam":
+            if update.scalars is not None:
+                counts = update.bucket.step_counts(_step_dtype())[0]
+                counts.add_(1)
+                update.scalars[:1].copy_(update.hyper["lr"])
+                update.scalars[1:].copy_(counts[:1])
+
+    def finish(self, updates: list[BucketUpdate], found_inf: torch.Tensor | None = None) -> None:
+        """Record the step: advance Adam's per-parameter step counts (one operation per bucket); capturable, where
+        :meth:`stage` advanced them, take the count back where ``found_inf`` (0 or 1 on the device) skipped the step,
+        as torch's fused optimizers do."""
+        for update in updates:
+            if update.scalars is not None:
+                if found_inf is not None:
+                    update.bucket.step_counts(_step_dtype())[0].sub_(found_inf)
+            elif update.kind == "adam":
                 update.bucket.step_counts(_step_dtype())[0].add_(1)
                 update.bucket.counted = update.step
 
@@ -177,12 +211,16 @@ class FlatBaseStep:
             if slot.param.grad is None:
                 return self._decline(f"parameter {slot.name!r} has no gradient: torch's optimizer skips it this step")
         keys = self._state_keys(hyper)
+        scalars = self._scalars.get(id(bucket))
         if self.kind == "sgd":
             first = self._adopt(bucket, keys)
             if first is None:
                 return None
+            if first and scalars is not None:
+                bucket.step_counts(_step_dtype())[0].zero_()  # the device decides the first step from the count
             state = [bucket.state_buffer(keys[0])[0]] if keys else [None]
-            return BucketUpdate(bucket, "sgd", hyper, state, 1 if first else 2)
+            step = None if scalars is not None else 1 if first else 2
+            return BucketUpdate(bucket, "sgd", hyper, state, step, scalars)
         fresh = self._adopt(bucket, keys)
         if fresh is None:
             return None
@@ -190,7 +228,7 @@ class FlatBaseStep:
         if counts is None:
             return None
         state = [bucket.state_buffer(k)[0] for k in keys] + ([] if hyper["amsgrad"] else [None])
-        return BucketUpdate(bucket, "adam", hyper, state, counts + 1)
+        return BucketUpdate(bucket, "adam", hyper, state, None if scalars is not None else counts + 1, scalars)
 
     def _hyper(self, group: dict, index: int) -> dict | None:
         for flag, why in _UNFUSED_FLAGS.items():
@@ -206,6 +244,9 @@ class FlatBaseStep:
         hyper = {}
         for name in names:
             value = group[name]
+            if name == "lr" and self.capturable:  # the optimizer checked it is a tensor on the device
+                hyper[name] = value
+                continue
             value = tuple(_plain(v) for v in value) if name == "betas" else _plain(value)
             if value is None or (isinstance(value, tuple) and None in value):
                 return self._decline(
@@ -259,6 +300,8 @@ class FlatBaseStep:
         state = self.optimizer.state
         entries = [state[slot.param] for slot in bucket.slots]
         ours = not fresh and all(e.get("step") is v for e, v in zip(entries, views))
+        if ours and self.capturable:
+            return 0  # the kernels read the count on the device; the host does not know it
         if ours and bucket.counted is not None and torch.compiler.is_compiling():
             return bucket.counted  # a trace cannot read the vector; the compiled sync checks it (flat.sync_)
         if fresh:
@@ -274,7 +317,7 @@ class FlatBaseStep:
                     entry.pop("step", None)
                     entry.update(step=view, **rest)
         if fresh:
-            bucket.counted = 0
+            bucket.counted = None if self.capturable else 0
             return 0
         low, high = counts.aminmax()
         if low != high:
@@ -284,8 +327,8 @@ class FlatBaseStep:
         value = float(low)
         if not math.isfinite(value) or value != int(value):
             return self._decline(f"param group {bucket.group}: step count {value} is not a whole number")
-        bucket.counted = int(value)
-        return bucket.counted
+        bucket.counted = None if self.capturable else int(value)
+        return int(value)
 
 
 def _step_dtype() -> torch.dtype:

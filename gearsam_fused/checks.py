@@ -81,3 +81,41 @@ def check_same(name: str, t: torch.Tensor, like_name: str, like: torch.Tensor) -
             f"{name} ({t.dtype} {tuple(t.shape)} on {t.device}) must match {like_name} "
             f"({like.dtype} {tuple(like.shape)} on {like.device})"
         )
+
+
+#: What each kernel operator of a capturable step reads from its ``scalars``, in order (gearsam_fused.capturable).
+DEVICE_SCALARS = {"allocate": ("rho",), "sgd_step_": ("lr", "step"), "adam_step_": ("lr", "step")}
+
+
+def check_found_inf(found_inf, device: torch.device) -> None:
+    """A loss-scaling overflow flag as GradScaler keeps it: a float32 tensor of one element (0-d or not) on
+    ``device``. Reads no data: the kernels' fakes make the same check."""
+    if not isinstance(found_inf, torch.Tensor):
+        raise TypeError(f"found_inf must be a tensor, got {type(found_inf).__name__}")
+    if found_inf.device != device:
+        raise ValueError(f"found_inf is on {found_inf.device}, the buffers on {device}")
+    if found_inf.dtype != torch.float32:
+        raise ValueError(f"found_inf must be torch.float32, got {found_inf.dtype}")
+    if found_inf.numel() != 1:
+        raise ValueError(f"found_inf has {found_inf.numel()} elements, expected 1")
+
+
+def check_device_step(op: str, like: torch.Tensor, scalars: torch.Tensor | None, found_inf: torch.Tensor | None,
+                      **host) -> None:  # fmt: skip
+    """A capturable step's arguments to kernel operator ``op``: ``scalars`` (float64, contiguous 1-D, one entry per
+    :data:`DEVICE_SCALARS` name) and ``found_inf`` (:func:`check_found_inf`) on ``like``'s device; None passes. With
+    ``scalars``, the host values it replaces (``host``: rho; lr and first; lr and step) must be 0 / False, since a
+    nonzero one would be ignored. Same words as csrc/ops.cpp; reads no data."""
+    if scalars is not None:
+        check_flat("scalars", scalars, None, torch.float64, like.device)
+        names = DEVICE_SCALARS[op]
+        if scalars.numel() != len(names):
+            raise ValueError(f"scalars has {scalars.numel()} elements; {op} takes {len(names)} ({', '.join(names)})")
+    if found_inf is not None:
+        check_found_inf(found_inf, like.device)
+    if scalars is None or not any(host.values()):
+        return
+    if op == "allocate":
+        raise ValueError(f"rho is read from scalars when it is given; pass rho=0.0, got {float(host['rho'])}")
+    flag, neutral = ("first", "first=False") if op == "sgd_step_" else ("step", "step=0")
+    raise ValueError(f"lr and {flag} are read from scalars when it is given; pass lr=0.0 and {neutral}")

@@ -156,14 +156,15 @@ class Bucket:
                                      for s in self.slots]  # fmt: skip
         return self.state[key], self.state_views[key]
 
-    def step_counts(self, dtype: torch.dtype) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """A CPU vector of per-slot step counts (zeros when first asked for) and each slot's 0-d view of it: torch's
-        Adam keeps ``state["step"]`` as such a CPU scalar per parameter; as views of one vector they are all advanced
-        by one operation, and read without touching the device."""
+    def step_counts(self, dtype: torch.dtype, on_device: bool = False) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """A vector of per-slot step counts (zeros when first asked for) and each slot's 0-d view of it: torch's Adam
+        keeps ``state["step"]`` as such a scalar per parameter; as views of one vector they are all advanced by one
+        operation. On the CPU, read without touching the device; with ``on_device`` (a capturable step, as torch's
+        capturable Adam keeps them) on the bucket's device, advanced without reading them."""
         if self._counts is None:
             if torch.compiler.is_compiling():
                 raise RuntimeError("a step compiled with torch.compile cannot create Adam's step counts")
-            counts = torch.zeros(len(self.slots), dtype=dtype)
+            counts = torch.zeros(len(self.slots), dtype=dtype, device=self.device if on_device else "cpu")
             self._counts = counts, list(counts.unbind())
         return self._counts
 

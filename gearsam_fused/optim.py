@@ -28,7 +28,8 @@ from torch import nn
 from .allocation import GEAR_RULE, SAM_RULE
 from .backends import make_backend, resolve_backend_name
 from .base_step import BASE_STEPS, FUSED, PER_TENSOR, FlatBaseStep, run_post_hooks, run_pre_hooks, step_closure
-from .checks import PARAM_DTYPES, check_param_dtype, check_real
+from .capturable import DeviceScalars
+from .checks import PARAM_DTYPES, check_found_inf, check_param_dtype, check_real
 from .partition import Block, parameter_names
 from .partition import partition as make_partition
 from .schedules import Schedule, check_schedule
@@ -52,7 +53,7 @@ class StepStatistics(NamedTuple):
     energy: torch.Tensor  #: e_b
     ema: torch.Tensor  #: GEAR-SAM's s_b (SAM keeps it at 0)
     radius: torch.Tensor  #: rho_b
-    rho: float  #: the global radius of that step
+    rho: float | torch.Tensor  #: the global radius of that step (capturable=True: a float64 [1] tensor on the device)
     sam_step: bool = True  #: whether that step perturbed (False: its schedule skipped the second pass; radius is 0)
 
 
@@ -74,6 +75,7 @@ class _Run:
     steps_done: int = 0  #: steps completed, for the schedule
     next_sam: bool | _Pending = True  #: the schedule's decision for the next step (maybe still on the device)
     cleared: list | None = None  #: the gradients as zero_grad() left them after first_step (see _grad_marks)
+    found_inf: torch.Tensor | None = None  #: the first pass's overflow flag, where first_step was given one
 
     def record(self, energy: torch.Tensor, radius: torch.Tensor, rho: float, sam: bool) -> None:
         """Keep a first_step's statistics (see :class:`StepStatistics`)."""
@@ -117,8 +119,12 @@ class SharpnessAware(torch.optim.Optimizer):
         base_step: str,
         base_kwargs: dict,
         schedule: Schedule | None = None,
+        capturable: bool = False,
     ):
         check_real("rho", rho, low=0.0)
+        if not isinstance(capturable, bool):
+            raise TypeError(f"capturable must be a bool, got {capturable!r}")
+        self.capturable = capturable
         self.schedule = check_schedule(schedule)
         if self.schedule is not None and self.schedule.corrects and adaptive:
             raise ValueError(
@@ -191,14 +197,43 @@ class SharpnessAware(torch.optim.Optimizer):
         )
         param_group = {id(p): g for g, group in enumerate(self.param_groups) for p in group["params"]}
         self._backend = make_backend(self.backend_name, self.blocks, device, param_group)
+        if capturable:
+            self._check_capturable()
         self._flat_step, self._flat_step_why_not = self._make_flat_step()
         self._key = _register(self)  # how compiled code finds this optimizer again (check_second_gradient_)
+        #: capturable=True: rho, the lrs and what a skipped step restores, on the device (None otherwise)
+        self._device = DeviceScalars(self.param_groups, device, len(self.blocks)) if capturable else None
         zeros = torch.zeros(len(self.blocks), dtype=torch.float64, device=device)
         self._run = _Run(
             ema=zeros.clone(), energy=zeros.clone(), radius=zeros.clone(), orthogonal_energy=zeros.clone(),
-            last_rho=float(rho), last_base_step=FUSED if self._flat_step is not None else PER_TENSOR,
+            last_rho=self._device.last_rho if capturable else float(rho),
+            last_base_step=FUSED if self._flat_step is not None else PER_TENSOR,
             schedule_state=self.schedule.initial_state(device) if self.schedule is not None else {},
         )  # fmt: skip
+
+    def _check_capturable(self) -> None:
+        """Refuse ``capturable=True`` where a step would read a value on the host or step per tensor."""
+        why = ""
+        if not self._backend.capturable:
+            why = f"backend {self.backend_name!r} has no capturable kernels; use backend='cpp' or 'triton'"
+        elif self.schedule is not None:
+            why = f"schedule {self.schedule!r} decides on the host which steps take the second pass"
+        elif self.base_step == PER_TENSOR or FlatBaseStep.why_not(self.base_optimizer):
+            why = "the base step must be fused (torch's SGD, Adam or AdamW, base_step 'auto' or 'fused'): " + (
+                FlatBaseStep.why_not(self.base_optimizer) or "base_step='per-tensor' was asked for"
+            )
+        elif self._shard_groups:
+            why = "sharded parameters (FSDP2) sum their energies over ranks, which is not captured"
+        else:
+            buckets = self._backend.layout.buckets
+            dtypes = {b.dtype for b in buckets} - {torch.float32, torch.float64}
+            if dtypes:
+                why = f"the fused base step takes float32 and float64 parameters, not {sorted(map(str, dtypes))}"
+            elif len({b.device for b in buckets}) > 1:
+                why = f"the parameters are on several devices ({sorted(str(b.device) for b in buckets)})"
+        if why:
+            raise ValueError(f"capturable=True cannot be honoured: {why}")
+        self.base_step = FUSED  # a step that cannot be fused is an error, never a per-tensor step that reads the host
 
     def _make_flat_step(self) -> tuple[FlatBaseStep | None, str]:
         """The fused base step over the backend's buckets, or None and why not (an error if it was asked for)."""
@@ -212,7 +247,7 @@ class SharpnessAware(torch.optim.Optimizer):
             raise ValueError(f"base_step='fused' cannot be honoured: {why_not}")
         if why_not:
             return None, why_not
-        return FlatBaseStep(self.base_optimizer, self._backend.layout), ""
+        return FlatBaseStep(self.base_optimizer, self._backend.layout, capturable=self.capturable), ""
 
     @staticmethod
     def _blocks(model: nn.Module | None, strategy, optimized: list[torch.Tensor], label) -> list[Block]:
@@ -301,7 +336,9 @@ class SharpnessAware(torch.optim.Optimizer):
         :meth:`block_stats` is the same on the host, copied and described."""
         return StepStatistics(self._run.energy, self._run.ema, self._run.radius, self._run.last_rho, self._run.last_sam)
 
-    def _rho(self) -> float:
+    def _rho(self) -> float | torch.Tensor:
+        if self._device is not None:
+            return self._device.current_rho(self.param_groups)
         values = {group["rho"] for group in self.param_groups}
         if len(values) != 1:
             raise ValueError(
@@ -310,18 +347,25 @@ class SharpnessAware(torch.optim.Optimizer):
         return check_real("rho", values.pop(), low=0.0)
 
     @torch.no_grad()
-    def first_step(self, zero_grad: bool = False, *, cancellable: bool = False) -> bool:
+    def first_step(
+        self, zero_grad: bool = False, *, cancellable: bool = False, found_inf: torch.Tensor | None = None
+    ) -> bool:
         """Move every parameter with a gradient to ``w + eps`` (saving ``w``) and return True: the caller runs the
         second forward and backward, then :meth:`second_step`. On a step its ``schedule`` skips (:attr:`sam_step` was
         False), make the base optimizer's update with this gradient instead (LookSAM: corrected) and return False:
         the step is complete. With ``cancellable=True`` a perturbing step also keeps the allocation and schedule state
-        of before it (``O(blocks)`` numbers), so that :meth:`cancel_step` can undo the whole step."""
+        of before it (``O(blocks)`` numbers), so that :meth:`cancel_step` can undo the whole step.
+
+        ``found_inf`` (``capturable=True`` only): GradScaler's overflow flag of this pass's unscaled gradients, a float32
+        one-element tensor on the device. Where it is set the step is skipped on the device, with no synchronisation:
+        nothing is perturbed and the GEAR EMA keeps its value (this step's energies and zero radii are recorded), and
+        :meth:`second_step` restores ``w`` without an update (see :class:`~gearsam_fused.amp.SAMScaler`)."""
         _own_graph()
-        sam = self._first_step(zero_grad, cancellable)
+        sam = self._first_step(zero_grad, cancellable, found_inf)
         _own_graph()
         return sam
 
-    def _first_step(self, zero_grad: bool, cancellable: bool) -> bool:
+    def _first_step(self, zero_grad: bool, cancellable: bool, found_inf: torch.Tensor | None = None) -> bool:
         if self.perturbed:
             raise RuntimeError("first_step() called twice: call second_step() to restore the weights first")
         if self.schedule is not None and torch.compiler.is_compiling():
@@ -339,6 +383,13 @@ class SharpnessAware(torch.optim.Optimizer):
                     f"parameter {name} has a gradient but was frozen when the optimizer was built, so it is in no "
                     "block and would not be perturbed; build the optimizer after changing requires_grad"
                 )
+        if found_inf is not None:
+            if self._device is None:
+                raise ValueError(
+                    "found_inf skips an overflowing step on the device, which needs capturable=True (the step counts "
+                    "live on the device); without it, SAMScaler reads the overflow on the host"
+                )
+            check_found_inf(found_inf, self._device.device)
         sam = self.sam_step
         # The EMA is updated in place by allocate, so undoing needs a copy; only cancellable steps pay for it.
         undo = None
@@ -350,7 +401,15 @@ class SharpnessAware(torch.optim.Optimizer):
         if not sam:
             self._skipped_step(energy, rho)
         else:
-            scale, radius = self._backend.allocate(self.rule, energy, self._run.ema, rho, self.beta, self.delta)
+            allocation = {}
+            if self._device is not None:  # what a skipped step puts back, and the rho of this step, on the device
+                self._device.ema_before.copy_(self._run.ema)
+                self._device.last_rho.copy_(rho)
+                rho, allocation = self._device.last_rho, {"found_inf": found_inf}
+                self._run.found_inf = found_inf
+            scale, radius = self._backend.allocate(
+                self.rule, energy, self._run.ema, rho, self.beta, self.delta, **allocation
+            )
             if self.schedule is not None and self.schedule.corrects:
                 self._backend.keep_gradient_()  # g, for second_step's decomposition of the SAM gradient
             self._backend.perturb_(scale, self.adaptive, self.eta)
@@ -410,14 +469,18 @@ class SharpnessAware(torch.optim.Optimizer):
         self._run.orthogonal_energy = sum_over(self._shard_groups, self._backend.orthogonalize_(coefficient))
 
     @torch.no_grad()
-    def second_step(self, zero_grad: bool = False) -> None:
+    def second_step(self, zero_grad: bool = False, *, found_inf: torch.Tensor | None = None) -> None:
         """Restore ``w`` exactly and step the base optimizer with the gradient taken at ``w + eps``: in one pass over
-        the flat buffers where the base step is fused (see :attr:`base_step_mode`), else by its own ``step()``."""
+        the flat buffers where the base step is fused (see :attr:`base_step_mode`), else by its own ``step()``.
+
+        ``found_inf`` (``capturable=True`` only), as for :meth:`first_step`, of the second pass: where it or the first
+        pass's is set, the kernels restore ``w`` and leave the base optimizer's state, its step counts and the GEAR
+        EMA as they were before the step, with no synchronisation."""
         _own_graph()
-        self._second_step(zero_grad)
+        self._second_step(zero_grad, found_inf)
         _own_graph()
 
-    def _second_step(self, zero_grad: bool) -> None:
+    def _second_step(self, zero_grad: bool, found_inf: torch.Tensor | None = None) -> None:
         if not self.perturbed:
             if self._run.last_sam is False and self._run.cleared is None:
                 raise RuntimeError(
@@ -426,6 +489,14 @@ class SharpnessAware(torch.optim.Optimizer):
                     "first_step() returns True"
                 )
             raise RuntimeError("second_step() called without a preceding first_step()")
+        skip = None
+        if found_inf is not None and self._device is None:
+            raise ValueError("found_inf skips an overflowing step on the device, which needs capturable=True")
+        if self._device is not None:
+            if found_inf is not None:
+                check_found_inf(found_inf, self._device.device)
+            skip = self._device.skip_flag(self._run.found_inf, found_inf)
+            self._run.found_inf = None
         self._check_second_gradient()
         self._run.cleared = None
         updates = self._flat_step.plan() if self._flat_step is not None else None
@@ -438,7 +509,9 @@ class SharpnessAware(torch.optim.Optimizer):
             self._backend.restore_()
             self._per_tensor_base_step()
         else:
-            self._fused_base_step(updates)
+            self._fused_base_step(updates, found_inf=skip)
+        if skip is not None:
+            self._device.keep_ema(self._run.ema, skip)
         self._run.last_base_step = PER_TENSOR if updates is None else FUSED
         self._run.undo = None
         self._run.steps_done += 1
@@ -455,10 +528,11 @@ class SharpnessAware(torch.optim.Optimizer):
         else:
             self.base_optimizer.step()
 
-    def _fused_base_step(self, updates: list, correction: torch.Tensor | None = None, perturbed: bool = True) -> None:
+    def _fused_base_step(self, updates: list, correction: torch.Tensor | None = None, perturbed: bool = True,
+                         found_inf: torch.Tensor | None = None) -> None:  # fmt: skip
         """Restore and update (``perturbed``), or update the current weights, over the flat buffers, between the base
         optimizer's step hooks as its ``step()`` would run them (a pre-hook may hand the step a closure, which runs
-        first, as in torch's step)."""
+        first, as in torch's step). Where ``found_inf`` is set, the update restores ``w`` and nothing else."""
         try:
             args, kwargs = run_pre_hooks(self.base_optimizer)
             closure = step_closure(self.base_optimizer, args, kwargs)
@@ -473,11 +547,12 @@ class SharpnessAware(torch.optim.Optimizer):
         except BaseException:
             self._backend.restore_()  # w, not w + eps, stays in the model, as when torch's own step() fails
             raise
+        self._flat_step.stage(updates)
         if perturbed:
-            self._backend.restore_and_update_(updates)
+            self._backend.restore_and_update_(updates, found_inf)
         else:
             self._backend.update_(updates, correction)
-        self._flat_step.finish(updates)
+        self._flat_step.finish(updates, found_inf)
         self.base_optimizer._opt_called = True  # as its step() would have: a scheduler may be attached to it
         run_post_hooks(self.base_optimizer, args, kwargs)
 
@@ -655,6 +730,7 @@ class SharpnessAware(torch.optim.Optimizer):
     def describe_blocks(self, energy: torch.Tensor, ema: torch.Tensor, radius: torch.Tensor, rho: float) -> dict:
         """The :meth:`block_stats` dict from a step's raw energies, EMA state and radii (recorded elsewhere, e.g. by
         :class:`~gearsam_fused.telemetry.BlockTelemetry`) and its ``rho``."""
+        rho = float(rho)
         share = radius.square() / rho**2 if rho > 0 else torch.zeros_like(radius)
         non_finite = energy.isfinite().logical_not().sum()
         return {
@@ -683,7 +759,7 @@ class SharpnessAware(torch.optim.Optimizer):
             "ema": self._run.ema.detach().cpu().clone(),
             "energy": self._run.energy.detach().cpu().clone(),
             "radius": self._run.radius.detach().cpu().clone(),
-            "last_rho": self._run.last_rho,
+            "last_rho": float(self._run.last_rho),
             "shapes": [[tuple(p.shape) for p in b.params] for b in self.blocks],
         }
         if self.schedule is not None:
@@ -754,16 +830,31 @@ class SharpnessAware(torch.optim.Optimizer):
                         f"block {block.name!r} parameter {i} ({name!r}) has shape {tuple(p.shape)}; the state was "
                         f"saved for {tuple(shape)}"
                     )
+        self._load_base(state_dict)
+        for name in ("ema", "energy", "radius"):
+            getattr(self._run, name).copy_(ours[name])
+        self._set_last_rho(float(ours["last_rho"]))
+        self._load_schedule(ours.get("schedule"))
+        self._run.undo = None
+
+    def _load_base(self, state_dict: dict, rhos: list | None = None) -> None:
+        """Load the base optimizer's part; groups the dict gives no rho keep ``rhos``. Capturable, the loaded rho and
+        lrs are copied into the device tensors a captured graph reads."""
         self.base_optimizer.load_state_dict(state_dict)
         self.param_groups = self.base_optimizer.param_groups
         self.state = self.base_optimizer.state
+        for group, rho in zip(self.param_groups, rhos or ()):
+            group.setdefault("rho", rho)
+        if self._device is not None:
+            self._device.place(self.param_groups)
         if self._flat_step is not None:
             self._flat_step.adopt()
-        for name in ("ema", "energy", "radius"):
-            getattr(self._run, name).copy_(ours[name])
-        self._run.last_rho = float(ours["last_rho"])
-        self._load_schedule(ours.get("schedule"))
-        self._run.undo = None
+
+    def _set_last_rho(self, rho: float) -> None:
+        if isinstance(self._run.last_rho, torch.Tensor):
+            self._run.last_rho.fill_(rho)
+        else:
+            self._run.last_rho = rho
 
     def _load_plain_state_dict(self, state_dict: dict) -> None:
         """Take over the state of a plain torch optimizer (a run switched to SAM from its checkpoint): the base
@@ -779,16 +870,10 @@ class SharpnessAware(torch.optim.Optimizer):
                     f"{type(self.base_optimizer).__name__}, the base optimizer of this {type(self).__name__}"
                 )
         rhos = [group["rho"] for group in self.param_groups]
-        self.base_optimizer.load_state_dict(state_dict)
-        self.param_groups = self.base_optimizer.param_groups
-        self.state = self.base_optimizer.state
-        if self._flat_step is not None:
-            self._flat_step.adopt()
-        for group, rho in zip(self.param_groups, rhos):
-            group.setdefault("rho", rho)
+        self._load_base(state_dict, rhos)
         for tensor in (self._run.ema, self._run.energy, self._run.radius):
             tensor.zero_()
-        self._run.last_rho = float(rhos[0])
+        self._set_last_rho(float(rhos[0]))
         self._load_schedule(None)
         self._run.undo = None
         if self.rule == GEAR_RULE:
@@ -992,6 +1077,11 @@ class SAM(SharpnessAware):
             :class:`~gearsam_fused.schedules.Every`, :class:`~gearsam_fused.schedules.LookSAM`,
             :class:`~gearsam_fused.schedules.Random`, :class:`~gearsam_fused.schedules.Adaptive`; see
             :attr:`sam_step` and :meth:`first_step`.
+        capturable: keep ``rho``, every group's ``lr`` and the step counts on the device (as float64 tensors in
+            ``param_groups``, which LR schedulers write in place) so that no step reads a value on the host and the
+            whole step can be captured in a CUDA graph; an overflowing step under loss scaling is then skipped on the
+            device (``found_inf``). Needs the ``cpp`` or ``triton`` backend, the fused base step and no schedule
+            (:mod:`gearsam_fused.capturable`).
     """
 
     rule = SAM_RULE
@@ -1010,6 +1100,7 @@ class SAM(SharpnessAware):
         delta: float = 1e-12,
         base_step: str = "auto",
         schedule: Schedule | None = None,
+        capturable: bool = False,
         **base_kwargs,
     ):
         if partition is None:
@@ -1017,6 +1108,7 @@ class SAM(SharpnessAware):
         super().__init__(
             params, base_optimizer, rho=rho, adaptive=adaptive, eta=eta, delta=delta, backend=backend,
             model=model, partition=partition, base_step=base_step, base_kwargs=base_kwargs, schedule=schedule,
+            capturable=capturable,
         )  # fmt: skip
 
     @staticmethod
@@ -1033,7 +1125,7 @@ class GEARSAM(SharpnessAware):
         partition: a strategy accepted by :func:`gearsam_fused.partition`.
         beta: EMA factor in [0, 1).
         delta: stabiliser of the block direction ``g_b / (||g_b|| + delta)``; must be > 0.
-        base_step, schedule: as :class:`SAM`'s. Under a schedule the EMA takes every step's energies.
+        base_step, schedule, capturable: as :class:`SAM`'s. Under a schedule the EMA takes every step's energies.
     """
 
     rule = GEAR_RULE
@@ -1053,12 +1145,14 @@ class GEARSAM(SharpnessAware):
         backend: str = "auto",
         base_step: str = "auto",
         schedule: Schedule | None = None,
+        capturable: bool = False,
         **base_kwargs,
     ):
         self.beta = check_real("beta", beta, low=0.0, high=1.0)
         super().__init__(
             params, base_optimizer, rho=rho, adaptive=adaptive, eta=eta, delta=delta, backend=backend,
             model=model, partition=partition, base_step=base_step, base_kwargs=base_kwargs, schedule=schedule,
+            capturable=capturable,
         )  # fmt: skip
 
 

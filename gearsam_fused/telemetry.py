@@ -94,9 +94,9 @@ class BlockTelemetry:
         self.step += 1
         self.steps_recorded += 1
         self.sam_steps += sam
-        self._pending.append(
-            (self.step, stats.rho, loss is not None, perturbed_loss is not None, sam, self.sam_fraction)
-        )
+        # a capturable optimizer's rho is a device tensor it writes again next step: kept as a copy, read at flush
+        rho = stats.rho.clone() if isinstance(stats.rho, torch.Tensor) else stats.rho
+        self._pending.append((self.step, rho, loss is not None, perturbed_loss is not None, sam, self.sam_fraction))
         if len(self._pending) == self.every:
             self.flush()
 
@@ -108,6 +108,7 @@ class BlockTelemetry:
         names = self.optimizer.block_names
         records = []
         for (step, rho, with_loss, with_perturbed, sam, fraction), row in zip(self._pending, rows):
+            rho = float(rho)
             energy, ema, radius = row[: 3 * self._blocks].view(3, self._blocks)
             stats = self.optimizer.describe_blocks(energy, ema, radius, rho)
             loss, perturbed = row[3 * self._blocks :].tolist()

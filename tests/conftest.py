@@ -103,6 +103,23 @@ def loss_fn(model, xy):
     return F.cross_entropy(model(x), y)
 
 
+def mlp(seed: int = 0) -> torch.nn.Module:
+    """A two-layer perceptron small enough for a compiled step, or Triton's interpreter, to take a few steps fast."""
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(6, 12), torch.nn.Tanh(), torch.nn.Linear(12, 3))
+
+
+def mlp_data(n: int):
+    """``n`` batches of (input, target) for :func:`mlp`, the same every call."""
+    gen = torch.Generator().manual_seed(1)
+    return [(torch.randn(16, 6, generator=gen), torch.randn(16, 3, generator=gen)) for _ in range(n)]
+
+
+def mse(model, xy):
+    x, y = xy
+    return F.mse_loss(model(x), y)
+
+
 def sam_step(opt, model, xy):
     """One two-pass step through first_step/second_step."""
     loss_fn(model, xy).backward()

@@ -116,6 +116,15 @@ def test_quick_run_appends_rows_and_prints_the_report(tmp_path):
     compiled = [r for r in wholes if r["contender"] == "compiled foreach SAM"]
     assert {(r["set"].split(" (")[0], r["base"]) for r in compiled} == {("ResNet-18", "SGD"), ("ResNet-18", "AdamW")}
     assert all(r["max_rel_diff"] <= 1e-6 and r["compile_s"] > 0 for r in compiled)
+    # our fused step under torch.compile(fullgraph=True), next to the eager row: cpp where it is built (triton only on
+    # CUDA), ResNet-18 only in quick mode; it took the fused path and its compile time is recorded
+    ours_compiled = [r for r in wholes if r["contender"].endswith(", compiled")]
+    if any(r["contender"] == "cpp" for r in wholes):
+        assert {(r["contender"], r["set"].split(" (")[0], r["base"]) for r in ours_compiled} == {
+            ("cpp, compiled", "ResNet-18", "SGD"), ("cpp, compiled", "ResNet-18", "AdamW"),
+        }  # fmt: skip
+    assert all(r["compile_s"] > 0 and r["base_step_mode"] == "fused" for r in ours_compiled)
+    assert not any(r["contender"].endswith(", CUDA graph") for r in wholes if r["device"] == "cpu")
     assert {r["base"] for r in wholes} == {"SGD", "AdamW"}
     # our rows say which path the base step took, and it is the one their name says
     ours = [r for r in wholes if r["contender"].split(", ")[0] in ("torch", "cpp", "triton")]
@@ -199,6 +208,47 @@ def test_the_whole_step_table_compares_with_the_peers_faster_path():
     )  # 8/5, 20/5 (not 30/5), 6/5; 5/4
     text = "\n".join(report.whole_step_tables([r for r in rows if r["contender"] != "pytorch_optimizer"]))
     assert "faster path" not in text and "| cpp | 5.000 | 2.000 | 1.60x | 6.00x | 1.20x | 1.25x |" in text
+
+
+def test_the_whole_step_table_shows_compile_and_capture_times():
+    common = {"set": "ResNet-18", "base": "AdamW", "parameters": 10, "tensors": 2, "bytes_counted": 480,
+              "device": "cuda", "floor_gbps": 40.0, "floor_kind": "update", "gbps": 10.0, "pct_floor": 25.0}  # fmt: skip
+    rows = [_row("bench_whole_step", "triton", 5.0, **common),
+            _row("bench_whole_step", "triton, compiled", 4.0, compile_s=12.4, **common),
+            _row("bench_whole_step", "triton, CUDA graph", 2.4, capture_s=0.31, **common),
+            _row("bench_whole_step", "bare base step", 4.0, **common)]  # fmt: skip
+    text = "\n".join(report.whole_step_tables(rows))
+    assert "| triton | 5.000 | 2.000 | - | - | - | 1.25x | 10.0 | 25 | - | - |" in text
+    assert "| triton, compiled | 4.000 | 2.000 | - | - | - | 1.00x | 10.0 | 25 | 12 | - |" in text
+    assert "| triton, CUDA graph | 2.400 | 2.000 | - | - | - | 0.60x | 10.0 | 25 | 0.3 | - |" in text
+    assert "`BACKEND, CUDA graph`" in text and "`BACKEND, compiled`" in text
+
+
+def test_the_whole_step_lists_our_compiled_and_captured_rows_next_to_the_eager_ones(monkeypatch):
+    """Names and order of the whole step's contenders on CUDA (where every backend may be built) and on CPU."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))  # the benchmark imports its neighbours by name
+    neighbours = ("contenders", "param_sets", "conftest")  # "conftest": the tests' own, put back after
+    saved = {name: sys.modules.pop(name, None) for name in neighbours}
+    try:
+        whole = _load("bench_whole_step")
+        usable = {"cuda": ["per-tensor loop", "torch", "triton", "cpp"], "cpu": ["per-tensor loop", "torch", "cpp"]}
+        monkeypatch.setattr(whole.contenders, "available", lambda device: usable[device])
+        assert whole.whole_step_contenders("cuda") == [
+            "per-tensor loop", "compiled foreach SAM", "torch", "torch, base per tensor",
+            "cpp", "cpp, base per tensor", "cpp, compiled", "cpp, CUDA graph",
+            "triton", "triton, base per tensor", "triton, compiled", "triton, CUDA graph",
+            "bare base step", "bare base step (fused)",
+        ]  # fmt: skip
+        assert whole.whole_step_contenders("cpu") == [
+            "per-tensor loop", "compiled foreach SAM", "torch", "torch, base per tensor", "cpp",
+            "cpp, base per tensor", "cpp, compiled", "bare base step",
+        ]  # fmt: skip
+        assert whole.GRAPH_SET_KEYS == ["resnet18", "small_tensors"]
+    finally:
+        for name, module in saved.items():
+            sys.modules.pop(name, None)
+            if module is not None:
+                sys.modules[name] = module
 
 
 def test_rows_of_runs_before_the_floor_are_recounted():

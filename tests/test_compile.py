@@ -14,13 +14,12 @@ import copy
 import pytest
 import torch
 import torch._dynamo
-from torch import nn
 from torch._dynamo.utils import counters
 
 from gearsam_fused import GEARSAM, SAM
 from gearsam_fused.schedules import Every
 
-from conftest import FP32_STEP_RTOL, FUSED, loss_fn, rel_err, tiny_resnet
+from conftest import FP32_STEP_RTOL, FUSED, loss_fn, mlp, mlp_data, mse, rel_err, tiny_resnet
 
 BASES = {
     "sgd": (torch.optim.SGD, dict(lr=0.1, momentum=0.9, weight_decay=5e-4, nesterov=True)),
@@ -38,21 +37,6 @@ def fresh_dynamo():
     counters.clear()
     yield
     torch._dynamo.reset()
-
-
-def mlp(seed: int = 0) -> nn.Module:
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 3))
-
-
-def data(n: int):
-    gen = torch.Generator().manual_seed(1)
-    return [(torch.randn(16, 6, generator=gen), torch.randn(16, 3, generator=gen)) for _ in range(n)]
-
-
-def mse(model, xy):
-    x, y = xy
-    return nn.functional.mse_loss(model(x), y)
 
 
 def build(rule: str, base: str, backend: str, **kwargs):
@@ -90,7 +74,7 @@ def assert_close(a: torch.Tensor, b: torch.Tensor, exact: bool, what: str):
 @pytest.mark.parametrize("rule", list(RULES))
 @pytest.mark.parametrize("backend, device", CPU_BACKENDS)
 def test_compiled_step_matches_eager(backend, device, rule, base):
-    batches = data(4)
+    batches = mlp_data(4)
     eager_model, eager = build(rule, base, backend)
     model, opt = build(rule, base, backend)
     first, second = compiled_steps(opt)
@@ -112,7 +96,7 @@ def test_the_compiled_step_stops_recompiling(backend, device, base):
     """The first steps compile a few graphs (SGD's first momentum step; Adam's counts 0, 1, then a symbolic count:
     the kernels take the count, not the floats derived from it, which the compiler would specialise on); after them,
     none."""
-    batches = data(6)
+    batches = mlp_data(6)
     model, opt = build("gear-sam", base, backend)
     first, second = compiled_steps(opt)
     run(model, opt, batches[:3], first, second)
@@ -125,7 +109,7 @@ def test_the_compiled_step_stops_recompiling(backend, device, base):
 def test_per_tensor_base_step_compiles_with_the_graph_breaks_of_torchs_own_step(base_cls):
     """torch's ``Optimizer.step`` breaks the graph around itself (it must, to run in no_grad), so a second_step that
     calls it compiles with ``fullgraph=False``, as torch's own ``step`` does; the first_step still compiles whole."""
-    batches = data(4)
+    batches = mlp_data(4)
     eager_model, model = mlp(), mlp()
     eager = SAM(eager_model, base_cls, lr=0.01, base_step="per-tensor")
     opt = SAM(model, base_cls, lr=0.01, base_step="per-tensor")
@@ -140,7 +124,7 @@ def test_per_tensor_base_step_compiles_with_the_graph_breaks_of_torchs_own_step(
 def test_a_whole_training_step_compiles_and_matches_eager(rule):
     """forward, backward, first_step, forward, backward, second_step under one ``torch.compile`` (graph breaks
     allowed, as in any compiled training step with a backward)."""
-    batches = data(3)
+    batches = mlp_data(3)
     cls, kwargs = RULES[rule]
     results = []
     for compiled in (False, True):
@@ -170,7 +154,7 @@ def test_a_whole_training_step_compiles_and_matches_eager(rule):
 def test_gradients_replaced_between_compiled_steps_are_read_where_they_are():
     """zero_grad(set_to_none=False) keeps the gradients as views of the flat buffer; set_to_none=True makes backward
     allocate new ones. The compiled step must read both ways, switching between them."""
-    batches = data(4)
+    batches = mlp_data(4)
     eager_model, eager = build("gear-sam", "sgd", "torch")
     model, opt = build("gear-sam", "sgd", "torch")
     first, second = compiled_steps(opt)
@@ -189,10 +173,10 @@ def test_gradients_replaced_between_compiled_steps_are_read_where_they_are():
 def test_a_replaced_parameter_is_refused_by_the_compiled_step():
     model, opt = build("sam", "sgd", "torch")
     first, second = compiled_steps(opt)
-    run(model, opt, data(1), first, second)
+    run(model, opt, mlp_data(1), first, second)
     weight = model[0].weight
     weight.data = weight.detach().clone()
-    mse(model, data(1)[0]).backward()
+    mse(model, mlp_data(1)[0]).backward()
     with pytest.raises(RuntimeError, match=r"parameter '0.weight' was replaced .* run one step without torch.compile"):
         first()
     opt.first_step()  # eagerly, the parameter is put back in place
@@ -202,9 +186,9 @@ def test_a_replaced_parameter_is_refused_by_the_compiled_step():
 def test_adam_step_counts_changed_in_place_are_refused_by_the_compiled_step():
     model, opt = build("sam", "adamw", "torch")
     first, second = compiled_steps(opt)
-    run(model, opt, data(2), first, second)
+    run(model, opt, mlp_data(2), first, second)
     opt.state[model[0].weight]["step"].fill_(10)
-    mse(model, data(1)[0]).backward()
+    mse(model, mlp_data(1)[0]).backward()
     with pytest.raises(RuntimeError, match="step counts .* were changed in place"):
         first()
 
@@ -213,16 +197,16 @@ def test_state_a_compiled_step_would_have_to_create_is_refused():
     model = mlp()
     opt = SAM(model, torch.optim.SGD, lr=0.1, backend="torch")  # momentum 0: no buffer is reserved
     first, second = compiled_steps(opt)
-    run(model, opt, data(1), first, second)
+    run(model, opt, mlp_data(1), first, second)
     opt.param_groups[0]["momentum"] = 0.9
     with pytest.raises(RuntimeError, match="'momentum_buffer' does not exist yet"):
-        run(model, opt, data(1), first, second)
+        run(model, opt, mlp_data(1), first, second)
 
 
 def test_schedules_are_refused_inside_a_compiled_step():
     model, opt = build("sam", "sgd", "torch", schedule=Every(2))
     first, _ = compiled_steps(opt)
-    mse(model, data(1)[0]).backward()
+    mse(model, mlp_data(1)[0]).backward()
     with pytest.raises(Exception, match="schedule"):
         first()
 
@@ -230,7 +214,7 @@ def test_schedules_are_refused_inside_a_compiled_step():
 def test_a_loaded_state_continues_under_the_compiled_step():
     """load_state_dict takes the loaded state (Adam's counts among it) into the flat buffers at once, eagerly, so the
     compiled step that follows reads nothing it cannot trace."""
-    batches = data(4)
+    batches = mlp_data(4)
     model, opt = build("gear-sam", "adamw", "cpp")
     run(model, opt, batches[:2], opt.first_step, opt.second_step)
     saved_model = {k: v.clone() for k, v in model.state_dict().items()}

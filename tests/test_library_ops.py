@@ -354,6 +354,23 @@ def _wrong_calls():
         "exp_avg-shape": lambda: adam(exp_avg=torch.zeros(N - TILE, dtype=f64)),
         "ema-shape": lambda: allocate(ema=per_block([1.0], "cpu")),
         "energy-dtype": lambda: allocate(energy=torch.ones(3), ema=torch.ones(3)),
+        # capturable steps' device values
+        "scalars-dtype": lambda: sgd(scalars=torch.zeros(2, dtype=f32), lr=0.0),
+        "scalars-2-d": lambda: adam(scalars=torch.zeros(1, 2, dtype=f64), lr=0.0, step=0),
+        "scalars-count-allocate": lambda: allocate(scalars=torch.zeros(3, dtype=f64), rho=0.0),
+        "scalars-count-sgd": lambda: sgd(scalars=torch.zeros(3, dtype=f64), lr=0.0),
+        "scalars-count-adam": lambda: adam(scalars=torch.zeros(1, dtype=f64), lr=0.0, step=0),
+        "found_inf-dtype": lambda: adam(found_inf=torch.zeros((), dtype=f64)),
+        "found_inf-count": lambda: sgd(found_inf=torch.zeros(2, dtype=f32)),
+        "found_inf-empty": lambda: allocate(found_inf=torch.zeros(0, dtype=f32)),
+        "rho-with-scalars": lambda: allocate(scalars=torch.zeros(1, dtype=f64)),
+        "rho-repr-small": lambda: allocate(scalars=torch.zeros(1, dtype=f64), rho=1e-5),
+        "rho-repr-whole": lambda: allocate(scalars=torch.zeros(1, dtype=f64), rho=100.0),
+        "rho-repr-long": lambda: allocate(scalars=torch.zeros(1, dtype=f64), rho=0.1 + 0.2),
+        "rho-repr-huge": lambda: allocate(scalars=torch.zeros(1, dtype=f64), rho=-1.5e16),
+        "lr-with-scalars-sgd": lambda: sgd(scalars=torch.zeros(2, dtype=f64)),
+        "first-with-scalars": lambda: sgd(scalars=torch.zeros(2, dtype=f64), lr=0.0, first=True),
+        "step-with-scalars": lambda: adam(scalars=torch.zeros(2, dtype=f64), lr=0.0),
     }
 
 
@@ -410,3 +427,215 @@ def test_compiled_step_gives_the_bits_of_eager():
     assert all(torch.equal(a, b) for a, b in zip(got, expected))
     assert all(torch.equal(a, b) for a, b in zip(compiled, eager))
     assert not torch.equal(eager[1], param)  # the step moved the weights
+
+
+# ------------------------------------------------------------------------------------------- capturable steps
+# scalars (float64: (rho,) or (lr, k)) and found_inf (float32, one element) read from the buffers' device.
+def with_scalars(name: str, kw: dict, device, k: int | None = None) -> dict:
+    """``kw`` with the host values a capturable step reads from ``scalars`` moved there and set to 0: rho for
+    allocate; lr and k (Adam's ``step``, or ``k`` for SGD, default 1 if ``first`` else 2) for the base steps."""
+    f64 = dict(dtype=torch.float64, device=device)
+    if name == "allocate":
+        return {**kw, "rho": 0.0, "scalars": torch.tensor([kw["rho"]], **f64)}
+    if name == "adam_step_":
+        return {**kw, "lr": 0.0, "step": 0, "scalars": torch.tensor([kw["lr"], float(kw["step"])], **f64)}
+    k = (1 if kw["first"] else 2) if k is None else k
+    return {**kw, "lr": 0.0, "first": False, "scalars": torch.tensor([kw["lr"], float(k)], **f64)}
+
+
+def flag(value: float, device, shape=()) -> torch.Tensor:
+    """found_inf: GradScaler's is 0-d."""
+    return torch.full(shape, value, dtype=torch.float32, device=device)
+
+
+def capturable(name: str, args, kw: dict, device, scalars: bool, found_inf: float | None):
+    kw = with_scalars(name, kw, device) if scalars else kw
+    return args, kw if found_inf is None else {**kw, "found_inf": flag(found_inf, device)}
+
+
+#: (scalars given, found_inf value or None) of the opcheck tests
+DEVICE_VALUES = {"scalars": (True, None), "finite": (False, 0.0), "overflow": (False, 1.0),
+                 "scalars-overflow": (True, 1.0), "scalars-finite": (True, 0.0)}  # fmt: skip
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("values", list(DEVICE_VALUES))
+@pytest.mark.parametrize("gear", [False, True], ids=["sam-rule", "gear-rule"])
+def test_opcheck_allocate_capturable(gear, values, device):
+    opcheck("allocate", *capturable("allocate", *allocate_args(device, gear), device, *DEVICE_VALUES[values]))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("values", list(DEVICE_VALUES))
+@pytest.mark.parametrize("with_backup", [True, False], ids=["backup", "no-backup"])
+@pytest.mark.parametrize("flags", ["momentum", "first"])
+def test_opcheck_sgd_step_capturable(flags, with_backup, values, device):
+    args = sgd_args(torch.float32, device, flags, with_backup, corrected=True)
+    opcheck("sgd_step_", *capturable("sgd_step_", *args, device, *DEVICE_VALUES[values]))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("values", list(DEVICE_VALUES))
+@pytest.mark.parametrize("with_backup", [True, False], ids=["backup", "no-backup"])
+@pytest.mark.parametrize("flags", list(ADAM_FLAGS))
+def test_opcheck_adam_step_capturable(flags, with_backup, values, device):
+    args = adam_args(torch.float64, device, flags, with_backup, corrected=True)
+    opcheck("adam_step_", *capturable("adam_step_", *args, device, *DEVICE_VALUES[values]))
+
+
+def run_both(name: str, args, kw: dict, device_kw: dict):
+    """The operator on two copies of ``args``, with ``kw`` and with ``device_kw``: the two lists of tensors after
+    the call (inputs, then outputs)."""
+    results = []
+    for call_kw in (kw, device_kw):
+        copies = [None if t is None else t.clone() for t in args]
+        out = getattr(ops(), name)(*copies, **call_kw)
+        results.append(copies + (list(out) if out is not None else []))
+    return results
+
+
+def assert_same_bits(got: list, expected: list) -> None:
+    for i, (a, b) in enumerate(zip(got, expected)):
+        assert (a is None and b is None) or torch.equal(a, b), i
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("k", [1, 2, 7])
+@pytest.mark.parametrize("flags", ["plain", "momentum", "nesterov-maximize"])
+@pytest.mark.parametrize("dtype", BASE_FLOATS, ids=str)
+def test_sgd_scalars_give_the_bits_of_the_host_call(dtype, flags, k, device):
+    """scalars=(lr, k) against lr and first=(k == 1) (weight decay in every case): bit for bit, on every device (SGD
+    derives nothing from k)."""
+    args, kw = sgd_args(dtype, device, flags, with_backup=True, corrected=False)
+    kw = {**kw, "first": k == 1}
+    expected, got = run_both("sgd_step_", args, kw, with_scalars("sgd_step_", kw, device, k))
+    assert_same_bits(got, expected)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("corrected", [False, True], ids=["plain", "looksam"])
+@pytest.mark.parametrize("k", [1, 2, 7])
+@pytest.mark.parametrize("flags", list(ADAM_FLAGS))
+@pytest.mark.parametrize("dtype", BASE_FLOATS, ids=str)
+def test_adam_scalars_give_the_bits_of_the_host_call(dtype, flags, k, corrected, device):
+    """scalars=(lr, k) against lr and step=k: bit for bit on the CPU (the same constructor on the same doubles); on
+    CUDA the kernel derives the constants with the device's pow (within 2 ulp), so within a few ulp."""
+    args, kw = adam_args(dtype, device, flags, with_backup=True, corrected=corrected)
+    kw = {**kw, "step": k}
+    expected, got = run_both("adam_step_", args, kw, with_scalars("adam_step_", kw, device))
+    if device == "cpu":
+        assert_same_bits(got, expected)
+    else:
+        for a, b in zip(got, expected):
+            if a is not None:
+                torch.testing.assert_close(a, b, rtol=8 * torch.finfo(dtype).eps, atol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("gear", [False, True], ids=["sam-rule", "gear-rule"])
+def test_allocate_scalars_give_the_bits_of_the_host_call(gear, device):
+    args, kw = allocate_args(device, gear)
+    expected, got = run_both("allocate", args, kw, with_scalars("allocate", kw, device))
+    assert_same_bits(got, expected)
+
+
+def overflowed_grad(args: list, index: int = 1) -> list:
+    """The base step's arguments with inf, -inf and NaN in grad (the kernels must not read it)."""
+    grad = args[index].clone()
+    grad[::3], grad[1::3], grad[2::3] = float("inf"), float("-inf"), float("nan")
+    return [*args[:index], grad, *args[index + 1 :]]
+
+
+STEPS = {"sgd": ("sgd_step_", sgd_args, "momentum"), "adam": ("adam_step_", adam_args, "adamw-amsgrad")}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("shape", [(), (1,)], ids=["0-d", "1-d"])
+@pytest.mark.parametrize("scalars", [False, True], ids=["host", "scalars"])
+@pytest.mark.parametrize("with_backup", [True, False], ids=["backup", "no-backup"])
+@pytest.mark.parametrize("step", list(STEPS))
+@pytest.mark.parametrize("dtype", BASE_FLOATS, ids=str)
+def test_overflow_restores_param_and_keeps_the_state(dtype, step, with_backup, scalars, shape, device):
+    """found_inf nonzero: param = backup bit for bit (untouched without backup), every state buffer untouched, grad
+    not read (inf and NaN in it), with or without scalars and LookSAM's correction."""
+    name, make, flags = STEPS[step]
+    args, kw = make(dtype, device, flags, with_backup, corrected=True)
+    args = overflowed_grad(list(args))
+    kw = with_scalars(name, kw, device) if scalars else kw
+    before = [None if t is None else t.clone() for t in args]
+    getattr(ops(), name)(*args, **kw, found_inf=flag(1.0, device, shape))
+    param, _, backup, *state = args
+    assert torch.equal(param, before[2] if with_backup else before[0])
+    assert all(t is None or torch.equal(t, b) for t, b in zip([backup, *state], [before[2], *before[3:]]))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("scalars", [False, True], ids=["host", "scalars"])
+@pytest.mark.parametrize("gear", [False, True], ids=["sam-rule", "gear-rule"])
+def test_overflow_allocates_nothing_and_keeps_the_ema(gear, scalars, device):
+    (energy, ema), kw = allocate_args(device, gear)
+    energy = torch.tensor([float("inf"), float("nan"), 1.0], dtype=torch.float64, device=device)
+    kw = with_scalars("allocate", kw, device) if scalars else kw
+    expected_ema = ema.clone()
+    scale, radius = ops().allocate(energy, ema, **kw, found_inf=flag(2.0, device, (1,)))
+    assert torch.equal(scale, torch.zeros_like(energy)) and torch.equal(radius, torch.zeros_like(energy))
+    assert torch.equal(ema, expected_ema)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("scalars", [False, True], ids=["host", "scalars"])
+@pytest.mark.parametrize("case", ["sgd", "adam", "allocate-gear", "allocate-sam"])
+def test_finite_found_inf_changes_nothing(case, scalars, device):
+    """found_inf zero: the bits of the call without it."""
+    if case.startswith("allocate"):
+        name, (args, kw) = "allocate", allocate_args(device, case == "allocate-gear")
+    else:
+        name, make, flags = STEPS[case]
+        args, kw = make(torch.float32, device, flags, True, corrected=True)
+    kw = with_scalars(name, kw, device) if scalars else kw
+    expected, got = run_both(name, args, kw, {**kw, "found_inf": flag(0.0, device)})
+    assert_same_bits(got, expected)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_capturable_step_is_a_whole_step_with_the_scalars_of_the_device(device):
+    """One tensor of scalars advanced between two steps (as a graph replay sees it), the second skipped: the bits of
+    the host calls with the same lr and k, and the skipped step writes the backup only."""
+    args, kw = adam_args(torch.float32, device, "adam", with_backup=True, corrected=False)
+    host = [t.clone() for t in args if t is not None]
+    dev = [t.clone() for t in args if t is not None]
+    scalars = torch.tensor([LR, 1.0], dtype=torch.float64, device=device)
+    found_inf = flag(0.0, device)
+    base = {**kw, "lr": 0.0, "step": 0}
+    for k in (1, 2):
+        ops().adam_step_(*host[:5], None, **{**kw, "step": k})
+        ops().adam_step_(*dev[:5], None, **base, scalars=scalars, found_inf=found_inf)
+        scalars[1] += 1
+    assert_same_bits(dev, host)
+    found_inf.fill_(1.0)
+    before = [t.clone() for t in dev]
+    ops().adam_step_(*dev[:5], None, **base, scalars=scalars, found_inf=found_inf)
+    assert torch.equal(dev[0], before[2]) and all(torch.equal(a, b) for a, b in zip(dev[1:], before[1:]))
+
+
+def test_fakes_refuse_device_values_elsewhere():
+    """The device checks, which CPU tensors alone cannot reach in ops.cpp: a meta found_inf or scalars beside CPU
+    buffers, through the check the fakes and the Triton launchers share."""
+    from gearsam_fused.checks import check_device_step
+
+    param = torch.zeros(N)
+    with pytest.raises(ValueError, match=r"^found_inf is on meta, the buffers on cpu$"):
+        check_device_step("sgd_step_", param, None, torch.zeros((), device="meta"))
+    with pytest.raises(ValueError, match=r"^scalars is on meta, the buffers on cpu$"):
+        check_device_step("adam_step_", param, torch.zeros(2, dtype=torch.float64, device="meta"), None)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA or not cpp_built_with_cuda(), reason="needs a CUDA GPU and the CUDA kernels")
+def test_device_values_must_be_on_the_buffers_device():
+    (energy, ema), kw = allocate_args("cuda", gear=True)
+    with pytest.raises(ValueError, match=r"^found_inf is on cpu, the buffers on cuda:0$"):
+        ops().allocate(energy, ema, **kw, found_inf=flag(0.0, "cpu"))
+    args, kw = sgd_args(torch.float32, "cuda", "momentum", True, corrected=False)
+    with pytest.raises(ValueError, match=r"^scalars is on cpu, the buffers on cuda:0$"):
+        ops().sgd_step_(*args, **with_scalars("sgd_step_", kw, "cpu"))

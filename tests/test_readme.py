@@ -17,9 +17,10 @@ def test_readme_python_examples_run():
     x, y = torch.randn(4, 3, 32, 32), torch.randint(0, 10, (4,))
     namespace = {"model": resnet18(width=4), "loader": [(x, y)], "x": x, "y": y}
     # run elsewhere: test_ddp.py runs the DDP loop under two processes, test_fsdp.py the FSDP2 block (a process
-    # group), test_transformers.py and test_lightning.py the integrations' blocks (optional packages)
+    # group), test_transformers.py and test_lightning.py the integrations' blocks (optional packages),
+    # test_capturable.py the CUDA graph (a GPU)
     elsewhere = [code for code in blocks if code.startswith("# needs:")]
-    assert len(elsewhere) == 4
+    assert len(elsewhere) == 5
     for code in blocks:
         if code not in elsewhere:
             exec(compile(code, str(README), "exec"), namespace)

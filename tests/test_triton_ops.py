@@ -7,7 +7,11 @@ opcheck runs every one of its checks here (schema, autograd registration, fake t
 dynamic shapes): none is inapplicable under the interpreter. opcheck compares a compiled call's outputs, not what it
 mutates, so a second test compiles each op and compares every buffer it writes with an eager call's. The base steps'
 bits against torch.optim are asserted by tests/test_base_step.py and tests/test_correction_kernels.py, which call
-these same ops."""
+these same ops.
+
+The device arguments (``scalars``: the lr and step count, or rho, read by the kernels; ``found_inf``: GradScaler's
+overflow flag, which skips the step on the device) have tests of their own below: opcheck with them, the bits of the
+host call with the same values, what a skipped step leaves, and each refused argument, on real and fake tensors."""
 
 import pytest
 import torch
@@ -116,6 +120,8 @@ def base_step_args(dtype, device, backup: bool, corrected: bool) -> dict:
         grad=randn(dtype, device, 1),
         backup=randn(dtype, device, 2) if backup else None,
         **(correction if corrected else dict(correction=None, correction_scale=None, tile_block=None)),
+        scalars=None,
+        found_inf=None,
     )
 
 
@@ -233,7 +239,19 @@ def compiled_afresh(fn, backend: str):
     return call
 
 
-OP_CALLS = ["block_energy", "allocate", "perturb_", "restore_", "sgd_step_", "sgd_step_-no-backup", "adam_step_"]
+OP_CALLS = [
+    "block_energy",
+    "allocate",
+    "perturb_",
+    "restore_",
+    "sgd_step_",
+    "sgd_step_-no-backup",
+    "adam_step_",
+    "allocate-device",
+    "sgd_step_-device",
+    "adam_step_-device",
+    "adam_step_-skipped",
+]
 
 
 def op_calls(device):
@@ -249,6 +267,9 @@ def op_calls(device):
     moments = [0.1 * f32[3], 0.01 * f32[4].square(), 0.02 * f32[5].square()]
     partials = torch.zeros(5, dtype=torch.float64, device=device)
     energy = f32[0].double()[:3].square()
+    rho = torch.tensor([0.05], dtype=torch.float64, device=device)
+    lr_step = torch.tensor([0.01, 2.0], dtype=torch.float64, device=device)
+    found_zero = torch.zeros((), dtype=torch.float32, device=device)
     return {
         "block_energy": (lambda g, w, p: k.block_energy(g, w, block_tiles, p, tile=TILE, adaptive=True, eta=0.01),
                          (f32[0], f32[1], partials)),
@@ -262,6 +283,17 @@ def op_calls(device):
         "sgd_step_-no-backup": (lambda w, g, buf: k.sgd_step_(w, g, None, buf, **sgd), (f32[0], f32[1], f32[3])),
         "adam_step_": (lambda w, g, b, m, v, vmax: k.adam_step_(w, g, b, m, v, vmax, **adam),
                        (f32[0], f32[1], f32[2], *moments)),
+        # the device arguments: scalars read in the kernels, found_inf zero (the step taken) or set (skipped)
+        "allocate-device": (lambda e, ema, s, f: k.allocate(e, ema, s, f, gear=True, rho=0.0, beta=0.9, delta=1e-12),
+                            (energy, energy.sqrt(), rho, found_zero)),
+        "sgd_step_-device": (lambda w, g, b, buf, c, s, f: k.sgd_step_(w, g, b, buf, c, scale, tile_block, s, f,
+                                                                       **dict(sgd, lr=0.0)),
+                             (f32[0], f32[1], f32[2], f32[3], f32[4], lr_step, found_zero)),
+        "adam_step_-device": (lambda w, g, b, m, v, vmax, s, f: k.adam_step_(w, g, b, m, v, vmax, scalars=s,
+                                                                             found_inf=f, **dict(adam, lr=0.0, step=0)),
+                              (f32[0], f32[1], f32[2], *moments, lr_step, found_zero)),
+        "adam_step_-skipped": (lambda w, g, b, m, v, vmax, f: k.adam_step_(w, g, b, m, v, vmax, found_inf=f, **adam),
+                               (f32[0], f32[1], f32[2], *moments, found_zero + 1)),
     }  # fmt: skip
 
 
@@ -325,3 +357,380 @@ def test_compiled_perturb_and_restore_give_the_eager_bits(ops, backend, device, 
     assert bitwise_equal(param, w) and bitwise_equal(backup, w)
     unperturbed = fn(w.clone(), grad, torch.zeros_like(w), torch.zeros_like(scale), tile_block, block_tiles, partials)
     assert not bitwise_equal(got, unperturbed)  # the compiled graph did perturb
+
+
+# ------------------------------------------------------------------------------------------- device arguments
+# ``scalars`` (float64: (lr, step) for the base steps, (rho,) for allocate) and ``found_inf`` (float32, one element)
+# read on the device, for capturable=True and for skipping an overflowing step without a host synchronisation.
+FOUND = {"zero": 0.0, "set": 1.0}
+DEVICE_ARGS = ["scalars", "found_inf-zero", "found_inf-set", "scalars-found_inf-zero", "scalars-found_inf-set"]
+
+
+def device_args(which: str, device, values: tuple, found_shape=()) -> dict:
+    """scalars (float64 ``values``) and found_inf (float32, 0-d as GradScaler's by default) as ``which`` names."""
+    found = next((v for k, v in FOUND.items() if which.endswith("found_inf-" + k)), None)
+    return dict(
+        scalars=torch.tensor(values, dtype=torch.float64, device=device) if "scalars" in which else None,
+        found_inf=None if found is None else torch.full(found_shape, found, dtype=torch.float32, device=device),
+    )
+
+
+def sgd_host(flags: dict, k: int) -> dict:
+    """The host scalars of SGD ``flags`` at step ``k`` (lr from flags, first when k == 1)."""
+    return {"tile": TILE, "weight_decay": 0.0, "momentum": 0.0, "dampening": 0.0, "nesterov": False,
+            "maximize": False, **flags, "first": k == 1}  # fmt: skip
+
+
+def adam_host(flags: dict, k: int, lr: float = 1e-2) -> dict:
+    kw = {"weight_decay": 0.0, "decoupled": False, "amsgrad": False, "maximize": False, **flags}
+    return dict(kw, tile=TILE, beta1=0.9, beta2=0.999, eps=1e-8, lr=lr, step=k)
+
+
+def on_scalars(host: dict) -> dict:
+    """``host`` with the values read from scalars left at their neutral values, as the ops require."""
+    return {**host, "lr": 0.0, **({"step": 0} if "step" in host else {"first": False})}
+
+
+@pytest.mark.parametrize("which", DEVICE_ARGS)
+@pytest.mark.parametrize("gear", [False, True], ids=["sam", "gear-sam"])
+@pytest.mark.parametrize("backend,device", DEVICES)
+def test_opcheck_allocate_with_device_arguments(ops, backend, device, gear, which):
+    energy = randn(torch.float64, device, 0, n=3).square()
+    ema = randn(torch.float64, device, 1, n=3).square()
+    extra = device_args(which, device, (0.05,))
+    rho = 0.0 if extra["scalars"] is not None else 0.05
+    torch.library.opcheck(ops[0].allocate.default, (energy, ema, extra["scalars"], extra["found_inf"]),
+                          dict(gear=gear, rho=rho, beta=0.9, delta=1e-12))  # fmt: skip
+
+
+@pytest.mark.parametrize("which", DEVICE_ARGS)
+@pytest.mark.parametrize("flags", list(SGD))
+@pytest.mark.parametrize("dtype", STEPPED, ids=str)
+@pytest.mark.parametrize("backend,device", DEVICES)
+def test_opcheck_sgd_step_with_device_arguments(ops, backend, device, dtype, flags, which):
+    k = 1 if SGD[flags].get("first") else 3
+    host = sgd_host({key: v for key, v in SGD[flags].items() if key != "first"}, k)
+    args = base_step_args(dtype, device, backup=which != "found_inf-set", corrected=which.startswith("scalars-"))
+    args["momentum_buffer"] = randn(dtype, device, 4) if host["momentum"] else None
+    args.update(device_args(which, device, (host["lr"], float(k))))
+    opcheck_step(ops[0].sgd_step_.default, args, on_scalars(host) if args["scalars"] is not None else host)
+
+
+@pytest.mark.parametrize("which", DEVICE_ARGS)
+@pytest.mark.parametrize("flags", list(ADAM))
+@pytest.mark.parametrize("dtype", STEPPED, ids=str)
+@pytest.mark.parametrize("backend,device", DEVICES)
+def test_opcheck_adam_step_with_device_arguments(ops, backend, device, dtype, flags, which):
+    host = adam_host(ADAM[flags], 3)
+    args = base_step_args(dtype, device, backup=which != "found_inf-set", corrected=which.startswith("scalars-"))
+    args["exp_avg"] = 0.1 * randn(dtype, device, 4)
+    args["exp_avg_sq"] = 0.01 * randn(dtype, device, 5).square()
+    args["max_exp_avg_sq"] = 1.5 * args["exp_avg_sq"] if host["amsgrad"] else None
+    args.update(device_args(which, device, (host["lr"], 3.0)))
+    opcheck_step(ops[0].adam_step_.default, args, on_scalars(host) if args["scalars"] is not None else host)
+
+
+def sgd_buffers(dtype, device, host: dict, corrected: bool = False) -> dict:
+    args = base_step_args(dtype, device, backup=True, corrected=corrected)
+    args["momentum_buffer"] = randn(dtype, device, 4) if host["momentum"] else None
+    return args
+
+
+def adam_buffers(dtype, device, host: dict, corrected: bool = False) -> dict:
+    args = base_step_args(dtype, device, backup=True, corrected=corrected)
+    args["exp_avg"] = 0.1 * randn(dtype, device, 4)
+    args["exp_avg_sq"] = 0.01 * randn(dtype, device, 5).square()
+    args["max_exp_avg_sq"] = 1.5 * args["exp_avg_sq"] if host["amsgrad"] else None
+    return args
+
+
+def written(args: dict, names) -> list:
+    return [args[name] for name in names if args[name] is not None]
+
+
+SGD_WRITES = ("param", "momentum_buffer")
+ADAM_WRITES = ("param", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+SGD_BITS = {
+    "plain": dict(lr=0.1),
+    "momentum": dict(lr=0.05, momentum=0.9, dampening=0.1),
+    "nesterov-wd": dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3),
+    "momentum-wd-maximize": dict(lr=0.3, momentum=0.5, weight_decay=1e-2, maximize=True),
+}
+ADAM_BITS = {**ADAM, "adamw-amsgrad-maximize": dict(weight_decay=3e-2, decoupled=True, amsgrad=True, maximize=True)}
+
+
+def cloned(args: dict) -> dict:
+    return {name: None if t is None else t.clone() for name, t in args.items()}
+
+
+def assert_same_steps(device, got: list, expected: list, exact: bool = True) -> None:
+    for a, b in zip(got, expected):
+        if exact:
+            assert bitwise_equal(a, b)
+        else:
+            torch.testing.assert_close(a, b, rtol=1e-13 if a.dtype == torch.float64 else 1.3e-6, atol=0)
+
+
+@pytest.mark.parametrize("k", [1, 2, 7])
+@pytest.mark.parametrize("corrected", [False, True], ids=["plain", "looksam"])
+@pytest.mark.parametrize("flags", list(SGD_BITS))
+@pytest.mark.parametrize("dtype", STEPPED, ids=str)
+@pytest.mark.parametrize("backend,device", DEVICES)
+def test_sgd_step_with_scalars_gives_the_bits_of_the_host_call(ops, backend, device, dtype, flags, corrected, k):
+    """scalars=(lr, k) is the host call with that lr and first=(k == 1): the first step with momentum sets the
+    buffer to the gradient, never reading it (it holds NaN here), the later ones take the usual update."""
+    _, kernels = ops
+    host = sgd_host(SGD_BITS[flags], k)
+    args = sgd_buffers(dtype, device, host, corrected)
+    if k == 1 and args["momentum_buffer"] is not None:
+        args["momentum_buffer"].fill_(float("nan"))
+    expected, got = cloned(args), cloned(args)
+    kernels.sgd_step_(**expected, **host)
+    got["scalars"] = torch.tensor([host["lr"], float(k)], dtype=torch.float64, device=device)
+    kernels.sgd_step_(**got, **on_scalars(host))
+    assert_same_steps(device, written(got, SGD_WRITES), written(expected, SGD_WRITES))
+    assert not bitwise_equal(got["param"], args["param"])
+    if args["momentum_buffer"] is not None:
+        assert not got["momentum_buffer"].isnan().any()
+
+
+@pytest.mark.parametrize("k", [1, 2, 7])
+@pytest.mark.parametrize("flags", list(ADAM_BITS))
+@pytest.mark.parametrize("dtype", STEPPED, ids=str)
+@pytest.mark.parametrize("backend,device", DEVICES)
+def test_adam_step_with_scalars_gives_the_bits_of_the_host_call(ops, backend, device, dtype, flags, k):
+    """step_size, bias_correction2_sqrt and decay derived in the kernel from scalars=(lr, k) in float64, as
+    adam_scalars derives them on the host: the same bits. On a GPU the kernel's pow is libdevice's, which may differ
+    from the host's C pow in the last place of the float64 constant, so there the results are compared closely."""
+    _, kernels = ops
+    host = adam_host(ADAM_BITS[flags], k, lr=3e-3)
+    args = adam_buffers(dtype, device, host, corrected=flags == "adam-l2")
+    expected, got = cloned(args), cloned(args)
+    kernels.adam_step_(**expected, **host)
+    got["scalars"] = torch.tensor([host["lr"], float(k)], dtype=torch.float64, device=device)
+    kernels.adam_step_(**got, **on_scalars(host))
+    assert_same_steps(device, written(got, ADAM_WRITES), written(expected, ADAM_WRITES), exact=device == "cpu")
+    assert not bitwise_equal(got["param"], args["param"])
+
+
+@pytest.mark.parametrize("backend,device", DEVICES)
+def test_the_kernels_pow_is_pythons(ops, backend, device):
+    """The float64 pow the Adam kernels derive their constants with: Python's ``**`` (C's pow) bit for bit under the
+    interpreter; libdevice's on a GPU, within its documented 2 ulp."""
+    import triton
+    import triton.language as tl
+
+    from gearsam_fused.triton_kernels import base_step
+
+    # a kernel reads its callees from its module's globals (the interpreter sees no closure): this module's, here
+    globals()["_kernels_pow64"] = base_step._pow64
+
+    @triton.jit
+    def pow_kernel(x_ptr, y_ptr, out_ptr, N: tl.constexpr):
+        offsets = tl.arange(0, N)
+        tl.store(out_ptr + offsets, _kernels_pow64(tl.load(x_ptr + offsets), tl.load(y_ptr + offsets)))  # noqa: F821
+
+    bases = [0.9, 0.999, 0.99, 0.95, 0.5, 1 - 1e-8, 0.123456789, 0.9999]
+    pairs = [(b, float(k)) for b in bases for k in (1, 2, 3, 7, 100, 10**6)]  # beta**k
+    pairs += [(1 - 0.999**k, 0.5) for k in (1, 2, 7, 1000)]  # (1 - beta2**k) ** 0.5
+    pairs += [(2.0, 0.5), (1e-300, 0.5), (0.0, 0.5), (1.0, 0.5), (0.0, 1.0), (3.0, 0.0)]
+    pairs += [(0.5, 1.0)] * (64 - len(pairs))  # a power-of-two block
+    x, y = (torch.tensor(v, dtype=torch.float64, device=device) for v in zip(*pairs))
+    out = torch.empty_like(x)
+    pow_kernel[(1,)](x, y, out, N=64)
+    expected = torch.tensor([a**b for a, b in pairs], dtype=torch.float64)
+    if device == "cpu":
+        assert bitwise_equal(out, expected)
+    else:
+        ulps = (out.cpu().view(torch.int64) - expected.view(torch.int64)).abs()
+        assert int(ulps.max()) <= 2
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # inf - inf, under the interpreter
+@pytest.mark.parametrize("which", ["scalars", "scalars-found_inf-zero"])
+@pytest.mark.parametrize("gear", [False, True], ids=["sam", "gear-sam"])
+@pytest.mark.parametrize("backend,device", DEVICES)
+def test_allocate_with_scalars_gives_the_bits_of_the_host_rho(ops, backend, device, gear, which):
+    _, kernels = ops
+    energy = randn(torch.float64, device, 0, n=3).square()
+    energy[1] = float("inf") if gear else energy[1]  # GEAR skips a non-finite block
+    ema = randn(torch.float64, device, 1, n=3).square()
+    ema_host, ema_device = ema.clone(), ema.clone()
+    expected = kernels.allocate(energy, ema_host, gear=gear, rho=0.05, beta=0.9, delta=1e-12)
+    got = kernels.allocate(energy, ema_device, **device_args(which, device, (0.05,)), gear=gear, rho=0.0, beta=0.9,
+                           delta=1e-12)  # fmt: skip
+    assert all(bitwise_equal(a, b) for a, b in zip(got, expected)) and bitwise_equal(ema_device, ema_host)
+    assert bool((got[1] != 0).any())
+
+
+@pytest.mark.parametrize("shape", [(), (1,)], ids=["0-d", "1-d"])
+@pytest.mark.parametrize("gear", [False, True], ids=["sam", "gear-sam"])
+@pytest.mark.parametrize("backend,device", DEVICES)
+def test_allocate_skipped_by_found_inf(ops, backend, device, gear, shape):
+    """found_inf set: every scale and radius 0 and the EMA not written; found_inf zero: the bits of no found_inf."""
+    _, kernels = ops
+    energy = randn(torch.float64, device, 0, n=3).square()
+    ema = randn(torch.float64, device, 1, n=3).square()
+    kw = dict(gear=gear, rho=0.05, beta=0.9, delta=1e-12)
+    skipped_ema = ema.clone()
+    scale, radius = kernels.allocate(energy, skipped_ema, **device_args("found_inf-set", device, (), shape), **kw)
+    assert bitwise_equal(scale, torch.zeros_like(scale)) and bitwise_equal(radius, torch.zeros_like(radius))
+    assert bitwise_equal(skipped_ema, ema)
+    for which in ("found_inf-set", "scalars-found_inf-set"):  # rho from scalars is not read either
+        extra = device_args(which, device, (0.05,), shape)
+        got = kernels.allocate(
+            energy, skipped_ema, **extra, **dict(kw, rho=0.0 if extra["scalars"] is not None else 0.05)
+        )
+        assert all(bitwise_equal(t, torch.zeros_like(t)) for t in got) and bitwise_equal(skipped_ema, ema)
+    plain_ema, zero_ema = ema.clone(), ema.clone()
+    expected = kernels.allocate(energy, plain_ema, **kw)
+    got = kernels.allocate(energy, zero_ema, **device_args("found_inf-zero", device, (), shape), **kw)
+    assert all(bitwise_equal(a, b) for a, b in zip(got, expected)) and bitwise_equal(zero_ema, plain_ema)
+    assert not bitwise_equal(plain_ema, ema) or not gear
+
+
+def poisoned_grad(args: dict) -> None:
+    """inf and NaN in the gradient (and its correction): what an overflowing step under loss scaling brings."""
+    args["grad"][::3] = float("inf")
+    args["grad"][1::7] = float("nan")
+    if args["correction"] is not None:
+        args["correction"][2::5] = float("-inf")
+
+
+@pytest.mark.parametrize("backup", [True, False], ids=["backup", "no-backup"])
+@pytest.mark.parametrize("which", ["found_inf-set", "scalars-found_inf-set"])
+@pytest.mark.parametrize("flags", list(SGD))
+@pytest.mark.parametrize("dtype", STEPPED, ids=str)
+@pytest.mark.parametrize("backend,device", DEVICES)
+def test_sgd_step_skipped_by_found_inf(ops, backend, device, dtype, flags, which, backup):
+    """param <- backup (untouched without backup), the momentum buffer keeps its bits, the gradient is not read."""
+    _, kernels = ops
+    host = sgd_host({key: v for key, v in SGD[flags].items() if key != "first"}, 1 if SGD[flags].get("first") else 2)
+    args = sgd_buffers(dtype, device, host, corrected=which.startswith("scalars"))
+    if not backup:
+        args["backup"] = None
+    poisoned_grad(args)
+    got = cloned(args)
+    got.update(device_args(which, device, (host["lr"], 2.0), (1,) if backup else ()))
+    kernels.sgd_step_(**got, **(on_scalars(host) if got["scalars"] is not None else host))
+    assert bitwise_equal(got["param"], args["backup"] if backup else args["param"])
+    if args["momentum_buffer"] is not None:
+        assert bitwise_equal(got["momentum_buffer"], args["momentum_buffer"])
+
+
+@pytest.mark.parametrize("backup", [True, False], ids=["backup", "no-backup"])
+@pytest.mark.parametrize("which", ["found_inf-set", "scalars-found_inf-set"])
+@pytest.mark.parametrize("flags", list(ADAM))
+@pytest.mark.parametrize("dtype", STEPPED, ids=str)
+@pytest.mark.parametrize("backend,device", DEVICES)
+def test_adam_step_skipped_by_found_inf(ops, backend, device, dtype, flags, which, backup):
+    """param <- backup (untouched without backup), the moments keep their bits, the gradient is not read."""
+    _, kernels = ops
+    host = adam_host(ADAM[flags], 2)
+    args = adam_buffers(dtype, device, host, corrected=which.startswith("scalars"))
+    if not backup:
+        args["backup"] = None
+    poisoned_grad(args)
+    got = cloned(args)
+    got.update(device_args(which, device, (host["lr"], 2.0), (1,) if backup else ()))
+    kernels.adam_step_(**got, **(on_scalars(host) if got["scalars"] is not None else host))
+    assert bitwise_equal(got["param"], args["backup"] if backup else args["param"])
+    for name in ADAM_WRITES[1:]:
+        if args[name] is not None:
+            assert bitwise_equal(got[name], args[name]), name
+
+
+@pytest.mark.parametrize("backup", [True, False], ids=["backup", "no-backup"])
+@pytest.mark.parametrize("corrected", [False, True], ids=["plain", "looksam"])
+@pytest.mark.parametrize("dtype", STEPPED, ids=str)
+@pytest.mark.parametrize("backend,device", DEVICES)
+def test_a_zero_found_inf_gives_the_bits_of_none(ops, backend, device, dtype, corrected, backup):
+    _, kernels = ops
+    steps = [
+        (kernels.sgd_step_, sgd_buffers, sgd_host(SGD_BITS["nesterov-wd"], 2), SGD_WRITES),
+        (kernels.sgd_step_, sgd_buffers, sgd_host(SGD_BITS["momentum"], 1), SGD_WRITES),
+        (kernels.adam_step_, adam_buffers, adam_host(ADAM_BITS["adamw-amsgrad-maximize"], 2), ADAM_WRITES),
+        (kernels.adam_step_, adam_buffers, adam_host(ADAM["adam-l2"], 5), ADAM_WRITES),
+    ]
+    for op, buffers, host, writes in steps:
+        args = buffers(dtype, device, host, corrected)
+        if not backup:
+            args["backup"] = None
+        expected, got = cloned(args), cloned(args)
+        op(**expected, **host)
+        got.update(device_args("found_inf-zero", device, ()))
+        op(**got, **host)
+        assert all(bitwise_equal(a, b) for a, b in zip(written(got, writes), written(expected, writes)))
+        assert not bitwise_equal(got["param"], args["param"])
+
+
+def bad_device_arguments(device) -> list:
+    """(op, change to a valid call's arguments, the error's words): every refused device argument."""
+    f32, f64 = dict(dtype=torch.float32, device=device), dict(dtype=torch.float64, device=device)
+    sizes = {"allocate": "1 (rho)", "sgd_step_": "2 (lr, step)", "adam_step_": "2 (lr, step)"}
+    cases = []
+    for op, n in (("allocate", 1), ("sgd_step_", 2), ("adam_step_", 2)):
+        cases += [
+            (op, dict(scalars=torch.ones(n, **f32)), "scalars must be torch.float64, got torch.float32"),
+            (op, dict(scalars=torch.ones(3, **f64)), f"scalars has 3 elements; {op} takes {sizes[op]}"),
+            # a strided view (one element is contiguous whatever its stride: allocate's case is the 2-D one below)
+            *([(op, dict(scalars=torch.ones(3 * n, **f64)[::3]), "scalars must be a contiguous 1-D tensor")] * (n > 1)),
+            (op, dict(scalars=torch.ones(1, n, **f64)), "scalars must be a contiguous 1-D tensor"),
+            (op, dict(scalars=torch.ones(n, dtype=torch.float64, device="meta")), "scalars is on meta, the buffers on"),
+            (op, dict(found_inf=torch.zeros((), **f64)), "found_inf must be torch.float32, got torch.float64"),
+            (op, dict(found_inf=torch.zeros(2, **f32)), "found_inf has 2 elements, expected 1"),
+            (op, dict(found_inf=torch.zeros((1, 0), **f32)), "found_inf has 0 elements, expected 1"),
+            (op, dict(found_inf=torch.zeros((), dtype=torch.float32, device="meta")), "found_inf is on meta, the"),
+        ]
+    cases += [
+        ("allocate", dict(scalars=torch.ones(1, **f64), rho=0.05),
+         "rho is read from scalars when it is given; pass rho=0.0, got 0.05"),
+        ("sgd_step_", dict(scalars=torch.ones(2, **f64), lr=0.1),
+         "lr and first are read from scalars when it is given; pass lr=0.0 and first=False"),
+        ("sgd_step_", dict(scalars=torch.ones(2, **f64), first=True),
+         "lr and first are read from scalars when it is given; pass lr=0.0 and first=False"),
+        ("adam_step_", dict(scalars=torch.ones(2, **f64), lr=1e-3),
+         "lr and step are read from scalars when it is given; pass lr=0.0 and step=0"),
+        ("adam_step_", dict(scalars=torch.ones(2, **f64), step=1),
+         "lr and step are read from scalars when it is given; pass lr=0.0 and step=0"),
+    ]  # fmt: skip
+    return cases
+
+
+def valid_call(op: str, device) -> dict:
+    """A call of ``op`` the checks accept, with scalars given and the host values they replace neutral."""
+    f64 = dict(dtype=torch.float64, device=device)
+    if op == "allocate":
+        energy = randn(torch.float64, device, 0, n=3).square()
+        return dict(energy=energy, ema=energy.clone(), scalars=torch.ones(1, **f64), found_inf=None, gear=True,
+                    rho=0.0, beta=0.9, delta=1e-12)  # fmt: skip
+    if op == "sgd_step_":
+        host = on_scalars(sgd_host(SGD["momentum"], 2))
+        return dict(sgd_buffers(torch.float32, device, host), scalars=torch.ones(2, **f64), **host)
+    host = on_scalars(adam_host(ADAM["amsgrad"], 2))
+    return dict(adam_buffers(torch.float32, device, host), scalars=torch.ones(2, **f64), **host)
+
+
+@pytest.mark.parametrize("fake", [False, True], ids=["real", "fake"])
+@pytest.mark.parametrize("backend,device", DEVICES)
+def test_bad_device_arguments_are_refused(ops, backend, device, fake):
+    """Each refused scalars / found_inf, with csrc/ops.cpp's words, on real tensors and on fake ones (the launcher is
+    the op's fake: the checks need no data)."""
+    from contextlib import nullcontext
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    namespace, _ = ops
+    cases = bad_device_arguments(device)
+    for op in ("allocate", "sgd_step_", "adam_step_"):  # the valid calls themselves pass, with found_inf too
+        call = valid_call(op, device)
+        call["found_inf"] = torch.zeros((), dtype=torch.float32, device=device)
+        getattr(namespace, op)(**call)
+    for op, change, words in cases:
+        call = {**valid_call(op, device), **change}
+        mode = FakeTensorMode(allow_non_fake_inputs=False) if fake else nullcontext()
+        if fake:
+            call = {k: mode.from_tensor(v) if isinstance(v, torch.Tensor) else v for k, v in call.items()}
+        with mode, pytest.raises(ValueError) as error:
+            getattr(namespace, op)(**call)
+        assert words in str(error.value), (op, list(change))

@@ -40,7 +40,10 @@ make_fx or aot_eager graphs, ``enable_fp_fusion=False`` reaches Triton's launch 
 on), but Inductor compiles a traced user kernel itself with its own options, takes nothing of the launch's, and
 leaves Triton's default FMA contraction on. Kept whole, a compiled graph calls the op, and the op launches its
 kernels as eager code does. A tensor argument of an op cannot be keyword-only, so the base steps take
-``correction``, ``correction_scale`` and ``tile_block`` positionally or by keyword, before the scalars.
+``correction``, ``correction_scale``, ``tile_block``, ``scalars`` and ``found_inf`` positionally or by keyword, before
+the scalars (``allocate`` its ``scalars`` and ``found_inf`` likewise): ``scalars`` holds values the kernels read on
+the device (lr and the step count, or rho) and ``found_inf`` GradScaler's overflow flag, which skips the step on the
+device, so that a step runs without a host synchronisation and can be captured in a CUDA graph.
 
 Kernels that read ASAM's ``eta`` receive it twice, as ``eta32`` (a ``tl.float32`` argument) and ``eta64`` (a
 ``tl.float64`` one), and use the one of their compute precision, chosen at compile time. The reference adds ``eta``

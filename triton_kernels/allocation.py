@@ -15,6 +15,15 @@ SAM rule (``GEAR=False``), one global scale and the radii it implies::
 
 ``x - x == 0`` is the finiteness test: it fails for inf (inf - inf is NaN) and NaN alone.
 
+Device arguments (optional; a call without them launches ``_allocate_kernel`` as before, with the same bits)::
+
+    scalars    float64 [1] = (rho,)     rho read from it on the device (the host ``rho`` must then be 0.0)
+    found_inf  float32, one element     nonzero: scale_b = r_b = 0 for every b and ``ema`` is not written
+                                        (both rules); zero: the formulas above
+
+so that a CUDA graph replays the allocation with the current rho and skips it after a loss-scaling overflow. A call
+with either runs ``_allocate_device_kernel``, which shares the body.
+
 The program walks the blocks in chunks: for GEAR once for ``max s``, then once for ``||t||`` (for SAM once for
 ``sum e``), and last to write ``s``, ``r`` and ``scale``. The EMA is recomputed in every walk rather than re-read, so
 no thread reads what another has just written.
@@ -27,7 +36,7 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
-from ._common import NAMESPACE, check_flat, check_same, kept_whole, launches
+from ._common import NAMESPACE, check_device_step, check_flat, check_same, kept_whole, launches
 
 #: Blocks handled per loop iteration.
 _CHUNK = 1024
@@ -42,8 +51,8 @@ def _load_smoothed(energy_ptr, ema_ptr, offsets, mask, beta):
 
 
 @triton.jit
-def _allocate_kernel(energy_ptr, ema_ptr, scale_ptr, radius_ptr, n_blocks, rho: tl.float64, beta: tl.float64,
-                     delta: tl.float64, GEAR: tl.constexpr, CHUNK: tl.constexpr):  # fmt: skip
+def _allocate(energy_ptr, ema_ptr, scale_ptr, radius_ptr, n_blocks, rho, beta, delta, GEAR: tl.constexpr,
+              CHUNK: tl.constexpr):  # fmt: skip
     """See the module docstring for the formulas of both rules."""
     peak = 0.0
     if GEAR:
@@ -85,28 +94,85 @@ def _allocate_kernel(energy_ptr, ema_ptr, scale_ptr, radius_ptr, n_blocks, rho: 
         tl.store(scale_ptr + offsets, scale, mask=mask)
 
 
+@triton.jit
+def _allocate_kernel(energy_ptr, ema_ptr, scale_ptr, radius_ptr, n_blocks, rho: tl.float64, beta: tl.float64,
+                     delta: tl.float64, GEAR: tl.constexpr, CHUNK: tl.constexpr):  # fmt: skip
+    """_allocate with the host's rho, nothing skipped."""
+    _allocate(energy_ptr, ema_ptr, scale_ptr, radius_ptr, n_blocks, rho, beta, delta, GEAR, CHUNK)
+
+
+@triton.jit
+def _allocate_device_kernel(energy_ptr, ema_ptr, scale_ptr, radius_ptr, scalars_ptr, found_inf_ptr, n_blocks,
+                            rho: tl.float64, beta: tl.float64, delta: tl.float64, GEAR: tl.constexpr,
+                            HAS_SCALARS: tl.constexpr, HAS_FOUND_INF: tl.constexpr,
+                            CHUNK: tl.constexpr):  # fmt: skip
+    """_allocate with rho = scalars[0] if HAS_SCALARS, and, if HAS_FOUND_INF, zero scales and radii and ``ema`` not
+    written when found_inf is nonzero (absent pointers stand in as energy_ptr, never dereferenced).
+
+    The skip is a branch on the loaded flag rather than masked stores: one program, so no divergence, and a skipped
+    allocation neither reads the energies nor computes what it would throw away."""
+    if HAS_SCALARS:
+        rho = tl.load(scalars_ptr)  # float64, as the host's rho
+    if HAS_FOUND_INF:
+        if tl.load(found_inf_ptr) != 0.0:
+            zeros = tl.zeros([CHUNK], dtype=tl.float64)
+            for start in range(0, n_blocks, CHUNK):
+                offsets = start + tl.arange(0, CHUNK)
+                mask = offsets < n_blocks
+                tl.store(radius_ptr + offsets, zeros, mask=mask)
+                tl.store(scale_ptr + offsets, zeros, mask=mask)
+        else:
+            _allocate(energy_ptr, ema_ptr, scale_ptr, radius_ptr, n_blocks, rho, beta, delta, GEAR, CHUNK)
+    else:
+        _allocate(energy_ptr, ema_ptr, scale_ptr, radius_ptr, n_blocks, rho, beta, delta, GEAR, CHUNK)
+
+
 @kept_whole
 @triton_op(f"{NAMESPACE}::allocate", mutates_args=("ema",))
-def allocate(energy: torch.Tensor, ema: torch.Tensor, *, gear: bool, rho: float, beta: float,
+def allocate(energy: torch.Tensor, ema: torch.Tensor, scalars: torch.Tensor | None = None,
+             found_inf: torch.Tensor | None = None, *, gear: bool, rho: float, beta: float,
              delta: float) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """``(scale, radius)``, float64 ``[B]``, by the GEAR rule (``gear``, updates ``ema`` in place) or the SAM rule.
-    ``gear`` is a bool by the op's schema: the dispatcher refuses anything else before this runs."""
+    ``gear`` is a bool by the op's schema: the dispatcher refuses anything else before this runs. ``scalars``
+    (float64 ``[1]``: rho, read on the device; then ``rho`` must be 0.0) and ``found_inf`` (float32, one element:
+    nonzero gives zero scales and radii and leaves ``ema`` unwritten) as the module docstring says; tensors are
+    positional-or-keyword, as a registered op takes no keyword-only tensor."""
     check_flat("energy", energy, dtype=torch.float64)
     check_same("ema", ema, "energy", energy)
+    check_device_step("allocate", energy, scalars, found_inf, rho=rho)
     scale = torch.empty_like(energy)
     radius = torch.empty_like(energy)
     n_blocks = energy.numel()
-    if n_blocks and launches(_allocate_kernel, energy):
-        wrap_triton(_allocate_kernel)[(1,)](
+    if scalars is None and found_inf is None:
+        if n_blocks and launches(_allocate_kernel, energy):
+            wrap_triton(_allocate_kernel)[(1,)](
+                energy,
+                ema,
+                scale,
+                radius,
+                n_blocks,
+                rho,
+                beta,
+                delta,
+                GEAR=gear,
+                CHUNK=_CHUNK,
+                enable_fp_fusion=False,
+            )
+    elif n_blocks and launches(_allocate_device_kernel, energy):
+        wrap_triton(_allocate_device_kernel)[(1,)](
             energy,
             ema,
             scale,
             radius,
+            energy if scalars is None else scalars,  # placeholders, never dereferenced
+            energy if found_inf is None else found_inf,
             n_blocks,
             rho,
             beta,
             delta,
             GEAR=gear,
+            HAS_SCALARS=scalars is not None,
+            HAS_FOUND_INF=found_inf is not None,
             CHUNK=_CHUNK,
             enable_fp_fusion=False,
         )

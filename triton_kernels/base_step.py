@@ -21,9 +21,25 @@ These round exactly like ATen's CPU kernels behind ``torch.optim.SGD`` / ``Adam`
 (``add(alpha=s)`` is one fma, ``lerp`` is one fma on either side of weight 1/2, ``addcmul`` rounds ``value * t1``
 before its fma), so the fused step gives the same bits as a restore followed by torch's step.
 
+Device arguments (optional tensors, after the correction's; a call without them runs today's kernels, same bits)::
+
+    scalars    float64 [2] = (lr, k), k the step count (1 for the first), read in the kernel instead of the host's
+               lr and step (Adam) or first (SGD), which must then be lr=0.0 and step=0 / first=False:
+               sgd_step_:   C(-lr);  first step := (k == 1), decided at run time (the buffer then not read)
+               adam_step_:  step_size = lr / (1 - beta1**k),  bias_correction2_sqrt = (1 - beta2**k) ** 0.5,
+                            decay = 1 - lr * wd, in float64 with C's pow (adam_scalars' operations), each rounded
+                            once to C as the host's values are: the same bits as the host call
+    found_inf  float32, one element (GradScaler's, 0-d):  nonzero:  param <- backup (param untouched without backup)
+               and nothing else is read or written (the state keeps its bits, grad may hold inf/NaN);
+               zero:  the step above
+
+so that a CUDA graph replays the step with the current lr and step count and skips it after a loss-scaling overflow.
+Under Triton's interpreter (no libdevice) the kernels' float64 pow is Python's ``**``, which is C's pow; on a GPU it
+is libdevice's.
+
 One program per tile; the state tensors a configuration does not use are never loaded or stored. A step without a
-correction runs kernels that have no correction arguments at all; one with it runs the ``_corrected`` twins, which
-share the same body.
+correction runs kernels that have no correction arguments at all; one with it runs the ``_corrected`` twins; one with
+either device argument runs the ``_device`` kernel (correction or not); all share the same body.
 """
 
 from __future__ import annotations
@@ -35,9 +51,18 @@ import torch
 import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
+from triton.language.extra import libdevice
 
 from ..base_step import adam_scalars
-from ._common import NAMESPACE, check_flat, check_same, compute_type, kept_whole, launches
+from ._common import (
+    NAMESPACE,
+    check_device_step,
+    check_flat,
+    check_same,
+    compute_type,
+    kept_whole,
+    launches,
+)
 
 
 @triton.jit
@@ -48,6 +73,50 @@ def _scalar(x32, x64, COMPUTE: tl.constexpr):
     (``wt - 1``) runs in COMPUTE under the interpreter too, where scalar arguments arrive as Python doubles whatever
     their annotation."""
     return tl.full([], x64 if COMPUTE == tl.float64 else x32, COMPUTE)
+
+
+@triton.jit
+def _rounded(x, COMPUTE: tl.constexpr):
+    """A float64 value loaded or derived on the device, rounded once to COMPUTE: _scalar's twin for the scalars a
+    kernel reads from memory (the float32 cast of a double rounds to nearest-even, as the host's does)."""
+    return x.to(COMPUTE)
+
+
+@triton.jit
+def _host_or_device(x32, x64, on_device, HAS_SCALARS: tl.constexpr, COMPUTE: tl.constexpr):
+    """``on_device`` (a COMPUTE value derived from scalars) if HAS_SCALARS, else the host's pair as _scalar gives it:
+    called where today's kernels call _scalar, so that a kernel without scalars is today's to the instruction."""
+    if HAS_SCALARS:
+        value = on_device
+    else:
+        value = _scalar(x32, x64, COMPUTE)
+    return value
+
+
+@triton.jit
+def _libdevice_pow(x, y):
+    """C's pow(x, y) of two float64 values: libdevice's on the GPU."""
+    return libdevice.pow(x, y)
+
+
+def _interpreted_pow(x, y):
+    """C's pow(x, y) of two float64 values under Triton's interpreter, which has no libdevice: Python's float ``**``,
+    which is C's pow, element by element (numpy's power may take a vectorised path of its own). Where ``**`` raises
+    (0 to a negative power, a negative base to a fractional one, an overflow), pow's IEEE result instead."""
+    import numpy as np
+    from triton.runtime.interpreter import TensorHandle
+
+    def pow_(a: float, b: float) -> float:
+        try:
+            result = a**b
+        except (ZeroDivisionError, OverflowError):
+            with np.errstate(all="ignore"):
+                return float(np.power(np.float64(a), np.float64(b)))
+        return math.nan if isinstance(result, complex) else result  # a negative base to a fractional power
+
+    a, b = np.broadcast_arrays(np.asarray(x.handle.data, np.float64), np.asarray(y.handle.data, np.float64))
+    data = np.array([pow_(float(u), float(v)) for u, v in zip(a.ravel(), b.ravel())], np.float64).reshape(a.shape)
+    return tl.tensor(TensorHandle(data, tl.float64), x.type if x.handle.data.shape == a.shape else y.type)
 
 
 @triton.jit
@@ -68,6 +137,10 @@ def _sqrt(x, COMPUTE: tl.constexpr):
         return tl.sqrt_rn(x)
 
 
+#: pow for the kernels' float64 scalars: a jit function calls a plain Python function only when interpreted.
+_pow64 = _libdevice_pow if isinstance(_rounded, triton.runtime.JITFunction) else _interpreted_pow
+
+
 @triton.jit
 def _step_grad(grad_ptr, corr_ptr, cscale_ptr, tile_block_ptr, offsets, CORRECTED: tl.constexpr,
                COMPUTE: tl.constexpr):  # fmt: skip
@@ -81,14 +154,13 @@ def _step_grad(grad_ptr, corr_ptr, cscale_ptr, tile_block_ptr, offsets, CORRECTE
 
 
 @triton.jit
-def _sgd_tile(param_ptr, grad_ptr, backup_ptr, buf_ptr, corr_ptr, cscale_ptr, tile_block_ptr, neg_lr32, neg_lr64,
-              wd32, wd64, momentum32, momentum64, keep32, keep64, HAS_WEIGHT_DECAY: tl.constexpr,
-              HAS_MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr, FIRST: tl.constexpr,
-              CORRECTED: tl.constexpr, TILE: tl.constexpr, COMPUTE: tl.constexpr):  # fmt: skip
-    """w = backup;  g = grad, corrected if CORRECTED (see _step_grad);  g = -g if MAXIMIZE;  g = fma(wd, w, g) if
-    HAS_WEIGHT_DECAY; with HAS_MOMENTUM: buf = g if FIRST else fma(keep, g, buf * momentum), d = fma(momentum, buf, g)
-    if NESTEROV else buf;  without: d = g.  param = fma(neg_lr, d, w).  keep is 1 - dampening, neg_lr is -lr."""
-    offsets = tl.program_id(0).to(tl.int64) * TILE + tl.arange(0, TILE)
+def _sgd_update(param_ptr, grad_ptr, backup_ptr, buf_ptr, corr_ptr, cscale_ptr, tile_block_ptr, scalars_ptr, offsets,
+                neg_lr32, neg_lr64, wd32, wd64, momentum32, momentum64, keep32, keep64,
+                HAS_WEIGHT_DECAY: tl.constexpr, HAS_MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr,
+                MAXIMIZE: tl.constexpr, FIRST: tl.constexpr, CORRECTED: tl.constexpr, HAS_SCALARS: tl.constexpr,
+                COMPUTE: tl.constexpr):  # fmt: skip
+    """The tile's SGD update (see _sgd_tile); with HAS_SCALARS, lr and k are read from scalars_ptr: neg_lr is
+    C(-lr) and the first step is k == 1, decided at run time (FIRST is then False)."""
     w = tl.load(backup_ptr + offsets)  # loaded before param is stored: backup_ptr is param_ptr for backup=None
     g = _step_grad(grad_ptr, corr_ptr, cscale_ptr, tile_block_ptr, offsets, CORRECTED, COMPUTE)
     if MAXIMIZE:
@@ -99,6 +171,12 @@ def _sgd_tile(param_ptr, grad_ptr, backup_ptr, buf_ptr, corr_ptr, cscale_ptr, ti
         momentum = _scalar(momentum32, momentum64, COMPUTE)
         if FIRST:
             buf = g  # torch's first step clones the gradient: no dampening
+        elif HAS_SCALARS:
+            # a branch on the step count, the same for every program: the first step never reads the buffer
+            if tl.load(scalars_ptr + 1) == 1.0:
+                buf = g
+            else:
+                buf = tl.fma(_scalar(keep32, keep64, COMPUTE), g, tl.load(buf_ptr + offsets) * momentum)
         else:
             buf = tl.fma(_scalar(keep32, keep64, COMPUTE), g, tl.load(buf_ptr + offsets) * momentum)
         tl.store(buf_ptr + offsets, buf)
@@ -106,7 +184,40 @@ def _sgd_tile(param_ptr, grad_ptr, backup_ptr, buf_ptr, corr_ptr, cscale_ptr, ti
             g = tl.fma(momentum, buf, g)
         else:
             g = buf
-    tl.store(param_ptr + offsets, tl.fma(_scalar(neg_lr32, neg_lr64, COMPUTE), g, w))
+    neg_lr = 0.0  # read from scalars if HAS_SCALARS
+    if HAS_SCALARS:
+        neg_lr = _rounded(-tl.load(scalars_ptr), COMPUTE)
+    tl.store(param_ptr + offsets, tl.fma(_host_or_device(neg_lr32, neg_lr64, neg_lr, HAS_SCALARS, COMPUTE), g, w))
+
+
+@triton.jit
+def _sgd_tile(param_ptr, grad_ptr, backup_ptr, buf_ptr, corr_ptr, cscale_ptr, tile_block_ptr, scalars_ptr,
+              found_inf_ptr, neg_lr32, neg_lr64, wd32, wd64, momentum32, momentum64, keep32, keep64,
+              HAS_WEIGHT_DECAY: tl.constexpr, HAS_MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr,
+              MAXIMIZE: tl.constexpr, FIRST: tl.constexpr, CORRECTED: tl.constexpr, HAS_SCALARS: tl.constexpr,
+              HAS_FOUND_INF: tl.constexpr, HAS_BACKUP: tl.constexpr, TILE: tl.constexpr,
+              COMPUTE: tl.constexpr):  # fmt: skip
+    """w = backup;  g = grad, corrected if CORRECTED (see _step_grad);  g = -g if MAXIMIZE;  g = fma(wd, w, g) if
+    HAS_WEIGHT_DECAY; with HAS_MOMENTUM: buf = g if FIRST else fma(keep, g, buf * momentum), d = fma(momentum, buf, g)
+    if NESTEROV else buf;  without: d = g.  param = fma(neg_lr, d, w).  keep is 1 - dampening, neg_lr is -lr.
+    HAS_SCALARS: lr and k from scalars_ptr (see _sgd_update). HAS_FOUND_INF: where found_inf is nonzero, param =
+    backup (if HAS_BACKUP; param untouched otherwise) and nothing else is read or written."""
+    offsets = tl.program_id(0).to(tl.int64) * TILE + tl.arange(0, TILE)
+    if HAS_FOUND_INF:
+        # A branch, not masked stores: the flag is the same for every program (no divergence), and a skipped step
+        # reads neither grad (which may hold inf/NaN) nor the state, and computes nothing it would throw away.
+        if tl.load(found_inf_ptr) != 0.0:
+            if HAS_BACKUP:
+                tl.store(param_ptr + offsets, tl.load(backup_ptr + offsets))
+        else:
+            _sgd_update(param_ptr, grad_ptr, backup_ptr, buf_ptr, corr_ptr, cscale_ptr, tile_block_ptr, scalars_ptr,
+                        offsets, neg_lr32, neg_lr64, wd32, wd64, momentum32, momentum64, keep32, keep64,
+                        HAS_WEIGHT_DECAY, HAS_MOMENTUM, NESTEROV, MAXIMIZE, FIRST, CORRECTED, HAS_SCALARS,
+                        COMPUTE)  # fmt: skip
+    else:
+        _sgd_update(param_ptr, grad_ptr, backup_ptr, buf_ptr, corr_ptr, cscale_ptr, tile_block_ptr, scalars_ptr,
+                    offsets, neg_lr32, neg_lr64, wd32, wd64, momentum32, momentum64, keep32, keep64, HAS_WEIGHT_DECAY,
+                    HAS_MOMENTUM, NESTEROV, MAXIMIZE, FIRST, CORRECTED, HAS_SCALARS, COMPUTE)  # fmt: skip
 
 
 @triton.jit
@@ -115,10 +226,11 @@ def _sgd_kernel(param_ptr, grad_ptr, backup_ptr, buf_ptr, neg_lr32: tl.float32, 
                 keep32: tl.float32, keep64: tl.float64, HAS_WEIGHT_DECAY: tl.constexpr, HAS_MOMENTUM: tl.constexpr,
                 NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr, FIRST: tl.constexpr, TILE: tl.constexpr,
                 COMPUTE: tl.constexpr):  # fmt: skip
-    """_sgd_tile without a correction (grad_ptr stands in for its pointers, never dereferenced)."""
-    _sgd_tile(param_ptr, grad_ptr, backup_ptr, buf_ptr, grad_ptr, grad_ptr, grad_ptr, neg_lr32, neg_lr64, wd32, wd64,
-              momentum32, momentum64, keep32, keep64, HAS_WEIGHT_DECAY, HAS_MOMENTUM, NESTEROV, MAXIMIZE, FIRST, False,
-              TILE, COMPUTE)  # fmt: skip
+    """_sgd_tile without a correction or device arguments (grad_ptr stands in for their pointers, never
+    dereferenced)."""
+    _sgd_tile(param_ptr, grad_ptr, backup_ptr, buf_ptr, grad_ptr, grad_ptr, grad_ptr, grad_ptr, grad_ptr, neg_lr32,
+              neg_lr64, wd32, wd64, momentum32, momentum64, keep32, keep64, HAS_WEIGHT_DECAY, HAS_MOMENTUM, NESTEROV,
+              MAXIMIZE, FIRST, False, False, False, False, TILE, COMPUTE)  # fmt: skip
 
 
 @triton.jit
@@ -128,30 +240,60 @@ def _sgd_corrected_kernel(param_ptr, grad_ptr, backup_ptr, buf_ptr, corr_ptr, cs
                           HAS_WEIGHT_DECAY: tl.constexpr, HAS_MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr,
                           MAXIMIZE: tl.constexpr, FIRST: tl.constexpr, TILE: tl.constexpr,
                           COMPUTE: tl.constexpr):  # fmt: skip
-    """_sgd_tile with LookSAM's correction."""
-    _sgd_tile(param_ptr, grad_ptr, backup_ptr, buf_ptr, corr_ptr, cscale_ptr, tile_block_ptr, neg_lr32, neg_lr64, wd32,
-              wd64, momentum32, momentum64, keep32, keep64, HAS_WEIGHT_DECAY, HAS_MOMENTUM, NESTEROV, MAXIMIZE, FIRST,
-              True, TILE, COMPUTE)  # fmt: skip
+    """_sgd_tile with LookSAM's correction, without device arguments."""
+    _sgd_tile(param_ptr, grad_ptr, backup_ptr, buf_ptr, corr_ptr, cscale_ptr, tile_block_ptr, grad_ptr, grad_ptr,
+              neg_lr32, neg_lr64, wd32, wd64, momentum32, momentum64, keep32, keep64, HAS_WEIGHT_DECAY, HAS_MOMENTUM,
+              NESTEROV, MAXIMIZE, FIRST, True, False, False, False, TILE, COMPUTE)  # fmt: skip
 
 
 @triton.jit
-def _adam_tile(param_ptr, grad_ptr, backup_ptr, exp_avg_ptr, exp_avg_sq_ptr, max_exp_avg_sq_ptr, corr_ptr, cscale_ptr,
-               tile_block_ptr, wt32, wt64, beta2_32, beta2_64, keep2_32, keep2_64, eps32, eps64, wd32, wd64, decay32,
-               decay64, neg_step32, neg_step64, bc2_32, bc2_64, HAS_WEIGHT_DECAY: tl.constexpr,
-               DECOUPLED: tl.constexpr, AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr, LERP_SMALL: tl.constexpr,
-               CORRECTED: tl.constexpr, TILE: tl.constexpr, COMPUTE: tl.constexpr):  # fmt: skip
-    """w = backup;  g = grad, corrected if CORRECTED (see _step_grad);  g = -g if MAXIMIZE;  with HAS_WEIGHT_DECAY:
-    w = w * decay if DECOUPLED else g = fma(wd, w, g);  m = fma(wt, g - m, m) if LERP_SMALL else fma(wt - 1, g - m, g);
-    v = fma(keep2 * g, g, v * beta2);  vmax = max(vmax, v) if AMSGRAD;
-    param = w + (neg_step * m) / (sqrt(vmax if AMSGRAD else v) / bc2 + eps).  wt is 1 - beta1, keep2 is 1 - beta2."""
-    offsets = tl.program_id(0).to(tl.int64) * TILE + tl.arange(0, TILE)
+def _sgd_device_kernel(param_ptr, grad_ptr, backup_ptr, buf_ptr, corr_ptr, cscale_ptr, tile_block_ptr, scalars_ptr,
+                       found_inf_ptr, neg_lr32: tl.float32, neg_lr64: tl.float64, wd32: tl.float32, wd64: tl.float64,
+                       momentum32: tl.float32, momentum64: tl.float64, keep32: tl.float32, keep64: tl.float64,
+                       HAS_WEIGHT_DECAY: tl.constexpr, HAS_MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr,
+                       MAXIMIZE: tl.constexpr, FIRST: tl.constexpr, CORRECTED: tl.constexpr,
+                       HAS_SCALARS: tl.constexpr, HAS_FOUND_INF: tl.constexpr, HAS_BACKUP: tl.constexpr,
+                       TILE: tl.constexpr, COMPUTE: tl.constexpr):  # fmt: skip
+    """_sgd_tile with scalars and/or found_inf, with or without a correction (absent pointers stand in as other
+    buffers, never dereferenced)."""
+    _sgd_tile(param_ptr, grad_ptr, backup_ptr, buf_ptr, corr_ptr, cscale_ptr, tile_block_ptr, scalars_ptr,
+              found_inf_ptr, neg_lr32, neg_lr64, wd32, wd64, momentum32, momentum64, keep32, keep64, HAS_WEIGHT_DECAY,
+              HAS_MOMENTUM, NESTEROV, MAXIMIZE, FIRST, CORRECTED, HAS_SCALARS, HAS_FOUND_INF, HAS_BACKUP, TILE,
+              COMPUTE)  # fmt: skip
+
+
+@triton.jit
+def _adam_device_scalars(scalars_ptr, beta1_64, beta2_64, wd64, COMPUTE: tl.constexpr):
+    """``(C(-step_size), C(bias_correction2_sqrt), C(decay))`` from lr = scalars[0] and k = scalars[1], derived in
+    float64 by the operations of gearsam_fused.base_step.adam_scalars (``**`` is C's pow) and rounded once to C."""
+    lr = tl.load(scalars_ptr)
+    k = tl.load(scalars_ptr + 1)
+    one = tl.full([], 1.0, tl.float64)
+    step_size = lr / (one - _pow64(tl.full([], beta1_64, tl.float64), k))
+    bias_correction2_sqrt = _pow64(one - _pow64(tl.full([], beta2_64, tl.float64), k), tl.full([], 0.5, tl.float64))
+    decay = one - lr * tl.full([], wd64, tl.float64)
+    return _rounded(-step_size, COMPUTE), _rounded(bias_correction2_sqrt, COMPUTE), _rounded(decay, COMPUTE)
+
+
+@triton.jit
+def _adam_update(param_ptr, grad_ptr, backup_ptr, exp_avg_ptr, exp_avg_sq_ptr, max_exp_avg_sq_ptr, corr_ptr,
+                 cscale_ptr, tile_block_ptr, scalars_ptr, offsets, beta1_64, wt32, wt64, beta2_32, beta2_64, keep2_32,
+                 keep2_64, eps32, eps64, wd32, wd64, decay32, decay64, neg_step32, neg_step64, bc2_32, bc2_64,
+                 HAS_WEIGHT_DECAY: tl.constexpr, DECOUPLED: tl.constexpr, AMSGRAD: tl.constexpr,
+                 MAXIMIZE: tl.constexpr, LERP_SMALL: tl.constexpr, CORRECTED: tl.constexpr,
+                 HAS_SCALARS: tl.constexpr, COMPUTE: tl.constexpr):  # fmt: skip
+    """The tile's Adam update (see _adam_tile); with HAS_SCALARS, neg_step, bc2 and decay come from
+    _adam_device_scalars instead of the host's pairs."""
+    neg_step, bc2, decay = 0.0, 0.0, 0.0  # derived from scalars if HAS_SCALARS
+    if HAS_SCALARS:
+        neg_step, bc2, decay = _adam_device_scalars(scalars_ptr, beta1_64, beta2_64, wd64, COMPUTE)
     w = tl.load(backup_ptr + offsets)  # loaded before param is stored: backup_ptr is param_ptr for backup=None
     g = _step_grad(grad_ptr, corr_ptr, cscale_ptr, tile_block_ptr, offsets, CORRECTED, COMPUTE)
     if MAXIMIZE:
         g = -g
     if HAS_WEIGHT_DECAY:
         if DECOUPLED:
-            w = w * _scalar(decay32, decay64, COMPUTE)
+            w = w * _host_or_device(decay32, decay64, decay, HAS_SCALARS, COMPUTE)
         else:
             g = tl.fma(_scalar(wd32, wd64, COMPUTE), w, g)
     # ATen's lerp: anchored at m for a small weight, at g for a large one (the weight rounded to C decides)
@@ -171,9 +313,45 @@ def _adam_tile(param_ptr, grad_ptr, backup_ptr, exp_avg_ptr, exp_avg_sq_ptr, max
         # torch.maximum propagates NaN; Triton's default maximum would drop it
         second = tl.maximum(tl.load(max_exp_avg_sq_ptr + offsets), v, propagate_nan=tl.PropagateNan.ALL)
         tl.store(max_exp_avg_sq_ptr + offsets, second)
-    denom = _div(_sqrt(second, COMPUTE), _scalar(bc2_32, bc2_64, COMPUTE), COMPUTE) + _scalar(eps32, eps64, COMPUTE)
-    update = _div(_scalar(neg_step32, neg_step64, COMPUTE) * m, denom, COMPUTE)
+    denom = _div(_sqrt(second, COMPUTE), _host_or_device(bc2_32, bc2_64, bc2, HAS_SCALARS, COMPUTE), COMPUTE)
+    denom = denom + _scalar(eps32, eps64, COMPUTE)
+    update = _div(_host_or_device(neg_step32, neg_step64, neg_step, HAS_SCALARS, COMPUTE) * m, denom, COMPUTE)
     tl.store(param_ptr + offsets, w + update)
+
+
+@triton.jit
+def _adam_tile(param_ptr, grad_ptr, backup_ptr, exp_avg_ptr, exp_avg_sq_ptr, max_exp_avg_sq_ptr, corr_ptr, cscale_ptr,
+               tile_block_ptr, scalars_ptr, found_inf_ptr, beta1_64, wt32, wt64, beta2_32, beta2_64, keep2_32,
+               keep2_64, eps32, eps64, wd32, wd64, decay32, decay64, neg_step32, neg_step64, bc2_32, bc2_64,
+               HAS_WEIGHT_DECAY: tl.constexpr, DECOUPLED: tl.constexpr, AMSGRAD: tl.constexpr,
+               MAXIMIZE: tl.constexpr, LERP_SMALL: tl.constexpr, CORRECTED: tl.constexpr, HAS_SCALARS: tl.constexpr,
+               HAS_FOUND_INF: tl.constexpr, HAS_BACKUP: tl.constexpr, TILE: tl.constexpr,
+               COMPUTE: tl.constexpr):  # fmt: skip
+    """w = backup;  g = grad, corrected if CORRECTED (see _step_grad);  g = -g if MAXIMIZE;  with HAS_WEIGHT_DECAY:
+    w = w * decay if DECOUPLED else g = fma(wd, w, g);  m = fma(wt, g - m, m) if LERP_SMALL else fma(wt - 1, g - m, g);
+    v = fma(keep2 * g, g, v * beta2);  vmax = max(vmax, v) if AMSGRAD;
+    param = w + (neg_step * m) / (sqrt(vmax if AMSGRAD else v) / bc2 + eps).  wt is 1 - beta1, keep2 is 1 - beta2.
+    HAS_SCALARS: neg_step, bc2 and decay derived on the device from scalars (lr, k) and beta1_64, beta2_64, wd64.
+    HAS_FOUND_INF: where found_inf is nonzero, param = backup (if HAS_BACKUP; param untouched otherwise) and nothing
+    else is read or written (see _sgd_tile)."""
+    offsets = tl.program_id(0).to(tl.int64) * TILE + tl.arange(0, TILE)
+    if HAS_FOUND_INF:
+        # a branch, not masked stores: see _sgd_tile
+        if tl.load(found_inf_ptr) != 0.0:
+            if HAS_BACKUP:
+                tl.store(param_ptr + offsets, tl.load(backup_ptr + offsets))
+        else:
+            _adam_update(param_ptr, grad_ptr, backup_ptr, exp_avg_ptr, exp_avg_sq_ptr, max_exp_avg_sq_ptr, corr_ptr,
+                         cscale_ptr, tile_block_ptr, scalars_ptr, offsets, beta1_64, wt32, wt64, beta2_32, beta2_64,
+                         keep2_32, keep2_64, eps32, eps64, wd32, wd64, decay32, decay64, neg_step32, neg_step64,
+                         bc2_32, bc2_64, HAS_WEIGHT_DECAY, DECOUPLED, AMSGRAD, MAXIMIZE, LERP_SMALL, CORRECTED,
+                         HAS_SCALARS, COMPUTE)  # fmt: skip
+    else:
+        _adam_update(param_ptr, grad_ptr, backup_ptr, exp_avg_ptr, exp_avg_sq_ptr, max_exp_avg_sq_ptr, corr_ptr,
+                     cscale_ptr, tile_block_ptr, scalars_ptr, offsets, beta1_64, wt32, wt64, beta2_32, beta2_64,
+                     keep2_32, keep2_64, eps32, eps64, wd32, wd64, decay32, decay64, neg_step32, neg_step64, bc2_32,
+                     bc2_64, HAS_WEIGHT_DECAY, DECOUPLED, AMSGRAD, MAXIMIZE, LERP_SMALL, CORRECTED, HAS_SCALARS,
+                     COMPUTE)  # fmt: skip
 
 
 @triton.jit
@@ -185,11 +363,12 @@ def _adam_kernel(param_ptr, grad_ptr, backup_ptr, exp_avg_ptr, exp_avg_sq_ptr, m
                  HAS_WEIGHT_DECAY: tl.constexpr, DECOUPLED: tl.constexpr, AMSGRAD: tl.constexpr,
                  MAXIMIZE: tl.constexpr, LERP_SMALL: tl.constexpr, TILE: tl.constexpr,
                  COMPUTE: tl.constexpr):  # fmt: skip
-    """_adam_tile without a correction (grad_ptr stands in for its pointers, never dereferenced)."""
+    """_adam_tile without a correction or device arguments (grad_ptr stands in for their pointers, never
+    dereferenced; beta1_64 is only read with scalars)."""
     _adam_tile(param_ptr, grad_ptr, backup_ptr, exp_avg_ptr, exp_avg_sq_ptr, max_exp_avg_sq_ptr, grad_ptr, grad_ptr,
-               grad_ptr, wt32, wt64, beta2_32, beta2_64, keep2_32, keep2_64, eps32, eps64, wd32, wd64, decay32,
-               decay64, neg_step32, neg_step64, bc2_32, bc2_64, HAS_WEIGHT_DECAY, DECOUPLED, AMSGRAD, MAXIMIZE,
-               LERP_SMALL, False, TILE, COMPUTE)  # fmt: skip
+               grad_ptr, grad_ptr, grad_ptr, wt64, wt32, wt64, beta2_32, beta2_64, keep2_32, keep2_64, eps32, eps64,
+               wd32, wd64, decay32, decay64, neg_step32, neg_step64, bc2_32, bc2_64, HAS_WEIGHT_DECAY, DECOUPLED,
+               AMSGRAD, MAXIMIZE, LERP_SMALL, False, False, False, False, TILE, COMPUTE)  # fmt: skip
 
 
 @triton.jit
@@ -201,11 +380,31 @@ def _adam_corrected_kernel(param_ptr, grad_ptr, backup_ptr, exp_avg_ptr, exp_avg
                            bc2_32: tl.float32, bc2_64: tl.float64, HAS_WEIGHT_DECAY: tl.constexpr,
                            DECOUPLED: tl.constexpr, AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr,
                            LERP_SMALL: tl.constexpr, TILE: tl.constexpr, COMPUTE: tl.constexpr):  # fmt: skip
-    """_adam_tile with LookSAM's correction."""
+    """_adam_tile with LookSAM's correction, without device arguments."""
     _adam_tile(param_ptr, grad_ptr, backup_ptr, exp_avg_ptr, exp_avg_sq_ptr, max_exp_avg_sq_ptr, corr_ptr, cscale_ptr,
-               tile_block_ptr, wt32, wt64, beta2_32, beta2_64, keep2_32, keep2_64, eps32, eps64, wd32, wd64, decay32,
-               decay64, neg_step32, neg_step64, bc2_32, bc2_64, HAS_WEIGHT_DECAY, DECOUPLED, AMSGRAD, MAXIMIZE,
-               LERP_SMALL, True, TILE, COMPUTE)  # fmt: skip
+               tile_block_ptr, grad_ptr, grad_ptr, wt64, wt32, wt64, beta2_32, beta2_64, keep2_32, keep2_64, eps32,
+               eps64, wd32, wd64, decay32, decay64, neg_step32, neg_step64, bc2_32, bc2_64, HAS_WEIGHT_DECAY,
+               DECOUPLED, AMSGRAD, MAXIMIZE, LERP_SMALL, True, False, False, False, TILE, COMPUTE)  # fmt: skip
+
+
+@triton.jit
+def _adam_device_kernel(param_ptr, grad_ptr, backup_ptr, exp_avg_ptr, exp_avg_sq_ptr, max_exp_avg_sq_ptr, corr_ptr,
+                        cscale_ptr, tile_block_ptr, scalars_ptr, found_inf_ptr, beta1_64: tl.float64,
+                        wt32: tl.float32, wt64: tl.float64, beta2_32: tl.float32, beta2_64: tl.float64,
+                        keep2_32: tl.float32, keep2_64: tl.float64, eps32: tl.float32, eps64: tl.float64,
+                        wd32: tl.float32, wd64: tl.float64, decay32: tl.float32, decay64: tl.float64,
+                        neg_step32: tl.float32, neg_step64: tl.float64, bc2_32: tl.float32, bc2_64: tl.float64,
+                        HAS_WEIGHT_DECAY: tl.constexpr, DECOUPLED: tl.constexpr, AMSGRAD: tl.constexpr,
+                        MAXIMIZE: tl.constexpr, LERP_SMALL: tl.constexpr, CORRECTED: tl.constexpr,
+                        HAS_SCALARS: tl.constexpr, HAS_FOUND_INF: tl.constexpr, HAS_BACKUP: tl.constexpr,
+                        TILE: tl.constexpr, COMPUTE: tl.constexpr):  # fmt: skip
+    """_adam_tile with scalars and/or found_inf, with or without a correction (absent pointers stand in as other
+    buffers, never dereferenced)."""
+    _adam_tile(param_ptr, grad_ptr, backup_ptr, exp_avg_ptr, exp_avg_sq_ptr, max_exp_avg_sq_ptr, corr_ptr, cscale_ptr,
+               tile_block_ptr, scalars_ptr, found_inf_ptr, beta1_64, wt32, wt64, beta2_32, beta2_64, keep2_32,
+               keep2_64, eps32, eps64, wd32, wd64, decay32, decay64, neg_step32, neg_step64, bc2_32, bc2_64,
+               HAS_WEIGHT_DECAY, DECOUPLED, AMSGRAD, MAXIMIZE, LERP_SMALL, CORRECTED, HAS_SCALARS, HAS_FOUND_INF,
+               HAS_BACKUP, TILE, COMPUTE)  # fmt: skip
 
 
 def _check_base_buffers(param: torch.Tensor, tile: int, **buffers: torch.Tensor | None) -> None:
@@ -253,18 +452,40 @@ def _in_compute(x: float, dtype: torch.dtype) -> float:
         return math.copysign(math.inf, x)
 
 
+def _device_flags(corrected: tuple, scalars: torch.Tensor | None, found_inf: torch.Tensor | None,
+                  backup: torch.Tensor | None) -> dict:  # fmt: skip
+    """The constexpr flags a ``_device`` kernel takes beyond the plain kernel's."""
+    return dict(CORRECTED=bool(corrected), HAS_SCALARS=scalars is not None, HAS_FOUND_INF=found_inf is not None,
+                HAS_BACKUP=backup is not None)  # fmt: skip
+
+
+def _device_pointers(param: torch.Tensor, corrected: tuple, scalars: torch.Tensor | None,
+                     found_inf: torch.Tensor | None) -> tuple:  # fmt: skip
+    """The pointers a ``_device`` kernel takes after the state: the correction's three and scalars and found_inf,
+    param standing in for the absent ones (never dereferenced)."""
+    return (
+        *(corrected or (param, param, param)),
+        param if scalars is None else scalars,
+        param if found_inf is None else found_inf,
+    )
+
+
 @kept_whole
 @triton_op(f"{NAMESPACE}::sgd_step_", mutates_args=("param", "momentum_buffer"))
 def sgd_step_(param: torch.Tensor, grad: torch.Tensor, backup: torch.Tensor | None,
               momentum_buffer: torch.Tensor | None, correction: torch.Tensor | None = None,
-              correction_scale: torch.Tensor | None = None, tile_block: torch.Tensor | None = None, *, tile: int,
-              lr: float, weight_decay: float, momentum: float, dampening: float, nesterov: bool, maximize: bool,
+              correction_scale: torch.Tensor | None = None, tile_block: torch.Tensor | None = None,
+              scalars: torch.Tensor | None = None, found_inf: torch.Tensor | None = None, *, tile: int, lr: float,
+              weight_decay: float, momentum: float, dampening: float, nesterov: bool, maximize: bool,
               first: bool) -> None:  # fmt: skip
     """``param`` <- torch's SGD step taken from ``backup`` (from ``param`` itself if ``backup`` is None);
     ``momentum_buffer`` (given iff ``momentum != 0``) updated in place, and only written, not read, on the ``first``
     step. ``grad`` and ``backup`` are only read. With ``correction``, ``correction_scale`` (float64 ``[B]``) and
     ``tile_block`` (int32 per tile), all or none, the step's gradient is ``fma(C(correction_scale[block]),
-    correction, grad)`` (LookSAM). Tensors are positional-or-keyword: a registered op takes no keyword-only tensor."""
+    correction, grad)`` (LookSAM). With ``scalars`` (float64 ``[2]``: lr and the step count k, read on the device;
+    then ``lr=0.0`` and ``first=False``) the step is lr's and the first is k == 1. With ``found_inf`` (float32, one
+    element) nonzero, ``param`` <- ``backup`` (untouched without backup) and nothing else is written or ``grad``
+    read. Tensors are positional-or-keyword: a registered op takes no keyword-only tensor."""
     _check_base_buffers(param, tile, grad=grad, backup=backup, momentum_buffer=momentum_buffer)
     if (momentum_buffer is None) != (momentum == 0):
         raise ValueError(
@@ -272,18 +493,27 @@ def sgd_step_(param: torch.Tensor, grad: torch.Tensor, backup: torch.Tensor | No
             f"momentum_buffer {'missing' if momentum_buffer is None else 'given'})"
         )
     corrected = _check_correction(param, tile, correction, correction_scale, tile_block)
+    check_device_step("sgd_step_", param, scalars, found_inf, lr=lr, first=first)
+    device_args = scalars is not None or found_inf is not None
     n_tiles = param.numel() // tile
-    kernel = _sgd_corrected_kernel if corrected else _sgd_kernel
+    if device_args:
+        kernel = _sgd_device_kernel
+    else:
+        kernel = _sgd_corrected_kernel if corrected else _sgd_kernel
     if not n_tiles or not launches(kernel, param):
         return
     # the differences are taken in double, as torch takes them, and rounded to C in the kernel
     neg_lr, keep = -lr, 1.0 - dampening
-    wrap_triton(kernel)[(n_tiles,)](
+    pointers = (
         param,
         grad,
         param if backup is None else backup,
         param if momentum_buffer is None else momentum_buffer,  # a placeholder pointer, never dereferenced
-        *corrected,
+        *(_device_pointers(param, corrected, scalars, found_inf) if device_args else corrected),
+    )
+    device_flags = _device_flags(corrected, scalars, found_inf, backup) if device_args else {}
+    wrap_triton(kernel)[(n_tiles,)](
+        *pointers,
         neg_lr,
         neg_lr,
         weight_decay,
@@ -297,6 +527,7 @@ def sgd_step_(param: torch.Tensor, grad: torch.Tensor, backup: torch.Tensor | No
         NESTEROV=bool(nesterov),
         MAXIMIZE=bool(maximize),
         FIRST=bool(first),
+        **device_flags,
         TILE=tile,
         COMPUTE=compute_type(param.dtype),
         enable_fp_fusion=False,
@@ -307,14 +538,16 @@ def sgd_step_(param: torch.Tensor, grad: torch.Tensor, backup: torch.Tensor | No
 @triton_op(f"{NAMESPACE}::adam_step_", mutates_args=("param", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"))
 def adam_step_(param: torch.Tensor, grad: torch.Tensor, backup: torch.Tensor | None, exp_avg: torch.Tensor,
                exp_avg_sq: torch.Tensor, max_exp_avg_sq: torch.Tensor | None, correction: torch.Tensor | None = None,
-               correction_scale: torch.Tensor | None = None, tile_block: torch.Tensor | None = None, *, tile: int,
+               correction_scale: torch.Tensor | None = None, tile_block: torch.Tensor | None = None,
+               scalars: torch.Tensor | None = None, found_inf: torch.Tensor | None = None, *, tile: int,
                beta1: float, beta2: float, eps: float, weight_decay: float, decoupled: bool, amsgrad: bool,
                maximize: bool, lr: float, step: int) -> None:  # fmt: skip
     """``param`` <- torch's Adam (AdamW if ``decoupled``) ``step``-th step (1 for the first) taken from ``backup``
     (from ``param`` itself if ``backup`` is None); the moments (and ``max_exp_avg_sq``, given iff ``amsgrad``)
     updated in place. ``step_size``, ``bias_correction2_sqrt`` and ``decay`` (AdamW's) are derived from ``lr`` and
-    ``step`` as torch does (:func:`gearsam_fused.base_step.adam_scalars`). ``correction``, ``correction_scale`` and
-    ``tile_block`` as for :func:`sgd_step_`."""
+    ``step`` as torch does (:func:`gearsam_fused.base_step.adam_scalars`): on the host, or, with ``scalars``
+    (float64 ``[2]``: lr and k; then ``lr=0.0`` and ``step=0``), by the same float64 operations on the device.
+    ``correction``, ``correction_scale``, ``tile_block`` and ``found_inf`` as for :func:`sgd_step_`."""
     _check_base_buffers(
         param,
         tile,
@@ -330,20 +563,33 @@ def adam_step_(param: torch.Tensor, grad: torch.Tensor, backup: torch.Tensor | N
             f"max_exp_avg_sq {'missing' if max_exp_avg_sq is None else 'given'})"
         )
     corrected = _check_correction(param, tile, correction, correction_scale, tile_block)
+    check_device_step("adam_step_", param, scalars, found_inf, lr=lr, step=step)
+    device_args = scalars is not None or found_inf is not None
     n_tiles = param.numel() // tile
-    kernel = _adam_corrected_kernel if corrected else _adam_kernel
+    if device_args:
+        kernel = _adam_device_kernel
+    else:
+        kernel = _adam_corrected_kernel if corrected else _adam_kernel
     if not n_tiles or not launches(kernel, param):
         return
-    step_size, bias_correction2_sqrt, decay = adam_scalars(lr, beta1, beta2, weight_decay, step)
+    if scalars is None:
+        step_size, bias_correction2_sqrt, decay = adam_scalars(lr, beta1, beta2, weight_decay, step)
+    else:  # derived in the kernel; these are not read
+        step_size, bias_correction2_sqrt, decay = 0.0, 1.0, 1.0
     wt, keep2, neg_step = 1.0 - beta1, 1.0 - beta2, -step_size
-    wrap_triton(kernel)[(n_tiles,)](
+    pointers = (
         param,
         grad,
         param if backup is None else backup,
         exp_avg,
         exp_avg_sq,
         exp_avg_sq if max_exp_avg_sq is None else max_exp_avg_sq,  # a placeholder pointer, never dereferenced
-        *corrected,
+        *(_device_pointers(param, corrected, scalars, found_inf) if device_args else corrected),
+    )
+    device_flags = _device_flags(corrected, scalars, found_inf, backup) if device_args else {}
+    wrap_triton(kernel)[(n_tiles,)](
+        *pointers,
+        *((beta1,) if device_args else ()),
         wt,
         wt,
         beta2,
@@ -366,6 +612,7 @@ def adam_step_(param: torch.Tensor, grad: torch.Tensor, backup: torch.Tensor | N
         MAXIMIZE=bool(maximize),
         # ATen picks the lerp's anchor from the weight as rounded to C, so decide on that value
         LERP_SMALL=abs(_in_compute(wt, param.dtype)) < 0.5,
+        **device_flags,
         TILE=tile,
         COMPUTE=compute_type(param.dtype),
         enable_fp_fusion=False,

@@ -6,6 +6,8 @@
 //             e_b is not finite keeps s_b and gets r_b = scale_b = 0 (skipped for this step)
 // SAM rule:   scale_b = rho / (sqrt(sum_j e_j) + delta);   r_b = rho sqrt(e_b) / sqrt(sum_j e_j) (0 when e = 0);
 //             all 0 when sum_j e_j is not finite
+// Capturable: rho from scalars[0] where given; found_inf nonzero gives scale = radius = 0 and leaves the EMA as it
+// is. Both are CPU tensors here, read on the host.
 
 #include <algorithm>
 #include <cmath>
@@ -15,7 +17,13 @@
 namespace gearsam::cpu {
 
 void allocate(const at::Tensor& energy, const at::Tensor& ema, const at::Tensor& scale, const at::Tensor& radius,
-              bool gear, double rho, double beta, double delta) {
+              bool gear, double rho, double beta, double delta, const DeviceStep& device_step) {
+  if (device_step.found_inf.defined() && *device_step.found_inf.const_data_ptr<float>() != 0) {
+    scale.zero_();
+    radius.zero_();
+    return;
+  }
+  if (device_step.scalars.defined()) rho = *device_step.scalars.const_data_ptr<double>();
   const int64_t n = energy.numel();
   const double* e = energy.const_data_ptr<double>();
   double* s = ema.mutable_data_ptr<double>();

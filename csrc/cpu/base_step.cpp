@@ -19,6 +19,10 @@
 // Structure (csrc/README.md, "Memory traffic"): tiles split between threads; a parameter larger than the last-level
 // cache is written with non-temporal stores (stream.h), from a scratch run or, for Adam, from AVX2 registers; Adam runs
 // in chunks of a thread's tiles, so that ATen's square root is called once per chunk.
+//
+// Capturable arguments (gearsam.h) are CPU tensors here, read on the host before the step: scalars' (lr, k) replace
+// the options' through at_step, so the constants are those of the host call with the same lr and k; found_inf
+// nonzero turns the step into restore (param = backup, nothing where backup is param itself) and touches no state.
 
 #include <ATen/Dispatch.h>
 #include <ATen/ops/from_blob.h>
@@ -381,22 +385,41 @@ void adam_tiles(const at::Tensor& param, const at::Tensor& grad, const at::Tenso
   });
 }
 
+// found_inf nonzero: the step is skipped, param brought back to backup (a no-op where backup is param itself).
+bool skip_step(const at::Tensor& param, const at::Tensor& backup, const DeviceStep& device_step) {
+  if (!device_step.found_inf.defined() || *device_step.found_inf.const_data_ptr<float>() == 0) return false;
+  if (!backup.is_same(param)) restore(param, backup);
+  return true;
+}
+
+// The options of this step: the host's, or those at the (lr, k) of scalars.
+template <typename Options>
+Options step_options(const Options& options, const DeviceStep& device_step) {
+  if (!device_step.scalars.defined()) return options;
+  const double* s = device_step.scalars.const_data_ptr<double>();
+  return options.at_step(s[0], s[1]);
+}
+
 }  // namespace
 
 void sgd_step(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& backup,
               const at::Tensor& momentum_buffer, int64_t tile, const SgdOptions& options,
-              const Correction& correction) {
+              const Correction& correction, const DeviceStep& device_step) {
+  if (skip_step(param, backup, device_step)) return;
+  const SgdOptions o = step_options(options, device_step);
   AT_DISPATCH_FLOATING_TYPES(param.scalar_type(), "gearsam_sgd_step_cpu", [&] {
-    sgd_tiles<scalar_t>(param, grad, backup, momentum_buffer, tile, SgdConstants<scalar_t>(options), correction);
+    sgd_tiles<scalar_t>(param, grad, backup, momentum_buffer, tile, SgdConstants<scalar_t>(o), correction);
   });
 }
 
 void adam_step(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& backup, const at::Tensor& exp_avg,
                const at::Tensor& exp_avg_sq, const at::Tensor& max_exp_avg_sq, int64_t tile,
-               const AdamOptions& options, const Correction& correction) {
+               const AdamOptions& options, const Correction& correction, const DeviceStep& device_step) {
+  if (skip_step(param, backup, device_step)) return;
+  const AdamOptions o = step_options(options, device_step);
   AT_DISPATCH_FLOATING_TYPES(param.scalar_type(), "gearsam_adam_step_cpu", [&] {
-    adam_tiles<scalar_t>(param, grad, backup, exp_avg, exp_avg_sq, max_exp_avg_sq, tile,
-                         AdamConstants<scalar_t>(options), correction);
+    adam_tiles<scalar_t>(param, grad, backup, exp_avg, exp_avg_sq, max_exp_avg_sq, tile, AdamConstants<scalar_t>(o),
+                         correction);
   });
 }
 

@@ -10,6 +10,10 @@
 // Passes over the blocks: for GEAR max s, then ||t|| (for SAM sum e), each a fixed-order block reduction; last s, r
 // and scale. Each thread handles the same blocks in every pass, so the EMA it writes in the last is read by no other
 // thread.
+//
+// Capturable (gearsam.h): rho and found_inf are loaded from device memory where given (null pointers where not), so a
+// CUDA graph replays the kernel with their current values. found_inf is the same for every thread, so a skipped step
+// leaves the kernel as a whole, before any barrier: scale and radius 0, the EMA neither read nor written.
 
 #include "../gearsam.h"
 #include "common.cuh"
@@ -19,7 +23,13 @@ namespace {
 
 template <bool Gear>
 __global__ void allocate_kernel(const double* __restrict__ energy, double* __restrict__ ema, double* __restrict__ scale,
-                                double* __restrict__ radius, int64_t n_blocks, double rho, double beta, double delta) {
+                                double* __restrict__ radius, int64_t n_blocks, double rho, double beta, double delta,
+                                const double* __restrict__ rho_in, const float* __restrict__ found_inf) {
+  if (found_inf != nullptr && *found_inf != 0.0f) {
+    for (int64_t b = threadIdx.x; b < n_blocks; b += kThreads) scale[b] = radius[b] = 0.0;
+    return;
+  }
+  if (rho_in != nullptr) rho = *rho_in;
   __shared__ double scratch[kThreads / kWarp];
   __shared__ double peak_shared;
   __shared__ double norm_shared;
@@ -68,7 +78,7 @@ __global__ void allocate_kernel(const double* __restrict__ energy, double* __res
 }  // namespace
 
 void allocate(const at::Tensor& energy, const at::Tensor& ema, const at::Tensor& scale, const at::Tensor& radius,
-              bool gear, double rho, double beta, double delta) {
+              bool gear, double rho, double beta, double delta, const DeviceStep& device_step) {
   const int64_t n_blocks = energy.numel();
   if (n_blocks == 0) return;
   const c10::cuda::CUDAGuard guard(energy.device());
@@ -76,7 +86,8 @@ void allocate(const at::Tensor& energy, const at::Tensor& ema, const at::Tensor&
   auto kernel = gear ? allocate_kernel<true> : allocate_kernel<false>;
   kernel<<<1, kThreads, 0, stream>>>(energy.const_data_ptr<double>(), ema.mutable_data_ptr<double>(),
                                      scale.mutable_data_ptr<double>(), radius.mutable_data_ptr<double>(), n_blocks, rho,
-                                     beta, delta);
+                                     beta, delta, optional_data<double>(device_step.scalars),
+                                     optional_data<float>(device_step.found_inf));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

@@ -14,6 +14,11 @@
 // These are the roundings of ATen's CPU kernels (a true division by bias_correction2_sqrt, not torch's CUDA multiply
 // by its reciprocal), so a step gives the same bits on either device; the one exception is the square root, which
 // the CPU kernel takes from ATen (see cpu/base_step.cpp). Grid-stride over 16-byte vectors with 64-bit indices.
+//
+// Capturable (gearsam.h): scalars and found_inf are loaded in the kernel, never on the host, so a CUDA graph replays
+// the step with their current values. Given scalars, each thread rebuilds the constants from options.at_step(lr, k),
+// the constructor the host runs (the double arithmetic the same, but for the device's pow, within 2 ulp); found_inf
+// nonzero turns the step into a copy of backup into param, the state and grad untouched.
 
 #include <ATen/Dispatch.h>
 
@@ -63,14 +68,43 @@ __device__ __forceinline__ Pack<scalar_t, Vec> load_grad(const scalar_t* __restr
   return g;
 }
 
+// What a capturable step reads from device memory, null where not given: the (lr, k) of scalars, with the options to
+// rebuild the constants from, and found_inf.
+template <typename Options>
+struct DeviceStepPtrs {
+  const double* scalars;
+  const float* found_inf;
+  Options options;
+};
+
+template <typename Options>
+DeviceStepPtrs<Options> device_step_ptrs(const DeviceStep& step, const Options& options) {
+  return {optional_data<double>(step.scalars), optional_data<float>(step.found_inf), options};
+}
+
+// found_inf nonzero: the step is skipped. One load per thread; the value, and so the branch, is the same for all.
+__device__ __forceinline__ bool skipped(const float* found_inf) { return found_inf != nullptr && *found_inf != 0.0f; }
+
+// A skipped step: param = backup, nothing where backup is param itself (a step from the current weights).
+template <typename scalar_t, int Vec>
+__device__ void copy_backup(scalar_t* param, const scalar_t* backup, int64_t n_vectors) {
+  using pack_t = Pack<scalar_t, Vec>;
+  if (param == backup) return;
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t v = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; v < n_vectors; v += stride)
+    *reinterpret_cast<pack_t*>(param + v * Vec) = *reinterpret_cast<const pack_t*>(backup + v * Vec);
+}
+
 // param and backup carry no __restrict__: backup may be param itself (a step from the current weights). Each thread
 // reads its elements of backup before it writes the same elements of param, which is well defined only while the
 // compiler must assume the two may alias (no reordering across the store, no read-only cache path for backup).
 template <typename scalar_t, int Vec>
 __global__ void sgd_kernel(scalar_t* param, const scalar_t* __restrict__ grad, const scalar_t* backup,
                            scalar_t* __restrict__ momentum_buffer, CorrectionPtrs<scalar_t> corr, int64_t n_vectors,
-                           SgdConstants<scalar_t> c) {
+                           SgdConstants<scalar_t> c, DeviceStepPtrs<SgdOptions> step) {
   using pack_t = Pack<scalar_t, Vec>;
+  if (skipped(step.found_inf)) return copy_backup<scalar_t, Vec>(param, backup, n_vectors);
+  if (step.scalars != nullptr) c = SgdConstants<scalar_t>(step.options.at_step(step.scalars[0], step.scalars[1]));
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
   for (int64_t v = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; v < n_vectors; v += stride) {
     const int64_t i = v * Vec;
@@ -101,8 +135,10 @@ template <typename scalar_t, int Vec>
 __global__ void adam_kernel(scalar_t* param, const scalar_t* __restrict__ grad, const scalar_t* backup,
                             scalar_t* __restrict__ exp_avg, scalar_t* __restrict__ exp_avg_sq,
                             scalar_t* __restrict__ max_exp_avg_sq, CorrectionPtrs<scalar_t> corr, int64_t n_vectors,
-                            AdamConstants<scalar_t> c) {
+                            AdamConstants<scalar_t> c, DeviceStepPtrs<AdamOptions> step) {
   using pack_t = Pack<scalar_t, Vec>;
+  if (skipped(step.found_inf)) return copy_backup<scalar_t, Vec>(param, backup, n_vectors);  // as in sgd_kernel
+  if (step.scalars != nullptr) c = AdamConstants<scalar_t>(step.options.at_step(step.scalars[0], step.scalars[1]));
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
   for (int64_t v = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; v < n_vectors; v += stride) {
     const int64_t i = v * Vec;
@@ -147,27 +183,27 @@ inline int blocks_for(int64_t n_vectors, const at::Tensor& param) {
 template <typename scalar_t, int Vec>
 void launch_sgd(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& backup,
                 const at::Tensor& momentum_buffer, const SgdOptions& options, const Correction& correction,
-                int64_t tile, cudaStream_t stream) {
+                const DeviceStep& device_step, int64_t tile, cudaStream_t stream) {
   const int64_t n_vectors = param.numel() / Vec;
   const SgdConstants<scalar_t> c(options);
   sgd_kernel<scalar_t, Vec><<<blocks_for(n_vectors, param), kThreads, 0, stream>>>(
       param.mutable_data_ptr<scalar_t>(), grad.const_data_ptr<scalar_t>(), backup.const_data_ptr<scalar_t>(),
       c.with_momentum ? momentum_buffer.mutable_data_ptr<scalar_t>() : nullptr,
-      correction_ptrs<scalar_t>(correction, tile), n_vectors, c);
+      correction_ptrs<scalar_t>(correction, tile), n_vectors, c, device_step_ptrs(device_step, options));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 template <typename scalar_t, int Vec>
 void launch_adam(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& backup, const at::Tensor& exp_avg,
                  const at::Tensor& exp_avg_sq, const at::Tensor& max_exp_avg_sq, const AdamOptions& options,
-                 const Correction& correction, int64_t tile, cudaStream_t stream) {
+                 const Correction& correction, const DeviceStep& device_step, int64_t tile, cudaStream_t stream) {
   const int64_t n_vectors = param.numel() / Vec;
-  const AdamConstants<scalar_t> c(options);
+  const AdamConstants<scalar_t> c(options);  // with scalars, from lr = k = 0: a placeholder the kernel replaces
   adam_kernel<scalar_t, Vec><<<blocks_for(n_vectors, param), kThreads, 0, stream>>>(
       param.mutable_data_ptr<scalar_t>(), grad.const_data_ptr<scalar_t>(), backup.const_data_ptr<scalar_t>(),
       exp_avg.mutable_data_ptr<scalar_t>(), exp_avg_sq.mutable_data_ptr<scalar_t>(),
       c.amsgrad ? max_exp_avg_sq.mutable_data_ptr<scalar_t>() : nullptr, correction_ptrs<scalar_t>(correction, tile),
-      n_vectors, c);
+      n_vectors, c, device_step_ptrs(device_step, options));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -178,21 +214,23 @@ const void* data_or_null(const at::Tensor& t) { return t.defined() ? t.const_dat
 
 void sgd_step(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& backup,
               const at::Tensor& momentum_buffer, int64_t tile, const SgdOptions& options,
-              const Correction& correction) {
+              const Correction& correction, const DeviceStep& device_step) {
   const c10::cuda::CUDAGuard guard(param.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES(param.scalar_type(), "gearsam_sgd_step_cuda", [&] {
     constexpr int vec = kVec<scalar_t>;
     const bool wide = vectorizable<vec>(tile, {param.const_data_ptr(), grad.const_data_ptr(), backup.const_data_ptr(),
                                                data_or_null(momentum_buffer), data_or_null(correction.values)});
-    wide ? launch_sgd<scalar_t, vec>(param, grad, backup, momentum_buffer, options, correction, tile, stream)
-         : launch_sgd<scalar_t, 1>(param, grad, backup, momentum_buffer, options, correction, tile, stream);
+    wide ? launch_sgd<scalar_t, vec>(param, grad, backup, momentum_buffer, options, correction, device_step, tile,
+                                     stream)
+         : launch_sgd<scalar_t, 1>(param, grad, backup, momentum_buffer, options, correction, device_step, tile,
+                                   stream);
   });
 }
 
 void adam_step(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& backup, const at::Tensor& exp_avg,
                const at::Tensor& exp_avg_sq, const at::Tensor& max_exp_avg_sq, int64_t tile,
-               const AdamOptions& options, const Correction& correction) {
+               const AdamOptions& options, const Correction& correction, const DeviceStep& device_step) {
   const c10::cuda::CUDAGuard guard(param.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES(param.scalar_type(), "gearsam_adam_step_cuda", [&] {
@@ -201,9 +239,9 @@ void adam_step(const at::Tensor& param, const at::Tensor& grad, const at::Tensor
                                                exp_avg.const_data_ptr(), exp_avg_sq.const_data_ptr(),
                                                data_or_null(max_exp_avg_sq), data_or_null(correction.values)});
     wide ? launch_adam<scalar_t, vec>(param, grad, backup, exp_avg, exp_avg_sq, max_exp_avg_sq, options, correction,
-                                      tile, stream)
+                                      device_step, tile, stream)
          : launch_adam<scalar_t, 1>(param, grad, backup, exp_avg, exp_avg_sq, max_exp_avg_sq, options, correction,
-                                    tile, stream);
+                                    device_step, tile, stream);
   });
 }
 

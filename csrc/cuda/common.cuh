@@ -3,6 +3,7 @@
 #pragma once
 
 #include <ATen/OpMathType.h>
+#include <ATen/core/Tensor.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -69,6 +70,12 @@ __device__ __forceinline__ double block_reduce(double value, double* scratch, do
 
 __device__ __forceinline__ double block_sum(double value, double* scratch) {
   return block_reduce(value, scratch, 0.0, [](double a, double b) { return a + b; });
+}
+
+// Data pointer of an optional tensor, null where it is undefined (not given).
+template <typename T>
+const T* optional_data(const at::Tensor& t) {
+  return t.defined() ? t.const_data_ptr<T>() : nullptr;
 }
 
 // Enough blocks to fill the device a few times over, no more than there is work for: kernels loop over the rest.

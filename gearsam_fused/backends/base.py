@@ -40,6 +40,9 @@ class Backend:
     name = "abstract"
     #: Whether :meth:`restore_and_update_` can run (the backend keeps flat buckets and their optimizer state).
     fuses_base_step = False
+    #: Whether the kernels read rho, lr and the step count from the device and skip an overflowing step there
+    #: (``capturable=True``; :mod:`gearsam_fused.capturable`).
+    capturable = False
 
     def __init__(self, blocks: list[Block], device: torch.device, param_group: Mapping[int, int] | None = None):
         self.blocks = blocks
@@ -64,10 +67,13 @@ class Backend:
         ``adaptive`` else 1. Parameters whose ``grad`` is None contribute nothing."""
         raise NotImplementedError
 
-    def allocate(self, rule: str, energy: torch.Tensor, ema: torch.Tensor, rho: float, beta: float, delta: float):
+    def allocate(self, rule: str, energy: torch.Tensor, ema: torch.Tensor, rho: float | torch.Tensor, beta: float,
+                 delta: float, found_inf: torch.Tensor | None = None):  # fmt: skip
         """``(scale, radius)``, float64 ``[B]``, by ``rule`` (one of :data:`gearsam_fused.allocation.RULES`);
-        GEAR-SAM's updates ``ema`` in place. Runs on the device without reading anything back to the host."""
-        return allocate(rule, energy, ema, rho, beta, delta)
+        GEAR-SAM's updates ``ema`` in place. Runs on the device without reading anything back to the host. ``rho``
+        may be a float64 0-d tensor on the device; where ``found_inf`` is set, every scale and radius is 0 and ``ema``
+        is not written."""
+        return allocate(rule, energy, ema, rho, beta, delta, found_inf)
 
     def perturb_(self, scale: torch.Tensor, adaptive: bool, eta: float) -> None:
         """Save the parameters, then ``p += scale[b] * T_p**2 * g_p`` in place for every parameter with a gradient
@@ -83,13 +89,16 @@ class Backend:
             self._restore()
         self.perturbed = False
 
-    def restore_and_update_(self, updates: list) -> None:
+    def restore_and_update_(self, updates: list, found_inf: torch.Tensor | None = None) -> None:
         """:meth:`restore_` and the base optimizer's update in one pass per bucket: for each
         :class:`~gearsam_fused.base_step.BucketUpdate`, ``w <- update(backup, grad, state)`` written to the
-        parameters and the state (the parameters' perturbed values are never read)."""
+        parameters and the state (the parameters' perturbed values are never read). Where ``found_inf`` (a float32
+        one-element tensor on the device, :attr:`capturable` backends) is set: ``w <- backup``, the state untouched."""
         if not self.perturbed:
             raise RuntimeError("restore_and_update_ without perturb_: there is no saved w to update from")
-        self._restore_and_update(updates)
+        if found_inf is not None and not self.capturable:
+            raise NotImplementedError(f"backend {self.name!r} does not skip an overflowing step on the device")
+        self._restore_and_update(updates, found_inf)
         self.perturbed = False
 
     def update_(self, updates: list, correction_scale: torch.Tensor | None = None) -> None:
@@ -168,7 +177,7 @@ class Backend:
         """Bytes of the correction buffer (0 until first used)."""
         return sum(t.nbytes for t in self._corrections.values())
 
-    def _restore_and_update(self, updates: list) -> None:
+    def _restore_and_update(self, updates: list, found_inf: torch.Tensor | None) -> None:
         """:meth:`restore_and_update_`'s tensor work."""
         raise NotImplementedError(f"backend {self.name!r} does not fuse the base optimizer's step")
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from .. import _C  # noqa: F401  (defines the operators this module extends)
-from ..checks import check_flat, check_same
+from ..checks import check_device_step, check_flat, check_same
 
 _FLOATING = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
@@ -99,9 +99,10 @@ def _block_energy(grad, param, block_tiles, partials, *, tile, adaptive, eta):
 
 
 @torch.library.register_fake("gearsam_fused::allocate")
-def _allocate(energy, ema, *, gear, rho, beta, delta):
+def _allocate(energy, ema, *, gear, rho, beta, delta, scalars=None, found_inf=None):
     _check_flat("energy", energy, 0, torch.float64)
     check_same("ema", ema, "energy", energy)
+    check_device_step("allocate", energy, scalars, found_inf, rho=rho)
     return torch.empty_like(energy), torch.empty_like(energy)
 
 
@@ -125,18 +126,21 @@ def _restore(param, backup, *, tile):
 
 @torch.library.register_fake("gearsam_fused::sgd_step_")
 def _sgd_step(param, grad, backup, momentum_buffer, *, tile, lr, weight_decay, momentum, dampening, nesterov, maximize,
-              first, correction=None, correction_scale=None, tile_block=None):  # fmt: skip
+              first, correction=None, correction_scale=None, tile_block=None, scalars=None,
+              found_inf=None):  # fmt: skip
     _check_base_step(param, grad, backup, tile)
     _check_optional_state("momentum_buffer", momentum_buffer, momentum != 0, "momentum != 0", param)
     _check_correction(param, tile, correction, correction_scale, tile_block)
+    check_device_step("sgd_step_", param, scalars, found_inf, lr=lr, first=first)
 
 
 @torch.library.register_fake("gearsam_fused::adam_step_")
 def _adam_step(param, grad, backup, exp_avg, exp_avg_sq, max_exp_avg_sq, *, tile, beta1, beta2, eps, weight_decay,
                decoupled, amsgrad, maximize, lr, step, correction=None,
-               correction_scale=None, tile_block=None):  # fmt: skip
+               correction_scale=None, tile_block=None, scalars=None, found_inf=None):  # fmt: skip
     _check_base_step(param, grad, backup, tile)
     check_same("exp_avg", exp_avg, "param", param)
     check_same("exp_avg_sq", exp_avg_sq, "param", param)
     _check_optional_state("max_exp_avg_sq", max_exp_avg_sq, amsgrad, "amsgrad=True", param)
     _check_correction(param, tile, correction, correction_scale, tile_block)
+    check_device_step("adam_step_", param, scalars, found_inf, lr=lr, step=step)

@@ -37,7 +37,7 @@ class FusedBackend(Backend):
     def _bucket_restore(self, bucket: Bucket) -> None:
         raise NotImplementedError
 
-    def _bucket_restore_and_update(self, update: BucketUpdate) -> None:
+    def _bucket_restore_and_update(self, update: BucketUpdate, found_inf: torch.Tensor | None) -> None:
         raise NotImplementedError
 
     def _bucket_update(self, update: BucketUpdate, correction: torch.Tensor | None, scale: torch.Tensor | None):
@@ -68,9 +68,9 @@ class FusedBackend(Backend):
             if bucket.n_tiles:
                 self._bucket_restore(bucket)
 
-    def _restore_and_update(self, updates: list[BucketUpdate]) -> None:
+    def _restore_and_update(self, updates: list[BucketUpdate], found_inf: torch.Tensor | None) -> None:
         for update in updates:
-            self._bucket_restore_and_update(update)
+            self._bucket_restore_and_update(update, found_inf)
 
     def _update(self, updates: list[BucketUpdate], correction_scale: torch.Tensor | None) -> None:
         for update in updates:
@@ -169,6 +169,12 @@ class FusedBackend(Backend):
         return [views[id(p)] for block in self.blocks for p in block.params]
 
 
+def _on_device(**tensors: torch.Tensor | None) -> dict:
+    """The kernels' optional device arguments that are given (``scalars``, ``found_inf``): a call without them is
+    today's call."""
+    return {name: t for name, t in tensors.items() if t is not None}
+
+
 def _launching_on(device: torch.device):
     """Make ``device`` current while launching: Triton launches on the current CUDA device, not the tensors' one."""
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
@@ -186,9 +192,13 @@ class KernelModule(Protocol):
         tile: int, adaptive: bool, eta: float,
     ) -> torch.Tensor: ...  # fmt: skip
 
+    # scalars (float64, on the device) holds values the kernel reads there instead of the host arguments that name
+    # them, which are then 0: (rho,) here, (lr, step) for the base steps; where found_inf (float32, one element) is
+    # set, nothing is updated (see gearsam_fused.capturable)
     def allocate(
-        self, energy: torch.Tensor, ema: torch.Tensor, *, gear: bool, rho: float, beta: float, delta: float
-    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+        self, energy: torch.Tensor, ema: torch.Tensor, *, gear: bool, rho: float, beta: float, delta: float,
+        scalars: torch.Tensor | None = None, found_inf: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...  # fmt: skip
 
     def perturb_(
         self, param: torch.Tensor, grad: torch.Tensor, backup: torch.Tensor, scale: torch.Tensor,
@@ -204,7 +214,8 @@ class KernelModule(Protocol):
         self, param: torch.Tensor, grad: torch.Tensor, backup: torch.Tensor | None, momentum_buffer: torch.Tensor | None, *,
         tile: int, lr: float, weight_decay: float, momentum: float, dampening: float, nesterov: bool, maximize: bool,
         first: bool, correction: torch.Tensor | None = None, correction_scale: torch.Tensor | None = None,
-        tile_block: torch.Tensor | None = None,
+        tile_block: torch.Tensor | None = None, scalars: torch.Tensor | None = None,
+        found_inf: torch.Tensor | None = None,
     ) -> None: ...  # fmt: skip
 
     def adam_step_(
@@ -213,11 +224,14 @@ class KernelModule(Protocol):
         eps: float, weight_decay: float, decoupled: bool, amsgrad: bool, maximize: bool, lr: float, step: int,
         correction: torch.Tensor | None = None,
         correction_scale: torch.Tensor | None = None, tile_block: torch.Tensor | None = None,
+        scalars: torch.Tensor | None = None, found_inf: torch.Tensor | None = None,
     ) -> None: ...  # fmt: skip
 
 
 class KernelBackend(FusedBackend):
     """A fused backend whose tensor work is done by a :class:`KernelModule`."""
+
+    capturable = True
 
     def __init__(self, blocks, device: torch.device, kernels: KernelModule, param_group=None):
         self.kernels = kernels
@@ -235,10 +249,12 @@ class KernelBackend(FusedBackend):
                 eta=eta,
             )
 
-    def allocate(self, rule, energy, ema, rho, beta, delta):
+    def allocate(self, rule, energy, ema, rho, beta, delta, found_inf=None):
+        on_device = _on_device(found_inf=found_inf, scalars=rho.reshape(1) if isinstance(rho, torch.Tensor) else None)
         with _launching_on(energy.device):
             gear = check_rule(rule) == GEAR_RULE
-            return self.kernels.allocate(energy, ema, gear=gear, rho=rho, beta=beta, delta=delta)
+            rho = 0.0 if "scalars" in on_device else rho  # read from scalars
+            return self.kernels.allocate(energy, ema, gear=gear, rho=rho, beta=beta, delta=delta, **on_device)
 
     def _bucket_perturb(self, bucket: Bucket, scale: torch.Tensor, adaptive: bool, eta: float) -> None:
         with _launching_on(bucket.device):
@@ -257,11 +273,11 @@ class KernelBackend(FusedBackend):
         with _launching_on(bucket.device):
             self.kernels.restore_(bucket.param, bucket.backup, tile=bucket.tile)
 
-    def _bucket_restore_and_update(self, update: BucketUpdate) -> None:
+    def _bucket_restore_and_update(self, update: BucketUpdate, found_inf: torch.Tensor | None) -> None:
         bucket = update.bucket
         with _launching_on(bucket.device):
             self._launcher(update)(bucket.param, bucket.grad, bucket.backup, *update.state, tile=bucket.tile,
-                                   **update.kernel_arguments())  # fmt: skip
+                                   **update.kernel_arguments(), **_on_device(found_inf=found_inf))  # fmt: skip
 
     def _bucket_update(self, update: BucketUpdate, correction, scale) -> None:
         bucket = update.bucket
