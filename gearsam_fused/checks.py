@@ -20,14 +20,19 @@ def check_torch_version(minimum: str, found: str | None = None) -> None:
         raise ImportError(f"gearsam_fused needs torch >= {minimum}, but torch {found} is installed; upgrade torch")
 
 
-def check_real(name: str, value, *, low: float, low_inclusive: bool = True, high: float | None = None) -> float:
-    """``float(value)`` if it is a finite real in ``[low, high)`` (``(low, high)`` when not ``low_inclusive``)."""
+def check_real(
+    name: str, value, *, low: float, low_inclusive: bool = True, high: float | None = None, high_inclusive: bool = False
+) -> float:
+    """``float(value)`` if it is a finite real in ``[low, high)`` (``(`` when not ``low_inclusive``, ``]`` when
+    ``high_inclusive``)."""
     if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(value):
         raise ValueError(f"{name} must be a finite real number, got {value!r}")
     value = float(value)
     too_low = value < low if low_inclusive else value <= low
-    if too_low or (high is not None and value >= high):
-        bounds = ("[" if low_inclusive else "(") + f"{low}, " + (f"{high})" if high is not None else "inf)")
+    too_high = high is not None and (value > high if high_inclusive else value >= high)
+    if too_low or too_high:
+        bounds = ("[" if low_inclusive else "(") + f"{low}, " + (f"{high}" if high is not None else "inf")
+        bounds += "]" if high is not None and high_inclusive else ")"
         raise ValueError(f"{name} must lie in {bounds}, got {value!r}")
     return value
 

@@ -1,4 +1,5 @@
-"""torch.optim-style frontends: :class:`SAM` (and ASAM) and :class:`GEARSAM`.
+"""torch.optim-style frontends: :class:`SAM` (and ASAM) and :class:`GEARSAM`, and the SAM family's :class:`GSAM`,
+:class:`WSAM` and :class:`FriendlySAM`, SAM with one part of the step chosen (:mod:`gearsam_fused.family`).
 
 Both wrap a base optimizer exactly like the widely used ``SAM(params, base_optimizer, rho, adaptive, **kw)`` class:
 the caller computes the first gradient, ``first_step`` moves the weights to ``w + eps``, the caller computes the
@@ -27,9 +28,11 @@ from torch import nn
 
 from .allocation import GEAR_RULE, SAM_RULE
 from .backends import make_backend, resolve_backend_name
+from .backends.base import CORRECTION, MOMENTUM
 from .base_step import BASE_STEPS, FUSED, PER_TENSOR, FlatBaseStep, run_post_hooks, run_pre_hooks, step_closure
 from .capturable import DeviceScalars
 from .checks import PARAM_DTYPES, check_found_inf, check_param_dtype, check_real
+from .family import Descent, FriendlyAscent, SurrogateGap, WeightedSharpness, check_ascent, check_descent
 from .partition import Block, parameter_names
 from .partition import partition as make_partition
 from .schedules import Schedule, check_schedule
@@ -76,22 +79,25 @@ class _Run:
     next_sam: bool | _Pending = True  #: the schedule's decision for the next step (maybe still on the device)
     cleared: list | None = None  #: the gradients as zero_grad() left them after first_step (see _grad_marks)
     found_inf: torch.Tensor | None = None  #: the first pass's overflow flag, where first_step was given one
+    ascent_started: bool = False  #: F-SAM's EMA holds a gradient (the backend's momentum buffer)
 
     def record(self, energy: torch.Tensor, radius: torch.Tensor, rho: float, sam: bool) -> None:
         """Keep a first_step's statistics (see :class:`StepStatistics`)."""
         self.energy, self.radius, self.last_rho, self.last_sam = energy, radius, rho, sam
 
-    def checkpoint(self) -> tuple:
+    def checkpoint(self, ascent=None) -> tuple:
         """What :meth:`roll_back` needs to undo the step about to begin (the EMA is copied: allocate updates it in
-        place)."""
+        place); ``ascent`` is what the ascent direction needs to be undone, returned by :meth:`roll_back`."""
         return (self.ema.clone(), self.energy, self.radius, self.last_rho, self.last_sam,
-                _snapshot(self.schedule_state), self.next_sam)  # fmt: skip
+                _snapshot(self.schedule_state), self.next_sam, self.ascent_started, ascent)  # fmt: skip
 
-    def roll_back(self) -> None:
-        """Back to :attr:`undo`, the checkpoint of the cancelled step."""
-        ema, self.energy, self.radius, self.last_rho, self.last_sam, self.schedule_state, self.next_sam = self.undo
+    def roll_back(self):
+        """Back to :attr:`undo`, the checkpoint of the cancelled step; returns its ``ascent``."""
+        (ema, self.energy, self.radius, self.last_rho, self.last_sam, self.schedule_state, self.next_sam,
+         self.ascent_started, ascent) = self.undo  # fmt: skip
         self.ema.copy_(ema)
         self.undo = None
+        return ascent
 
 
 class SharpnessAware(torch.optim.Optimizer):
@@ -120,6 +126,8 @@ class SharpnessAware(torch.optim.Optimizer):
         base_kwargs: dict,
         schedule: Schedule | None = None,
         capturable: bool = False,
+        ascent: FriendlyAscent | None = None,
+        descent: Descent | None = None,
     ):
         check_real("rho", rho, low=0.0)
         if not isinstance(capturable, bool):
@@ -131,6 +139,8 @@ class SharpnessAware(torch.optim.Optimizer):
                 f"schedule {self.schedule!r} is LookSAM, whose direction is defined for plain gradients; it is not "
                 "defined for ASAM (adaptive=True)"
             )
+        self.ascent, self.descent = check_ascent(ascent), check_descent(descent)
+        _check_family(self.ascent, self.descent, self.schedule, capturable)
         if base_step not in BASE_STEPS:
             raise ValueError(f"base_step must be one of {BASE_STEPS}, got {base_step!r}")
         self.base_step = base_step
@@ -373,6 +383,7 @@ class SharpnessAware(torch.optim.Optimizer):
                 "a schedule decides on the host which steps take the second pass, which a step compiled with "
                 "torch.compile cannot do; compile the step without a schedule, or run it eagerly"
             )
+        self._refuse_family_compiled()
         rho = self._rho()
         # any() stops at the first gradient it finds, so a normal step pays O(1) here.
         if not any(p.grad is not None for block in self.blocks for p in block.params):
@@ -394,7 +405,8 @@ class SharpnessAware(torch.optim.Optimizer):
         # The EMA is updated in place by allocate, so undoing needs a copy; only cancellable steps pay for it.
         undo = None
         if cancellable and sam:
-            undo = self._run.checkpoint()
+            undo = self._run.checkpoint(self._momentum_copy() if self.ascent is not None else None)
+        self._family_first_step()
         energy = sum_over(self._shard_groups, self._backend.block_energy(self.adaptive, self.eta))
         if self.schedule is not None:
             self._decide_next(energy)
@@ -419,6 +431,22 @@ class SharpnessAware(torch.optim.Optimizer):
         if zero_grad:
             self.zero_grad()
         return sam
+
+    def _refuse_family_compiled(self) -> None:
+        if (self.ascent is not None or self.descent is not None) and torch.compiler.is_compiling():
+            raise RuntimeError(
+                f"the SAM family's parts ({self.ascent or self.descent!r}) write the flat gradient buffers with torch "
+                "operations that torch.compile would copy (they are not registered operators yet); run the step eagerly"
+            )
+
+    def _family_first_step(self) -> None:
+        """The SAM family's parts of a first step (:mod:`gearsam_fused.family`): keep ``g`` for the descent, and
+        replace the gradients by the ascent direction."""
+        if self.descent is not None:
+            self._backend.keep_gradient_()
+        if self.ascent is not None:
+            self.ascent.apply_(self._backend, first=not self._run.ascent_started)
+            self._run.ascent_started = True
 
     def _decide_next(self, energy: torch.Tensor) -> None:
         """Let the schedule decide the next step from this one's energies; a device decision is copied to the host
@@ -489,6 +517,7 @@ class SharpnessAware(torch.optim.Optimizer):
                     "first_step() returns True"
                 )
             raise RuntimeError("second_step() called without a preceding first_step()")
+        self._refuse_family_compiled()
         skip = None
         if found_inf is not None and self._device is None:
             raise ValueError("found_inf skips an overflowing step on the device, which needs capturable=True")
@@ -505,11 +534,15 @@ class SharpnessAware(torch.optim.Optimizer):
             raise RuntimeError(f"base_step='fused' cannot be honoured this step: {self._flat_step.reason}")
         if self.schedule is not None and self.schedule.corrects:
             self._orthogonalize()
+        if self.descent is not None:
+            self.descent.before_update(self._backend, self._reduce, per_block=self.rule == GEAR_RULE)
         if updates is None:
             self._backend.restore_()
             self._per_tensor_base_step()
         else:
             self._fused_base_step(updates, found_inf=skip)
+        if self.descent is not None:
+            self.descent.after_update(self._backend, self.param_groups)
         if skip is not None:
             self._device.keep_ema(self._run.ema, skip)
         self._run.last_base_step = PER_TENSOR if updates is None else FUSED
@@ -518,6 +551,10 @@ class SharpnessAware(torch.optim.Optimizer):
         self._opt_called = True  # tells torch LR schedulers that an optimizer step happened
         if zero_grad:
             self.zero_grad()
+
+    def _reduce(self, values: torch.Tensor) -> torch.Tensor:
+        """A ``[B]`` vector summed over the ranks that hold shards of a block (itself without sharding)."""
+        return sum_over(self._shard_groups, values)
 
     def _per_tensor_base_step(self) -> None:
         """The base optimizer's own ``step()``. Inside a compiled step over re-homed parameters it runs eagerly (a
@@ -619,7 +656,14 @@ class SharpnessAware(torch.optim.Optimizer):
                 "still hold w + eps, so call second_step() to finish this step"
             )
         self._backend.restore_()
-        self._run.roll_back()
+        momentum = self._run.roll_back()
+        if momentum is not None:  # F-SAM's EMA as it was before the step
+            for t, saved in zip(self._backend.buffer_tensors(MOMENTUM), momentum, strict=True):
+                t.copy_(saved)
+
+    def _momentum_copy(self) -> list[torch.Tensor]:
+        """A copy of F-SAM's EMA, which a cancellable step keeps until it completes (one parameter-sized buffer)."""
+        return [t.clone() for t in self._backend.buffer_tensors(MOMENTUM)]
 
     @torch.no_grad()
     def step(self, closure: Callable[[], torch.Tensor] | None = None):
@@ -764,7 +808,26 @@ class SharpnessAware(torch.optim.Optimizer):
         }
         if self.schedule is not None:
             state["param_groups"][0][_STATE_KEY]["schedule"] = self._schedule_entry()
+        state["param_groups"][0][_STATE_KEY].update(self._family_entry())
         return state
+
+    def _family_entry(self) -> dict:
+        """The SAM family's parts in a state dict: their reprs, and F-SAM's EMA once it holds a gradient."""
+        entry = {"ascent": repr(self.ascent), "descent": repr(self.descent)}
+        if self.ascent is not None and self._run.ascent_started:
+            entry["momentum"] = [t.detach().cpu().clone() for t in self._backend.buffer_tensors(MOMENTUM)]
+        return entry
+
+    def _load_family(self, ours: dict) -> None:
+        """Resume the SAM family's parts; a state saved with other parts is refused."""
+        for part in ("ascent", "descent"):
+            saved, mine = ours.get(part, "None"), repr(getattr(self, part))
+            if saved != mine:
+                raise ValueError(f"state dict was saved with {part}={saved}, this optimizer has {part}={mine}")
+        self._run.ascent_started = "momentum" in ours
+        if self._run.ascent_started:
+            for t, saved in zip(self._backend.buffer_tensors(MOMENTUM), ours["momentum"], strict=True):
+                t.copy_(saved)
 
     def _schedule_entry(self) -> dict:
         entry = {
@@ -775,7 +838,7 @@ class SharpnessAware(torch.optim.Optimizer):
         }
         if self.schedule.corrects:
             entry["orthogonal_energy"] = self._run.orthogonal_energy.detach().cpu().clone()
-            entry["correction"] = [t.detach().cpu().clone() for t in self._backend.correction_tensors()]
+            entry["correction"] = [t.detach().cpu().clone() for t in self._backend.buffer_tensors(CORRECTION)]
         return entry
 
     def _load_schedule(self, entry: dict | None) -> None:
@@ -788,7 +851,7 @@ class SharpnessAware(torch.optim.Optimizer):
             self._run.schedule_state = self.schedule.initial_state(self._run.ema.device)
             if self.schedule.corrects:
                 self._run.orthogonal_energy.zero_()
-                for t in self._backend.correction_tensors():
+                for t in self._backend.buffer_tensors(CORRECTION):
                     t.zero_()
             return
         if entry["schedule"] != repr(self.schedule):
@@ -801,7 +864,7 @@ class SharpnessAware(torch.optim.Optimizer):
         self.schedule.load_state_dict(self._run.schedule_state, entry["state"], self._run.ema.device)
         if self.schedule.corrects:
             self._run.orthogonal_energy.copy_(entry["orthogonal_energy"])
-            for t, saved in zip(self._backend.correction_tensors(), entry["correction"], strict=True):
+            for t, saved in zip(self._backend.buffer_tensors(CORRECTION), entry["correction"], strict=True):
                 t.copy_(saved)
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -835,6 +898,7 @@ class SharpnessAware(torch.optim.Optimizer):
             getattr(self._run, name).copy_(ours[name])
         self._set_last_rho(float(ours["last_rho"]))
         self._load_schedule(ours.get("schedule"))
+        self._load_family(ours)
         self._run.undo = None
 
     def _load_base(self, state_dict: dict, rhos: list | None = None) -> None:
@@ -884,6 +948,24 @@ class SharpnessAware(torch.optim.Optimizer):
                 UserWarning,
                 stacklevel=3,
             )
+
+
+def _check_family(ascent, descent, schedule, capturable: bool) -> None:
+    """Refuse the SAM family's parts where a step could not honour them."""
+    parts = [repr(part) for part in (ascent, descent) if part is not None]
+    if not parts:
+        return
+    if schedule is not None:
+        raise ValueError(
+            f"schedule {schedule!r} with {' and '.join(parts)}: a step the schedule skips has no second gradient for "
+            "the descent and no perturbation for the ascent direction, and the variants do not define one; use "
+            "schedule=None"
+        )
+    if capturable:
+        raise ValueError(
+            f"capturable=True with {' and '.join(parts)}: their steps read the learning rate and the first step's "
+            "flag on the host; use capturable=False"
+        )
 
 
 @torch.compiler.disable
@@ -1082,6 +1164,10 @@ class SAM(SharpnessAware):
             whole step can be captured in a CUDA graph; an overflowing step under loss scaling is then skipped on the
             device (``found_inf``). Needs the ``cpp`` or ``triton`` backend, the fused base step and no schedule
             (:mod:`gearsam_fused.capturable`).
+        ascent, descent: the SAM family's parts (:mod:`gearsam_fused.family`): F-SAM's ascent direction
+            (:class:`~gearsam_fused.family.FriendlyAscent`), GSAM's or WSAM's descent gradient
+            (:class:`~gearsam_fused.family.SurrogateGap`, :class:`~gearsam_fused.family.WeightedSharpness`); None for
+            SAM's own. Not with a schedule or ``capturable=True``.
     """
 
     rule = SAM_RULE
@@ -1101,6 +1187,8 @@ class SAM(SharpnessAware):
         base_step: str = "auto",
         schedule: Schedule | None = None,
         capturable: bool = False,
+        ascent: FriendlyAscent | None = None,
+        descent: Descent | None = None,
         **base_kwargs,
     ):
         if partition is None:
@@ -1108,7 +1196,7 @@ class SAM(SharpnessAware):
         super().__init__(
             params, base_optimizer, rho=rho, adaptive=adaptive, eta=eta, delta=delta, backend=backend,
             model=model, partition=partition, base_step=base_step, base_kwargs=base_kwargs, schedule=schedule,
-            capturable=capturable,
+            capturable=capturable, ascent=ascent, descent=descent,
         )  # fmt: skip
 
     @staticmethod
@@ -1126,6 +1214,8 @@ class GEARSAM(SharpnessAware):
         beta: EMA factor in [0, 1).
         delta: stabiliser of the block direction ``g_b / (||g_b|| + delta)``; must be > 0.
         base_step, schedule, capturable: as :class:`SAM`'s. Under a schedule the EMA takes every step's energies.
+        ascent, descent: as :class:`SAM`'s: GEAR-SAM's allocation with F-SAM's ascent direction or GSAM's or WSAM's
+            descent gradient, whose inner products and norms are then taken per block.
     """
 
     rule = GEAR_RULE
@@ -1146,14 +1236,42 @@ class GEARSAM(SharpnessAware):
         base_step: str = "auto",
         schedule: Schedule | None = None,
         capturable: bool = False,
+        ascent: FriendlyAscent | None = None,
+        descent: Descent | None = None,
         **base_kwargs,
     ):
         self.beta = check_real("beta", beta, low=0.0, high=1.0)
         super().__init__(
             params, base_optimizer, rho=rho, adaptive=adaptive, eta=eta, delta=delta, backend=backend,
             model=model, partition=partition, base_step=base_step, base_kwargs=base_kwargs, schedule=schedule,
-            capturable=capturable,
+            capturable=capturable, ascent=ascent, descent=descent,
         )  # fmt: skip
+
+
+class GSAM(SAM):
+    """GSAM (Zhuang et al., ICLR 2022): :class:`SAM` whose descent gradient is
+    :class:`~gearsam_fused.family.SurrogateGap` (``alpha``, ``eps``). Other arguments as :class:`SAM`'s."""
+
+    def __init__(self, params, base_optimizer, rho: float = 0.05, *, alpha: float = 0.4, eps: float = 1e-12, **kwargs):
+        super().__init__(params, base_optimizer, rho, descent=SurrogateGap(alpha, eps), **kwargs)
+
+
+class WSAM(SAM):
+    """WSAM (Yue et al., KDD 2023): :class:`SAM` whose descent gradient is
+    :class:`~gearsam_fused.family.WeightedSharpness` (``gamma``, ``decouple``). Other arguments as :class:`SAM`'s."""
+
+    def __init__(self, params, base_optimizer, rho: float = 0.05, *, gamma: float = 0.9, decouple: bool = True,
+                 **kwargs):  # fmt: skip
+        super().__init__(params, base_optimizer, rho, descent=WeightedSharpness(gamma, decouple), **kwargs)
+
+
+class FriendlySAM(SAM):
+    """F-SAM (Li et al., CVPR 2024): :class:`SAM` whose ascent direction is
+    :class:`~gearsam_fused.family.FriendlyAscent` (``sigma``, ``lmbda``). Other arguments as :class:`SAM`'s."""
+
+    def __init__(self, params, base_optimizer, rho: float = 0.05, *, sigma: float = 1.0, lmbda: float = 0.9,
+                 **kwargs):  # fmt: skip
+        super().__init__(params, base_optimizer, rho, ascent=FriendlyAscent(sigma, lmbda), **kwargs)
 
 
 #: The sharpness-aware optimizers by rule: the names the ``gearsam`` command and state dicts use.

@@ -128,6 +128,15 @@ def sam_step(opt, model, xy):
     opt.second_step(zero_grad=True)
 
 
+def grad_at(model, params: list[torch.Tensor], w: torch.Tensor, xy) -> torch.Tensor:
+    """The gradient of :func:`loss_fn` over ``params`` (one vector) at the weights ``w`` (one vector, written into
+    ``params``): the float64 re-computations' gradient."""
+    torch.nn.utils.vector_to_parameters(w, params)
+    model.zero_grad()
+    loss_fn(model, xy).backward()
+    return torch.cat([p.grad.reshape(-1) for p in params])
+
+
 def flat(model) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1).double() for p in model.parameters()])
 

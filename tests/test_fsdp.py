@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gearsam_fused import GEARSAM, SAM
+from gearsam_fused import GEARSAM, SAM, FriendlyAscent, SurrogateGap, WeightedSharpness
 from gearsam_fused.distributed import sam_step
 from gearsam_fused.models import resnet18
 
@@ -87,7 +87,7 @@ def batches(world: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 class Scenario(NamedTuple):
-    method: str  # "sam", "asam" or "gear-sam"
+    method: str  # "sam", "asam", "gear-sam", or one of FAMILY
     backend: str
     driver: str = "two-pass"  # or "closure": opt.step(closure); or gearsam_fused.distributed.sam_step
     reshard_after_forward: bool = True
@@ -102,12 +102,26 @@ SCENARIOS = {
     "sam-closure": Scenario("sam", "auto", driver="closure"),
     "gear-sam-sam_step": Scenario("gear-sam", "auto", driver="sam_step"),
     "gear-sam-bf16": Scenario("gear-sam", "auto", mixed_precision=True),
+    **{method: Scenario(method, "auto") for method in ("gsam", "gear-gsam", "wsam", "friendly-sam")},
+}
+
+
+#: The SAM family's scenarios: method -> the parts (gearsam_fused.family), on SAM's allocation or GEAR-SAM's.
+FAMILY = {
+    "gsam": dict(descent=SurrogateGap(0.3)),
+    "gear-gsam": dict(descent=SurrogateGap(0.3)),
+    "wsam": dict(descent=WeightedSharpness(0.8)),
+    "friendly-sam": dict(ascent=FriendlyAscent()),
 }
 
 
 def make_optimizer(model: nn.Module, scenario: Scenario):
-    if scenario.method == "gear-sam":
-        return GEARSAM(model, torch.optim.SGD, partition="coarse", rho=0.05, beta=0.9, backend=scenario.backend, **SGD)
+    parts = FAMILY.get(scenario.method, {})
+    if scenario.method.startswith("gear-"):
+        return GEARSAM(model, torch.optim.SGD, partition="coarse", rho=0.05, beta=0.9, backend=scenario.backend,
+                       **parts, **SGD)  # fmt: skip
+    if parts:
+        return SAM(model, torch.optim.SGD, rho=0.05, backend=scenario.backend, **parts, **SGD)
     adaptive = scenario.method == "asam"
     return SAM(
         model, torch.optim.SGD, rho=0.5 if adaptive else 0.05, adaptive=adaptive, backend=scenario.backend, **SGD

@@ -17,7 +17,7 @@ from torch import nn
 L = pytest.importorskip("lightning.pytorch")
 transformers = pytest.importorskip("transformers")
 
-from gearsam_fused import GEARSAM, SAM, frozen_bn_stats  # noqa: E402
+from gearsam_fused import GEARSAM, SAM, FriendlySAM, SurrogateGap, frozen_bn_stats  # noqa: E402
 from gearsam_fused.integrations.lightning import SharpnessAwareMixin  # noqa: E402
 from gearsam_fused.models import resnet18  # noqa: E402
 
@@ -63,12 +63,17 @@ def loss_of(kind: str, net: nn.Module, batch) -> torch.Tensor:
 
 
 def make_optimizer(net: nn.Module, sam: str):
-    """SAM, ASAM or GEAR-SAM around torch's AdamW; ``"plain"``: that AdamW alone."""
+    """SAM, ASAM, GEAR-SAM or the family's GEAR-SAM with GSAM's descent ("gear-gsam") and F-SAM ("friendly-sam")
+    around torch's AdamW; ``"plain"``: that AdamW alone."""
     if sam == "plain":
         return torch.optim.AdamW(net.parameters(), lr=1e-2, weight_decay=0.01)
     kw = dict(rho=0.05, lr=1e-2, weight_decay=0.01)
     if sam == "gear-sam":
         return GEARSAM(net, torch.optim.AdamW, beta=0.9, **kw)
+    if sam == "gear-gsam":
+        return GEARSAM(net, torch.optim.AdamW, beta=0.9, descent=SurrogateGap(0.3), **kw)
+    if sam == "friendly-sam":
+        return FriendlySAM(net, torch.optim.AdamW, **kw)
     return SAM(net, torch.optim.AdamW, adaptive=sam == "asam", eta=0.01 if sam == "asam" else 0.0, **kw)
 
 
@@ -139,7 +144,7 @@ def manual(
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "cnn"])
-@pytest.mark.parametrize("sam", ["sam", "asam", "gear-sam"])
+@pytest.mark.parametrize("sam", ["sam", "asam", "gear-sam", "gear-gsam", "friendly-sam"])
 @pytest.mark.parametrize("acc,clip", [(1, 0.0), (3, 0.0), (2, 0.05)], ids=["plain", "accumulation", "acc-clip"])
 def test_fit_equals_the_manual_two_pass_loop(kind, sam, acc, clip):
     data = batches(kind, STEPS * acc)

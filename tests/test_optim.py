@@ -13,7 +13,19 @@ import gearsam_fused
 from gearsam_fused import GEARSAM, SAM, compact_state_dict, format_partition
 from gearsam_fused.allocation import gear_allocate, sam_allocate
 
-from conftest import ALL, FP32_STEP_RTOL, FP64_STEP_RTOL, SGD_KW, batches, flat, loss_fn, rel_err, sam_step, tiny_resnet
+from conftest import (
+    ALL,
+    FP32_STEP_RTOL,
+    FP64_STEP_RTOL,
+    SGD_KW,
+    batches,
+    flat,
+    grad_at,
+    loss_fn,
+    rel_err,
+    sam_step,
+    tiny_resnet,
+)
 
 STEPS = 25
 
@@ -55,15 +67,9 @@ def _gear_sam_float64(model, data, rho, beta, delta, lr, momentum, weight_decay,
     s = torch.zeros(len(blocks), dtype=torch.float64)
     buf = None
 
-    def grad_at(w, xy):
-        torch.nn.utils.vector_to_parameters(w, params)
-        model.zero_grad()
-        loss_fn(model, xy).backward()
-        return torch.cat([p.grad.reshape(-1) for p in params])
-
     w = torch.nn.utils.parameters_to_vector(params).detach().clone()
     for xy in data:
-        g = grad_at(w, xy)
+        g = grad_at(model, params, w, xy)
         t = w.abs() + eta if adaptive else torch.ones_like(w)
         e = (
             torch.stack([((t * g) ** 2).sum() for t, g in zip(t.split(sizes), g.split(sizes))])
@@ -78,7 +84,7 @@ def _gear_sam_float64(model, data, rho, beta, delta, lr, momentum, weight_decay,
                 for b, (tb, gb) in enumerate(zip(t.split(sizes), g.split(sizes)))
             ]
         )
-        G = grad_at(w + eps, xy)
+        G = grad_at(model, params, w + eps, xy)
         d = G + weight_decay * w
         buf = d.clone() if buf is None else momentum * buf + d
         w = w - lr * buf

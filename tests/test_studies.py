@@ -186,3 +186,33 @@ def test_an_interrupted_study_is_rebuilt_then_resumed_exactly(tmp_path, monkeypa
     out = ok(gearsam("plot", cut))
     assert f"wrote {cut / 'study.png'}" in out and "| 0.5 | sam - sgd |" in (cut / "study.md").read_text()
     assert_real_plot(cut / "study.png")
+
+
+def test_the_family_study_sets_each_variant_against_sgd_sam_and_gear_sam_on_noisy_labels():
+    study, cfg = STUDIES["family"], study_config("family")
+    family = ("gsam", "wsam", "friendly-sam", "gear-gsam")
+    assert study.optimizers == ("sgd", "sam", "gear-sam", *family) and cfg.optimizers == list(study.optimizers)
+    assert (study.setting, study.values, study.reference, study.baseline) == ("label_noise", (0.4,), None, None)
+    assert (cfg.label_noise, cfg.seeds, cfg.epochs, cfg.schedule) == (0.4, [0, 1, 2, 3, 4], 15, "cosine")
+    assert (cfg.seeds, cfg.label_noise) == (study_config("beta").seeds, study_config("beta").label_noise)
+    results = {0.4: [{"optimizer": o, "seed": s, "test_acc": 80.0 + i + s} for i, o in enumerate(study.optimizers)
+                     for s in (0, 1)]}  # fmt: skip
+    numbers = summarize_study(study, study.values, study.optimizers, results)
+    pairs = {p["pair"]: p for p in numbers["paired_differences"]}
+    for i, name in enumerate(study.optimizers[1:], 1):  # each against SGD and, past SAM, against SAM: variant first
+        assert pairs[f"{name} - sgd"]["per_seed"] == pytest.approx({"0": i, "1": i})
+        assert name == "sam" or pairs[f"{name} - sam"]["mean"] == pytest.approx(i - 1)
+    assert {"gear-gsam - gsam", "gear-gsam - gear-sam"} <= set(pairs) and len(pairs) == 21  # every pair once
+
+
+def test_reproduce_family_trains_every_variant_at_the_study_label_noise(tmp_path):
+    out = tmp_path / "study"
+    ok(gearsam("reproduce", "family", "--epochs", 1, "--seeds", 0, "--batch-size", 256, "--threads", 1, "--out", out))
+    optimizers = list(STUDIES["family"].optimizers)
+    numbers = json.loads((out / "study.json").read_text())
+    assert [(r["value"], r["optimizer"]) for r in numbers["accuracy"]] == [(0.4, o) for o in optimizers]
+    config = json.loads((out / "label_noise=0.4" / "config.json").read_text())
+    assert (config["label_noise"], config["optimizers"]) == (0.4, optimizers)
+    text = (out / "study.md").read_text()
+    assert "| 0.4 | friendly-sam - sam |" in text and "| 0.4 | gear-gsam - gear-sam |" in text
+    assert_real_plot(out / "study.png")

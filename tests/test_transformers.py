@@ -27,7 +27,7 @@ from transformers import (  # noqa: E402
 )
 
 from gearsam_fused import GEARSAM, SAM, partition  # noqa: E402
-from gearsam_fused.integrations.transformers import SAMTrainer  # noqa: E402
+from gearsam_fused.integrations.transformers import FLAVOURS, SAMTrainer  # noqa: E402
 
 from conftest import flat, rel_err  # noqa: E402
 
@@ -94,7 +94,7 @@ def manual_run(
         {"params": [p for n, p in model.named_parameters() if n in decay], "weight_decay": trainer.args.weight_decay},
         {"params": [p for n, p in model.named_parameters() if n not in decay], "weight_decay": 0.0},
     ]
-    cls = GEARSAM if sam == "gear-sam" else SAM
+    cls = FLAVOURS[sam][0]
     extra = {"beta": 0.9} if cls is GEARSAM else {"adaptive": sam == "asam", "eta": 0.01 if sam == "asam" else 0.0}
     base, kwargs = trainer.get_optimizer_cls_and_kwargs(trainer.args, model)  # transformers 5: AdamW, fused=True
     opt = cls(groups, base, model=model, rho=0.05, **extra, **kwargs)
@@ -131,7 +131,7 @@ def manual_run(
     return model
 
 
-@pytest.mark.parametrize("sam", ["sam", "asam", "gear-sam"])
+@pytest.mark.parametrize("sam", list(FLAVOURS))
 @pytest.mark.parametrize("ga,clip", [(1, 0.0), (3, 0.0), (2, 0.05)], ids=["plain", "accumulation", "acc-clip"])
 def test_trainer_equals_the_manual_two_pass_loop(tmp_path, sam, ga, clip):
     steps = 6

@@ -74,7 +74,9 @@ def _adder(parser: argparse.ArgumentParser, defaults: RunConfig):
 def _training_options(parser: argparse.ArgumentParser, defaults: RunConfig) -> None:
     """Options shared by demo and train."""
     add = _adder(parser, defaults)
-    add("--optimizers", nargs="+", choices=OPTIMIZERS, help=f"which of {', '.join(OPTIMIZERS)} to train")
+    add("--optimizers", nargs="+", choices=OPTIMIZERS, help=f"which of {', '.join(OPTIMIZERS)} to train; gsam, wsam "
+        "and friendly-sam are GSAM, WSAM and F-SAM at their authors' defaults, gear-gsam GEAR-SAM with GSAM's "
+        "descent")  # fmt: skip
     add("--seeds", type=int, nargs="+", help="one run per optimizer and seed")
     resumable = "; with --resume, the run's new total (see --resume)" if defaults.command == "train" else ""
     add("--epochs", type=int, help="epochs of each run" + resumable)
@@ -144,8 +146,8 @@ def _study_commands(sub) -> None:
         "study",
         choices=list(STUDIES),
         help="; ".join(f"{k}: {s.about}" for k, s in STUDIES.items())
-        + ". Defaults: the demo's, with --schedule cosine and five seeds; partition, rho, beta and efficiency train "
-        "on 40%% noisy labels, hessian on three seeds",
+        + ". Defaults: the demo's, with --schedule cosine and five seeds; partition, rho, beta, efficiency and "
+        "family train on 40%% noisy labels, hessian on three seeds",
     )
     _training_options(reproduce, study_config())
     _model_options(reproduce, study_config())
@@ -214,7 +216,8 @@ def _model_options(parser: argparse.ArgumentParser, defaults: RunConfig) -> None
     add("--schedule", choices=SCHEDULES, help="learning rate schedule over all steps")
     add("--second-pass", metavar="SPEC", help=f"which SAM/GEAR-SAM steps take the second forward and backward: "
         f"{SECOND_PASS_FORMS} (LookSAM's ALPHA 0.7 and AE-SAM's C 0 unless given; random draws from the seed); the "
-        "other steps update with the first gradient alone. Not for sgd")  # fmt: skip
+        "other steps update with the first gradient alone. Not for sgd, nor for gsam, wsam, friendly-sam and "
+        "gear-gsam, which take it on every step")  # fmt: skip
     add("--adaptive", action="store_const", const=True, help="ASAM scaling |w| + eta")
     add("--device", help="cpu, cuda or cuda:N")
     add("--amp", choices=AMP_MODES, help="bf16: forward and loss under bfloat16 autocast")

@@ -22,10 +22,12 @@ from gearsam_fused.allocation import GEAR_RULE, SAM_RULE
 
 from .metrics import read_metrics
 
-_TITLES = {"sgd": "SGD", SAM_RULE: "SAM", GEAR_RULE: "GEAR-SAM"}
+_TITLES = {"sgd": "SGD", SAM_RULE: "SAM", GEAR_RULE: "GEAR-SAM", "gsam": "GSAM", "wsam": "WSAM",
+           "friendly-sam": "F-SAM", "gear-gsam": "GEAR-SAM + GSAM descent"}  # fmt: skip
 # One colour per optimizer in every panel and figure, whichever optimizers a panel leaves out (SGD has no realized
 # sharpness): matplotlib's cycle would hand the next line the colour of the one skipped.
-_COLORS = {"sgd": "C0", SAM_RULE: "C1", GEAR_RULE: "C2"}
+_COLORS = {"sgd": "C0", SAM_RULE: "C1", GEAR_RULE: "C2", "gsam": "C3", "wsam": "C4", "friendly-sam": "C5",
+           "gear-gsam": "C6"}  # fmt: skip
 
 
 def color_of(name: str) -> str:

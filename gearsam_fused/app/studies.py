@@ -7,7 +7,9 @@ the same seed gives two optimizers the same initial weights, batches and noisy l
 the comparison the seed spread does not blur — and ``study.json`` with every number. The plots draw ``study.png``.
 The ``hessian`` study trains each optimizer once, keeps the final weights and probes their Hessian spectrum. The
 ``efficiency`` study varies SAM's and GEAR-SAM's second-pass schedule and sets accuracy against cost: the share of
-steps that took the second pass and the training time against SGD's, trained once, at the reference value.
+steps that took the second pass and the training time against SGD's, trained once, at the reference value. The
+``family`` study trains the SAM family's variants (:data:`~.training.FAMILY`) beside SGD, SAM and GEAR-SAM at one
+label noise.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from .metrics import MetricsLog, read_metrics
 from .probe import ROWS, ProbeSettings, probe_run, spectrum_table
 from .training import (
     ALWAYS,
+    FAMILY,
     RESUMABLE,
     SGD,
     RunConfig,
@@ -91,13 +94,18 @@ STUDIES = {
                                         "looksam:10", "adaptive"), (SGD, SAM_RULE, GEAR_RULE),
                         "second-pass schedules: accuracy against cost, next to full SAM/GEAR-SAM and SGD",
                         (*_NOISY, ("epochs", 8)), ALWAYS, SGD),
+    # one value, the other studies' 40% noisy labels: SGD, SAM and GEAR-SAM first, so that the paired differences
+    # set each variant against both
+    "family": Study("label_noise", (0.4,), (SGD, SAM_RULE, GEAR_RULE, *FAMILY),
+                    "the SAM family (GSAM, WSAM, F-SAM, GEAR-SAM with GSAM's descent) next to SGD, SAM and GEAR-SAM",
+                    _NOISY),
 }  # fmt: skip
 
 
 def study_config(name: str | None = None, **given) -> RunConfig:
-    """The settings of study ``name`` (of every study when None): the demo's, :data:`DEFAULTS`, the study's own,
-    then ``given``."""
-    base = dict(STUDIES[name].base) if name else {}
+    """The settings of study ``name`` (of every study when None): the demo's, :data:`DEFAULTS`, the study's own
+    (its optimizers among them: the demo trains only SGD, SAM and GEAR-SAM), then ``given``."""
+    base = {"optimizers": list(STUDIES[name].optimizers), **dict(STUDIES[name].base)} if name else {}
     return demo_config(**{"command": f"reproduce {name or ''}".strip(), **DEFAULTS, **base, **given})
 
 

@@ -29,8 +29,22 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gearsam_fused import (
+    GEARSAM,
+    GSAM,
+    WSAM,
+    Adaptive,
+    BlockTelemetry,
+    Every,
+    FriendlySAM,
+    LookSAM,
+    Random,
+    Schedule,
+    SurrogateGap,
+    __version__,
+    frozen_bn_stats,
+)
 from gearsam_fused import OPTIMIZERS as SHARPNESS_AWARE
-from gearsam_fused import Adaptive, BlockTelemetry, Every, LookSAM, Random, Schedule, __version__, frozen_bn_stats
 from gearsam_fused.allocation import GEAR_RULE
 from gearsam_fused.backends import resolve_backend_name
 from gearsam_fused.checks import check_real
@@ -44,9 +58,29 @@ from .metrics import MetricsLog
 
 #: The baseline without SAM: the base optimizer alone.
 SGD = "sgd"
-#: The optimizers a run can train, by the names of ``--optimizers`` and the metrics rows: the baseline, then the
-#: library's sharpness-aware optimizers by their rule.
-OPTIMIZERS = (SGD, *SHARPNESS_AWARE)
+#: The SAM family by the names of ``--optimizers``: each name's library class and the keywords that set its part, at
+#: its authors' defaults (fixed: no option changes them).
+#:
+#: - ``gsam``: GSAM (Zhuang et al.), SAM's perturbation with the surrogate-gap descent, alpha 0.4;
+#: - ``wsam``: WSAM (Yue et al.), SAM's perturbation with the weighted-sharpness descent, gamma 0.9, decoupled;
+#: - ``friendly-sam``: F-SAM (Li et al.), SAM with the friendly ascent direction, sigma 1.0, lambda 0.9;
+#: - ``gear-gsam``: GEAR-SAM's block-wise allocation with GSAM's descent, alpha 0.4 (inner products per block).
+#:
+#: Their steps need both gradients of every step: no ``--second-pass`` schedule but ``always``.
+FAMILY = {
+    "gsam": (GSAM, {"alpha": 0.4}),
+    "wsam": (WSAM, {"gamma": 0.9, "decouple": True}),
+    "friendly-sam": (FriendlySAM, {"sigma": 1.0, "lmbda": 0.9}),
+    "gear-gsam": (GEARSAM, {"descent": SurrogateGap(alpha=0.4)}),  # a part holds no state: one serves every run
+}
+#: Every sharpness-aware optimizer a run can train, by name: the library's by their rule, with their own step
+#: (no part), then the family.
+BUILDS = {**{rule: (cls, {}) for rule, cls in SHARPNESS_AWARE.items()}, **FAMILY}
+#: The paper's comparison, which the demo trains: the baseline, then the library's sharpness-aware optimizers by
+#: their rule.
+PAPER = (SGD, *SHARPNESS_AWARE)
+#: The optimizers a run can train, by the names of ``--optimizers`` and the metrics rows: the demo's, then the family.
+OPTIMIZERS = (*PAPER, *FAMILY)
 SCHEDULES = ("constant", "cosine")
 #: Every SAM/GEAR-SAM step takes the second forward and backward: ``--second-pass``'s default.
 ALWAYS = "always"
@@ -211,6 +245,12 @@ class RunConfig:
         schedule = second_pass_schedule(self.second_pass, name=spell("second_pass"))
         if schedule is None:
             return
+        family = [o for o in self.optimizers if o in FAMILY]
+        if family:  # said here, before anything trains, in the command's words rather than the library's
+            raise ValueError(f"{spell('second_pass')} {self.second_pass} cannot schedule {', '.join(family)}: a step "
+                             "that skipped the second pass would have no second gradient for their descent and no "
+                             "perturbation for their ascent, so they take it on every step; drop them from "
+                             f"{spell('optimizers')} or use {spell('second_pass')} {ALWAYS}")  # fmt: skip
         plain = [o for o in self.optimizers if o not in SHARPNESS_AWARE]
         if plain:
             raise ValueError(f"{spell('second_pass')} {self.second_pass} schedules the second pass of "
@@ -360,15 +400,15 @@ def clear_dir(path: Path) -> None:
 
 def make_optimizer(name: str, model: nn.Module, cfg: RunConfig, seed: int = 0) -> torch.optim.Optimizer:
     """The optimizer ``name`` of :data:`OPTIMIZERS` over ``model``: SGD with the run's momentum and weight decay, alone
-    or as the base optimizer of the library's sharpness-aware optimizer of that rule, under the run's second-pass
-    schedule (``random:P`` draws its steps from ``seed``)."""
+    or as the base optimizer of the library's sharpness-aware optimizer of that name (:data:`BUILDS`), under the
+    run's second-pass schedule (``random:P`` draws its steps from ``seed``)."""
     base = dict(lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
     if name == SGD:
         return torch.optim.SGD(model.parameters(), **base)
-    if name not in SHARPNESS_AWARE:
+    if name not in BUILDS:
         raise ValueError(f"unknown optimizer {name!r}; expected one of {OPTIMIZERS}")
-    sharpness_aware = SHARPNESS_AWARE[name]
-    hyper = dict(rho=cfg.rho, adaptive=cfg.adaptive, backend=cfg.backend, **base)
+    sharpness_aware, part = BUILDS[name]
+    hyper = dict(rho=cfg.rho, adaptive=cfg.adaptive, backend=cfg.backend, **part, **base)
     hyper["schedule"] = second_pass_schedule(cfg.second_pass, seed)
     if "beta" in inspect.signature(sharpness_aware).parameters:  # an EMA-based rule (GEAR-SAM); SAM refuses a beta
         hyper["beta"] = cfg.beta
@@ -502,8 +542,9 @@ class TrainingRun:
 
     @property
     def sharpness_aware(self) -> bool:
-        """Whether the run steps a SAM/GEAR-SAM optimizer (two passes a step) rather than plain SGD."""
-        return self.name in SHARPNESS_AWARE
+        """Whether the run steps a SAM/GEAR-SAM optimizer or one of the family (two passes a step) rather than plain
+        SGD."""
+        return self.name in BUILDS
 
 
 @torch.no_grad()

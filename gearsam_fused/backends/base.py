@@ -30,6 +30,11 @@ from ..checks import check_dense_grad
 from ..partition import Block
 from ..sharding import local
 
+#: The buffers a backend may keep beside the parameters, laid out like the gradients: the kept gradient (LookSAM's
+#: g, then g_v; GSAM's and WSAM's first gradient) and F-SAM's EMA of the gradients (:mod:`gearsam_fused.family`).
+CORRECTION, MOMENTUM = "correction", "momentum"
+BUFFERS = (CORRECTION, MOMENTUM)
+
 
 class Backend:
     """Base class. ``blocks`` is the optimizer's partition; ``device`` receives energies, EMA and radii;
@@ -51,7 +56,9 @@ class Backend:
         #: Whether the parameters hold ``w + eps``: set by :meth:`perturb_`, cleared by :meth:`restore_`. The one record
         #: of it; the optimizer reads it from here.
         self.perturbed = False
-        self._corrections: dict[int, torch.Tensor] = {}  # id(p) -> LookSAM's buffer of p, made on first use
+        # name -> id(p) -> that buffer of p, made on first use (BUFFERS: LookSAM's or GSAM's and WSAM's kept gradient,
+        # F-SAM's gradient EMA); the flat-buffer backends key them by bucket instead
+        self._buffers: dict[str, dict[int, torch.Tensor]] = {name: {} for name in BUFFERS}
 
     @staticmethod
     def installed() -> bool:
@@ -116,10 +123,11 @@ class Backend:
     # gradient from first_step to second_step, then the orthogonal part g_v of the SAM gradient until the next SAM
     # step. Allocated on first use. Written here per tensor, straight from the formulas (the reference backend's and
     # the sharded backend's implementation); the flat-buffer backends do the same per bucket.
-    def _correction(self, p: torch.Tensor) -> torch.Tensor:
-        kept = self._corrections.get(id(p))
+    def _buffer(self, name: str, p: torch.Tensor) -> torch.Tensor:
+        store = self._buffers[name]
+        kept = store.get(id(p))
         if kept is None:
-            kept = self._corrections[id(p)] = torch.zeros_like(local(p))
+            kept = store[id(p)] = torch.zeros_like(local(p))
         return kept
 
     def _named_grads(self):
@@ -127,7 +135,7 @@ class Backend:
         for b, block in enumerate(self.blocks):
             for name, p in zip(block.param_names, block.params):
                 g = check_dense_grad(p.grad, repr(name))
-                yield b, self._correction(p), None if g is None else local(g)
+                yield b, self._buffer(CORRECTION, p), None if g is None else local(g)
 
     @torch.no_grad()
     def keep_gradient_(self) -> None:
@@ -169,13 +177,75 @@ class Backend:
                 s = correction_scale[b].to(device=g.device, dtype=dtype)
                 g.copy_(g.to(dtype) + s * kept.to(dtype))
 
-    def correction_tensors(self) -> list[torch.Tensor]:
-        """The correction buffer as one tensor per parameter, in block order (zeros before first use)."""
-        return [self._correction(p) for block in self.blocks for p in block.params]
+    # The SAM family's parts (gearsam_fused.family), per tensor as above; the flat-buffer backends run them per bucket.
+    def _params_and_grads(self):
+        """(block index, parameter, local gradient or None) for every parameter, in block order."""
+        for b, block in enumerate(self.blocks):
+            for name, p in zip(block.param_names, block.params):
+                g = check_dense_grad(p.grad, repr(name))
+                yield b, p, None if g is None else local(g)
 
-    def correction_bytes(self) -> int:
-        """Bytes of the correction buffer (0 until first used)."""
-        return sum(t.nbytes for t in self._corrections.values())
+    @torch.no_grad()
+    def kept_energy(self) -> torch.Tensor:
+        """float64 ``[B]``: ``sum_{p in b} ||correction_p||^2``, the energies of the kept gradient."""
+        energy = torch.zeros(len(self.blocks), dtype=torch.float64, device=self.device)
+        for b, kept, _ in self._named_grads():
+            energy[b] += kept.double().square().sum().to(self.device)
+        return energy
+
+    @torch.no_grad()
+    def mix_gradient_(self, grad_scale: torch.Tensor, kept_scale: torch.Tensor) -> None:
+        """``g <- grad_scale[b] * g + kept_scale[b] * correction`` per block (float64 scales, arithmetic in the
+        compute dtype); parameters without a gradient keep none."""
+        for b, kept, g in self._named_grads():
+            if g is not None:
+                dtype = compute_dtype(g)
+                a, c = (s[b].to(device=g.device, dtype=dtype) for s in (grad_scale, kept_scale))
+                g.copy_(g.to(dtype) * a + kept.to(dtype) * c)
+
+    @torch.no_grad()
+    def exchange_sharpness_(self) -> None:
+        """``g <- correction`` (the kept first gradient) and ``correction <- g - correction`` (the sharpness
+        gradient), in the gradients' dtype; zero correction where a parameter has no gradient."""
+        for _, kept, g in self._named_grads():
+            if g is None:
+                kept.zero_()
+                continue
+            sharpness = g - kept
+            g.copy_(kept)
+            kept.copy_(sharpness)
+
+    @torch.no_grad()
+    def add_kept_(self, group_scale: list[float]) -> None:
+        """``w <- w + group_scale[group(p)] * correction_p`` for every parameter with a gradient (one ``add_`` per
+        tensor)."""
+        params = [p for block in self.blocks for p in block.params]
+        for p, kept in zip(params, self.buffer_tensors(CORRECTION), strict=True):
+            if p.grad is not None:
+                scale = group_scale[self.param_group[id(p)]] if self.param_group is not None else group_scale[0]
+                local(p).add_(kept, alpha=scale)
+
+    @torch.no_grad()
+    def friendly_ascent_(self, sigma: float, lmbda: float, first: bool) -> None:
+        """F-SAM's ascent direction written into the gradients: on the ``first`` step ``m <- g`` (``g`` unchanged),
+        after it ``g <- g - sigma * m`` and ``m <- lerp(m, g_before, 1 - lmbda)``, in the gradients' dtype."""
+        for _, p, g in self._params_and_grads():
+            if g is not None:
+                friendly_ascent(g, self._buffer(MOMENTUM, p), sigma, lmbda, first)
+
+    def buffer_tensors(self, name: str) -> list[torch.Tensor]:
+        """The buffer ``name`` (one of :data:`BUFFERS`) as one tensor per parameter, in block order (zeros before
+        first use)."""
+        return [self._buffer(name, p) for block in self.blocks for p in block.params]
+
+    def buffer_bytes(self) -> dict[str, int]:
+        """Bytes of each of :data:`BUFFERS` (0 until first used)."""
+        return {name: sum(t.nbytes for t in store.values()) for name, store in self._buffers.items()}
+
+    def _with_buffers(self, report: dict[str, int]) -> dict[str, int]:
+        """``report`` with each buffer's bytes under its name, and in ``total``."""
+        buffers = self.buffer_bytes()
+        return {**report, **buffers, "total": report["total"] + sum(buffers.values())}
 
     def _restore_and_update(self, updates: list, found_inf: torch.Tensor | None) -> None:
         """:meth:`restore_and_update_`'s tensor work."""
@@ -208,6 +278,17 @@ class Backend:
         """Bytes this backend holds (at its peak within a step) beyond the parameters and their gradients; the
         correction buffer, once allocated, is in ``correction`` and in ``total``."""
         raise NotImplementedError
+
+
+def friendly_ascent(g: torch.Tensor, m: torch.Tensor, sigma: float, lmbda: float, first: bool) -> None:
+    """:meth:`Backend.friendly_ascent_` on one gradient ``g`` and its EMA ``m`` (the operations F-SAM's authors use:
+    a subtraction with ``alpha``, then ``lerp_`` towards the gradient before it)."""
+    if first:
+        m.copy_(g)
+        return
+    before = g.clone()
+    g.sub_(m, alpha=sigma)
+    m.lerp_(before, 1.0 - lmbda)
 
 
 def compute_dtype(t: torch.Tensor) -> torch.dtype:

@@ -15,7 +15,7 @@ import torch
 from ..allocation import GEAR_RULE, check_rule
 from ..base_step import BucketUpdate
 from ..flat import Bucket, FlatLayout
-from .base import Backend, compute_dtype
+from .base import CORRECTION, MOMENTUM, Backend, compute_dtype, friendly_ascent
 
 
 class FusedBackend(Backend):
@@ -82,18 +82,19 @@ class FusedBackend(Backend):
         self.layout.zero_grads_()
 
     def memory_overhead(self) -> dict[str, int]:
-        report = self.layout.memory_overhead()
-        report["correction"] = self.correction_bytes()
-        report["total"] += report["correction"]
-        return report
+        return self._with_buffers(self.layout.memory_overhead())
 
     # ------------------------------------------------------------------ LookSAM's correction, per bucket
-    def _flat_correction(self, bucket: Bucket) -> torch.Tensor:
-        """The bucket's correction buffer, laid out like its gradient (zeros when first asked for)."""
-        flat = self._corrections.get(id(bucket))
+    def _flat_buffer(self, name: str, bucket: Bucket) -> torch.Tensor:
+        """The bucket's buffer ``name``, laid out like its gradient (zeros when first asked for)."""
+        store = self._buffers[name]
+        flat = store.get(id(bucket))
         if flat is None:
-            flat = self._corrections[id(bucket)] = torch.zeros_like(bucket.grad)
+            flat = store[id(bucket)] = torch.zeros_like(bucket.grad)
         return flat
+
+    def _flat_correction(self, bucket: Bucket) -> torch.Tensor:
+        return self._flat_buffer(CORRECTION, bucket)
 
     def _tiles_of(self, flat: torch.Tensor, bucket: Bucket) -> torch.Tensor:
         return flat.view(bucket.n_tiles, bucket.tile)
@@ -155,18 +156,77 @@ class FusedBackend(Backend):
     def add_correction_(self, correction_scale: torch.Tensor) -> None:
         for bucket in self._live_buckets():
             self._gradient_plus_correction(bucket, correction_scale, 1, out=bucket.grad)
-            # the regions of parameters without a gradient changed too: the next sync must zero them again
-            for slot in bucket.slots:
-                slot.dirty = True
+            self._touched(bucket)
 
-    def correction_tensors(self) -> list[torch.Tensor]:
+    # ------------------------------------------------------------------ the SAM family's parts, per bucket
+    def _per_tile(self, per_block: torch.Tensor, bucket: Bucket, dtype: torch.dtype) -> torch.Tensor:
+        """``[n_tiles, 1]``: each tile's entry of the float64 ``[B]`` vector ``per_block``, in ``dtype``."""
+        return per_block.to(bucket.device)[bucket.tile_block].to(dtype).unsqueeze(1)
+
+    def _touched(self, bucket: Bucket) -> None:
+        # the regions of parameters without a gradient may have changed: the next sync must zero them again
+        for slot in bucket.slots:
+            slot.dirty = True
+
+    @torch.no_grad()
+    def kept_energy(self) -> torch.Tensor:
+        return self._per_block(
+            self._bucket_energy(bucket, False, 0.0, self._flat_correction(bucket)) for bucket in self._live_buckets()
+        )
+
+    @torch.no_grad()
+    def mix_gradient_(self, grad_scale: torch.Tensor, kept_scale: torch.Tensor) -> None:
+        for bucket in self._live_buckets():
+            g = self._tiles_of(bucket.grad, bucket)
+            kept = self._tiles_of(self._flat_correction(bucket), bucket)
+            dtype = compute_dtype(g)
+            a, c = (self._per_tile(s, bucket, dtype) for s in (grad_scale, kept_scale))
+            rows = max(1, _CHUNK // bucket.tile)  # a bounded temporary, still in cache when it is copied back
+            for start in range(0, bucket.n_tiles, rows):
+                part = slice(start, start + rows)
+                g[part].copy_(torch.addcmul(g[part].to(dtype) * a[part], kept[part].to(dtype), c[part]))
+            self._touched(bucket)
+
+    @torch.no_grad()
+    def exchange_sharpness_(self) -> None:
+        for bucket in self._live_buckets():
+            g, kept = bucket.grad, self._flat_correction(bucket)
+            for g_part, kept_part in zip(g.split(_CHUNK), kept.split(_CHUNK)):  # a bounded temporary
+                sharpness = g_part - kept_part
+                g_part.copy_(kept_part)
+                kept_part.copy_(sharpness)
+            self._touched(bucket)
+
+    @torch.no_grad()
+    def friendly_ascent_(self, sigma: float, lmbda: float, first: bool) -> None:
+        for bucket in self._live_buckets():
+            m = self._flat_buffer(MOMENTUM, bucket)
+            if all(slot.param.grad is not None for slot in bucket.slots):  # the whole bucket, a piece at a time
+                pieces = zip(bucket.grad.split(_CHUNK), m.split(_CHUNK))
+            else:  # a parameter without a gradient keeps its EMA and its zero gradient region, as per tensor
+                pieces = ((_slot_view(bucket.grad, slot), _slot_view(m, slot)) for slot in bucket.slots
+                          if slot.param.grad is not None)  # fmt: skip
+            for g_part, m_part in pieces:
+                friendly_ascent(g_part, m_part, sigma, lmbda, first)
+
+    def buffer_tensors(self, name: str) -> list[torch.Tensor]:
         views = {}
         for bucket in self.layout.buckets:
-            flat = self._flat_correction(bucket)
+            flat = self._flat_buffer(name, bucket)
             for slot in bucket.slots:
-                v = slot.view
-                views[id(slot.param)] = torch.as_strided(flat, v.shape, v.stride(), v.storage_offset())
+                views[id(slot.param)] = _slot_view(flat, slot)
         return [views[id(p)] for block in self.blocks for p in block.params]
+
+
+def _slot_view(flat: torch.Tensor, slot) -> torch.Tensor:
+    """The part of a flat buffer laid out like the bucket's parameters that belongs to ``slot``'s parameter, shaped
+    like it."""
+    v = slot.view
+    return torch.as_strided(flat, v.shape, v.stride(), v.storage_offset())
+
+
+#: Elements per piece of a pass that needs a temporary: the temporary stays a few MB whatever the bucket's size.
+_CHUNK = 1 << 20
 
 
 def _on_device(**tensors: torch.Tensor | None) -> dict:

@@ -64,6 +64,4 @@ class ReferenceBackend(Backend):
     def memory_overhead(self) -> dict[str, int]:
         # One clone per parameter that has a gradient, held from perturb_ to restore_; bounded by all of them.
         backup = sum(local(p).nbytes for block in self.blocks for p in block.params)
-        correction = self.correction_bytes()
-        return {"backup": backup, "padding": 0, "tables": 0, "correction": correction, "total": backup + correction,
-                "grad_buffer": 0}  # fmt: skip
+        return self._with_buffers({"backup": backup, "padding": 0, "tables": 0, "total": backup, "grad_buffer": 0})

@@ -116,6 +116,4 @@ class ShardedBackend(Backend):
     def memory_overhead(self) -> dict[str, int]:
         # the gathered w of every parameter with a gradient, held from perturb_ to restore_; bounded by all of them
         backup = sum(local(p).nbytes for block in self.blocks for p in block.params)
-        correction = self.correction_bytes()
-        return {"backup": backup, "padding": 0, "tables": 0, "correction": correction, "total": backup + correction,
-                "grad_buffer": 0}  # fmt: skip
+        return self._with_buffers({"backup": backup, "padding": 0, "tables": 0, "total": backup, "grad_buffer": 0})

@@ -31,10 +31,15 @@ from torch import nn
 from transformers import Trainer, TrainerCallback
 
 from ..bn import frozen_bn_stats
-from ..optim import GEARSAM, SAM, SharpnessAware
+from ..optim import GEARSAM, GSAM, SAM, WSAM, FriendlySAM, SharpnessAware
 
-#: The flavours :class:`SAMTrainer` accepts: optimizer class and whether it is adaptive (ASAM).
-FLAVOURS = {"sam": (SAM, False), "asam": (SAM, True), "gear-sam": (GEARSAM, False)}
+#: The flavours :class:`SAMTrainer` accepts: optimizer class and whether it is adaptive (ASAM). The SAM family's
+#: classes take their papers' default parts (GSAM alpha 0.4, WSAM gamma 0.9 decoupled, F-SAM sigma 1.0 lmbda 0.9);
+#: for others, pass the optimizer built by hand (``optimizers=(opt, None)``).
+FLAVOURS = {
+    "sam": (SAM, False), "asam": (SAM, True), "gear-sam": (GEARSAM, False), "gsam": (GSAM, False),
+    "wsam": (WSAM, False), "friendly-sam": (FriendlySAM, False),
+}  # fmt: skip
 
 
 class SecondStep(torch.optim.Optimizer):
@@ -76,7 +81,7 @@ class SAMTrainer(Trainer):
     """``transformers.Trainer`` training with SAM, ASAM or GEAR-SAM around the optimizer ``TrainingArguments`` select.
 
     Args (besides the Trainer's own):
-        sam: ``"sam"``, ``"asam"`` or ``"gear-sam"``.
+        sam: one of :data:`FLAVOURS`: ``"sam"``, ``"asam"``, ``"gear-sam"``, ``"gsam"``, ``"wsam"`` or ``"friendly-sam"``.
         rho: the radius; ``beta``: GEAR-SAM's EMA factor; ``eta``: ASAM's ``T = |w| + eta``.
         partition: the blocks (:func:`gearsam_fused.partition`; GEAR-SAM allocates over them, SAM reports them).
         backend: as :class:`gearsam_fused.SAM`'s.

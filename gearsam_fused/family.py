@@ -1,0 +1,134 @@
+"""The SAM family as choices of one step's parts: the one mechanism behind every variant the library ships.
+
+A sharpness-aware step takes the gradient ``g`` at ``w``, turns an **ascent direction** ``d`` into the perturbation
+``eps`` by a **radius allocation**, takes the gradient ``h`` at ``w + eps``, and lets the base optimizer step from
+``w`` with a **descent gradient** built from ``h`` (and ``g``)::
+
+    ascent      d = g                                           SAM, GEAR-SAM
+                d = g - sigma * m,  m <- lerp(m, g, 1 - lmbda)  FriendlyAscent (F-SAM; m = g on the first step)
+    allocation  one global scale, or GEAR-SAM's block-wise EMA  the optimizer's rule (SAM / GEARSAM)
+    descent     h                                               SAM, GEAR-SAM
+                h - alpha * (g - c * h)                         SurrogateGap (GSAM), c = cos(g, h) ||g|| / ||h||
+                a * h + (1 - a) * g                             WeightedSharpness (WSAM), a = gamma / (1 - gamma);
+                or, decoupled: the base step with g, then w <- w - lr * a * (h - g)
+
+``cos(g, h) = <g, h> / (||h|| ||g|| + eps)`` and ``c = cos(g, h) ||g|| / (||h|| + eps)``, as GSAM's authors compute
+them. Under SAM's rule the inner products and norms of the descent are over the whole gradient; under GEAR-SAM's,
+per block, as the allocation is. :class:`~gearsam_fused.GSAM`, :class:`~gearsam_fused.WSAM` and
+:class:`~gearsam_fused.FriendlySAM` are SAM with one part chosen; :class:`~gearsam_fused.GEARSAM` and
+:class:`~gearsam_fused.SAM` take the same parts as ``ascent=`` and ``descent=``, so that GEAR-SAM's allocation
+composes with any of them (``GEARSAM(model, SGD, descent=SurrogateGap(0.1))``).
+
+The parts run as backend operations over the flat buffers (:class:`~gearsam_fused.backends.base.Backend`:
+``keep_gradient_``, ``block_dot``, ``kept_energy``, ``mix_gradient_``, ``exchange_sharpness_``, ``add_kept_``,
+``friendly_ascent_``), each a pass of its own beside the step's kernels.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from .checks import check_real
+
+Reduce = Callable[[torch.Tensor], torch.Tensor]  # a [B] vector summed over the ranks that hold shards of a block
+
+
+class FriendlyAscent:
+    """F-SAM's ascent direction (Li et al., "Friendly Sharpness-Aware Minimization", CVPR 2024): the gradient minus
+    ``sigma`` times an EMA ``m`` of past gradients (decay ``lmbda``), the component that full-batch gradients share,
+    which the authors find adds nothing to generalisation. The first step perturbs along ``g`` and starts ``m = g``
+    (for every parameter: one whose first gradient comes later starts from ``m = 0``). ``first_step`` leaves ``d`` in
+    the parameters' ``.grad``. A ``first_step(cancellable=True)`` (``SAMScaler``, ``distributed.sam_step``) keeps a
+    copy of ``m`` until the step completes, so that ``cancel_step()`` puts it back."""
+
+    def __init__(self, sigma: float = 1.0, lmbda: float = 0.9):
+        self.sigma = check_real("sigma", sigma, low=0.0)
+        self.lmbda = check_real("lmbda", lmbda, low=0.0, high=1.0, high_inclusive=True)
+
+    def __repr__(self) -> str:
+        return f"FriendlyAscent(sigma={self.sigma!r}, lmbda={self.lmbda!r})"
+
+    def apply_(self, backend, first: bool) -> None:
+        """Replace the gradients by the ascent direction (and update ``m``)."""
+        backend.friendly_ascent_(self.sigma, self.lmbda, first)
+
+
+class Descent:
+    """A descent gradient other than ``h``: the first gradient is kept from ``first_step`` (the backend's
+    correction buffer), :meth:`before_update` rewrites the gradients before the base optimizer's update and
+    :meth:`after_update` may change the weights after it."""
+
+    def before_update(self, backend, reduce: Reduce, per_block: bool) -> None:
+        raise NotImplementedError
+
+    def after_update(self, backend, param_groups: list[dict]) -> None:
+        """Nothing, unless the variant steps after the base optimizer."""
+
+
+def _over_rule(values: torch.Tensor, per_block: bool) -> torch.Tensor:
+    """``values`` per block (GEAR-SAM's rule), or their sum in every entry (SAM's)."""
+    return values if per_block else values.sum().expand_as(values)
+
+
+class SurrogateGap(Descent):
+    """GSAM's descent (Zhuang et al., "Surrogate Gap Guided Sharpness-Aware Minimization", ICLR 2022): ``h`` minus
+    ``alpha`` times the part of ``g`` orthogonal to ``h``, which decreases the surrogate gap ``L(w + eps) - L(w)``
+    without changing the descent along ``h``. ``eps`` stabilises the two divisions (GSAM's ``perturb_eps``)."""
+
+    def __init__(self, alpha: float = 0.4, eps: float = 1e-12):
+        self.alpha = check_real("alpha", alpha, low=0.0, high=1.0, high_inclusive=True)
+        self.eps = check_real("eps", eps, low=0.0)
+
+    def __repr__(self) -> str:
+        return f"SurrogateGap(alpha={self.alpha!r}, eps={self.eps!r})"
+
+    def before_update(self, backend, reduce: Reduce, per_block: bool) -> None:
+        dot = _over_rule(reduce(backend.block_dot()), per_block)  # <g, h>
+        h_norm = _over_rule(reduce(backend.block_energy(False, 0.0)), per_block).sqrt()
+        g_norm = _over_rule(reduce(backend.kept_energy()), per_block).sqrt()
+        cosine = dot / (h_norm * g_norm + self.eps)
+        c = cosine * g_norm / (h_norm + self.eps)
+        backend.mix_gradient_(1.0 + self.alpha * c, torch.full_like(c, -self.alpha))
+
+
+class WeightedSharpness(Descent):
+    """WSAM's descent (Yue et al., "Sharpness-Aware Minimization Revisited: Weighted Sharpness as a Regularization
+    Term", KDD 2023): the loss plus ``gamma / (1 - gamma)`` times the sharpness ``L(w + eps) - L(w)``, whose gradient
+    is ``a * h + (1 - a) * g``. ``decouple=True`` (the authors' default) steps the base optimizer with ``g`` and
+    then takes the sharpness term as a plain gradient step, ``w <- w - lr * a * (h - g)`` per param group."""
+
+    def __init__(self, gamma: float = 0.9, decouple: bool = True):
+        self.gamma = check_real("gamma", gamma, low=0.0, high=1.0)
+        if not isinstance(decouple, bool):
+            raise TypeError(f"decouple must be a bool, got {decouple!r}")
+        self.decouple = decouple
+        self.weight = self.gamma / (1.0 - self.gamma)
+
+    def __repr__(self) -> str:
+        return f"WeightedSharpness(gamma={self.gamma!r}, decouple={self.decouple!r})"
+
+    def before_update(self, backend, reduce: Reduce, per_block: bool) -> None:
+        if self.decouple:
+            backend.exchange_sharpness_()  # the gradients hold g, the kept buffer h - g
+            return
+        n = len(backend.blocks)
+        full = lambda v: torch.full((n,), v, dtype=torch.float64, device=backend.device)  # noqa: E731
+        backend.mix_gradient_(full(self.weight), full(1.0 - self.weight))
+
+    def after_update(self, backend, param_groups: list[dict]) -> None:
+        if self.decouple:
+            backend.add_kept_([-group["lr"] * self.weight for group in param_groups])
+
+
+def check_ascent(ascent) -> FriendlyAscent | None:
+    if ascent is not None and not isinstance(ascent, FriendlyAscent):
+        raise TypeError(f"ascent must be None or a FriendlyAscent, got {ascent!r}")
+    return ascent
+
+
+def check_descent(descent) -> Descent | None:
+    if descent is not None and not isinstance(descent, Descent):
+        raise TypeError(f"descent must be None, a SurrogateGap or a WeightedSharpness, got {descent!r}")
+    return descent

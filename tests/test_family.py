@@ -1,0 +1,452 @@
+"""The SAM family (:mod:`gearsam_fused.family`): GSAM, WSAM and F-SAM against pytorch_optimizer's implementations,
+every variant and its GEAR-SAM composition against a float64 re-computation of the papers' steps on every backend,
+resume, the helpers, and bad input."""
+
+import copy
+import io
+
+import pytest
+import torch
+
+from gearsam_fused import (
+    GEARSAM,
+    GSAM,
+    SAM,
+    WSAM,
+    FriendlyAscent,
+    FriendlySAM,
+    SAMScaler,
+    SurrogateGap,
+    WeightedSharpness,
+    accumulated_step,
+)  # fmt: skip
+from gearsam_fused.schedules import Every
+
+from conftest import (
+    ALL,
+    FP32_STEP_RTOL,
+    FP64_STEP_RTOL,
+    SGD_KW,
+    batches,
+    flat,
+    grad_at,
+    loss_fn,
+    mlp,
+    mlp_data,
+    mse,
+    rel_err,
+    sam_step,
+    tiny_resnet,
+)  # fmt: skip
+
+STEPS = 30
+RHO = 0.05
+
+# ------------------------------------------------------------------------------------------- against the peer
+#: Largest relative error of the whole weight vector, per step, against pytorch_optimizer 4.1 (30 steps of the tiny
+#: ResNet, SGD with momentum and weight decay, with and without ASAM's scaling). Our SAM meets ~3e-8 against its SAM;
+#: the variants differ further because the peer (1) takes the gradient norms in float32 (ours: float64 energies),
+#: (2) for GSAM and WSAM restores w by subtracting the perturbation, w + e - e, which is not w in floating point (ours
+#: puts w back bit for bit), and (3) for WSAM without decoupling mixes by lerp(h, g, 1 - a) with 1 - a = -8 at gamma
+#: 0.9, which multiplies the rounding of g - h by 8 (ours: a * h + (1 - a) * g). Measured maxima on CPU (plain / ASAM):
+#: F-SAM 3.7e-8 / 3.5e-8, GSAM 6.4e-8 / 1.0e-7, WSAM 9.0e-8 / 1.2e-7, WSAM coupled 2.3e-7 / 2.9e-7; each bound is
+#: about three times the larger.
+PEER_RTOL = {"friendly-sam": 1e-7, "gsam": 3e-7, "wsam": 4e-7, "wsam-coupled": 1e-6}
+assert max(PEER_RTOL.values()) <= FP32_STEP_RTOL
+
+
+class ConstantRho:
+    """pytorch_optimizer's GSAM takes its radius from a scheduler (``ProportionScheduler`` ties it to the learning
+    rate); ours reads ``rho`` from ``param_groups``, which any scheduler may set. A constant one maps the two."""
+
+    def __init__(self, rho: float):
+        self.rho = rho
+
+    def step(self) -> float:
+        return self.rho
+
+
+def gsam_peer_step(peer, model, xy):
+    """pytorch_optimizer's ``GSAM.step`` without its closure and BatchNorm switches (our loop runs both passes in
+    training mode, as this one does): perturb, second gradient, decompose, undo the perturbation, base step."""
+    loss_fn(model, xy).backward()
+    peer.perturb_weights(rho=peer.rho_t)
+    model.zero_grad()
+    loss_fn(model, xy).backward()
+    peer.gradient_decompose(peer.alpha)
+    peer.un_perturb()
+    peer.base_optimizer.step()
+    model.zero_grad()
+
+
+def make_pair(name, ours_model, peer_model, backend, adaptive=False):
+    """(our optimizer, one step of the peer's) for variant ``name``, the same hyperparameters; ``adaptive``: ASAM's
+    scaling (the peer's ``adaptive=True`` is ours with ``eta=0``)."""
+    po = pytest.importorskip("pytorch_optimizer")
+    ours_kw, peer_kw = dict(backend=backend, adaptive=adaptive), dict(adaptive=adaptive)
+    if name == "gsam":
+        ours = GSAM(ours_model.parameters(), torch.optim.SGD, rho=RHO, alpha=0.3, **ours_kw, **SGD_KW)
+        base = torch.optim.SGD(peer_model.parameters(), **SGD_KW)
+        peer = po.GSAM(peer_model.parameters(), base, peer_model, ConstantRho(RHO), alpha=0.3, **peer_kw)
+        return ours, lambda xy: gsam_peer_step(peer, peer_model, xy)
+    if name.startswith("wsam"):
+        decouple = name == "wsam"
+        ours = WSAM(ours_model.parameters(), torch.optim.SGD, rho=RHO, gamma=0.9, decouple=decouple, **ours_kw,
+                    **SGD_KW)  # fmt: skip
+        peer = po.WSAM(peer_model, peer_model.parameters(), torch.optim.SGD, rho=RHO, gamma=0.9, decouple=decouple,
+                       **peer_kw, **SGD_KW)  # fmt: skip
+    else:
+        ours = FriendlySAM(ours_model.parameters(), torch.optim.SGD, rho=RHO, sigma=1.0, lmbda=0.9, **ours_kw,
+                           **SGD_KW)  # fmt: skip
+        peer = po.FriendlySAM(peer_model.parameters(), torch.optim.SGD, rho=RHO, sigma=1.0, lmbda=0.9, **peer_kw,
+                              **SGD_KW)  # fmt: skip
+    return ours, lambda xy: sam_step(peer, peer_model, xy)
+
+
+@pytest.mark.parametrize("backend,device", ALL)
+@pytest.mark.parametrize("name", list(PEER_RTOL))
+@pytest.mark.parametrize("adaptive", [False, True], ids=["sam", "asam"])
+def test_variant_matches_pytorch_optimizer(twin, name, adaptive, backend, device, record_property):
+    ours_model, peer_model = (m.to(device) for m in twin)
+    ours, peer_step = make_pair(name, ours_model, peer_model, backend, adaptive)
+    start, worst = flat(ours_model), 0.0
+    for xy in batches(STEPS, device=device):
+        sam_step(ours, ours_model, xy)
+        peer_step(xy)
+        worst = max(worst, rel_err(flat(ours_model), flat(peer_model)))
+    record_property("max_step_rel_err", worst)  # in the JUnit XML: where PEER_RTOL comes from
+    assert worst <= PEER_RTOL[name]
+    assert rel_err(flat(ours_model), start) > 1e-3  # the run really moved
+
+
+# ----------------------------------------------------------------------- against the papers' steps in float64
+#: The tiny ResNet's "coarse" blocks, written out by hand (independent of gearsam_fused.partition).
+PREFIXES = [("stem", ("conv1.", "bn1.")), ("layer1", ("layer1.",)), ("layer2", ("layer2.",)), ("classifier", ("fc.",))]
+
+#: Variants by name: (our optimizer's class and arguments, the parts for the float64 computation).
+VARIANTS = {
+    "gsam": (SAM, dict(descent=SurrogateGap(0.3))),
+    "gear-gsam": (GEARSAM, dict(descent=SurrogateGap(0.3))),
+    "wsam": (SAM, dict(descent=WeightedSharpness(0.8))),
+    "gear-wsam-coupled": (GEARSAM, dict(descent=WeightedSharpness(0.7, decouple=False))),
+    "friendly-sam": (SAM, dict(ascent=FriendlyAscent(0.8, 0.6))),
+    "gear-friendly-gsam": (GEARSAM, dict(ascent=FriendlyAscent(), descent=SurrogateGap(0.1))),
+}
+
+
+def _blocks(model):
+    named = list(model.named_parameters())
+    return [[p for n, p in named if n.startswith(pre)] for _, pre in PREFIXES]
+
+
+def _per_rule(values: torch.Tensor, gear: bool) -> torch.Tensor:
+    return values if gear else values.sum().expand_as(values)
+
+
+def family_float64(model, data, *, gear, ascent=None, descent=None, rho, beta=0.9, delta=1e-12, lr, momentum,
+                   weight_decay):  # fmt: skip
+    """The step of :mod:`gearsam_fused.family` with SGD (momentum, weight decay) over whole float64 vectors, straight
+    from the papers' formulas; yields the weights after each step."""
+    blocks = _blocks(model)
+    params = [p for b in blocks for p in b]
+    sizes = [sum(p.numel() for p in b) for b in blocks]
+    split = lambda v: v.split(sizes)  # noqa: E731
+    per_block = lambda fn, *vs: torch.stack([fn(*parts) for parts in zip(*map(split, vs))])  # noqa: E731
+    spread = lambda c: torch.cat([c[b].expand(n) for b, n in enumerate(sizes)])  # noqa: E731  [B] -> per element
+
+    w = torch.nn.utils.parameters_to_vector(params).detach().clone()
+    s, m, buf = torch.zeros(len(blocks), dtype=torch.float64), None, None
+    for xy in data:
+        g = grad_at(model, params, w, xy)
+        d = g
+        if ascent is not None:  # F-SAM: the gradient minus sigma times the EMA of past gradients
+            d = g if m is None else g - ascent.sigma * m
+            m = g.clone() if m is None else ascent.lmbda * m + (1 - ascent.lmbda) * g
+        e = per_block(lambda v: (v**2).sum(), d)
+        if gear:
+            s = beta * s + (1 - beta) * e
+            scale = rho * s / torch.sqrt((s**2).sum()) / (torch.sqrt(e) + delta)
+        else:
+            scale = torch.full_like(e, rho / (torch.sqrt(e.sum()) + delta))
+        h = grad_at(model, params, w + spread(scale) * d, xy)
+        descent_grad, after = h, None
+        if isinstance(descent, SurrogateGap):  # GSAM: minus alpha times g's part orthogonal to h
+            dot = _per_rule(per_block(lambda a, b: (a * b).sum(), g, h), gear)
+            nh, ng = (_per_rule(per_block(lambda v: (v**2).sum(), v), gear).sqrt() for v in (h, g))
+            c = dot / (nh * ng + descent.eps) * ng / (nh + descent.eps)
+            descent_grad = h - descent.alpha * (g - spread(c) * h)
+        elif isinstance(descent, WeightedSharpness):  # WSAM: a * h + (1 - a) * g, or g then the sharpness step
+            a = descent.gamma / (1 - descent.gamma)
+            descent_grad = g if descent.decouple else a * h + (1 - a) * g
+            after = -lr * a * (h - g) if descent.decouple else None
+        step = descent_grad + weight_decay * w
+        buf = step.clone() if buf is None else momentum * buf + step
+        w = w - lr * buf
+        if after is not None:
+            w = w + after
+        yield w
+
+
+@pytest.mark.parametrize("backend,device", ALL)
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_variant_equals_float64_computation(name, backend, device):
+    cls, parts = VARIANTS[name]
+    model = tiny_resnet(dtype=torch.float64)
+    twin = copy.deepcopy(model)
+    model.to(device)
+    opt = cls(model, torch.optim.SGD, rho=0.1, backend=backend, partition="coarse", **parts, **SGD_KW)
+    assert opt.block_names == [name for name, _ in PREFIXES]
+    data = batches(10, dtype=torch.float64)
+    expected = family_float64(twin, data, gear=cls is GEARSAM, rho=0.1, **parts, **SGD_KW)
+    for (x, y), w in zip(data, expected):
+        sam_step(opt, model, (x.to(device), y.to(device)))
+        assert rel_err(flat(model).cpu(), w) <= FP64_STEP_RTOL
+
+
+@pytest.mark.parametrize("name", ["gsam", "gear-friendly-gsam", "wsam"])
+@pytest.mark.parametrize("base", ["adamw", "sgd-per-tensor"])
+def test_fused_and_per_tensor_base_steps_agree(name, base):
+    """The descent rewrites the gradients before the base step: the fused step and torch's own give the same run."""
+    cls, parts = VARIANTS[name]
+    base_cls, kw = (
+        (torch.optim.AdamW, dict(lr=1e-3, weight_decay=0.01)) if base == "adamw" else (torch.optim.SGD, SGD_KW)
+    )
+    runs = []
+    for mode in ("fused", "per-tensor"):
+        model = tiny_resnet()
+        opt = cls(model, base_cls, rho=RHO, backend="torch", base_step=mode, **parts, **kw)
+        for xy in batches(5):
+            sam_step(opt, model, xy)
+        runs.append(flat(model))
+    assert rel_err(*runs) <= 5 * FP32_STEP_RTOL
+
+
+class SometimesUsed(torch.nn.Module):
+    """``extra`` takes part in the loss on even steps only: on odd steps its parameters have no gradient."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body, self.extra, self.head = torch.nn.Linear(6, 12), torch.nn.Linear(12, 12), torch.nn.Linear(12, 3)
+        self.step = 0
+
+    def forward(self, x):
+        h = torch.tanh(self.body(x))
+        return self.head(h + self.extra(h) if self.step % 2 == 0 else h)
+
+
+@pytest.mark.parametrize("backend,device", [case for case in ALL if case.values[0] != "reference"])
+@pytest.mark.parametrize("name", ["friendly-sam", "wsam", "gear-gsam"])
+def test_a_parameter_without_a_gradient_is_left_as_the_reference_leaves_it(name, backend, device):
+    """As torch's optimizers and the peers do, a parameter without a gradient this step is not perturbed, keeps its
+    F-SAM EMA and takes no sharpness step: the flat-buffer backends' whole-bucket passes must not touch it."""
+    cls, parts = VARIANTS[name]
+    runs = []
+    for which in (backend, "reference"):
+        model = SometimesUsed().to(device)
+        opt = cls(model, torch.optim.SGD, rho=RHO, backend=which, **copy.deepcopy(parts), **SGD_KW)
+        for step, xy in enumerate(mlp_data(6)):
+            model.step = step
+            sam_step(opt, model, (xy[0].to(device), xy[1].to(device)))
+        runs.append(flat(model))
+    assert rel_err(*runs) <= FP32_STEP_RTOL
+
+
+# ---------------------------------------------------------------------------------------------- resume
+@pytest.mark.parametrize("backend", ["reference", "torch", "cpp"])
+@pytest.mark.parametrize("name", ["gear-friendly-gsam", "friendly-sam", "wsam"])
+def test_a_resumed_run_continues_bit_for_bit(name, backend):
+    if backend == "cpp":
+        pytest.importorskip("gearsam_fused._C")
+    cls, parts = VARIANTS[name]
+    data = batches(6)
+
+    def build(model):
+        return cls(model, torch.optim.SGD, rho=RHO, backend=backend, **copy.deepcopy(parts), **SGD_KW)
+
+    straight = tiny_resnet()
+    opt = build(straight)
+    for xy in data:
+        sam_step(opt, straight, xy)
+    resumed = tiny_resnet()
+    first = build(resumed)
+    for xy in data[:3]:
+        sam_step(first, resumed, xy)
+    saved = io.BytesIO()
+    torch.save({"model": resumed.state_dict(), "opt": first.state_dict()}, saved)
+    saved.seek(0)
+    checkpoint = torch.load(saved, weights_only=False)
+    resumed = tiny_resnet(seed=5)
+    resumed.load_state_dict(checkpoint["model"])
+    second = build(resumed)
+    second.load_state_dict(checkpoint["opt"])
+    for xy in data[3:]:
+        sam_step(second, resumed, xy)
+    assert torch.equal(flat(resumed), flat(straight))
+
+
+def test_a_state_saved_with_other_parts_is_refused():
+    model = tiny_resnet()
+    opt = FriendlySAM(model, torch.optim.SGD, lr=0.1)
+    sam_step(opt, model, batches(1)[0])
+    state = opt.state_dict()
+    with pytest.raises(ValueError, match=r"saved with ascent=FriendlyAscent\(sigma=1.0, lmbda=0.9\), this optimizer"):
+        SAM(tiny_resnet(), torch.optim.SGD, lr=0.1).load_state_dict(state)
+    with pytest.raises(ValueError, match=r"saved with descent=None, this optimizer has descent=SurrogateGap"):
+        GSAM(tiny_resnet(), torch.optim.SGD, lr=0.1).load_state_dict(
+            SAM(tiny_resnet(), torch.optim.SGD, lr=0.1).state_dict()
+        )
+
+
+def test_memory_overhead_reports_the_kept_buffers():
+    model = tiny_resnet()
+    opt = GEARSAM(model, torch.optim.SGD, ascent=FriendlyAscent(), descent=SurrogateGap(), backend="reference", lr=0.1)
+    before = opt.memory_overhead()
+    sam_step(opt, model, batches(1)[0])
+    after = opt.memory_overhead()
+    size = sum(p.nbytes for p in model.parameters())
+    assert before["correction"] == before["momentum"] == 0
+    assert after["correction"] == after["momentum"] == size
+    assert after["total"] == after["backup"] + 2 * size
+
+
+# --------------------------------------------------------------------------------------- the helpers
+@pytest.mark.parametrize("name", ["gear-gsam", "wsam", "friendly-sam"])
+def test_accumulated_micro_batches_equal_one_large_batch(name):
+    cls, parts = VARIANTS[name]
+    large, micro = tiny_resnet().eval(), tiny_resnet().eval()  # BatchNorm with frozen statistics is per-example
+    large_opt, micro_opt = (cls(m, torch.optim.SGD, rho=RHO, **copy.deepcopy(parts), **SGD_KW) for m in (large, micro))
+    for x, y in batches(4, batch=12):
+        sam_step(large_opt, large, (x, y))
+        accumulated_step(micro_opt, lambda mb: loss_fn(micro, mb), list(zip(x.chunk(3), y.chunk(3))))
+    assert rel_err(flat(micro), flat(large)) <= 10 * FP32_STEP_RTOL
+
+
+@pytest.mark.parametrize("name", ["gear-gsam", "wsam"])
+def test_loss_scaling_gives_the_unscaled_steps(name):
+    """Power-of-two loss scales unscale exactly: the run through SAMScaler is the unscaled one, bit for bit."""
+    cls, parts = VARIANTS[name]
+    scaled_model, plain_model = tiny_resnet(), tiny_resnet()
+    scaled, plain = (
+        cls(m, torch.optim.SGD, rho=RHO, **copy.deepcopy(parts), **SGD_KW) for m in (scaled_model, plain_model)
+    )
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
+    amp = SAMScaler(scaled, scaler)
+    for xy in batches(4):
+        scaler.scale(loss_fn(scaled_model, xy)).backward()
+        assert amp.first_step()
+        scaler.scale(loss_fn(scaled_model, xy)).backward()
+        amp.second_step(zero_grad=True)
+        scaler.update()
+        sam_step(plain, plain_model, xy)
+        assert torch.equal(flat(scaled_model), flat(plain_model))
+
+
+DDP_VARIANTS = ["gear-friendly-gsam", "wsam"]
+DDP_BACKENDS = ["reference", "cpp"]
+
+
+def _ddp_trajectories(rank: int, data) -> dict:
+    """Every DDP_VARIANTS x DDP_BACKENDS run on this rank's half of each batch, driven by gearsam_fused.distributed's
+    sam_step (both passes all-reduced); the weights after each step."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from gearsam_fused.distributed import sam_step as distributed_sam_step
+
+    out = {}
+    for name in DDP_VARIANTS:
+        for backend in DDP_BACKENDS:
+            cls, parts = VARIANTS[name]
+            model = mlp()
+            ddp = DDP(model)
+            opt = cls(ddp, torch.optim.SGD, rho=RHO, backend=backend, **copy.deepcopy(parts), **SGD_KW)
+            trajectory = []
+            for x, y in data:
+                half = slice(rank * len(x) // 2, (rank + 1) * len(x) // 2)
+                opt.zero_grad()
+                distributed_sam_step(opt, ddp, lambda: mse(ddp, (x[half], y[half])).backward())
+                opt.zero_grad()
+                trajectory.append(flat(model))
+            out[name, backend] = trajectory
+    return out
+
+
+def test_ddp_ranks_agree_bitwise_and_equal_one_process_on_the_whole_batch():
+    from ranks import run_ranks
+
+    data = mlp_data(4)
+    ranks = run_ranks(_ddp_trajectories, data, world=2)
+    for (name, backend), trajectory in ranks[0].items():
+        cls, parts = VARIANTS[name]
+        model = mlp()
+        opt = cls(model, torch.optim.SGD, rho=RHO, backend=backend, **copy.deepcopy(parts), **SGD_KW)
+        for step, xy in enumerate(data):
+            mse(model, xy).backward()
+            opt.first_step(zero_grad=True)
+            mse(model, xy).backward()
+            opt.second_step(zero_grad=True)
+            assert torch.equal(ranks[1][name, backend][step], trajectory[step]), (name, backend, step)
+            assert rel_err(trajectory[step], flat(model)) <= FP32_STEP_RTOL, (name, backend, step)
+
+
+# ----------------------------------------------------------------------------------------------- bad input
+@pytest.mark.parametrize(
+    "make,match",
+    [
+        (lambda: SurrogateGap(alpha=-0.1), r"alpha must lie in \[0.0, 1.0\]"),
+        (lambda: SurrogateGap(alpha=1.5), r"alpha must lie in \[0.0, 1.0\]"),
+        (lambda: WeightedSharpness(gamma=1.0), r"gamma must lie in \[0.0, 1.0\)"),
+        (lambda: WeightedSharpness(decouple="yes"), "decouple must be a bool"),
+        (lambda: FriendlyAscent(sigma=-1), r"sigma must lie in \[0.0, inf\)"),
+        (lambda: FriendlyAscent(lmbda=float("nan")), "lmbda must be a finite real number"),
+        (lambda: SAM(tiny_resnet(), torch.optim.SGD, descent="gsam", lr=0.1), "descent must be None, a SurrogateGap"),
+        (
+            lambda: SAM(tiny_resnet(), torch.optim.SGD, ascent=SurrogateGap(), lr=0.1),
+            "ascent must be None or a Friendly",
+        ),
+        (
+            lambda: GSAM(tiny_resnet(), torch.optim.SGD, schedule=Every(2), lr=0.1),
+            r"schedule Every\(k=2\) with SurrogateGap\(alpha=0.4, eps=1e-12\): a step the schedule skips",
+        ),
+        (
+            lambda: FriendlySAM(tiny_resnet(), torch.optim.SGD, capturable=True, backend="cpp", lr=0.1),
+            r"capturable=True with FriendlyAscent",
+        ),
+    ],
+)
+def test_bad_input_is_refused_naming_it(make, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        make()
+
+
+@pytest.mark.parametrize("which", ["first", "second"])
+def test_a_compiled_step_is_refused_naming_the_part(which):
+    model = mlp()
+    opt = GSAM(model, torch.optim.SGD, lr=0.1)
+    xy = mlp_data(1)[0]
+    mse(model, xy).backward()
+    first = torch.compile(opt.first_step, fullgraph=True) if which == "first" else opt.first_step
+    with pytest.raises(Exception, match=r"SAM family's parts \(SurrogateGap\(alpha=0.4, eps=1e-12\)\)"):
+        first()
+        mse(model, xy).backward()
+        torch.compile(opt.second_step, fullgraph=True)()
+
+
+@pytest.mark.parametrize("name", ["friendly-sam", "gear-friendly-gsam"])
+def test_a_cancelled_step_leaves_no_trace(name):
+    """cancel_step() after first_step(cancellable=True) puts back w, the GEAR EMA and F-SAM's gradient EMA: the run
+    with a cancelled step in the middle is the run without it, bit for bit."""
+    cls, parts = VARIANTS[name]
+    data = batches(3)
+    runs = []
+    for cancel in (False, True):
+        model = tiny_resnet()
+        opt = cls(model, torch.optim.SGD, rho=RHO, **copy.deepcopy(parts), **SGD_KW)
+        for step, xy in enumerate(data):
+            if cancel and step == 1:
+                loss_fn(model, data[2]).backward()
+                opt.first_step(zero_grad=True, cancellable=True)
+                opt.cancel_step()
+            sam_step(opt, model, xy)
+        runs.append(flat(model))
+    assert torch.equal(*runs)
