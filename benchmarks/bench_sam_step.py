@@ -13,6 +13,11 @@ step it records:
 * kernel launches per step (CUDA: torch profiler; not counted on CPU);
 * memory the contender holds beyond parameters and gradients while perturbed, and on CUDA the allocator's peak
   increase during a step.
+
+The SAM family (``test_family_sam_step``): each variant of :data:`contenders.FAMILY` (GSAM, WSAM, F-SAM, GEAR-SAM with
+GSAM's descent, and SAM and GEAR-SAM as their yardsticks), ours on each backend and pytorch_optimizer's where it has
+it, on :data:`contenders.FAMILY_SET_KEY`, counted at 28d plus the bytes the variant's parts move
+(``Variant.extra_bytes``). Quick mode runs it on one of our backends and the peer's ``foreach`` path only.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from conftest import DEVICE, cuda_event_median_ms, cuda_launches, synchronize, w
 
 BYTES_PER_PARAM = 28
 NOT_INSTALLED = contenders.not_installed()  # peers shown as skipped, with the note, instead of left out
+FAMILY_LR = 0.01
 
 
 # the set varies slowest: the contenders of a set run one after the other, minutes apart from the other sets
@@ -41,6 +47,27 @@ def test_sam_step(benchmark, record, quick, floor, contender, rule, set_key):
         pytest.skip(f"{contender} implements SAM only")
     params = param_sets.build(set_key, DEVICE, quick)
     opt = contenders.make(contender, rule, params.model, params.partition)
+    measure(benchmark, record, quick, floor, params, opt, contender, rule=rule)
+
+
+@pytest.mark.parametrize("contender", contenders.variant_contenders(DEVICE) + list(NOT_INSTALLED))
+@pytest.mark.parametrize("variant", list(contenders.FAMILY))
+def test_family_sam_step(benchmark, record, quick, floor, variant, contender):
+    if contender in NOT_INSTALLED:
+        pytest.skip(NOT_INSTALLED[contender])
+    if reason := contenders.family_skip(variant, contender, DEVICE, quick):
+        pytest.skip(reason)
+    params = param_sets.build(contenders.FAMILY_SET_KEY, DEVICE, quick)
+    # lr: WSAM's decoupled step reads it from the param groups, after the base optimizer's (here empty) update
+    opt = contenders.make_variant(variant, contender, params.model, params.partition, lr=FAMILY_LR)
+    v = contenders.FAMILY[variant]
+    measure(benchmark, record, quick, floor, params, opt, contender, extra_bytes=v.extra_bytes, rule=v.rule,
+            variant=variant, peer_variant=v.peer, plain_variant=v.plain)  # fmt: skip
+
+
+def measure(benchmark, record, quick, floor, params, opt, contender: str, extra_bytes: int = 0, **fields):
+    """Time ``opt``'s ``first_step`` + ``second_step`` over ``params`` and record the row, with ``fields``; its
+    counted bytes are SAM's plus ``extra_bytes`` per parameter."""
 
     def step():
         opt.first_step()
@@ -65,13 +92,13 @@ def test_sam_step(benchmark, record, quick, floor, contender, rule, set_key):
             "launches": cuda_launches(step),
             "cuda_event_median_ms": cuda_event_median_ms(step),
         }
-    benchmark.group = f"{rule} step, {params.name}, {DEVICE}"
+    benchmark.group = f"{fields.get('variant', fields['rule'])} step, {params.name}, {DEVICE}"
     rounds = 3 if quick else max(5, min(30, int(3e8 / params.numel)))
     benchmark.pedantic(synchronised_step, setup=floor.interleaved(), rounds=rounds, iterations=1)
-    counted = BYTES_PER_PARAM * params.numel
+    counted = (BYTES_PER_PARAM + extra_bytes) * params.numel
     gbps = counted / benchmark.stats.stats.median / 1e9
     fields = dict(
-        set=params.name, rule=rule, contender=contender, parameters=params.numel, tensors=len(params.params),
+        set=params.name, **fields, contender=contender, parameters=params.numel, tensors=len(params.params),
         bytes_counted=counted, gbps=gbps, **floor.fields(gbps, params.numel, contender),
         held_bytes=held, **extra,
     )  # fmt: skip

@@ -57,6 +57,12 @@ the larger of the two points:
 The gradient is the same at both points (no second pass), so the point after the restore checks the base update and
 the perturbation is checked on its own.
 
+The SAM family (``test_family_whole_step``): each variant of :data:`contenders.FAMILY` (GSAM, WSAM, F-SAM, GEAR-SAM
+with GSAM's descent, and SAM and GEAR-SAM as their yardsticks), ours on each backend with ``base_step="fused"`` and
+pytorch_optimizer's on both its paths where it has the variant, on :data:`contenders.FAMILY_SET_KEY` with both base
+optimizers, counted at 40d / 48d plus the bytes the variant's parts move (``Variant.extra_bytes``). Quick mode runs it
+on one of our backends and the peer's ``foreach`` path, with SGD, only.
+
 The sets are :data:`param_sets.WHOLE_STEP_SET_KEYS`; quick mode runs :data:`QUICK_SET_KEYS` only, with a shorter
 warm-up: a smoke run, not a measurement (the compiled contenders there on :data:`COMPILED_QUICK_SET_KEYS` only).
 """
@@ -69,7 +75,7 @@ import pytest
 import torch
 import torch._dynamo
 
-from gearsam_fused import SAM
+from gearsam_fused import SAM, SharpnessAware
 
 import contenders
 import param_sets
@@ -256,11 +262,44 @@ def test_whole_step(benchmark, record, quick, floor, contender, base, set_key):
         pytest.skip(f"{contender}: {len(params.params)} tensors; compiling our step for 2048 took more than "
                     f"{OURS_COMPILE_NOTE} on 2 CPU cores (COMPILED_MAX_TENSORS)")  # fmt: skip
     opt, step = make(contender, base, params.model)
-    ours = isinstance(opt, SAM)
     extra = {}
     if contender == COMPILED:  # before anything else touches the weights: the same step as ours, or no row
         extra.update(compiled_parity(opt, params.params, set_key, base, quick))
         assert extra["max_rel_diff"] <= FP32_STEP_RTOL, f"{contender} differs from our SAM: {extra['max_rel_diff']}"
+    timer = opt._timer if contender == COMPILED else getattr(step, "timer", None)  # the compiled rows'
+    if contender.endswith(CUDA_GRAPH):
+        extra["capture_s"] = step.capture_s
+    bytes_per_param = (BARE_BYTES_PER_PARAM if contender in (BARE, BARE_FUSED) else BYTES_PER_PARAM)[base]
+    measure(benchmark, record, quick, floor, params, opt, step, contender, base, bytes_per_param, timer, **extra)
+
+
+@pytest.mark.parametrize("base", list(BASES))
+@pytest.mark.parametrize("contender", contenders.variant_contenders(DEVICE) + list(NOT_INSTALLED))
+@pytest.mark.parametrize("variant", list(contenders.FAMILY))
+def test_family_whole_step(benchmark, record, quick, floor, variant, contender, base):
+    if contender in NOT_INSTALLED:
+        pytest.skip(NOT_INSTALLED[contender])
+    if reason := contenders.family_skip(variant, contender, DEVICE, quick, base):
+        pytest.skip(reason)
+    params = param_sets.build(contenders.FAMILY_SET_KEY, DEVICE, quick)
+    cls, kwargs = BASES[base]
+    ours = {"base_step": "fused", "foreach": True}  # the peer builds its base optimizer with foreach= its path
+    opt = contenders.make_variant(variant, contender, params.model, params.partition, cls, rho=RHO, ours=ours, **kwargs)
+
+    def step():
+        opt.first_step()
+        opt.second_step()
+
+    v = contenders.FAMILY[variant]
+    measure(benchmark, record, quick, floor, params, opt, step, contender, base, BYTES_PER_PARAM[base] + v.extra_bytes,
+            variant=variant, rule=v.rule, peer_variant=v.peer, plain_variant=v.plain)  # fmt: skip
+
+
+def measure(benchmark, record, quick, floor, params, opt, step, contender: str, base: str, bytes_per_param: int,
+            timer=None, **fields):  # fmt: skip
+    """Time ``step`` (one whole step of ``opt`` around the base optimizer ``base``, over ``params``) and record the row,
+    counted at ``bytes_per_param``, with ``fields``. ``timer``: a compiled row's :class:`contenders.CompileTimer`,
+    whose calls must compile nothing while the row is timed."""
 
     def synchronised_step():
         step()
@@ -268,7 +307,6 @@ def test_whole_step(benchmark, record, quick, floor, contender, base, set_key):
 
     # kernel compilation, allocator, re-homing of the gradients, the optimizer's state (a quick run only smoke-tests)
     warm_up(synchronised_step, min_steps=2, min_seconds=0.1) if quick else warm_up(synchronised_step)
-    timer = opt._timer if contender == COMPILED else getattr(step, "timer", None)  # the compiled rows'
     if timer is not None:  # the first steps recompile (step counts): warm up until a whole step compiles nothing
         for _ in range(MAX_SETTLING_STEPS):
             calls = timer.compiling_calls
@@ -278,7 +316,8 @@ def test_whole_step(benchmark, record, quick, floor, contender, base, set_key):
         else:
             pytest.fail(f"{contender} still compiled after {MAX_SETTLING_STEPS} more warm-up steps")
     compiled = timer.compile_s if timer is not None else None  # the parity step's and the warm-up's compiling calls
-    if ours:
+    extra = {}
+    if isinstance(opt, SharpnessAware):
         # not timing: the row must measure the path its name says, never silently the other one
         expected = "per-tensor" if contender.endswith(PER_TENSOR) else "fused"
         assert opt.base_step_mode == expected, f"{contender}: {opt.base_step_mode} ({opt.base_step_reason})"
@@ -293,13 +332,11 @@ def test_whole_step(benchmark, record, quick, floor, contender, base, set_key):
         assert timer.compile_s == compiled, f"{contender} compiled again while it was timed"
         extra.update(compile_s=compiled, compile_cache_hits=timer.cache["hits"],
                      compile_cache_misses=timer.cache["misses"])  # fmt: skip
-    if contender.endswith(CUDA_GRAPH):
-        extra["capture_s"] = step.capture_s
-    counted = (BARE_BYTES_PER_PARAM if contender in (BARE, BARE_FUSED) else BYTES_PER_PARAM)[base] * params.numel
+    counted = bytes_per_param * params.numel
     gbps = counted / benchmark.stats.stats.median / 1e9
     fields = dict(
         set=params.name, base=base, contender=contender, parameters=params.numel, tensors=len(params.params),
-        bytes_counted=counted, gbps=gbps, **floor.fields(gbps, params.numel, contender), **extra,
+        bytes_counted=counted, gbps=gbps, **floor.fields(gbps, params.numel, contender), **fields, **extra,
     )  # fmt: skip
     benchmark.extra_info.update(fields)
     record(**fields)

@@ -28,15 +28,23 @@ The per-tensor loop and the peer implement SAM only; ours run both rules (``sam`
 builds them with a base optimizer that does nothing, so a step measures the SAM machinery alone: energies, allocation,
 perturbation and restore. ``bench_whole_step.py`` builds the same implementations around a real base optimizer
 (torch's SGD or AdamW).
+
+The SAM family (:data:`FAMILY`, built by :func:`make_variant`): each variant ours (``torch``, ``cpp``, ``triton``) and,
+where pytorch_optimizer has it, the peer's on both its paths (the names above), with the same hyperparameters
+(:data:`FAMILY_HYPERPARAMETERS`, both libraries' defaults). pytorch_optimizer's GSAM has no ``first_step`` and
+``second_step``: :class:`PeerGSAM` drives it as its own ``step()`` does.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
-from gearsam_fused import GEARSAM, OPTIMIZERS
+from gearsam_fused import GEARSAM, GSAM, OPTIMIZERS, SAM, WSAM, FriendlySAM, SurrogateGap
+from gearsam_fused.allocation import GEAR_RULE, SAM_RULE
 from gearsam_fused.backends import BACKENDS
 
 PEER, PEER_PER_TENSOR = "pytorch_optimizer", "pytorch_optimizer, per tensor"
@@ -284,3 +292,146 @@ def held_bytes(name: str, optimizer) -> int:
     if name in PEER_PATHS:
         return sum(t.nbytes for state in optimizer.state.values() for t in state.values() if torch.is_tensor(t))
     return optimizer.memory_overhead()["total"]
+
+
+# ------------------------------------------------------------------------------ the SAM family
+
+#: the variants' hyperparameters, both libraries' defaults: GSAM's alpha, WSAM's gamma (decoupled, the authors' form),
+#: F-SAM's sigma and lmbda
+FAMILY_HYPERPARAMETERS = {"alpha": 0.4, "gamma": 0.9, "decouple": True, "sigma": 1.0, "lmbda": 0.9}
+
+
+class Variant(NamedTuple):
+    """A member of the SAM family as the benchmarks run it.
+
+    ``ours(params, base_optimizer, rho, **kwargs)`` builds our optimizer; ``peer`` is the variant of pytorch_optimizer
+    whose rows this one is compared with (its own, or for a GEAR-SAM variant, which the peer does not have, the same
+    variant under SAM's radius), ``plain`` the variant without the family's part, the yardstick of its machinery;
+    ``extra_bytes`` the bytes per float32 parameter its parts move beyond SAM's step, counted from the backend's passes
+    over the flat buffers (each pass's reads and writes, no temporaries):
+
+    * GSAM: ``keep_gradient_`` copies g (8); ``block_dot`` reads g and h (8), ``block_energy`` h (4), ``kept_energy``
+      g (4); ``mix_gradient_`` reads h and g and writes the mix (12): 36
+    * WSAM, decoupled: ``keep_gradient_`` (8); ``exchange_sharpness_`` reads and writes g and h (16); ``add_kept_``
+      after the update reads w and h - g and writes w (12): 36
+    * F-SAM: ``friendly_ascent_`` reads and writes g and the EMA m (16; its first step copies g into m, 8, once)
+    """
+
+    rule: str
+    ours: Callable[..., torch.optim.Optimizer]
+    peer: str
+    plain: str
+    extra_bytes: int = 0
+
+
+def _gear_sam(params, base_optimizer, rho, **kwargs):
+    return GEARSAM(params, base_optimizer, rho=rho, **kwargs)
+
+
+def _gear_gsam(params, base_optimizer, rho, **kwargs):
+    return GEARSAM(params, base_optimizer, rho=rho, descent=SurrogateGap(FAMILY_HYPERPARAMETERS["alpha"]), **kwargs)
+
+
+def _gsam(params, base_optimizer, rho, **kwargs):
+    return GSAM(params, base_optimizer, rho, alpha=FAMILY_HYPERPARAMETERS["alpha"], **kwargs)
+
+
+def _wsam(params, base_optimizer, rho, **kwargs):
+    h = FAMILY_HYPERPARAMETERS
+    return WSAM(params, base_optimizer, rho, gamma=h["gamma"], decouple=h["decouple"], **kwargs)
+
+
+def _friendly_sam(params, base_optimizer, rho, **kwargs):
+    h = FAMILY_HYPERPARAMETERS
+    return FriendlySAM(params, base_optimizer, rho, sigma=h["sigma"], lmbda=h["lmbda"], **kwargs)
+
+
+#: name -> the variant; SAM and GEAR-SAM are the yardsticks
+FAMILY = {
+    "SAM": Variant(SAM_RULE, SAM, peer="SAM", plain="SAM"),
+    "GSAM": Variant(SAM_RULE, _gsam, peer="GSAM", plain="SAM", extra_bytes=36),
+    "WSAM": Variant(SAM_RULE, _wsam, peer="WSAM", plain="SAM", extra_bytes=36),
+    "F-SAM": Variant(SAM_RULE, _friendly_sam, peer="F-SAM", plain="SAM", extra_bytes=16),
+    "GEAR-SAM": Variant(GEAR_RULE, _gear_sam, peer="SAM", plain="GEAR-SAM"),
+    "GEAR-SAM + GSAM": Variant(GEAR_RULE, _gear_gsam, peer="GSAM", plain="GEAR-SAM", extra_bytes=36),
+}
+#: our backends a variant runs on (those usable here: triton on CUDA only)
+FAMILY_BACKENDS = ("torch", "cpp", "triton")
+#: the family's parameter set: a network's shapes (each variant against the peer's and our SAM, not on every set)
+FAMILY_SET_KEY = "resnet18"
+
+
+class ConstantRho:
+    """A ``rho_scheduler`` for pytorch_optimizer's GSAM: the same radius at every step."""
+
+    def __init__(self, rho: float):
+        self.rho = rho
+
+    def step(self) -> float:
+        return self.rho
+
+
+class PeerGSAM:
+    """pytorch_optimizer's GSAM behind ``first_step()`` and ``second_step()``, the calls of its own ``step()`` around
+    the second pass: ``perturb_weights(rho)``; then ``gradient_decompose(alpha)``, ``un_perturb()`` and the base
+    optimizer's ``step()``. Its base optimizer is an instance, built here as ``base_optimizer(params, **base_kwargs)``."""
+
+    def __init__(self, model, base_optimizer, rho: float, foreach: bool, **base_kwargs):
+        import pytorch_optimizer
+
+        base = base_optimizer(model.parameters(), **base_kwargs)
+        self.optimizer = pytorch_optimizer.GSAM(model.parameters(), base, model, ConstantRho(rho),
+                                                alpha=FAMILY_HYPERPARAMETERS["alpha"], foreach=foreach)  # fmt: skip
+        self.state, self.param_groups = self.optimizer.state, self.optimizer.param_groups
+
+    def first_step(self):
+        self.optimizer.perturb_weights(self.optimizer.rho_t)
+
+    def second_step(self):
+        self.optimizer.gradient_decompose(self.optimizer.alpha)
+        self.optimizer.un_perturb()
+        self.optimizer.base_optimizer.step()
+
+
+def _peer_variant(variant: str, model, base_optimizer, rho: float, foreach: bool, **base_kwargs):
+    """pytorch_optimizer's ``variant`` (a peer name of :data:`FAMILY`) on the path ``foreach``."""
+    import pytorch_optimizer
+
+    h, params = FAMILY_HYPERPARAMETERS, model.parameters()
+    if variant == "GSAM":
+        return PeerGSAM(model, base_optimizer, rho, foreach, **base_kwargs)
+    if variant == "WSAM":
+        return pytorch_optimizer.WSAM(model, params, base_optimizer, rho=rho, gamma=h["gamma"], decouple=h["decouple"],
+                                      foreach=foreach, **base_kwargs)  # fmt: skip
+    if variant == "F-SAM":
+        return pytorch_optimizer.FriendlySAM(params, base_optimizer, rho=rho, sigma=h["sigma"], lmbda=h["lmbda"],
+                                             foreach=foreach, **base_kwargs)  # fmt: skip
+    return pytorch_optimizer.SAM(params, base_optimizer, rho=rho, foreach=foreach, **base_kwargs)
+
+
+def variant_contenders(device: str) -> list[str]:
+    """The contenders of the SAM family that can run on ``device`` here: ours, then the peer's paths."""
+    usable = available(device)
+    return [name for name in (*FAMILY_BACKENDS, *PEER_PATHS) if name in usable]
+
+
+def family_skip(variant: str, contender: str, device: str, quick: bool, base: str | None = None) -> str | None:
+    """Why ``contender`` has no row for ``variant`` (around the base optimizer named ``base``, if any; None when it has
+    one): the peer lacks the variant, or quick mode, a smoke run, runs the family on one of our backends (``cpp``
+    where built) and the peer's ``foreach`` path, and the whole step with SGD, only."""
+    if contender in PEER_PATHS and FAMILY[variant].peer != variant:
+        return f"{contender} has no {variant}"
+    in_quick = ("cpp" if "cpp" in available(device) else "torch", PEER)
+    if quick and (contender not in in_quick or base not in (None, "SGD")):
+        return f"quick mode runs the family with {in_quick} and the whole step with SGD only"
+    return None
+
+
+def make_variant(variant: str, name: str, model: torch.nn.Module, partition, base_optimizer=NoStep,
+                 rho: float = 0.05, ours: dict | None = None, **base_kwargs):  # fmt: skip
+    """Contender ``name`` (of :func:`variant_contenders`) running ``variant`` over ``model``'s parameters around
+    ``base_optimizer(params, **base_kwargs)``; ``ours``: further arguments of our optimizer (``base_step=``)."""
+    if name in PEER_PATHS:
+        return _peer_variant(variant, model, base_optimizer, rho, PEER_PATHS[name], **base_kwargs)
+    blocks = {"partition": partition} if FAMILY[variant].rule == GEAR_RULE else {}
+    return FAMILY[variant].ours(model, base_optimizer, rho, backend=name, **blocks, **(ours or {}), **base_kwargs)

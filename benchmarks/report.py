@@ -161,7 +161,7 @@ def best_peer(medians: dict[str, float]) -> tuple[str | None, float | None]:
 def sam_step_tables(rows: list[dict]) -> list[str]:
     groups: dict[tuple[str, str], list[dict]] = defaultdict(list)
     for row in rows:
-        if row["benchmark"] == "bench_sam_step":
+        if row["benchmark"] == "bench_sam_step" and "variant" not in row:  # the family's: family_tables
             # rows written before the rule was named "gear-sam" call it "gear"
             groups[(row["set"], {"gear": GEAR_RULE}.get(row["rule"], row["rule"]))].append(row)
     lines = []
@@ -209,7 +209,7 @@ def whole_step_tables(rows: list[dict]) -> list[str]:
     per-tensor implementations, the compiled foreach SAM and the base optimizer's step alone."""
     groups: dict[tuple[str, str], list[dict]] = defaultdict(list)
     for row in rows:
-        if row["benchmark"] == "bench_whole_step":
+        if row["benchmark"] == "bench_whole_step" and "variant" not in row:  # the family's: family_tables
             groups[(row["set"], row["base"])].append(row)
     lines = []
     for (name, base), group in groups.items():
@@ -246,6 +246,61 @@ def whole_step_tables(rows: list[dict]) -> list[str]:
             "their median): the compiled foreach SAM, and our `BACKEND, compiled` (`first_step` and `second_step` under "
             "`torch.compile(fullgraph=True)`); for a `BACKEND, CUDA graph` row (`capturable=True`, the timed step "
             "a `graph.replay()`), its three warm-up steps and the capture.",
+            "",
+        ]
+    return lines
+
+
+FAMILY_STEPS = {"bench_sam_step": "SAM step", "bench_whole_step": "whole step"}
+
+
+def family_tables(rows: list[dict]) -> list[str]:
+    """Per benchmark (SAM step, whole step), set and base optimizer: each variant of the SAM family, ours and
+    pytorch_optimizer's, against the peer's faster path for the same variant and against the same contender's plain
+    SAM (GEAR-SAM for a GEAR-SAM variant) of the run."""
+    groups: dict[tuple[str, str, str | None], list[dict]] = defaultdict(list)
+    for row in rows:
+        if "variant" in row:
+            groups[(row["benchmark"], row["set"], row.get("base"))].append(row)
+    lines = []
+    for (benchmark, name, base), group in groups.items():
+        first, sam_step = group[0], benchmark == "bench_sam_step"
+        medians = {(r["variant"], r["contender"]): r["median_ms"] for r in group}
+        variants = dict.fromkeys(r["variant"] for r in group)  # in the order of the rows
+        peers = {v: best_peer({c: ms for (w, c), ms in medians.items() if w == v}) for v in variants}
+        faster = ", ".join(f"{v} `{path}`" for v, (path, _) in peers.items() if path is not None)
+        lines += [
+            f"**SAM family, {FAMILY_STEPS[benchmark]}{f', {base}' if base else ''}, {name}** "
+            f"({first['parameters'] / 1e6:.1f}M parameters in {first['tensors']} tensors; {floor_note(group)}"
+            f"{f'; pytorch_optimizer = its faster path here: {faster}' if faster else ''})",
+            "",
+            "| variant | contender | bytes per parameter | median ms | IQR ms | vs pytorch_optimizer | / own SAM | GB/s | "
+            f"% of floor |{' held MB |' if sam_step else ''}",
+            f"|---|---|---:|---:|---:|---:|---:|---:|---:|{'---:|' if sam_step else ''}",
+        ]
+        for r in group:
+            peer = peers.get(r["peer_variant"], (None, None))[1]
+            plain = medians.get((r["plain_variant"], r["contender"]))
+            over_plain = f"{r['median_ms'] / plain:.2f}x" if plain else "-"
+            held = f" {r['held_bytes'] / 2**20:.1f} |" if sam_step else ""
+            lines.append(
+                f"| {r['variant']} | {r['contender']} | {r['bytes_counted'] // r['parameters']} | {r['median_ms']:.3f} | "
+                f"{r['q3_ms'] - r['q1_ms']:.3f} | {_ratio(peer, r['median_ms'])} | {over_plain} | {counted_gbps(r):.1f} | "
+                f"{pct_floor(r):.0f} |{held}"
+            )
+        lines.append("")
+    if lines:
+        lines += [
+            "SAM family: GSAM (alpha 0.4), WSAM (gamma 0.9, decoupled), F-SAM (sigma 1, lmbda 0.9) and GEAR-SAM with "
+            "GSAM's descent, beside SAM and GEAR-SAM, ours on the flat buffers (whole step: the base step fused into the "
+            "restore) and pytorch_optimizer's (GSAM driven as its `step()` does: `perturb_weights`, "
+            '`gradient_decompose`, `un_perturb`, the base step). "vs pytorch_optimizer": the peer\'s faster path for '
+            "the same variant over this median (a GEAR-SAM variant, which the peer does not have: its variant under "
+            "SAM's radius); \"/ own SAM\": this median over the same contender's SAM (a GEAR-SAM variant: its GEAR-SAM) "
+            "in the same run, the cost of the variant's part. Bytes per parameter: SAM's count (SAM step 28, whole step "
+            "SGD 40, AdamW 48) plus what the variant's passes over the flat buffers read and write, each pass counted "
+            "once: GSAM 36 (keeping g 8; <g, h>, ||h||^2, ||g||^2 16; the mix 12), WSAM 36 (keeping g 8; the exchange "
+            "of g and h - g 16; adding h - g after the update 12), F-SAM 16 (the EMA pass: g and m in and out).",
             "",
         ]
     return lines
@@ -416,6 +471,7 @@ def render(rows: list[dict], source: str) -> str:
         lines
         + sam_step_tables(rows)
         + whole_step_tables(rows)
+        + family_tables(rows)
         + skipped_step_tables(rows)
         + train_step_table(rows)
         + trainer_tables(rows)

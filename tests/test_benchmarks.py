@@ -53,9 +53,10 @@ def test_quick_run_appends_rows_and_prints_the_report(tmp_path):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     rows = [json.loads(line) for line in results.read_text().splitlines()]
     assert len({r["run"] for r in rows}) == 1 and all(r["quick"] for r in rows)
-    steps = [r for r in rows if r["benchmark"] == "bench_sam_step"]
+    family = [r for r in rows if "variant" in r]  # the SAM family's rows, checked below
+    steps = [r for r in rows if r["benchmark"] == "bench_sam_step" and "variant" not in r]
     trains = [r for r in rows if r["benchmark"] == "bench_train_step"]
-    wholes = [r for r in rows if r["benchmark"] == "bench_whole_step"]
+    wholes = [r for r in rows if r["benchmark"] == "bench_whole_step" and "variant" not in r]
     for row in steps:
         assert MACHINE_FIELDS | TIMING_FIELDS | SAM_STEP_FIELDS <= row.keys(), row.keys()
         assert row["median_ms"] > 0 and row["gbps"] > 0 and row["held_bytes"] > 0
@@ -150,6 +151,24 @@ def test_quick_run_appends_rows_and_prints_the_report(tmp_path):
         assert row["over_paired_bare_q1"] <= row["over_paired_bare"] <= row["over_paired_bare_q3"]
     assert all(r["base_step_mode"] == "fused" for r in skipped if r["contender"] != "bare base step")
     assert "**Skipped step, AdamW, ResNet-18" in done.stdout and "same round" in done.stdout
+    # the SAM family on ResNet-18's shapes: each variant ours (one backend) and the peer's (its foreach path) where it
+    # has it, in both benchmarks, counted at SAM's bytes plus the variant's passes
+    ours_backend = "cpp" if any(r["contender"] == "cpp" for r in wholes) else "torch"
+    expected = {(v, c) for v in ("SAM", "GSAM", "WSAM", "F-SAM", "GEAR-SAM", "GEAR-SAM + GSAM")
+                for c in (ours_backend, "pytorch_optimizer") if c == ours_backend or "GEAR" not in v}  # fmt: skip
+    extra = {"SAM": 0, "GSAM": 36, "WSAM": 36, "F-SAM": 16, "GEAR-SAM": 0, "GEAR-SAM + GSAM": 36}
+    for benchmark, bases in (("bench_sam_step", {None: 28}), ("bench_whole_step", {"SGD": 40})):  # quick: SGD only
+        for base, floor in bases.items():
+            these = [r for r in family if r["benchmark"] == benchmark and r.get("base") == base]
+            assert {(r["variant"], r["contender"]) for r in these} == expected, (benchmark, base)
+            for row in these:
+                assert row["set"].startswith("ResNet-18") and row["median_ms"] > 0
+                assert row["bytes_counted"] == (floor + extra[row["variant"]]) * row["parameters"]
+                if benchmark == "bench_whole_step" and row["contender"] == ours_backend:
+                    assert row["base_step_mode"] == "fused"
+    assert {r.get("base") for r in family} == {None, "SGD"}
+    assert "**SAM family, SAM step, ResNet-18" in done.stdout and "**SAM family, whole step, SGD" in done.stdout
+    assert "/ own SAM" in done.stdout
     # the Hugging Face Trainer's step, plain and with SAMTrainer
     trainers = [r for r in rows if r["benchmark"] == "bench_trainer"]
     assert {r["contender"] for r in trainers} == {
@@ -343,6 +362,47 @@ def test_the_peer_runs_on_the_path_its_name_says():
         assert name in contenders.available("cpu") and name in contenders.SAM_ONLY
         opt = contenders.make(name, "sam", model, None)
         assert all(group["foreach"] is foreach for group in opt.param_groups)
+
+
+def test_the_family_table_compares_each_variant_with_the_peers_and_its_own_sam():
+    common = {"set": "ResNet-18", "base": "SGD", "parameters": 10, "tensors": 2, "device": "cpu", "floor_gbps": 40.0,
+              "floor_kind": "update", "gbps": 10.0, "pct_floor": 25.0}  # fmt: skip
+    family = {"SAM": ("sam", "SAM", "SAM", 400), "GSAM": ("sam", "GSAM", "SAM", 760),
+              "GEAR-SAM": ("gear-sam", "SAM", "GEAR-SAM", 400),
+              "GEAR-SAM + GSAM": ("gear-sam", "GSAM", "GEAR-SAM", 760)}  # fmt: skip
+    rows = [_row("bench_whole_step", contender, ms, variant=variant, rule=family[variant][0],
+                 peer_variant=family[variant][1], plain_variant=family[variant][2], bytes_counted=family[variant][3],
+                 **common)
+            for variant, contender, ms in (
+                ("SAM", "cpp", 5.0), ("SAM", "pytorch_optimizer", 20.0), ("SAM", "pytorch_optimizer, per tensor", 30.0),
+                ("GSAM", "cpp", 6.0), ("GSAM", "pytorch_optimizer", 36.0), ("GSAM", "pytorch_optimizer, per tensor", 24.0),
+                ("GEAR-SAM", "cpp", 5.5), ("GEAR-SAM + GSAM", "cpp", 6.6))]  # fmt: skip
+    text = "\n".join(report.family_tables(rows))
+    assert "**SAM family, whole step, SGD, ResNet-18**" in text
+    assert "faster path here: SAM `pytorch_optimizer`, GSAM `pytorch_optimizer, per tensor`" in text
+    assert "| GSAM | cpp | 76 | 6.000 | 2.000 | 4.00x | 1.20x |" in text  # 24/6 (not 36/6); 6/5
+    assert "| GSAM | pytorch_optimizer | 76 | 36.000 | 2.000 | 0.67x | 1.80x |" in text  # its own SAM: 36/20
+    assert "| GEAR-SAM + GSAM | cpp | 76 | 6.600 | 2.000 | 3.64x | 1.20x |" in text  # 24/6.6; over GEAR-SAM, 6.6/5.5
+    # the family's rows stay out of the whole-step table, and a SAM-step family table shows the memory held
+    assert report.whole_step_tables(rows) == []
+    sam_step = [{**r, "benchmark": "bench_sam_step", "held_bytes": 2**21} for r in rows]
+    text = "\n".join(report.family_tables(sam_step))
+    assert "| SAM | cpp | 40 | 5.000 | 2.000 | 4.00x | 1.00x | 10.0 | 25 | 2.0 |" in text
+
+
+def test_the_peers_family_runs_on_the_path_its_name_says():
+    pytest.importorskip("pytorch_optimizer")
+    import torch
+
+    contenders = _load("contenders")
+    model = torch.nn.Linear(3, 2)
+    for variant in ("SAM", "GSAM", "WSAM", "F-SAM"):
+        for name, foreach in contenders.PEER_PATHS.items():
+            assert name in contenders.variant_contenders("cpu")
+            assert contenders.family_skip(variant, name, "cpu", quick=False) is None
+            opt = contenders.make_variant(variant, name, model, None, lr=0.01)
+            assert all(group["foreach"] is foreach for group in opt.param_groups), (variant, name)
+    assert contenders.family_skip("GEAR-SAM + GSAM", "pytorch_optimizer", "cpu", quick=False) is not None
 
 
 def test_a_row_above_the_floor_of_its_own_rounds_fails_where_no_cache_holds_it():
