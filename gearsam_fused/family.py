@@ -66,6 +66,9 @@ class Descent:
     def after_update(self, backend, param_groups: list[dict]) -> None:
         """Nothing, unless the variant steps after the base optimizer."""
 
+    def check_groups(self, param_groups: list[dict], base_name: str) -> None:
+        """Raise ``ValueError`` if the base optimizer's ``param_groups`` lack what :meth:`after_update` reads."""
+
 
 def _over_rule(values: torch.Tensor, per_block: bool) -> torch.Tensor:
     """``values`` per block (GEAR-SAM's rule), or their sum in every entry (SAM's)."""
@@ -120,6 +123,13 @@ class WeightedSharpness(Descent):
     def after_update(self, backend, param_groups: list[dict]) -> None:
         if self.decouple:
             backend.add_kept_([-group["lr"] * self.weight for group in param_groups])
+
+    def check_groups(self, param_groups: list[dict], base_name: str) -> None:
+        if self.decouple and any("lr" not in group for group in param_groups):
+            raise ValueError(
+                f"{self!r} takes the sharpness step with each param group's lr, and {base_name}'s param groups have "
+                "none; use decouple=False or a base optimizer with a learning rate"
+            )
 
 
 def check_ascent(ascent) -> FriendlyAscent | None:

@@ -182,6 +182,8 @@ class SharpnessAware(torch.optim.Optimizer):
         super().__init__(params, dict(rho=rho, **base_kwargs))
         self.base_optimizer = base_optimizer(self.param_groups, **base_kwargs)
         self.param_groups = self.base_optimizer.param_groups
+        if self.descent is not None:
+            self.descent.check_groups(self.param_groups, type(self.base_optimizer).__name__)
         self.state = self.base_optimizer.state
         # LR schedulers read defaults (OneCycleLR and CyclicLR look for momentum or betas there): the base's, plus rho
         self.defaults = {**self.base_optimizer.defaults, "rho": rho}

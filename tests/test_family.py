@@ -27,6 +27,7 @@ from conftest import (
     FP32_STEP_RTOL,
     FP64_STEP_RTOL,
     SGD_KW,
+    NoStep,
     batches,
     flat,
     grad_at,
@@ -407,6 +408,11 @@ def test_ddp_ranks_agree_bitwise_and_equal_one_process_on_the_whole_batch():
         (
             lambda: GSAM(tiny_resnet(), torch.optim.SGD, schedule=Every(2), lr=0.1),
             r"schedule Every\(k=2\) with SurrogateGap\(alpha=0.4, eps=1e-12\): a step the schedule skips",
+        ),
+        (
+            lambda: WSAM(tiny_resnet(), NoStep),
+            r"WeightedSharpness\(gamma=0.9, decouple=True\) takes the sharpness step with each param group's lr, and "
+            r"NoStep's param groups have none",
         ),
         (
             lambda: FriendlySAM(tiny_resnet(), torch.optim.SGD, capturable=True, backend="cpp", lr=0.1),

@@ -184,7 +184,10 @@ class FusedBackend(Backend):
             rows = max(1, _CHUNK // bucket.tile)  # a bounded temporary, still in cache when it is copied back
             for start in range(0, bucket.n_tiles, rows):
                 part = slice(start, start + rows)
-                g[part].copy_(torch.addcmul(g[part].to(dtype) * a[part], kept[part].to(dtype), c[part]))
+                if g.dtype == dtype:  # in place: the same two roundings, no temporary
+                    g[part].mul_(a[part]).addcmul_(kept[part], c[part])
+                else:
+                    g[part].copy_(torch.addcmul(g[part].to(dtype) * a[part], kept[part].to(dtype), c[part]))
             self._touched(bucket)
 
     @torch.no_grad()
