@@ -27,6 +27,16 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "cuda: needs a CUDA GPU (skipped without one)")
 
 
+@pytest.fixture(autouse=True)
+def _thread_count_restored():
+    """Every test leaves torch's thread count as it found it: the command line's ``--threads`` sets it in this
+    process, and results depend on it (the order of float sums), so a test after one that ran ``gearsam ...
+    --threads 1`` would otherwise compare a run on one thread with one on all of them."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
 def on_device(backend: str, device: str):
     """A (backend, device) test case, skipped where it cannot run."""
     marks = []
