@@ -130,12 +130,17 @@ class Backend:
             kept = store[id(p)] = torch.zeros_like(local(p))
         return kept
 
-    def _named_grads(self):
-        """(block index, correction, local gradient or None) for every parameter, in block order."""
+    def _params_and_grads(self):
+        """(block index, parameter, local gradient or None) for every parameter, in block order."""
         for b, block in enumerate(self.blocks):
             for name, p in zip(block.param_names, block.params):
                 g = check_dense_grad(p.grad, repr(name))
-                yield b, self._buffer(CORRECTION, p), None if g is None else local(g)
+                yield b, p, None if g is None else local(g)
+
+    def _named_grads(self):
+        """(block index, correction, local gradient or None) for every parameter, in block order."""
+        for b, p, g in self._params_and_grads():
+            yield b, self._buffer(CORRECTION, p), g
 
     @torch.no_grad()
     def keep_gradient_(self) -> None:
@@ -178,13 +183,6 @@ class Backend:
                 g.copy_(g.to(dtype) + s * kept.to(dtype))
 
     # The SAM family's parts (gearsam_fused.family), per tensor as above; the flat-buffer backends run them per bucket.
-    def _params_and_grads(self):
-        """(block index, parameter, local gradient or None) for every parameter, in block order."""
-        for b, block in enumerate(self.blocks):
-            for name, p in zip(block.param_names, block.params):
-                g = check_dense_grad(p.grad, repr(name))
-                yield b, p, None if g is None else local(g)
-
     @torch.no_grad()
     def kept_energy(self) -> torch.Tensor:
         """float64 ``[B]``: ``sum_{p in b} ||correction_p||^2``, the energies of the kept gradient."""
