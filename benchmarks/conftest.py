@@ -25,7 +25,9 @@ if not torch.cuda.is_available():
 HERE = Path(__file__).resolve().parent
 DEFAULT_RESULTS = HERE / "results" / "runs.jsonl"
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-_ROWS: list[dict] = []
+#: the run's id and machine, made at its first row; the rows this process appended
+_RUN: dict = {}
+_APPENDED: list[str] = []
 
 
 def pytest_addoption(parser):
@@ -174,11 +176,12 @@ def machine() -> dict:
 
 @pytest.fixture
 def record(request, quick, benchmark):
-    """``record(**fields)``: after a benchmark ran, store one row with its timing statistics and ``fields``."""
+    """``record(**fields)``: after a benchmark ran, append one row with its timing statistics and ``fields`` to the
+    results file at once, so that a run stopped at a time limit keeps the rows it measured."""
 
     def add(**fields):
         stats = benchmark.stats.stats
-        _ROWS.append({
+        append_row(request.config.getoption("--results", default=""), {
             "benchmark": request.node.module.__name__.split(".")[-1], "test": request.node.name, "quick": quick,
             "device": DEVICE, "median_ms": stats.median * 1e3, "q1_ms": stats.q1 * 1e3, "q3_ms": stats.q3 * 1e3,
             "min_ms": stats.min * 1e3, "rounds": stats.rounds, **fields,
@@ -187,17 +190,23 @@ def record(request, quick, benchmark):
     return add
 
 
+def append_row(path: str, row: dict) -> None:
+    """One row of this run, with the run's id and machine, appended to the JSONL file ``path`` ('' for none)."""
+    if not path:
+        return
+    if not _RUN:
+        _RUN.update(run=uuid.uuid4().hex[:12], **machine())
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps({**_RUN, **row}) + "\n")
+    _APPENDED.append(row["test"])
+
+
 def pytest_benchmark_update_machine_info(config, machine_info):
     machine_info.update(machine())
 
 
 def pytest_sessionfinish(session, exitstatus):
-    path = session.config.getoption("--results", default="")
-    if not _ROWS or not path:
-        return
-    run = {"run": uuid.uuid4().hex[:12], **machine()}
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a", encoding="utf-8") as f:
-        for row in _ROWS:
-            f.write(json.dumps({**run, **row}) + "\n")
-    print(f"\n{len(_ROWS)} rows appended to {path} (run {run['run']})")
+    if _APPENDED:
+        path = session.config.getoption("--results", default="")
+        print(f"\n{len(_APPENDED)} rows appended to {path} (run {_RUN['run']})")
