@@ -66,9 +66,13 @@ def resolve_backend_name(name: str, devices: set[torch.device], sharded: bool = 
             f"(or one of {list(IN_PLACE_BACKENDS)})"
         )
     if name == "auto":
+        # cpp first on CUDA too: its eager step took 0.4x to 0.9x of triton's on an H200 (torch.library's Python
+        # dispatch and Triton's launcher cost more host time per launch; benchmarks/results/gpu-h200-2026-11-26.md)
+        if _usable("cpp", devices):
+            return "cpp"
         if all(d.type == "cuda" for d in devices) and TritonBackend.installed():
             return "triton"
-        return "cpp" if _usable("cpp", devices) else "torch"
+        return "torch"
     if name not in BACKENDS:
         raise ValueError(f"unknown backend {name!r}; expected 'auto' or one of {list(BACKENDS)}")
     BACKENDS[name].check_usable(devices)
