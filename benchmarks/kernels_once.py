@@ -92,17 +92,17 @@ def check_scalar_cpp_kernels(dtype: torch.dtype, adaptive: bool) -> None:
         n = n_tiles * tile
         # one allocation per buffer, sliced past its start, so a wrong offset reads outside it
         param, grad, backup = (torch.randn(n + offset, device="cuda").to(dtype)[offset:] for _ in range(3))
-        block_tiles = torch.tensor([0, 1, 1, n_tiles], dtype=torch.int64, device="cuda")  # block 1 is empty
-        tile_block = torch.tensor([0, 2, 2], dtype=torch.int32, device="cuda")
+        first_tile_of_block = torch.tensor([0, 1, 1, n_tiles], dtype=torch.int64, device="cuda")  # block 1 is empty
+        block_of_tile = torch.tensor([0, 2, 2], dtype=torch.int32, device="cuda")
         partials = torch.empty(n_tiles, dtype=torch.float64, device="cuda")
-        energy = kernels.block_energy(grad, param, block_tiles, partials, tile=tile, adaptive=adaptive, eta=ETA)
+        energy = kernels.block_energy(grad, param, first_tile_of_block, partials, tile=tile, adaptive=adaptive, eta=ETA)
         t = (param.double().abs() + ETA) if adaptive else torch.ones_like(param, dtype=torch.float64)
         per_tile = ((t * grad.double()) ** 2).view(n_tiles, tile).sum(1)
         expected = torch.stack([per_tile[0], per_tile.new_zeros(()), per_tile[1:].sum()])
         torch.testing.assert_close(energy, expected, rtol=1e-6, atol=0, msg=lambda m: f"scalar energy {dtype}: {m}")
         scale, _ = kernels.allocate(energy, torch.zeros_like(energy), gear=True, rho=0.05, beta=0.9, delta=1e-12)
         original = param.clone()
-        kernels.perturb_(param, grad, backup, scale, tile_block, tile=tile, adaptive=adaptive, eta=ETA)
+        kernels.perturb_(param, grad, backup, scale, block_of_tile, tile=tile, adaptive=adaptive, eta=ETA)
         assert torch.equal(backup, original), f"scalar perturb {dtype}: backup"
         kernels.restore_(param, backup, tile=tile)
         assert torch.equal(param, original), f"scalar restore {dtype}"

@@ -50,13 +50,13 @@
 
 namespace gearsam {
 
-at::Tensor block_energy(const at::Tensor& grad, const at::Tensor& param, const at::Tensor& block_tiles,
+at::Tensor block_energy(const at::Tensor& grad, const at::Tensor& param, const at::Tensor& first_tile_of_block,
                         const at::Tensor& partials, int64_t tile, bool adaptive, double eta);
 std::tuple<at::Tensor, at::Tensor> allocate(const at::Tensor& energy, const at::Tensor& ema, bool gear, double rho,
                                             double beta, double delta, const c10::optional<at::Tensor>& scalars = {},
                                             const c10::optional<at::Tensor>& found_inf = {});
 void perturb_(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& backup, const at::Tensor& scale,
-              const at::Tensor& tile_block, int64_t tile, bool adaptive, double eta);
+              const at::Tensor& block_of_tile, int64_t tile, bool adaptive, double eta);
 void restore_(const at::Tensor& param, const at::Tensor& backup, int64_t tile);
 
 // b - c * d with the product rounded on its own: in device code nvcc would contract a plain `b - c * d` into an fma
@@ -104,9 +104,9 @@ struct AdamOptions {
 };
 
 // LookSAM's gradient correction as the public operations take it: correction (like grad), correction_scale (float64
-// [B]) and tile_block (int32, the block of each tile), all three given or none.
+// [B]) and block_of_tile (int32, the block of each tile), all three given or none.
 struct CorrectionArgs {
-  c10::optional<at::Tensor> correction, correction_scale, tile_block;
+  c10::optional<at::Tensor> correction, correction_scale, block_of_tile;
 };
 
 // A capturable step's device values as the public base steps take them (header comment): either may be absent.
@@ -123,10 +123,10 @@ void adam_step_(const at::Tensor& param, const at::Tensor& grad, const c10::opti
                 const c10::optional<at::Tensor>& max_exp_avg_sq, int64_t tile, const AdamOptions& options,
                 const CorrectionArgs& correction = {}, const DeviceStepArgs& device_step = {});
 
-// The checked correction the implementations receive: g = fma(C(scale[tile_block[t]]), values, grad) for the
+// The checked correction the implementations receive: g = fma(C(scale[block_of_tile[t]]), values, grad) for the
 // elements of tile t, C rounding once to the buffers' type. All three undefined where the step has none.
 struct Correction {
-  at::Tensor values, scale, tile_block;
+  at::Tensor values, scale, block_of_tile;
   bool given() const { return values.defined(); }
 };
 
@@ -162,7 +162,7 @@ struct AdamConstants {
   // lerp_weight is 1 - beta1 where |1 - beta1| < 0.5, else (1 - beta1) - 1 rounded in T: ATen's lerp takes the
   // second form for large weights, and the branch depends on the weight alone, so it is chosen here once.
   T weight_decay, decay, lerp_weight, beta2, one_minus_beta2, eps, bias_correction2_sqrt, neg_step_size;
-  bool l2, decoupled, small_weight, amsgrad, maximize;
+  bool l2, decoupled, lerp_small, amsgrad, maximize;
 
   GEARSAM_HOST_DEVICE explicit AdamConstants(const AdamOptions& o)
       : weight_decay(static_cast<T>(o.weight_decay)),
@@ -175,22 +175,22 @@ struct AdamConstants {
         neg_step_size(static_cast<T>(-o.step_size())),
         l2(o.weight_decay != 0 && !o.decoupled),
         decoupled(o.weight_decay != 0 && o.decoupled),
-        small_weight(lerp_weight < T(0.5) && lerp_weight > T(-0.5)),  // |lerp_weight| < 0.5, on either device
+        lerp_small(lerp_weight < T(0.5) && lerp_weight > T(-0.5)),  // |lerp_weight| < 0.5, on either device
         amsgrad(o.amsgrad),
         maximize(o.maximize) {
-    if (!small_weight) lerp_weight = lerp_weight - T(1);
+    if (!lerp_small) lerp_weight = lerp_weight - T(1);
   }
 };
 
 // momentum_buffer and max_exp_avg_sq are undefined tensors where the optimizer has none; backup is param itself
 // where the public operation was given none (so a skipped step, found_inf nonzero, then writes nothing at all).
 #define GEARSAM_DEVICE_IMPLEMENTATIONS                                                                              \
-  void block_energy(const at::Tensor& grad, const at::Tensor& param, const at::Tensor& block_tiles,                 \
+  void block_energy(const at::Tensor& grad, const at::Tensor& param, const at::Tensor& first_tile_of_block,         \
                     const at::Tensor& partials, const at::Tensor& energy, int64_t tile, bool adaptive, double eta); \
   void allocate(const at::Tensor& energy, const at::Tensor& ema, const at::Tensor& scale, const at::Tensor& radius, \
                 bool gear, double rho, double beta, double delta, const DeviceStep& device_step);                   \
   void perturb(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& backup, const at::Tensor& scale,  \
-               const at::Tensor& tile_block, int64_t tile, bool adaptive, double eta);                              \
+               const at::Tensor& block_of_tile, int64_t tile, bool adaptive, double eta);                              \
   void restore(const at::Tensor& param, const at::Tensor& backup);                                                   \
   void sgd_step(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& backup,                           \
                 const at::Tensor& momentum_buffer, int64_t tile, const SgdOptions& options,                          \

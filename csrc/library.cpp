@@ -21,11 +21,11 @@ using OptionalTensor = c10::optional<at::Tensor>;
 void sgd_step(const at::Tensor& param, const at::Tensor& grad, const OptionalTensor& backup,
               const OptionalTensor& momentum_buffer, int64_t tile, double lr, double weight_decay, double momentum,
               double dampening, bool nesterov, bool maximize, bool first, const OptionalTensor& correction,
-              const OptionalTensor& correction_scale, const OptionalTensor& tile_block, const OptionalTensor& scalars,
-              const OptionalTensor& found_inf) {
+              const OptionalTensor& correction_scale, const OptionalTensor& block_of_tile,
+              const OptionalTensor& scalars, const OptionalTensor& found_inf) {
   gearsam::sgd_step_(param, grad, backup, momentum_buffer, tile,
                      {lr, weight_decay, momentum, dampening, nesterov, maximize, first},
-                     {correction, correction_scale, tile_block}, {scalars, found_inf});
+                     {correction, correction_scale, block_of_tile}, {scalars, found_inf});
 }
 
 // step_size, bias_correction2_sqrt and decay are derived from lr and k = step where the constants are built
@@ -34,11 +34,11 @@ void adam_step(const at::Tensor& param, const at::Tensor& grad, const OptionalTe
                const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq, const OptionalTensor& max_exp_avg_sq,
                int64_t tile, double beta1, double beta2, double eps, double weight_decay, bool decoupled,
                bool amsgrad, bool maximize, double lr, int64_t step, const OptionalTensor& correction,
-               const OptionalTensor& correction_scale, const OptionalTensor& tile_block, const OptionalTensor& scalars,
-               const OptionalTensor& found_inf) {
+               const OptionalTensor& correction_scale, const OptionalTensor& block_of_tile,
+               const OptionalTensor& scalars, const OptionalTensor& found_inf) {
   gearsam::adam_step_(param, grad, backup, exp_avg, exp_avg_sq, max_exp_avg_sq, tile,
                       {beta1, beta2, eps, weight_decay, decoupled, amsgrad, maximize, lr, static_cast<double>(step)},
-                      {correction, correction_scale, tile_block}, {scalars, found_inf});
+                      {correction, correction_scale, block_of_tile}, {scalars, found_inf});
 }
 
 void register_kernels(torch::Library& m) {
@@ -60,8 +60,8 @@ TORCH_LIBRARY(gearsam_fused, m) {
   // float64 [B]: e_b = sum over block b of (T g)^2, T = |w| + eta if adaptive else 1; per-tile partials are written
   // to `partials`, then summed per block in tile order.
   m.def(
-      "block_energy(Tensor grad, Tensor param, Tensor block_tiles, Tensor(a!) partials, *, int tile, bool adaptive, "
-      "float eta) -> Tensor");
+      "block_energy(Tensor grad, Tensor param, Tensor first_tile_of_block, Tensor(a!) partials, *, int tile, "
+      "bool adaptive, float eta) -> Tensor");
   // (scale, radius), float64 [B], by the GEAR rule (gear=True, which updates ema in place) or the SAM rule (ema
   // untouched; declared written all the same, as a schema cannot make that depend on gear). Capturable (gearsam.h):
   // scalars, float64 [1], holds rho (then rho=0.0); found_inf, float32 with one element, nonzero gives scale = radius
@@ -69,35 +69,35 @@ TORCH_LIBRARY(gearsam_fused, m) {
   m.def(
       "allocate(Tensor energy, Tensor(a!) ema, *, bool gear, float rho, float beta, float delta, "
       "Tensor? scalars=None, Tensor? found_inf=None) -> (Tensor, Tensor)");
-  // backup = param; param += scale[tile_block[tile]] * T^2 * grad, in place.
+  // backup = param; param += scale[block_of_tile[tile]] * T^2 * grad, in place.
   m.def(
-      "perturb_(Tensor(a!) param, Tensor grad, Tensor(b!) backup, Tensor scale, Tensor tile_block, *, int tile, "
+      "perturb_(Tensor(a!) param, Tensor grad, Tensor(b!) backup, Tensor scale, Tensor block_of_tile, *, int tile, "
       "bool adaptive, float eta) -> ()");
   // param = backup, bit for bit.
   m.def("restore_(Tensor(a!) param, Tensor backup, *, int tile) -> ()");
   // param = backup (param's own values where backup is None) after one step of torch.optim.SGD on grad, bit for bit;
   // momentum_buffer (given iff momentum != 0) is updated in place, or set to the step's gradient when first. With
-  // correction, correction_scale and tile_block (all or none) the step's gradient is
-  // fma(correction_scale[tile_block[tile]], correction, grad). Capturable (gearsam.h): scalars, float64 [2], holds
+  // correction, correction_scale and block_of_tile (all or none) the step's gradient is
+  // fma(correction_scale[block_of_tile[tile]], correction, grad). Capturable (gearsam.h): scalars, float64 [2], holds
   // (lr, k), k the step count (first = k == 1; then lr=0.0 and first=False); found_inf, float32 with one element,
   // nonzero writes param = backup (nothing without backup) and nothing else, without reading grad.
   m.def(
       "sgd_step_(Tensor(a!) param, Tensor grad, Tensor? backup, Tensor(b!)? momentum_buffer, *, int tile, float lr, "
       "float weight_decay, float momentum, float dampening, bool nesterov, bool maximize, bool first, "
-      "Tensor? correction=None, Tensor? correction_scale=None, Tensor? tile_block=None, Tensor? scalars=None, "
+      "Tensor? correction=None, Tensor? correction_scale=None, Tensor? block_of_tile=None, Tensor? scalars=None, "
       "Tensor? found_inf=None) -> ()");
   // param = backup (or param's own values) after one step of torch.optim.Adam (AdamW when decoupled) on grad, bit for
   // bit; exp_avg, exp_avg_sq and max_exp_avg_sq (given iff amsgrad) are updated in place. step is the step count
   // k of this update (1 for the first), a SymInt so that a compiled step does not specialise on it; step_size =
   // lr / (1 - beta1^k), bias_correction2_sqrt = (1 - beta2^k)^0.5 and decay = 1 - lr * weight_decay are derived
-  // from them as torch derives them in Python; correction, correction_scale and tile_block as for sgd_step_.
+  // from them as torch derives them in Python; correction, correction_scale and block_of_tile as for sgd_step_.
   // Capturable: scalars, float64 [2], holds (lr, k) (then lr=0.0 and step=0), from which the same operations derive
   // the three; found_inf as for sgd_step_ (exp_avg, exp_avg_sq and max_exp_avg_sq keep their bits).
   m.def(
       "adam_step_(Tensor(a!) param, Tensor grad, Tensor? backup, Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq, "
       "Tensor(d!)? max_exp_avg_sq, *, int tile, float beta1, float beta2, float eps, float weight_decay, "
       "bool decoupled, bool amsgrad, bool maximize, float lr, SymInt step, "
-      "Tensor? correction=None, Tensor? correction_scale=None, Tensor? tile_block=None, Tensor? scalars=None, "
+      "Tensor? correction=None, Tensor? correction_scale=None, Tensor? block_of_tile=None, Tensor? scalars=None, "
       "Tensor? found_inf=None) -> ()");
 }
 

@@ -106,10 +106,10 @@ void check_optional_state(const char* name, const c10::optional<at::Tensor>& t, 
   if (is_given) check_same(name, *t, "param", param);
 }
 
-// LookSAM's correction: all three tensors or none, checked as perturb_ checks its scale and tile_block (same
+// LookSAM's correction: all three tensors or none, checked as perturb_ checks its scale and block_of_tile (same
 // messages as triton_kernels/base_step.py). Given in part, the caller's correction state is broken: refused.
 Correction check_correction(const CorrectionArgs& args, const at::Tensor& param, int64_t tile) {
-  const bool any = given(args.correction) || given(args.correction_scale) || given(args.tile_block);
+  const bool any = given(args.correction) || given(args.correction_scale) || given(args.block_of_tile);
   if (!any) return {};
   std::string missing;
   const auto note = [&](const char* name, const c10::optional<at::Tensor>& t) {
@@ -117,17 +117,17 @@ Correction check_correction(const CorrectionArgs& args, const at::Tensor& param,
   };
   note("correction", args.correction);
   note("correction_scale", args.correction_scale);
-  note("tile_block", args.tile_block);
-  TORCH_CHECK_VALUE(missing.empty(), "correction, correction_scale and tile_block must be given together, missing ",
+  note("block_of_tile", args.block_of_tile);
+  TORCH_CHECK_VALUE(missing.empty(), "correction, correction_scale and block_of_tile must be given together, missing ",
                     missing);
-  const Correction c{*args.correction, *args.correction_scale, *args.tile_block};
+  const Correction c{*args.correction, *args.correction_scale, *args.block_of_tile};
   check_flat("correction", c.values);
   check_same("correction", c.values, "param", param);
   check_flat("correction_scale", c.scale, 0, at::kDouble, &param);
-  check_flat("tile_block", c.tile_block, 0, at::kInt, &param);
+  check_flat("block_of_tile", c.block_of_tile, 0, at::kInt, &param);
   const int64_t n_tiles = param.numel() / tile;
-  TORCH_CHECK_VALUE(c.tile_block.numel() == n_tiles, "tile_block has ", c.tile_block.numel(), " entries for ", n_tiles,
-                    " tiles");
+  TORCH_CHECK_VALUE(c.block_of_tile.numel() == n_tiles, "block_of_tile has ", c.block_of_tile.numel(),
+                    " entries for ", n_tiles, " tiles");
   return c;
 }
 
@@ -200,19 +200,20 @@ bool on_cuda(const at::Tensor& t) {
 #define GEARSAM_ON_DEVICE_OF(tensor, fn, ...) (on_cuda(tensor), cpu::fn(__VA_ARGS__))
 #endif
 
-at::Tensor block_energy(const at::Tensor& grad, const at::Tensor& param, const at::Tensor& block_tiles,
+at::Tensor block_energy(const at::Tensor& grad, const at::Tensor& param, const at::Tensor& first_tile_of_block,
                         const at::Tensor& partials, int64_t tile, bool adaptive, double eta) {
   check_tile(tile);
   check_flat("grad", grad, tile);
   check_floating("grad", grad);
   check_same("param", param, "grad", grad);
-  check_flat("block_tiles", block_tiles, 0, at::kLong, &grad);
+  check_flat("first_tile_of_block", first_tile_of_block, 0, at::kLong, &grad);
   check_flat("partials", partials, 0, at::kDouble, &grad);
   const int64_t n_tiles = grad.numel() / tile;
   TORCH_CHECK_VALUE(partials.numel() == n_tiles, "partials has ", partials.numel(), " entries for ", n_tiles, " tiles");
-  TORCH_CHECK_VALUE(block_tiles.numel() >= 1, "block_tiles needs at least one entry (B + 1 for B blocks)");
-  at::Tensor energy = at::empty({block_tiles.numel() - 1}, grad.options().dtype(at::kDouble));
-  GEARSAM_ON_DEVICE_OF(grad, block_energy, grad, param, block_tiles, partials, energy, tile, adaptive, eta);
+  TORCH_CHECK_VALUE(first_tile_of_block.numel() >= 1,
+                    "first_tile_of_block needs at least one entry (B + 1 for B blocks)");
+  at::Tensor energy = at::empty({first_tile_of_block.numel() - 1}, grad.options().dtype(at::kDouble));
+  GEARSAM_ON_DEVICE_OF(grad, block_energy, grad, param, first_tile_of_block, partials, energy, tile, adaptive, eta);
   return energy;
 }
 
@@ -232,19 +233,19 @@ std::tuple<at::Tensor, at::Tensor> allocate(const at::Tensor& energy, const at::
 }
 
 void perturb_(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& backup, const at::Tensor& scale,
-              const at::Tensor& tile_block, int64_t tile, bool adaptive, double eta) {
+              const at::Tensor& block_of_tile, int64_t tile, bool adaptive, double eta) {
   check_tile(tile);
   check_flat("param", param, tile);
   check_floating("param", param);
   check_same("grad", grad, "param", param);
   check_same("backup", backup, "param", param);
   check_flat("scale", scale, 0, at::kDouble, &param);
-  check_flat("tile_block", tile_block, 0, at::kInt, &param);
+  check_flat("block_of_tile", block_of_tile, 0, at::kInt, &param);
   const int64_t n_tiles = param.numel() / tile;
-  TORCH_CHECK_VALUE(tile_block.numel() == n_tiles, "tile_block has ", tile_block.numel(), " entries for ", n_tiles,
-                    " tiles");
+  TORCH_CHECK_VALUE(block_of_tile.numel() == n_tiles, "block_of_tile has ", block_of_tile.numel(), " entries for ",
+                    n_tiles, " tiles");
   if (n_tiles == 0) return;
-  GEARSAM_ON_DEVICE_OF(param, perturb, param, grad, backup, scale, tile_block, tile, adaptive, eta);
+  GEARSAM_ON_DEVICE_OF(param, perturb, param, grad, backup, scale, block_of_tile, tile, adaptive, eta);
 }
 
 void restore_(const at::Tensor& param, const at::Tensor& backup, int64_t tile) {

@@ -36,8 +36,8 @@ import functools
 from dataclasses import dataclass
 
 import torch
-from torch.amp.grad_scaler import OptState
 
+from .compat import OptState, drop_optimizer_record, optimizer_record, scaler_records, unscale_
 from .optim import SharpnessAware, check_sharpness_aware
 
 
@@ -48,7 +48,7 @@ def _can_unscale(dtype: torch.dtype, device: torch.device) -> bool:
     grad = torch.zeros(1, dtype=dtype, device=device)
     found_inf, inv_scale = torch.zeros(1, device=device), torch.ones(1, device=device)
     try:
-        torch._amp_foreach_non_finite_check_and_unscale_([grad], found_inf, inv_scale)
+        unscale_([grad], found_inf, inv_scale)
     except NotImplementedError:
         return False
     return True
@@ -141,7 +141,7 @@ class SAMScaler:
         if not isinstance(scaler, torch.amp.GradScaler):
             raise TypeError(f"scaler must be a torch.amp.GradScaler, got {type(scaler).__name__}")
         if scaler.is_enabled():
-            if not isinstance(getattr(scaler, "_per_optimizer_states", None), dict):
+            if scaler_records(scaler) is None:
                 raise RuntimeError(
                     "this torch's GradScaler does not keep per-optimizer overflow records in _per_optimizer_states, "
                     "which SAMScaler needs to unscale two passes"
@@ -170,7 +170,7 @@ class SAMScaler:
 
     # ------------------------------------------------------------------ GradScaler bookkeeping
     def _state(self) -> dict:
-        state = self.scaler._per_optimizer_states[id(self.optimizer)]
+        state = optimizer_record(self.scaler, self.optimizer)
         if state["stage"] is OptState.STEPPED:
             raise RuntimeError(
                 "the GradScaler already stepped this optimizer since its last update(): call scaler.update() once at "
@@ -225,7 +225,7 @@ class SAMScaler:
         if finite and not self.on_device:
             opt.first_step(cancellable=True)  # on a skipped step: the update, with the unscaled first gradient
         # The second pass must be unscaled by itself: hold this pass's records here and give the scaler a fresh slate.
-        del self.scaler._per_optimizer_states[id(opt)]
+        drop_optimizer_record(self.scaler, opt)
         self._first = (records, finite, sam)
         opt.zero_grad(set_to_none=set_to_none)
         return finite and sam
@@ -272,7 +272,7 @@ class SAMScaler:
             # scaler.update() reads these: an overflow in either pass lowers the scale, as after a skipped step.
             for device, found in first_records.items():
                 records[device] = records[device] + found if device in records else found
-            state = self.scaler._per_optimizer_states[id(opt)]
+            state = optimizer_record(self.scaler, opt)
             state["found_inf_per_device"] = records
             state["stage"] = OptState.STEPPED
             scale = None if self.on_device else self.scaler.get_scale()

@@ -14,17 +14,38 @@ except the lr of a step made ``capturable`` by the SAM optimizer, which the kern
 float32 and float64 (torch rounds every intermediate to a low-precision parameter's dtype), and steps in which a
 parameter has no gradient (torch skips it) or the parameters' states are not all at the same step. The reason is
 recorded (:attr:`FlatBaseStep.reason`).
+
+The fused update, stated here once for every kernel that runs it (``csrc/cpu/base_step.cpp``,
+``csrc/cuda/base_step.cu``, ``triton_kernels/base_step.py``, each of which says how its device keeps these roundings).
+It reads ``w`` from the backup and writes the parameter and the state; C is the buffers' dtype (float32 or float64),
+``C(x)`` a host scalar rounded once to C, ``fma`` a single rounding, and every other operation rounds on its own::
+
+    both:  g = fma(C(c[block]), correction, grad) if correction      (LookSAM; c = correction_scale, per tile)
+    sgd:   g = ±g (- if maximize);  g = fma(C(weight_decay), w, g) if weight_decay != 0
+           b = g (first step) or fma(C(1 - dampening), g, buf * C(momentum));  buf = b      if momentum != 0
+           d = fma(C(momentum), b, g) if nesterov else b (momentum) or g (no momentum)
+           w <- fma(C(-lr), d, w)
+    adam:  g = ±g;  if weight_decay != 0: w = w * C(decay) (AdamW) or g = fma(C(weight_decay), w, g) (Adam)
+           m = lerp(m, g, C(1 - beta1));  v = fma(C(1 - beta2) * g, g, v * C(beta2))
+           vmax = max(vmax, v) (amsgrad);  denom = sqrt(vmax or v) / C(bias_correction2_sqrt) + C(eps)
+           w <- w + (C(-step_size) * m) / denom
+
+with ``step_size``, ``bias_correction2_sqrt`` and ``decay`` from :func:`adam_scalars`. These are the roundings of
+ATen's CPU kernels behind ``torch.optim.SGD`` / ``Adam`` / ``AdamW`` with ``foreach=False`` (``add(alpha=s)`` is one
+fma, ``lerp`` is one fma on either side of weight 1/2, ``addcmul`` rounds ``value * t1`` before its fma, the
+division by ``bias_correction2_sqrt`` is a true division), so the fused step gives the bits of a restore followed by
+torch's step; the square root is the one exception a kernel may name (correctly rounded, or ATen's own on the CPU).
 """
 
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass
-from itertools import chain
 
 import torch
-from torch.optim import optimizer as torch_optimizer
 
+from .compat import step_post_hooks, step_pre_hooks
 from .flat import Bucket, FlatLayout
 
 #: The mode names of ``opt.base_step_mode``, and with "auto" the values of the optimizers' ``base_step`` argument.
@@ -39,6 +60,14 @@ _UNFUSED_FLAGS = {
     "capturable": "capturable=True keeps the step count on the device (for CUDA graphs)",
     "differentiable": "differentiable=True needs autograd through the update",
 }
+
+
+class Adoption(enum.Enum):
+    """What making a bucket's optimizer state views of its flat buffers found (``_adopt``)."""
+
+    FRESH = "fresh"  #: no parameter had state yet: zeroed views are installed (the first step)
+    KEPT = "kept"  #: every parameter had state: it is now (or already was) a view of the flat buffers
+    DECLINED = "declined"  #: only some had: the bucket is stepped per tensor, and ``reason`` says why
 
 
 @dataclass
@@ -166,11 +195,13 @@ class FlatBaseStep:
             hyper = self._hyper(self.optimizer.param_groups[bucket.group], bucket.group)
             if hyper is None:
                 continue
-            fresh = self._adopt(bucket, self._state_keys(hyper))
-            if fresh is False and self.kind == "adam":
-                self._adopt_counts(bucket, fresh)
-            elif fresh is not None and self.capturable:  # SGD: the loaded momentum buffers start no more
-                bucket.step_counts(_step_dtype())[0].fill_(0 if fresh else 1)
+            adoption = self._adopt(bucket, self._state_keys(hyper))
+            if adoption is Adoption.KEPT and self.kind == "adam":
+                self._adopt_counts(bucket, fresh=False)
+            elif (
+                adoption is not Adoption.DECLINED and self.capturable
+            ):  # SGD: the loaded momentum buffers start no more
+                bucket.step_counts(_step_dtype())[0].fill_(0 if adoption is Adoption.FRESH else 1)
         self.reason = ""
 
     def stage(self, updates: list[BucketUpdate]) -> None:
@@ -213,18 +244,19 @@ class FlatBaseStep:
         keys = self._state_keys(hyper)
         scalars = self._scalars.get(id(bucket))
         if self.kind == "sgd":
-            first = self._adopt(bucket, keys)
-            if first is None:
+            adoption = self._adopt(bucket, keys)
+            if adoption is Adoption.DECLINED:
                 return None
+            first = adoption is Adoption.FRESH
             if first and scalars is not None:
                 bucket.step_counts(_step_dtype())[0].zero_()  # the device decides the first step from the count
             state = [bucket.state_buffer(keys[0])[0]] if keys else [None]
             step = None if scalars is not None else 1 if first else 2
             return BucketUpdate(bucket, "sgd", hyper, state, step, scalars)
-        fresh = self._adopt(bucket, keys)
-        if fresh is None:
+        adoption = self._adopt(bucket, keys)
+        if adoption is Adoption.DECLINED:
             return None
-        counts = self._adopt_counts(bucket, fresh)
+        counts = self._adopt_counts(bucket, fresh=adoption is Adoption.FRESH)
         if counts is None:
             return None
         state = [bucket.state_buffer(k)[0] for k in keys] + ([] if hyper["amsgrad"] else [None])
@@ -265,24 +297,24 @@ class FlatBaseStep:
             return ["momentum_buffer"] if hyper["momentum"] != 0 else []
         return ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if hyper["amsgrad"] else [])
 
-    def _adopt(self, bucket: Bucket, keys: list[str]) -> bool | None:
+    def _adopt(self, bucket: Bucket, keys: list[str]) -> Adoption:
         """Make every parameter's state tensors views of the bucket's flat buffers (copying in any state that was
-        replaced, e.g. by ``load_state_dict``). True when no parameter had state yet (their views are then
-        installed), False when all had; None (declined) when only some had."""
+        replaced, e.g. by ``load_state_dict``); see :class:`Adoption` for the outcomes."""
         state = self.optimizer.state
         entries = [state.get(slot.param) for slot in bucket.slots]  # one lookup per tensor: hashing one is slow
         views = {key: bucket.state_buffer(key)[1] for key in keys}
         # the common case, every state tensor already ours, costs one identity test per tensor and key
         if entries and all(e is not None and e.get(k) is v for k, vs in views.items() for e, v in zip(entries, vs)):
-            return False
+            return Adoption.KEPT
         have = [bool(e) and all(e.get(k) is not None for k in keys) for e in entries]
         if not keys:
-            return not any(have)
+            return Adoption.KEPT if any(have) else Adoption.FRESH
         if any(have) and not all(have):
-            return self._decline(
+            self._decline(
                 f"param group {bucket.group}: some parameters have optimizer state and others none (some were "
                 "stepped without the others)"
             )
+            return Adoption.DECLINED
         fresh = not have[0]
         for i, slot in enumerate(bucket.slots):
             entry = state[slot.param]
@@ -291,7 +323,7 @@ class FlatBaseStep:
                 if current is not view:
                     view.zero_() if fresh else view.copy_(current)
                     entry[key] = view
-        return fresh
+        return Adoption.FRESH if fresh else Adoption.KEPT
 
     def _adopt_counts(self, bucket: Bucket, fresh: bool) -> int | None:
         """Adam's step count, the same for every parameter of the bucket (declined otherwise), after making each
@@ -342,9 +374,7 @@ def run_pre_hooks(optimizer: torch.optim.Optimizer) -> tuple[tuple, dict]:
     None is an error. Returns the pair the step is to run with. A fused base step does not call ``step()``, and a
     user's hook must still run."""
     args, kwargs = (optimizer,), {}
-    for hook in chain(
-        torch_optimizer._global_optimizer_pre_hooks.values(), optimizer._optimizer_step_pre_hooks.values()
-    ):
+    for hook in step_pre_hooks(optimizer):
         result = hook(optimizer, args, kwargs)
         if result is None:
             continue
@@ -371,7 +401,5 @@ def step_closure(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict):
 def run_post_hooks(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
     """Call the hooks torch calls after ``optimizer.step()`` (the optimizer's, then the global ones) with the step's
     ``(args, kwargs)``."""
-    for hook in chain(
-        optimizer._optimizer_step_post_hooks.values(), torch_optimizer._global_optimizer_post_hooks.values()
-    ):
+    for hook in step_post_hooks(optimizer):
         hook(optimizer, args, kwargs)

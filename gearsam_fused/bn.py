@@ -18,8 +18,8 @@ import contextlib
 from collections.abc import Iterator
 
 from torch import nn
-from torch.nn.modules.batchnorm import _BatchNorm
-from torch.nn.modules.instancenorm import _InstanceNorm
+
+from .compat import BatchNormBase, InstanceNormBase
 
 
 @contextlib.contextmanager
@@ -40,15 +40,15 @@ def frozen_bn_stats(model: nn.Module) -> Iterator[list[nn.Module]]:
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"frozen_bn_stats expects an nn.Module, got {type(model).__name__}")
-    frozen: list[_BatchNorm] = []
+    frozen: list[BatchNormBase] = []
     for name, module in model.named_modules():
-        if isinstance(module, _InstanceNorm) and module.track_running_stats and module.training:
+        if isinstance(module, InstanceNormBase) and module.track_running_stats and module.training:
             raise ValueError(
                 f"frozen_bn_stats cannot freeze {type(module).__name__} {name!r}: an InstanceNorm layer with "
                 "track_running_stats=True updates its running statistics in train mode regardless; put it in eval "
                 "mode for the second pass, or build it with track_running_stats=False"
             )
-        if isinstance(module, _BatchNorm) and module.track_running_stats:
+        if isinstance(module, BatchNormBase) and module.track_running_stats:
             frozen.append(module)
     try:
         for module in frozen:

@@ -11,7 +11,8 @@ first use, one buffer per optimizer-state tensor, e.g. Adam's ``exp_avg``, with 
   ``state_dict`` and the base optimizer see the same Parameter objects and values as before.
 * Every gradient is a view of ``grad`` at the same place, so ``backward`` accumulates straight into the flat buffer.
 * Blocks start on tile boundaries, so a kernel tile of ``TILE`` elements lies in exactly one block; the tables
-  ``tile_block`` (tile -> block) and ``block_tiles`` (block -> tile range) are built once and live on the device.
+  ``block_of_tile`` (tile -> its block), ``first_tile_of_block`` (block b -> its tiles ``[first[b], first[b + 1])``,
+  B + 1 entries) and ``tile_count_of_block`` are built once and live on the device.
 * Padding is zero in ``param`` and ``grad`` and stays zero: a perturbation adds ``scale * 0`` there.
 * Parameters of different param groups never share a bucket, so one set of hyperparameters (lr, weight decay, ...)
   holds for a whole bucket and a base-optimizer update can run over it in one pass.
@@ -95,7 +96,7 @@ class Bucket:
         per_block: dict[int, list[torch.Tensor]] = {}
         for b, _, p in members:
             per_block.setdefault(b, []).append(p)
-        offsets, tiles_per_block, cursor = [], [], 0
+        offsets, tile_count_of_block, cursor = [], [], 0
         for b in range(n_blocks):
             start = cursor
             for p in per_block.get(b, ()):
@@ -103,16 +104,16 @@ class Bucket:
                 offsets.append(cursor)
                 cursor += p.numel()
             cursor = _round_up(cursor, tile)
-            tiles_per_block.append((cursor - start) // tile)
+            tile_count_of_block.append((cursor - start) // tile)
         self.numel = cursor
         self.n_tiles = cursor // tile
         self.param = torch.zeros(cursor, dtype=dtype, device=device)
         self.grad = torch.zeros(cursor, dtype=dtype, device=device)
         self.backup = torch.empty(cursor, dtype=dtype, device=device)
-        counts = torch.tensor(tiles_per_block, dtype=torch.int64)
-        self.tiles_per_block = counts.to(device)
-        self.block_tiles = torch.cat([counts.new_zeros(1), counts.cumsum(0)]).to(device)
-        self.tile_block = torch.repeat_interleave(torch.arange(n_blocks, dtype=torch.int32), counts).to(device)
+        counts = torch.tensor(tile_count_of_block, dtype=torch.int64)
+        self.tile_count_of_block = counts.to(device)
+        self.first_tile_of_block = torch.cat([counts.new_zeros(1), counts.cumsum(0)]).to(device)
+        self.block_of_tile = torch.repeat_interleave(torch.arange(n_blocks, dtype=torch.int32), counts).to(device)
         self.partials = torch.empty(self.n_tiles, dtype=torch.float64, device=device)  # per-tile energies
         #: flat optimizer-state buffers by state name, and every slot's view of each (see :meth:`state_buffer`)
         self.state: dict[str, torch.Tensor] = {}
@@ -182,7 +183,8 @@ class Bucket:
         """Every tensor the bucket allocated, by role."""
         return {
             "param": self.param, "grad": self.grad, "backup": self.backup, "partials": self.partials,
-            "tiles_per_block": self.tiles_per_block, "block_tiles": self.block_tiles, "tile_block": self.tile_block,
+            "tile_count_of_block": self.tile_count_of_block, "first_tile_of_block": self.first_tile_of_block,
+            "block_of_tile": self.block_of_tile,
             **{f"state.{key}": flat for key, flat in self.state.items()},
         }  # fmt: skip
 

@@ -5,13 +5,11 @@ Both wrap a base optimizer exactly like the widely used ``SAM(params, base_optim
 the caller computes the first gradient, ``first_step`` moves the weights to ``w + eps``, the caller computes the
 gradient there, and ``second_step`` restores ``w`` and lets the base optimizer step with that gradient.
 
-Per step, for blocks ``b`` of the partition and ``T = |w| + eta`` when ``adaptive`` (else ``T = 1``)::
-
-    e_b = sum_{p in b} ||T_p * g_p||^2
-    SAM:      eps_p = rho * T_p**2 * g_p / (sqrt(sum_b e_b) + delta)
-    GEAR-SAM: s_b <- beta * s_b + (1 - beta) * e_b
-              r_b  = rho * s_b / ||s||_2                (0 when s = 0)
-              eps_p = r_b * T_p**2 * g_p / (sqrt(e_b) + delta)
+Per step, for the blocks ``b`` of the partition: the block energies ``e_b`` (:meth:`Backend.block_energy
+<gearsam_fused.backends.base.Backend.block_energy>`), each block's radius and scale by the class's rule
+(:func:`~gearsam_fused.allocation.sam_allocate`, :func:`~gearsam_fused.allocation.gear_allocate`: the formulas are
+stated there, once), then ``eps_p = scale_b * T_p**2 * g_p`` (:meth:`Backend.perturb_
+<gearsam_fused.backends.base.Backend.perturb_>`). The documentation's Algorithm page derives them.
 """
 
 from __future__ import annotations
@@ -28,10 +26,11 @@ from torch import nn
 
 from .allocation import GEAR_RULE, SAM_RULE
 from .backends import make_backend, resolve_backend_name
-from .backends.base import CORRECTION, MOMENTUM
+from .backends.base import CORRECTION, MOMENTUM, Backend
 from .base_step import BASE_STEPS, FUSED, PER_TENSOR, FlatBaseStep, run_post_hooks, run_pre_hooks, step_closure
 from .capturable import DeviceScalars
 from .checks import PARAM_DTYPES, check_found_inf, check_param_dtype, check_real
+from .compat import graph_break, graph_may_break, mark_stepped
 from .family import Descent, FriendlyAscent, SurrogateGap, WeightedSharpness, check_ascent, check_descent
 from .partition import Block, parameter_names
 from .partition import partition as make_partition
@@ -39,8 +38,6 @@ from .schedules import Schedule, check_schedule
 from .sharding import is_sharded, reduction_groups, sum_over
 
 _STATE_KEY = "gearsam"
-# The state-dict tag of checkpoints saved before it was the rule: the class name.
-_LEGACY_TAGS = {"SAM": SAM_RULE, "GEARSAM": GEAR_RULE}
 # Param-group keys a plain state dict may lack: ours, and flags torch's optimizers default when loading older states.
 _OPTIONAL_GROUP_KEYS = {"rho", "foreach", "maximize", "capturable", "differentiable", "fused", "decoupled_weight_decay"}
 
@@ -100,6 +97,38 @@ class _Run:
         return ascent
 
 
+def _check_base_optimizer(base_optimizer) -> None:
+    """Refuse what cannot be a base optimizer: an instance rather than a class or factory, and ZeRO."""
+    if isinstance(base_optimizer, torch.optim.Optimizer) or not callable(base_optimizer):
+        got = (
+            f"an instance of {type(base_optimizer).__name__}"
+            if isinstance(base_optimizer, torch.optim.Optimizer)
+            else repr(base_optimizer)
+        )
+        raise TypeError(
+            "base_optimizer must be an optimizer class (or factory) such as torch.optim.SGD, called as "
+            f"base_optimizer(param_groups, **kwargs); got {got}"
+        )
+    if _is_zero(base_optimizer):
+        raise ValueError(
+            "ZeroRedundancyOptimizer as base optimizer is not supported: it keeps its own param groups and "
+            "state (its state_dict() needs consolidate_state_dict() on every rank first) and may re-home the "
+            "parameters into buckets of its own, as the flat-buffer backends do. To shard optimizer state, "
+            "shard the model with fully_shard (FSDP2), which SAM and GEAR-SAM support"
+        )
+
+
+def _params_and_model(params, model: nn.Module | None) -> tuple:
+    """``(params, model)`` with an ``nn.Module`` passed as ``params`` taken as the model too."""
+    if isinstance(params, nn.Module):
+        if model is not None and model is not params:
+            raise ValueError("params is an nn.Module and model is a different module; pass only one of them")
+        return list(params.parameters()), params
+    if model is not None and not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    return params, model
+
+
 class SharpnessAware(torch.optim.Optimizer):
     """What :class:`SAM` and :class:`GEARSAM` share: the two-step protocol, the state, and the telemetry views.
     ``isinstance(opt, SharpnessAware)`` is how the library's helpers recognise them (see
@@ -129,6 +158,33 @@ class SharpnessAware(torch.optim.Optimizer):
         ascent: FriendlyAscent | None = None,
         descent: Descent | None = None,
     ):
+        self._check_options(rho, adaptive, eta, delta, base_step, schedule, capturable, ascent, descent)
+        _check_base_optimizer(base_optimizer)
+        params, model = _params_and_model(params, model)
+        # Checked before torch reads the groups: it only warns of a parameter listed twice in one group (two flat slots
+        # for one tensor would corrupt both) and names none listed in two groups.
+        params = _param_group_list(params)
+        label = _labeller(params, model)
+        _check_parameters(params, label)
+        super().__init__(params, dict(rho=rho, **base_kwargs))
+        self._wrap_base(base_optimizer, base_kwargs, rho)
+        device = self._place(model, partition, label, backend)
+        if capturable:
+            self._check_capturable()
+        self._flat_step, self._flat_step_why_not = self._make_flat_step()
+        self._key = _register(self)  # how compiled code finds this optimizer again (check_second_gradient_)
+        #: capturable=True: rho, the lrs and what a skipped step restores, on the device (None otherwise)
+        self._device = DeviceScalars(self.param_groups, device, len(self.blocks)) if capturable else None
+        zeros = torch.zeros(len(self.blocks), dtype=torch.float64, device=device)
+        self._run = _Run(
+            ema=zeros.clone(), energy=zeros.clone(), radius=zeros.clone(), orthogonal_energy=zeros.clone(),
+            last_rho=self._device.last_rho if capturable else float(rho),
+            last_base_step=FUSED if self._flat_step is not None else PER_TENSOR,
+            schedule_state=self.schedule.initial_state(device) if self.schedule is not None else {},
+        )  # fmt: skip
+
+    def _check_options(self, rho, adaptive, eta, delta, base_step, schedule, capturable, ascent, descent) -> None:
+        """Check the step's options, each by name, and keep them."""
         check_real("rho", rho, low=0.0)
         if not isinstance(capturable, bool):
             raise TypeError(f"capturable must be a bool, got {capturable!r}")
@@ -149,37 +205,9 @@ class SharpnessAware(torch.optim.Optimizer):
         if not isinstance(adaptive, bool):
             raise TypeError(f"adaptive must be a bool, got {adaptive!r}")
         self.adaptive = adaptive
-        if isinstance(base_optimizer, torch.optim.Optimizer) or not callable(base_optimizer):
-            got = (
-                f"an instance of {type(base_optimizer).__name__}"
-                if isinstance(base_optimizer, torch.optim.Optimizer)
-                else repr(base_optimizer)
-            )
-            raise TypeError(
-                "base_optimizer must be an optimizer class (or factory) such as torch.optim.SGD, called as "
-                f"base_optimizer(param_groups, **kwargs); got {got}"
-            )
-        if _is_zero(base_optimizer):
-            raise ValueError(
-                "ZeroRedundancyOptimizer as base optimizer is not supported: it keeps its own param groups and "
-                "state (its state_dict() needs consolidate_state_dict() on every rank first) and may re-home the "
-                "parameters into buckets of its own, as the flat-buffer backends do. To shard optimizer state, "
-                "shard the model with fully_shard (FSDP2), which SAM and GEAR-SAM support"
-            )
-        if isinstance(params, nn.Module):
-            if model is not None and model is not params:
-                raise ValueError("params is an nn.Module and model is a different module; pass only one of them")
-            model = params
-            params = list(params.parameters())
-        elif model is not None and not isinstance(model, nn.Module):
-            raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
 
-        # Checked before torch reads the groups: it only warns of a parameter listed twice in one group (two flat slots
-        # for one tensor would corrupt both) and names none listed in two groups.
-        params = _param_group_list(params)
-        label = _labeller(params, model)
-        _check_parameters(params, label)
-        super().__init__(params, dict(rho=rho, **base_kwargs))
+    def _wrap_base(self, base_optimizer, base_kwargs: dict, rho: float) -> None:
+        """Build the base optimizer over this optimizer's param groups and share its groups, state and defaults."""
         self.base_optimizer = base_optimizer(self.param_groups, **base_kwargs)
         self.param_groups = self.base_optimizer.param_groups
         if self.descent is not None:
@@ -188,6 +216,9 @@ class SharpnessAware(torch.optim.Optimizer):
         # LR schedulers read defaults (OneCycleLR and CyclicLR look for momentum or betas there): the base's, plus rho
         self.defaults = {**self.base_optimizer.defaults, "rho": rho}
 
+    def _place(self, model: nn.Module | None, partition, label, backend: str) -> torch.device:
+        """Partition the parameters into blocks and build the backend over them; returns the device that receives the
+        energies and radii (the first block's)."""
         optimized = [p for group in self.param_groups for p in group["params"]]
         self.blocks: list[Block] = self._blocks(model, partition, optimized, label)
         if self.rule == GEAR_RULE and len(self.blocks) == 1 and isinstance(partition, str) and partition != "global":
@@ -195,33 +226,21 @@ class SharpnessAware(torch.optim.Optimizer):
                 f"partition {partition!r} gives a single block ({self.blocks[0].name!r}), so GEARSAM is plain SAM here; "
                 "pass partition= a finer strategy, a mapping or a callable (`gearsam partition` shows the blocks)",
                 UserWarning,
-                stacklevel=3,
+                stacklevel=4,
             )
         in_blocks = {id(p) for b in self.blocks for p in b.params}
         # Frozen at construction, so in no block; if one is unfrozen later, the base optimizer would step it while the
         # SAM step ignores it. Checked in first_step (usually an empty list).
         self._outside_blocks = [(label(p), p) for p in optimized if id(p) not in in_blocks]
-        device = next(p for b in self.blocks for p in b.params).device
         # sharded parameters (FSDP2): energies are summed over the ranks that hold the shards
         self._shard_groups = reduction_groups((label(p), p) for p in optimized)
         self.backend_name = resolve_backend_name(
             backend, {p.device for b in self.blocks for p in b.params}, sharded=any(map(is_sharded, optimized))
         )
         param_group = {id(p): g for g, group in enumerate(self.param_groups) for p in group["params"]}
+        device = next(p for b in self.blocks for p in b.params).device
         self._backend = make_backend(self.backend_name, self.blocks, device, param_group)
-        if capturable:
-            self._check_capturable()
-        self._flat_step, self._flat_step_why_not = self._make_flat_step()
-        self._key = _register(self)  # how compiled code finds this optimizer again (check_second_gradient_)
-        #: capturable=True: rho, the lrs and what a skipped step restores, on the device (None otherwise)
-        self._device = DeviceScalars(self.param_groups, device, len(self.blocks)) if capturable else None
-        zeros = torch.zeros(len(self.blocks), dtype=torch.float64, device=device)
-        self._run = _Run(
-            ema=zeros.clone(), energy=zeros.clone(), radius=zeros.clone(), orthogonal_energy=zeros.clone(),
-            last_rho=self._device.last_rho if capturable else float(rho),
-            last_base_step=FUSED if self._flat_step is not None else PER_TENSOR,
-            schedule_state=self.schedule.initial_state(device) if self.schedule is not None else {},
-        )  # fmt: skip
+        return device
 
     def _check_capturable(self) -> None:
         """Refuse ``capturable=True`` where a step would read a value on the host or step per tensor."""
@@ -311,6 +330,12 @@ class SharpnessAware(torch.optim.Optimizer):
     @property
     def block_names(self) -> list[str]:
         return [b.name for b in self.blocks]
+
+    @property
+    def backend(self) -> Backend:
+        """The backend doing this optimizer's tensor work (:attr:`backend_name` names it), for inspection: e.g. the
+        flat buffers of the flat-buffer backends, ``opt.backend.layout.buckets``. Read-only."""
+        return self._backend
 
     @property
     def perturbed(self) -> bool:
@@ -475,7 +500,7 @@ class SharpnessAware(torch.optim.Optimizer):
         self._run.record(energy, torch.zeros_like(energy), rho, sam=False)
         self._run.undo = None
         self._run.steps_done += 1
-        self._opt_called = True  # tells torch LR schedulers that an optimizer step happened
+        mark_stepped(self)  # tells torch LR schedulers that an optimizer step happened
 
     def _correction_scale(self, energy: torch.Tensor) -> torch.Tensor:
         """LookSAM's ``alpha * ||g|| / ||g_v||`` per block: over all blocks for SAM, per block for GEAR-SAM (0 where
@@ -550,7 +575,7 @@ class SharpnessAware(torch.optim.Optimizer):
         self._run.last_base_step = PER_TENSOR if updates is None else FUSED
         self._run.undo = None
         self._run.steps_done += 1
-        self._opt_called = True  # tells torch LR schedulers that an optimizer step happened
+        mark_stepped(self)  # tells torch LR schedulers that an optimizer step happened
         if zero_grad:
             self.zero_grad()
 
@@ -592,7 +617,7 @@ class SharpnessAware(torch.optim.Optimizer):
         else:
             self._backend.update_(updates, correction)
         self._flat_step.finish(updates, found_inf)
-        self.base_optimizer._opt_called = True  # as its step() would have: a scheduler may be attached to it
+        mark_stepped(self.base_optimizer)  # as its step() would have: a scheduler may be attached to it
         run_post_hooks(self.base_optimizer, args, kwargs)
 
     def _grad_marks(self) -> list[tuple[torch.Tensor, int]]:
@@ -765,9 +790,9 @@ class SharpnessAware(torch.optim.Optimizer):
 
     def block_stats(self) -> dict[str, torch.Tensor]:
         """Telemetry of the last ``first_step`` as CPU float64 tensors of shape ``[B]`` (this call synchronises):
-        ``energy`` e_b, ``ema`` the allocation score s_b, ``radius`` rho_b, ``share`` rho_b**2 / rho**2; and
-        ``non_finite``, how many blocks had a non-finite energy (a 0-d tensor; GEAR-SAM did not perturb those blocks,
-        SAM perturbed nothing)."""
+        ``energy`` e_b, ``score`` the allocation score s_b (GEAR-SAM's EMA, SAM's ``sqrt(e_b)``), ``radius`` rho_b,
+        ``share`` rho_b**2 / rho**2; and ``non_finite``, how many blocks had a non-finite energy (a 0-d tensor;
+        GEAR-SAM did not perturb those blocks, SAM perturbed nothing)."""
         # copies, also on CPU: the EMA is live optimizer state and must not change under the caller (or by them)
         stats = self.step_statistics
         host = [t.to("cpu", copy=True) for t in (stats.energy, stats.ema, stats.radius)]
@@ -781,7 +806,7 @@ class SharpnessAware(torch.optim.Optimizer):
         non_finite = energy.isfinite().logical_not().sum()
         return {
             "energy": energy,
-            "ema": self._score(energy, ema),
+            "score": self._score(energy, ema),
             "radius": radius,
             "share": share,
             "non_finite": non_finite,
@@ -876,7 +901,7 @@ class SharpnessAware(torch.optim.Optimizer):
         if ours is None:
             self._load_plain_state_dict(state_dict)
             return
-        rule = _LEGACY_TAGS.get(ours["rule"], ours["rule"])
+        rule = ours["rule"]
         if rule != self.rule:
             saver = {r: cls.__name__ for r, cls in OPTIMIZERS.items()}.get(rule, repr(rule))
             raise ValueError(f"state dict was saved by {saver}, cannot load it into {type(self).__name__}")
@@ -975,24 +1000,13 @@ def _eager_step(optimizer: torch.optim.Optimizer) -> None:
     optimizer.step()
 
 
-@torch._dynamo.assume_constant_result
-def _graph_may_break() -> bool:
-    """Whether the code being compiled may break into several graphs (``fullgraph=False``), read when it is traced.
-    False when it cannot be told (a torch without the attribute read here): then nothing breaks the graph, and a
-    graph that AOT autograd cannot take fails loudly."""
-    from torch._dynamo.symbolic_convert import InstructionTranslator
-
-    tx = getattr(InstructionTranslator, "current_tx", lambda: None)()
-    return tx is not None and getattr(tx, "one_graph", True) is False
-
-
 def _own_graph() -> None:
     """Inside a larger compiled function (a whole training step), end the graph here, so that the step's writes to
     the flat buffers and the model's reads of the parameters, views of them, are never in one graph: AOT autograd
     refuses graphs that write an input sharing memory with other inputs. A no-op in eager code and under
     ``fullgraph=True``, where the step is all there is to compile."""
-    if torch.compiler.is_compiling() and _graph_may_break():
-        torch._dynamo.graph_break()
+    if torch.compiler.is_compiling() and graph_may_break():
+        graph_break()
 
 
 _OPTIMIZERS: weakref.WeakValueDictionary[int, SharpnessAware] = weakref.WeakValueDictionary()
@@ -1047,12 +1061,10 @@ def _snapshot(state: dict) -> dict:
 
 def _split_state(state_dict: dict) -> tuple[dict, dict | None]:
     """(the base optimizer's part of ``state_dict``, this library's entry or None), without changing the caller's
-    dict; the entry is read from the first param group, or from the top level where earlier versions put it."""
+    dict; the entry is in the first param group."""
     state_dict = dict(state_dict)
-    ours = state_dict.pop(_STATE_KEY, None)
     groups = [dict(group) for group in state_dict.get("param_groups", [])]
-    if groups and _STATE_KEY in groups[0]:
-        ours = groups[0].pop(_STATE_KEY)
+    ours = groups[0].pop(_STATE_KEY) if groups and _STATE_KEY in groups[0] else None
     state_dict["param_groups"] = groups
     return state_dict, ours
 
@@ -1138,6 +1150,19 @@ def _labeller(param_groups: list[dict], model: nn.Module | None) -> Callable[...
     return label
 
 
+#: The options :class:`SAM` and :class:`GEARSAM` take and hand to :class:`SharpnessAware` as they are (their
+#: signatures differ in order and defaults only).
+_FORWARDED = (
+    "rho", "adaptive", "eta", "delta", "backend", "model", "partition", "base_step", "schedule", "capturable", "ascent",
+    "descent",
+)  # fmt: skip
+
+
+def _forwarded(arguments: dict) -> dict:
+    """The :data:`_FORWARDED` options out of a constructor's ``locals()``."""
+    return {name: arguments[name] for name in _FORWARDED}
+
+
 class SAM(SharpnessAware):
     """Sharpness-aware minimisation (Foret et al.) and, with ``adaptive=True``, ASAM (Kwon et al.).
 
@@ -1195,11 +1220,7 @@ class SAM(SharpnessAware):
     ):
         if partition is None:
             partition = "coarse" if isinstance(params, nn.Module) or model is not None else "global"
-        super().__init__(
-            params, base_optimizer, rho=rho, adaptive=adaptive, eta=eta, delta=delta, backend=backend,
-            model=model, partition=partition, base_step=base_step, base_kwargs=base_kwargs, schedule=schedule,
-            capturable=capturable, ascent=ascent, descent=descent,
-        )  # fmt: skip
+        super().__init__(params, base_optimizer, base_kwargs=base_kwargs, **_forwarded(locals()))
 
     @staticmethod
     def _score(energy: torch.Tensor, ema: torch.Tensor) -> torch.Tensor:
@@ -1210,7 +1231,9 @@ class SAM(SharpnessAware):
 class GEARSAM(SharpnessAware):
     """GEAR-SAM: SAM whose radius is split across architecture blocks by an EMA of block gradient energy.
 
-    See the module docstring for the formulas. Args as :class:`SAM`, plus:
+    See the module docstring for the formulas. Arguments as :class:`SAM`'s, plus those below.
+
+    Args:
         model: the network, needed (unless ``params`` is the module) by ``"coarse"``, ``"fine"`` and callables.
         partition: a strategy accepted by :func:`gearsam_fused.partition`.
         beta: EMA factor in [0, 1).
@@ -1243,11 +1266,7 @@ class GEARSAM(SharpnessAware):
         **base_kwargs,
     ):
         self.beta = check_real("beta", beta, low=0.0, high=1.0)
-        super().__init__(
-            params, base_optimizer, rho=rho, adaptive=adaptive, eta=eta, delta=delta, backend=backend,
-            model=model, partition=partition, base_step=base_step, base_kwargs=base_kwargs, schedule=schedule,
-            capturable=capturable, ascent=ascent, descent=descent,
-        )  # fmt: skip
+        super().__init__(params, base_optimizer, base_kwargs=base_kwargs, **_forwarded(locals()))
 
 
 class GSAM(SAM):

@@ -16,13 +16,7 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
-try:  # torch >= 2.4 has the public module; torch.distributed may also be missing altogether
-    from torch.distributed.tensor import DTensor, Shard
-except ImportError:  # pragma: no cover - depends on the torch build
-    try:
-        from torch.distributed._tensor import DTensor, Shard
-    except ImportError:
-        DTensor = Shard = None
+from .compat import DTensor, Shard
 
 
 def is_sharded(t: torch.Tensor) -> bool:

@@ -11,7 +11,7 @@ from .optim import SharpnessAware, check_sharpness_aware
 
 #: Fields of every record :class:`BlockTelemetry` emits; each statistic is a list with one value per block.
 RECORD_FIELDS = (
-    "step", "rho", "blocks", "energy", "ema", "radius", "share", "non_finite", "loss", "perturbed_loss", "sharpness",
+    "step", "rho", "blocks", "energy", "score", "radius", "share", "non_finite", "loss", "perturbed_loss", "sharpness",
     "sam_step", "sam_fraction",
 )  # fmt: skip
 
@@ -29,7 +29,7 @@ class BlockTelemetry:
 
     - ``step``: the optimizer step, numbered from 1 (from ``start + 1`` when a run resumes after ``start`` steps);
     - ``rho``: that step's global radius; ``blocks``: the block names;
-    - per block: ``energy`` e_b, ``ema`` the allocation score (GEAR-SAM's EMA s_b; SAM's implicit ``sqrt(e_b)``),
+    - per block: ``energy`` e_b, ``score`` the allocation score (GEAR-SAM's EMA s_b; SAM's implicit ``sqrt(e_b)``),
       ``radius`` rho_b and ``share`` rho_b**2 / rho**2 (all 0 when rho is 0);
     - ``non_finite``: how many blocks had a non-finite energy that step (GEAR-SAM did not perturb them; SAM perturbed
       nothing that step);

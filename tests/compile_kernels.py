@@ -42,7 +42,7 @@ def variants():
                 f"perturb[{storage},adaptive={adaptive}]",
                 perturb._perturb_kernel,
                 {"param_ptr": f"*{storage}", "grad_ptr": f"*{storage}", "backup_ptr": f"*{storage}", "scale_ptr": "*fp64",
-                 "tile_block_ptr": "*i32", "eta32": "fp32", "eta64": "fp64"},
+                 "block_of_tile_ptr": "*i32", "eta32": "fp32", "eta64": "fp64"},
                 {"ADAPTIVE": adaptive, "TILE": TILE, "COMPUTE": compute},
             )  # fmt: skip
         yield (
@@ -54,7 +54,7 @@ def variants():
     yield (
         "block_sum",
         energy._block_sum_kernel,
-        {"partial_ptr": "*fp64", "block_tiles_ptr": "*i64", "energy_ptr": "*fp64"},
+        {"partial_ptr": "*fp64", "first_tile_of_block_ptr": "*i64", "energy_ptr": "*fp64"},
         {"CHUNK": energy._BLOCK_CHUNK},
     )
     yield from base_step_variants()
@@ -79,7 +79,7 @@ def base_step_variants():
         yield (
             f"sgd_step[{storage}]",
             base_step._sgd_kernel,
-            arguments(("param", "grad", "backup", "buf"), ("neg_lr", "wd", "momentum", "keep"), storage),
+            arguments(("param", "grad", "backup", "buf"), ("neg_lr", "weight_decay", "momentum", "one_minus_dampening"), storage),
             {"HAS_WEIGHT_DECAY": True, "HAS_MOMENTUM": True, "NESTEROV": True, "MAXIMIZE": True, "FIRST": False,
              "TILE": TILE, "COMPUTE": FLOATS[storage]},
         )  # fmt: skip
@@ -87,7 +87,8 @@ def base_step_variants():
             f"adam_step[{storage}]",
             base_step._adam_kernel,
             arguments(("param", "grad", "backup", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"),
-                      ("wt", "beta2_", "keep2_", "eps", "wd", "decay", "neg_step", "bc2_"), storage),
+                      ("lerp_weight", "beta2_", "one_minus_beta2_", "eps", "weight_decay", "decay", "neg_step_size",
+                       "bias_correction2_sqrt"), storage),
             {"HAS_WEIGHT_DECAY": True, "DECOUPLED": True, "AMSGRAD": True, "MAXIMIZE": True, "LERP_SMALL": True,
              "TILE": TILE, "COMPUTE": FLOATS[storage]},
         )  # fmt: skip

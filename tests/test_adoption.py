@@ -71,7 +71,7 @@ def test_a_plain_checkpoint_continues_as_the_hand_written_loop(cls, base_step, b
     said = [str(w.message) for w in caught]
     if cls is GEARSAM:
         assert len(said) == 1 and "EMA of block energies starts at zero" in said[0]
-        assert opt.block_stats()["ema"].eq(0).all()
+        assert opt.block_stats()["score"].eq(0).all()
     else:
         assert said == []
     assert all(group["rho"] == RHO for group in opt.param_groups)
@@ -92,7 +92,7 @@ def test_a_plain_checkpoint_continues_as_the_hand_written_loop(cls, base_step, b
     assert opt.base_step_mode == base_step
     assert rel_err(flat(untaken), flat(hand)) > 100 * FP32_STEP_RTOL  # the loaded state matters to the outcome
     if cls is GEARSAM:
-        assert torch.allclose(opt.block_stats()["ema"], ema, rtol=FP32_STEP_RTOL, atol=0)
+        assert torch.allclose(opt.block_stats()["score"], ema, rtol=FP32_STEP_RTOL, atol=0)
 
 
 def test_a_plain_state_of_another_optimizer_is_refused_by_name():

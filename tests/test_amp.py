@@ -142,7 +142,7 @@ def test_overflow_in_either_pass_cancels_the_step_without_a_trace(backend, devic
     backward("first")
     assert amp.first_step() is first_finite
     seen["perturbed"] = not torch.equal(flat(model), weights)
-    seen["ema_moved"] = not torch.equal(opt.block_stats()["ema"], stats["ema"])
+    seen["ema_moved"] = not torch.equal(opt.block_stats()["score"], stats["score"])
     backward("second")
     report = amp.second_step(zero_grad=True)
 
@@ -166,7 +166,7 @@ def test_overflow_in_either_pass_cancels_the_step_without_a_trace(backend, devic
         sam_step(twin_opt, twin, xy)
         assert not report.skipped
         assert rel_err(flat(model), flat(twin)) <= FP32_STEP_RTOL
-    assert torch.equal(opt.block_stats()["ema"], twin_opt.block_stats()["ema"])
+    assert torch.equal(opt.block_stats()["score"], twin_opt.block_stats()["score"])
 
 
 def test_the_second_pass_may_be_left_out_after_a_first_pass_overflow():
@@ -235,7 +235,7 @@ def test_cancel_step_undoes_first_step_entirely(backend, device):
     weights, momentum, stats = flat(model), base_state(opt), opt.block_stats()
     loss_fn(model, data[1]).backward()
     opt.first_step(zero_grad=True, cancellable=True)
-    assert not torch.equal(flat(model), weights) and not torch.equal(opt.block_stats()["ema"], stats["ema"])
+    assert not torch.equal(flat(model), weights) and not torch.equal(opt.block_stats()["score"], stats["score"])
     opt.cancel_step()
     assert torch.equal(flat(model), weights)
     assert all(torch.equal(a, b) for a, b in zip(base_state(opt), momentum))

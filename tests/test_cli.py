@@ -120,7 +120,7 @@ def test_demo_writes_documented_metrics(demo_run):
         else:
             assert set(r) == {"kind", "optimizer", "seed", *RECORD_FIELDS} and r["optimizer"] != "sgd"
             assert r["blocks"] == ["stem", "layer1", "layer2", "layer3", "classifier"]
-            assert all(len(r[k]) == 5 for k in ("energy", "ema", "radius", "share"))
+            assert all(len(r[k]) == 5 for k in ("energy", "score", "radius", "share"))
             assert sum(r["share"]) == pytest.approx(1.0, abs=1e-9) and r["rho"] == 0.05
             assert r["sharpness"] == pytest.approx(r["perturbed_loss"] - r["loss"], abs=0) and r["loss"] > 0
     assert sum(r["kind"] == "epoch" for r in rows) == 3 * 2 * 2 and sum(r["kind"] == "result" for r in rows) == 6
@@ -138,8 +138,8 @@ def test_demo_writes_documented_metrics(demo_run):
                 assert epoch["train_sharpness"] == pytest.approx(mean, rel=1e-4, abs=1e-7)
     # the allocation rules are visible in the records: GEAR-SAM's score is an EMA, SAM's the block gradient norm
     first = {r["optimizer"]: r for r in rows if r["kind"] == "blocks" and r["step"] == 1 and r["seed"] == 0}
-    assert first["sam"]["ema"] == pytest.approx([math.sqrt(e) for e in first["sam"]["energy"]], rel=1e-12)
-    assert first["gear-sam"]["ema"] == pytest.approx([0.1 * e for e in first["gear-sam"]["energy"]], rel=1e-12)
+    assert first["sam"]["score"] == pytest.approx([math.sqrt(e) for e in first["sam"]["energy"]], rel=1e-12)
+    assert first["gear-sam"]["score"] == pytest.approx([0.1 * e for e in first["gear-sam"]["energy"]], rel=1e-12)
     cfg = RunConfig.load(run_dir / "config.json")
     assert cfg.command == "demo" and cfg.dataset == "digits" and cfg.seeds == [0, 1] and cfg.epochs == 2
 

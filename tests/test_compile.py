@@ -180,7 +180,7 @@ def test_a_replaced_parameter_is_refused_by_the_compiled_step():
     with pytest.raises(RuntimeError, match=r"parameter '0.weight' was replaced .* run one step without torch.compile"):
         first()
     opt.first_step()  # eagerly, the parameter is put back in place
-    assert weight.data_ptr() == opt._backend.layout.buckets[0].param.data_ptr()
+    assert weight.data_ptr() == opt.backend.layout.buckets[0].param.data_ptr()
 
 
 def test_adam_step_counts_changed_in_place_are_refused_by_the_compiled_step():

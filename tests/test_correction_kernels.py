@@ -93,7 +93,7 @@ def correction_args(dtype: torch.dtype, device: str) -> dict:
     return dict(
         correction=correction.to(device),
         correction_scale=torch.tensor(SCALES, dtype=torch.float64, device=device),
-        tile_block=torch.tensor(TILE_BLOCK, dtype=torch.int32, device=device),
+        block_of_tile=torch.tensor(TILE_BLOCK, dtype=torch.int32, device=device),
     )
 
 
@@ -221,19 +221,22 @@ def _adam_call(module, **extra):
 
 
 PARTIAL = {  # given -> the message's list of what is missing
-    ("correction",): "correction_scale, tile_block",
-    ("correction_scale",): "correction, tile_block",
-    ("tile_block",): "correction, correction_scale",
-    ("correction", "correction_scale"): "tile_block",
-    ("correction", "tile_block"): "correction_scale",
-    ("correction_scale", "tile_block"): "correction",
+    ("correction",): "correction_scale, block_of_tile",
+    ("correction_scale",): "correction, block_of_tile",
+    ("block_of_tile",): "correction, correction_scale",
+    ("correction", "correction_scale"): "block_of_tile",
+    ("correction", "block_of_tile"): "correction_scale",
+    ("correction_scale", "block_of_tile"): "correction",
 }
 WRONG = {  # argument -> (replacement, message)
     "correction_scale": (
         torch.ones(4, dtype=torch.float32),
         "correction_scale must be torch.float64, got torch.float32",
     ),
-    "tile_block": (torch.zeros(len(TILE_BLOCK), dtype=torch.int64), "tile_block must be torch.int32, got torch.int64"),
+    "block_of_tile": (
+        torch.zeros(len(TILE_BLOCK), dtype=torch.int64),
+        "block_of_tile must be torch.int32, got torch.int64",
+    ),
     "correction": (
         torch.ones(N, dtype=torch.float64),
         r"correction \(torch.float64 \(704,\) on cpu\) must match param",
@@ -247,7 +250,7 @@ CPU_KERNELS = [c for c in KERNELS if c.values[1] == "cpu"]
 @pytest.mark.parametrize("backend,device", CPU_KERNELS)
 def test_a_partial_correction_is_refused_naming_what_is_missing(backend, device, call, given):
     extra = {k: v for k, v in correction_args(torch.float32, "cpu").items() if k in given}
-    message = f"correction, correction_scale and tile_block must be given together, missing {PARTIAL[given]}$"
+    message = f"correction, correction_scale and block_of_tile must be given together, missing {PARTIAL[given]}$"
     with pytest.raises(ValueError, match=message):
         call(kernel_module(backend), **extra)
 
@@ -258,7 +261,7 @@ def test_a_partial_correction_is_refused_naming_what_is_missing(backend, device,
 def test_a_wrong_correction_buffer_is_refused_by_name(backend, device, call, wrong):
     extra = correction_args(torch.float32, "cpu")
     if wrong == "tile_count":
-        extra["tile_block"], message = extra["tile_block"][:-1], "tile_block has 10 entries for 11 tiles"
+        extra["block_of_tile"], message = extra["block_of_tile"][:-1], "block_of_tile has 10 entries for 11 tiles"
     else:
         extra[wrong], message = WRONG[wrong]
     with pytest.raises(ValueError, match=message):
@@ -269,7 +272,7 @@ def test_both_modules_refuse_with_the_same_words():
     if not (cpp_installed() and triton_installed()):
         pytest.skip("needs both kernel modules")
     args = correction_args(torch.float32, "cpu")
-    cases = [{"correction": args["correction"]}, {**args, "tile_block": args["tile_block"][:-1]}]
+    cases = [{"correction": args["correction"]}, {**args, "block_of_tile": args["block_of_tile"][:-1]}]
     cases += [{**args, k: v} for k, (v, _) in WRONG.items()]
     for extra in cases:
         for call in (_sgd_call, _adam_call):
@@ -293,7 +296,7 @@ from gearsam_fused.triton_kernels import base_step
 for name, plain, signature, constexprs in base_step_variants():
     kernel = {{base_step._sgd_kernel: base_step._sgd_corrected_kernel,
               base_step._adam_kernel: base_step._adam_corrected_kernel}}[plain]
-    signature = dict(signature, corr_ptr=signature["param_ptr"], cscale_ptr="*fp64", tile_block_ptr="*i32")
+    signature = dict(signature, corr_ptr=signature["param_ptr"], cscale_ptr="*fp64", block_of_tile_ptr="*i32")
     source = ASTSource(fn=kernel, signature={{**signature, **{{k: "constexpr" for k in constexprs}}}},
                        constexprs=constexprs)
     ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={{"enable_fp_fusion": False}}).asm["ptx"]

@@ -89,7 +89,7 @@ def test_any_number_of_threads_gives_bitwise_identical_runs(cls, adaptive, base)
             assert opt.base_step_mode == "fused", opt.base_step_reason
     finally:
         torch.set_num_threads(previous)
-    assert [b.tiles_per_block.tolist() for b in opt._backend.layout.buckets] == [[9, 129, 3]]
+    assert [b.tile_count_of_block.tolist() for b in opt.backend.layout.buckets] == [[9, 129, 3]]
     weights, stats = runs[0]
     assert (stats["share"] > 1e-3).all()  # every block is perturbed
     for threads, (other_weights, other_stats) in zip(THREADS[1:], runs[1:]):
@@ -103,9 +103,9 @@ def test_any_number_of_threads_gives_bitwise_identical_kernels():
     and 4 threads: energy, allocation, perturbation, and (float32, float64) the fused SGD and Adam steps."""
     kernels = torch.ops.gearsam_fused
 
-    tile, tiles_per_block = 2048, torch.tensor([1, 40, 23])
-    block_tiles = torch.cat([torch.zeros(1, dtype=torch.int64), tiles_per_block.cumsum(0)])
-    tile_block = torch.repeat_interleave(torch.arange(3, dtype=torch.int32), tiles_per_block)
+    tile, tile_count_of_block = 2048, torch.tensor([1, 40, 23])
+    first_tile_of_block = torch.cat([torch.zeros(1, dtype=torch.int64), tile_count_of_block.cumsum(0)])
+    block_of_tile = torch.repeat_interleave(torch.arange(3, dtype=torch.int32), tile_count_of_block)
     g = torch.Generator().manual_seed(0)
     base_w, base_g = torch.randn(64 * tile, generator=g), torch.randn(64 * tile, generator=g)
     ema = torch.tensor([0.5, 2.0, 1.0], dtype=torch.float64)
@@ -119,11 +119,13 @@ def test_any_number_of_threads_gives_bitwise_identical_kernels():
                 torch.set_num_threads(threads)
                 w, grad = base_w.to(dtype, copy=True), base_g.to(dtype, copy=True)
                 partials = torch.empty(64, dtype=torch.float64)
-                energy = kernels.block_energy(grad, w, block_tiles, partials, tile=tile, adaptive=True, eta=0.01)
+                energy = kernels.block_energy(
+                    grad, w, first_tile_of_block, partials, tile=tile, adaptive=True, eta=0.01
+                )
                 smoothed = ema.clone()
                 scale, radius = kernels.allocate(energy, smoothed, gear=True, rho=0.05, beta=0.9, delta=1e-12)
                 backup = torch.empty_like(w)
-                kernels.perturb_(w, grad, backup, scale, tile_block, tile=tile, adaptive=True, eta=0.01)
+                kernels.perturb_(w, grad, backup, scale, block_of_tile, tile=tile, adaptive=True, eta=0.01)
                 results.append([energy, partials, smoothed, scale, radius, backup, w])
                 if dtype in (torch.float32, torch.float64):  # the base step's dtypes
                     sgd, buf = w.clone(), (base_g * 0.5).to(dtype)

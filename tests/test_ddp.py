@@ -104,7 +104,7 @@ def _set_grads(model: nn.Module, grads: list[torch.Tensor]) -> None:
 
 def _flat_grad(opt, p: torch.Tensor) -> torch.Tensor | None:
     """Where a fused backend keeps ``p``'s gradient (None for the reference backend)."""
-    layout = getattr(opt._backend, "layout", None)
+    layout = getattr(opt.backend, "layout", None)
     if layout is None:
         return None
     return next(slot.grad_view for bucket in layout.buckets for slot in bucket.slots if slot.param is p)
@@ -193,7 +193,7 @@ def _ddp_run(rank: int, backend: str, config: Config, data) -> dict:
             F.cross_entropy(ddp(x), y).backward()
             if fused:
                 storages = {p.grad.untyped_storage().data_ptr() for p in params}
-                ours = {bucket.grad.untyped_storage().data_ptr() for bucket in opt._backend.layout.buckets}
+                ours = {bucket.grad.untyped_storage().data_ptr() for bucket in opt.backend.layout.buckets}
                 facts["grad_is_flat_view"] = [p.grad is _flat_grad(opt, p) for p in params]
                 facts["grad_in_flat_storage"] = bool(storages & ours)
                 facts["grad_storages"] = len(storages)

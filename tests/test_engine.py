@@ -291,7 +291,7 @@ def test_parameters_in_two_dtypes(backend, device, strategy):
     ref_model = copy.deepcopy(model)
     opt = GEARSAM(model, torch.optim.SGD, partition=strategy, rho=0.05, backend=backend, **SGD_KW)
     ref = GEARSAM(ref_model, torch.optim.SGD, partition=strategy, rho=0.05, backend="reference", **SGD_KW)
-    assert {(b.dtype, b.device.type) for b in opt._backend.layout.buckets} == {
+    assert {(b.dtype, b.device.type) for b in opt.backend.layout.buckets} == {
         (torch.float32, device),
         (torch.float64, device),
     }
@@ -314,7 +314,7 @@ def test_auto_picks_once_and_says_which():
     assert available_backends() == expected
     on_cpu = "cpp" if cpp_installed() else "torch"  # the compiled kernels when they are built
     opt = SAM(tiny_resnet(), torch.optim.SGD, lr=0.1)
-    assert opt.backend_name == on_cpu and opt._backend.name == on_cpu
+    assert opt.backend_name == on_cpu and opt.backend.name == on_cpu
     cuda = {torch.device("cuda", 0)}
     on_cuda = "cpp" if cpp_built_with_cuda() else "triton" if triton_installed() else "torch"
     assert resolve_backend_name("auto", cuda) == on_cuda

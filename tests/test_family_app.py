@@ -10,7 +10,7 @@ from torch import nn
 from gearsam_fused import GEARSAM, GSAM, SAM, WSAM, FriendlyAscent, FriendlySAM, SurrogateGap, WeightedSharpness
 from gearsam_fused.app.cli import main
 from gearsam_fused.app.demo import demo_config
-from gearsam_fused.app.training import FAMILY, OPTIMIZERS, RunConfig, make_optimizer, run_experiment
+from gearsam_fused.app.training import FAMILY, OPTIMIZER_NAMES, RunConfig, make_optimizer, run_experiment
 
 
 def _tiny() -> nn.Module:
@@ -45,7 +45,7 @@ def test_each_name_builds_its_optimizer_with_its_part(name, cls, ascent, descent
 
 
 def test_the_family_is_offered_beside_the_existing_names_and_the_demo_trains_what_it_trained():
-    assert OPTIMIZERS == ("sgd", "sam", "gear-sam", "gsam", "wsam", "friendly-sam", "gear-gsam")
+    assert OPTIMIZER_NAMES == ("sgd", "sam", "gear-sam", "gsam", "wsam", "friendly-sam", "gear-gsam")
     assert set(FAMILY) == {"gsam", "wsam", "friendly-sam", "gear-gsam"}
     assert demo_config().optimizers == ["sgd", "sam", "gear-sam"]
 

@@ -13,7 +13,7 @@ from conftest import FUSED, SGD_KW, NoStep, batches, loss_fn, on_device, tiny_re
 
 
 def _buckets(opt):
-    return opt._backend.layout.buckets
+    return opt.backend.layout.buckets
 
 
 def _in_buffer(t: torch.Tensor, buffer: torch.Tensor) -> bool:
@@ -42,12 +42,18 @@ def test_geometry_blocks_contiguous_tensors_aligned_tiles_in_one_block(backend, 
     opt = GEARSAM(model, torch.optim.SGD, partition=strategy, backend=backend, **SGD_KW)
     (bucket,) = _buckets(opt)
     assert bucket.numel % TILE == 0 and bucket.n_tiles == bucket.numel // TILE
-    block_tiles = bucket.block_tiles.tolist()
-    tile_block = bucket.tile_block.tolist()
-    assert len(block_tiles) == len(opt.blocks) + 1 and block_tiles[0] == 0 and block_tiles[-1] == bucket.n_tiles
+    first_tile_of_block = bucket.first_tile_of_block.tolist()
+    block_of_tile = bucket.block_of_tile.tolist()
+    assert (
+        len(first_tile_of_block) == len(opt.blocks) + 1
+        and first_tile_of_block[0] == 0
+        and first_tile_of_block[-1] == bucket.n_tiles
+    )
     for b, block in enumerate(opt.blocks):
-        lo, hi = block_tiles[b] * TILE, block_tiles[b + 1] * TILE
-        assert tile_block[block_tiles[b] : block_tiles[b + 1]] == [b] * (block_tiles[b + 1] - block_tiles[b])
+        lo, hi = first_tile_of_block[b] * TILE, first_tile_of_block[b + 1] * TILE
+        assert block_of_tile[first_tile_of_block[b] : first_tile_of_block[b + 1]] == [b] * (
+            first_tile_of_block[b + 1] - first_tile_of_block[b]
+        )
         for p in block.params:
             offset = (p.data_ptr() - bucket.param.data_ptr()) // p.element_size()
             assert offset % ALIGN == 0

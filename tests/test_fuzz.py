@@ -75,7 +75,7 @@ def energy_rtol(backend: str, dtype: torch.dtype) -> float:
 #: Multiples of the energy error that each statistic can carry: the EMA is a convex combination of energies, SAM's
 #: score is their square root; a radius rho * s_b / ||s|| (or rho * sqrt(e_b / sum e)) adds the error of the norm;
 #: the share squares the radius.
-STAT_FACTOR = {"energy": 1.0, "ema": 1.0, "radius": 2.0, "share": 4.0}
+STAT_FACTOR = {"energy": 1.0, "score": 1.0, "radius": 2.0, "share": 4.0}
 
 #: Relative error of eps = scale_b * T**2 * g, in energy errors. scale_b = rho * s_b / (||s|| * (sqrt(e_b) + delta))
 #: carries at most 2.5 of them; the remaining half (at least 5 units of roundoff, as every energy bound is 10 or more)
@@ -442,7 +442,7 @@ def check_reference_stats(case, ref, ref_params, stats, previous_ema, before, gr
     else:
         score = e.sqrt()
         radius = case.rho * score / e.sum().sqrt() if e.sum() > 0 else torch.zeros_like(score)
-    torch.testing.assert_close(stats["ema"], score, **close)
+    torch.testing.assert_close(stats["score"], score, **close)
     torch.testing.assert_close(stats["radius"], radius, **close)
     if case.rho > 0 and radius.any():
         assert abs(stats["share"].sum().item() - 1.0) <= 1e-12, stats  # the budget rho**2 is split, never changed
@@ -458,11 +458,11 @@ def run_and_compare(case: Case, backend: str, device: str) -> None:
     used_scales = {}
     for o in (opt, ref):  # records the scale each first_step hands to its backend (Backend.perturb_'s contract)
 
-        def perturb_(scale, adaptive, eta, o=o, inner=o._backend.perturb_):
+        def perturb_(scale, adaptive, eta, o=o, inner=o.backend.perturb_):
             used_scales[o] = scale.detach().to("cpu", copy=True)
             return inner(scale, adaptive, eta)
 
-        o._backend.perturb_ = perturb_
+        o.backend.perturb_ = perturb_
     assert opt.backend_name == backend and ref.backend_name == "reference"
     assert opt.block_names == ref.block_names
     # every block's scale reads ||s|| or sum_j e_j: the loosest dtype bounds them all
@@ -497,7 +497,7 @@ def run_and_compare(case: Case, backend: str, device: str) -> None:
 
         stats, expected = opt.block_stats(), ref.block_stats()
         check_reference_stats(case, ref, ref_params, expected, ref_ema, before, first)
-        ref_ema = expected["ema"].clone()  # the previous step's EMA, for the next check
+        ref_ema = expected["score"].clone()  # the previous step's EMA, for the next check
         worst_stats = max(worst_stats, check_stats(stats, expected, rtol))
 
         perturbed, ref_perturbed = snapshots[opt], snapshots[ref]
@@ -546,11 +546,11 @@ def test_block_stats_is_a_snapshot(backend, device):
         copies.append({key: v.clone() for key, v in stats.items()})
     # energies 3 * (k + 1)**2: s_1 = 0.1 * 3, s_2 = 0.9 * s_1 + 0.1 * 12, s_3 = 0.9 * s_2 + 0.1 * 27
     expected_ema = torch.tensor([0.3, 1.47, 4.023], dtype=torch.float64)
-    torch.testing.assert_close(torch.cat([c["ema"] for c in copies]), expected_ema)
+    torch.testing.assert_close(torch.cat([c["score"] for c in copies]), expected_ema)
     for stats, copy in zip(returned, copies):
         assert all(torch.equal(stats[key], copy[key]) for key in copy), "a later step changed returned statistics"
-    returned[-1]["ema"].zero_()
-    assert torch.equal(opt.block_stats()["ema"], copies[-1]["ema"])
+    returned[-1]["score"].zero_()
+    assert torch.equal(opt.block_stats()["score"], copies[-1]["score"])
 
 
 @pytest.mark.parametrize("backend,device", ALL)

@@ -173,16 +173,22 @@ def test_launchers_name_the_bad_buffer(backend, device):
     k = kernel_module(backend)
 
     flat = torch.zeros(2 * TILE)
-    tables = dict(block_tiles=torch.tensor([0, 2]), partials=torch.zeros(2, dtype=torch.float64))
+    tables = dict(first_tile_of_block=torch.tensor([0, 2]), partials=torch.zeros(2, dtype=torch.float64))
     with pytest.raises(ValueError, match="grad has 4095 elements, not a multiple of the tile"):
         k.block_energy(torch.zeros(4095), torch.zeros(4095), **tables, tile=TILE, adaptive=False, eta=0.0)
     with pytest.raises(ValueError, match="param .* must match grad"):
         k.block_energy(flat, flat.double(), **tables, tile=TILE, adaptive=False, eta=0.0)
     with pytest.raises(ValueError, match="partials has 1 entries for 2 tiles"):
         k.block_energy(
-            flat, flat, tables["block_tiles"], torch.zeros(1, dtype=torch.float64), tile=TILE, adaptive=False, eta=0.0
+            flat,
+            flat,
+            tables["first_tile_of_block"],
+            torch.zeros(1, dtype=torch.float64),
+            tile=TILE,
+            adaptive=False,
+            eta=0.0,
         )
-    with pytest.raises(ValueError, match="tile_block must be torch.int32"):
+    with pytest.raises(ValueError, match="block_of_tile must be torch.int32"):
         k.perturb_(
             flat,
             flat,

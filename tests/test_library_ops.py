@@ -53,11 +53,11 @@ def ops():
 
 # ------------------------------------------------------------------------------------------- the arguments
 def tables(device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(block_tiles int64 [B + 1], tile_block int32 [n_tiles]) of the bucket."""
+    """(first_tile_of_block int64 [B + 1], block_of_tile int32 [n_tiles]) of the bucket."""
     per_block = torch.tensor(TILES_PER_BLOCK)
-    block_tiles = torch.cat([torch.zeros(1, dtype=torch.int64), per_block.cumsum(0)])
-    tile_block = torch.repeat_interleave(torch.arange(len(per_block), dtype=torch.int32), per_block)
-    return block_tiles.to(device), tile_block.to(device)
+    first_tile_of_block = torch.cat([torch.zeros(1, dtype=torch.int64), per_block.cumsum(0)])
+    block_of_tile = torch.repeat_interleave(torch.arange(len(per_block), dtype=torch.int32), per_block)
+    return first_tile_of_block.to(device), block_of_tile.to(device)
 
 
 def randn(count: int, dtype, device, seed: int = 0) -> list[torch.Tensor]:
@@ -94,7 +94,7 @@ def restore_args(dtype, device):
 def correction(dtype, device) -> dict:
     """LookSAM's three keywords, with a negative and a zero block scale."""
     return dict(correction=randn(1, dtype, device, seed=1)[0], correction_scale=per_block([0.37, 0.0, -1.25], device),
-                tile_block=tables(device)[1])  # fmt: skip
+                block_of_tile=tables(device)[1])  # fmt: skip
 
 
 def sgd_args(dtype, device, flags: str, with_backup: bool, corrected: bool):
@@ -176,9 +176,9 @@ def dyadic(count: int, dtype, device) -> list[torch.Tensor]:
 def test_energy_is_the_sum_of_squares(dtype, adaptive, device):
     """On values whose sums are exact, so that the kernel's summation order cannot show: bit for bit."""
     param, grad = dyadic(2, dtype, device)
-    block_tiles = tables(device)[0]
+    first_tile_of_block = tables(device)[0]
     partials = torch.full((N_TILES,), float("nan"), dtype=torch.float64, device=device)
-    energy = ops().block_energy(grad, param, block_tiles, partials, tile=TILE, adaptive=adaptive, eta=0.5)
+    energy = ops().block_energy(grad, param, first_tile_of_block, partials, tile=TILE, adaptive=adaptive, eta=0.5)
     t = param.double().abs() + 0.5 if adaptive else 1.0
     per_tile = (t * grad.double()).square().view(N_TILES, TILE).sum(1)
     assert torch.equal(partials, per_tile)
@@ -209,14 +209,14 @@ def test_allocate_is_the_rule(gear, device):
 def test_perturb_and_restore_are_the_reference_math(dtype, adaptive, device):
     """w + (T^2 g) * scale[b] in the compute type (float32 for bf16/fp16), multiply and add rounded apart, then
     rounded to the buffer; w itself where scale[b] is 0. restore_ brings back the stored bits."""
-    (param, grad, backup, scale, tile_block), kw = perturb_args(dtype, device, adaptive)
+    (param, grad, backup, scale, block_of_tile), kw = perturb_args(dtype, device, adaptive)
     w0 = param.clone()
-    ops().perturb_(param, grad, backup, scale, tile_block, **kw)
+    ops().perturb_(param, grad, backup, scale, block_of_tile, **kw)
     compute = torch.float64 if dtype == torch.float64 else torch.float32
     w, direction = w0.to(compute), grad.to(compute)
     if adaptive:
         direction = (w.abs() + kw["eta"]).square() * direction
-    s = scale[tile_block.long()].repeat_interleave(TILE).to(compute)
+    s = scale[block_of_tile.long()].repeat_interleave(TILE).to(compute)
     assert torch.equal(backup, w0)
     assert torch.equal(param, torch.where(s == 0, w, w + direction * s).to(dtype))
     ops().restore_(param, backup, tile=TILE)
@@ -281,12 +281,12 @@ def test_adam_step_is_torchs_adam(dtype, flags, with_backup, device):
 def test_fakes_give_the_shapes_of_the_outputs():
     """Under FakeTensorMode: the energy is float64 [B] on grad's device, allocate's scale and radius are like it, the
     in-place operators return nothing. On the meta device too: one entry per block, however many tiles."""
-    (grad, param, block_tiles, partials), kw = energy_args(torch.bfloat16, "cpu", adaptive=True)
+    (grad, param, first_tile_of_block, partials), kw = energy_args(torch.bfloat16, "cpu", adaptive=True)
     perturb, perturb_kw = perturb_args(torch.bfloat16, "cpu", adaptive=True)
     sgd, sgd_kw = sgd_args(torch.float64, "cpu", "momentum", with_backup=False, corrected=True)
     with FakeTensorMode() as mode:
         fake = mode.from_tensor
-        energy = ops().block_energy(fake(grad), fake(param), fake(block_tiles), fake(partials), **kw)
+        energy = ops().block_energy(fake(grad), fake(param), fake(first_tile_of_block), fake(partials), **kw)
         assert (energy.shape, energy.dtype, energy.device) == ((3,), torch.float64, grad.device)
         scale, radius = ops().allocate(energy, torch.zeros_like(energy), gear=True, rho=0.05, beta=0.9, delta=1e-12)
         for out in (scale, radius):
@@ -306,13 +306,20 @@ def _wrong_calls():
     f32, f64 = torch.float32, torch.float64
 
     def energy(**change):
-        (grad, param, block_tiles, partials), kw = energy_args(f32, "cpu", True)
-        args = {"grad": grad, "param": param, "block_tiles": block_tiles, "partials": partials, **kw, **change}
+        (grad, param, first_tile_of_block, partials), kw = energy_args(f32, "cpu", True)
+        args = {
+            "grad": grad,
+            "param": param,
+            "first_tile_of_block": first_tile_of_block,
+            "partials": partials,
+            **kw,
+            **change,
+        }
         return "block_energy", args
 
     def perturb(**change):
-        (param, grad, backup, scale, tile_block), kw = perturb_args(f32, "cpu", False)
-        args = {"param": param, "grad": grad, "backup": backup, "scale": scale, "tile_block": tile_block, **kw}
+        (param, grad, backup, scale, block_of_tile), kw = perturb_args(f32, "cpu", False)
+        args = {"param": param, "grad": grad, "backup": backup, "scale": scale, "block_of_tile": block_of_tile, **kw}
         return "perturb_", {**args, **change}
 
     def sgd(**change):
@@ -336,13 +343,13 @@ def _wrong_calls():
         "not-a-multiple": lambda: energy(tile=7),
         "int-grad": lambda: energy(grad=torch.zeros(N, dtype=torch.int32), param=torch.zeros(N, dtype=torch.int32)),
         "param-dtype": lambda: energy(param=torch.zeros(N, dtype=f64)),
-        "block_tiles-dtype": lambda: energy(block_tiles=tables("cpu")[0].int()),
+        "first_tile_of_block-dtype": lambda: energy(first_tile_of_block=tables("cpu")[0].int()),
         "partials-count": lambda: energy(partials=torch.zeros(N_TILES + 1, dtype=f64)),
-        "no-blocks": lambda: energy(block_tiles=torch.zeros(0, dtype=torch.int64)),
+        "no-blocks": lambda: energy(first_tile_of_block=torch.zeros(0, dtype=torch.int64)),
         "strided-grad": lambda: perturb(grad=torch.zeros(2 * N)[::2]),
         "backup-shape": lambda: perturb(backup=torch.zeros(N + TILE)),
         "scale-dtype": lambda: perturb(scale=torch.zeros(3)),
-        "tile_block-count": lambda: perturb(tile_block=tables("cpu")[1][:-1]),
+        "block_of_tile-count": lambda: perturb(block_of_tile=tables("cpu")[1][:-1]),
         "2-d-param": lambda: perturb(param=torch.zeros(N_TILES, TILE)),
         "base-step-dtype": lambda: sgd(**bf16),
         "momentum-missing": lambda: sgd(momentum_buffer=None),
@@ -399,12 +406,12 @@ def test_fakes_refuse_what_the_kernels_refuse_with_the_same_words(case):
 
 
 # ------------------------------------------------------------------------------------------- torch.compile
-def sam_step(grad, param, backup, block_tiles, partials, tile_block, ema, buffer):
+def sam_step(grad, param, backup, first_tile_of_block, partials, block_of_tile, ema, buffer):
     """A whole GEAR-SAM step on one bucket, from its operators alone: energy, allocation, perturbation, and the fused
     restore with SGD (a second step from the weights themselves, backup None)."""
-    energy = ops().block_energy(grad, param, block_tiles, partials, tile=TILE, adaptive=True, eta=0.01)
+    energy = ops().block_energy(grad, param, first_tile_of_block, partials, tile=TILE, adaptive=True, eta=0.01)
     scale, radius = ops().allocate(energy, ema, gear=True, rho=0.05, beta=0.9, delta=1e-12)
-    ops().perturb_(param, grad, backup, scale, tile_block, tile=TILE, adaptive=True, eta=0.01)
+    ops().perturb_(param, grad, backup, scale, block_of_tile, tile=TILE, adaptive=True, eta=0.01)
     sgd = dict(tile=TILE, lr=0.1, weight_decay=5e-4, momentum=0.9, dampening=0.0, nesterov=True, maximize=False)
     ops().sgd_step_(param, grad, backup, buffer, first=True, **sgd)
     ops().sgd_step_(param, grad, None, buffer, first=False, **sgd)
@@ -414,11 +421,11 @@ def sam_step(grad, param, backup, block_tiles, partials, tile_block, ema, buffer
 def test_compiled_step_gives_the_bits_of_eager():
     """torch.compile(fullgraph=True, inductor) traces the operators through their fakes and functionalises their
     writes: its outputs and every buffer the step writes are the eager ones, bit for bit."""
-    (grad, param, block_tiles, partials), _ = energy_args(torch.float32, "cpu", adaptive=True)
-    tile_block = tables("cpu")[1]
+    (grad, param, first_tile_of_block, partials), _ = energy_args(torch.float32, "cpu", adaptive=True)
+    block_of_tile = tables("cpu")[1]
 
     def fresh():
-        return [grad, param.clone(), torch.empty_like(param), block_tiles, partials.clone(), tile_block,
+        return [grad, param.clone(), torch.empty_like(param), first_tile_of_block, partials.clone(), block_of_tile,
                 per_block([0.5, 2.0, 1.0], "cpu"), torch.empty_like(param)]  # fmt: skip
 
     eager, compiled = fresh(), fresh()

@@ -283,12 +283,12 @@ def test_a_read_added_to_the_step_is_caught(monkeypatch, backend, device):
     """A float() of the energies inside first_step (in the backend's allocation): the check sees it."""
     model = tiny_resnet()
     opt = GEARSAM(model, torch.optim.SGD, rho=0.05, backend=backend, lr=0.1)
-    allocate = type(opt._backend).allocate
+    allocate = type(opt.backend).allocate
 
     def allocate_and_read(self, rule, energy, *args):
         float(energy.sum())
         return allocate(self, rule, energy, *args)
 
-    monkeypatch.setattr(type(opt._backend), "allocate", allocate_and_read)
+    monkeypatch.setattr(type(opt.backend), "allocate", allocate_and_read)
     reads = checked_steps(opt, model, batches(2))
     assert reads[0] == ("__float__", ()), reads

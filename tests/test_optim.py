@@ -146,7 +146,7 @@ def test_zero_scores_mean_zero_perturbation(backend, device):
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
     stats = opt.block_stats()
     assert torch.equal(stats["radius"], torch.zeros(4, dtype=torch.float64))
-    assert torch.equal(stats["ema"], torch.zeros(4, dtype=torch.float64))
+    assert torch.equal(stats["score"], torch.zeros(4, dtype=torch.float64))
     opt.second_step()
 
 
@@ -231,7 +231,7 @@ def test_restore_is_bitwise_and_parameters_without_grad_are_untouched(backend, d
     opt.first_step()
     assert torch.equal(model.fc.bias, before[-1])
     assert not torch.equal(model.conv1.weight, before[0])
-    opt._backend.restore_()
+    opt.backend.restore_()
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
 
 
@@ -309,12 +309,12 @@ def test_state_dict_round_trip_continues_bitwise(backend, device):
     sched2 = torch.optim.lr_scheduler.CosineAnnealingLR(opt2, T_max=12)
     opt2.load_state_dict(saved["opt"])
     sched2.load_state_dict(saved["sched"])
-    assert torch.equal(opt2.block_stats()["ema"], saved["opt"]["param_groups"][0]["gearsam"]["ema"].cpu())
+    assert torch.equal(opt2.block_stats()["score"], saved["opt"]["param_groups"][0]["gearsam"]["ema"].cpu())
     for xy in data[6:]:
         sam_step(opt2, resumed, xy)
         sched2.step()
     assert torch.equal(flat(resumed), flat(model))
-    assert torch.equal(opt2.block_stats()["ema"], opt.block_stats()["ema"])
+    assert torch.equal(opt2.block_stats()["score"], opt.block_stats()["score"])
 
 
 # ------------------------------------------------------------------------------------------ bad input
@@ -454,26 +454,18 @@ def test_init_state_refuses_an_optimizer_in_use():
         opt.init_state()
 
 
-@pytest.mark.parametrize("cls, legacy", [(SAM, "SAM"), (GEARSAM, "GEARSAM")])
-def test_a_state_tagged_with_the_class_name_still_loads(cls, legacy):
-    """The state-dict tag is the rule; a state as version 0.1.0 saved it (tagged with the class name, at the top level
-    of the dict rather than in the first param group) loads the same."""
+@pytest.mark.parametrize("cls", [SAM, GEARSAM])
+def test_the_state_is_tagged_with_the_rule_and_refused_by_the_other_class(cls):
+    """The state-dict tag, in the first param group, is the rule; the other rule's state is refused, naming both."""
     torch.manual_seed(0)
     model = tiny_resnet()
     opt = cls(model, torch.optim.SGD, lr=0.1, momentum=0.9)
     sam_step(opt, model, batches(1)[0])
     state = opt.state_dict()
     assert state["param_groups"][0]["gearsam"]["rule"] == cls.rule == {SAM: "sam", GEARSAM: "gear-sam"}[cls]
-    old = copy.deepcopy(state)
-    old["gearsam"] = old["param_groups"][0].pop("gearsam")
-    old["gearsam"]["rule"] = legacy
-    fresh = cls(model, torch.optim.SGD, lr=0.1, momentum=0.9)
-    fresh.load_state_dict(old)
-    assert torch.equal(fresh.step_statistics.ema, opt.step_statistics.ema)
     other = GEARSAM if cls is SAM else SAM
-    old["gearsam"]["rule"] = other.__name__
-    with pytest.raises(ValueError, match=f"saved by {other.__name__}, cannot load it into {cls.__name__}"):
-        cls(model, torch.optim.SGD, lr=0.1).load_state_dict(old)
+    with pytest.raises(ValueError, match=f"saved by {cls.__name__}, cannot load it into {other.__name__}"):
+        other(model, torch.optim.SGD, lr=0.1).load_state_dict(copy.deepcopy(state))
 
 
 @pytest.mark.parametrize("backend,device", ALL)
@@ -484,13 +476,13 @@ def test_perturbed_is_one_state_and_guards_the_state_dict(backend, device):
     xy = batches(1, device=device)[0]
     loss_fn(model, xy).backward()
     opt.first_step(zero_grad=True)
-    assert opt.perturbed and opt._backend.perturbed
+    assert opt.perturbed and opt.backend.perturbed
     for call in (opt.state_dict, lambda: opt.load_state_dict(saved)):
         with pytest.raises(RuntimeError, match="between first_step\\(\\) and second_step\\(\\)"):
             call()
     loss_fn(model, xy).backward()
     opt.second_step()
-    assert not opt.perturbed and not opt._backend.perturbed
+    assert not opt.perturbed and not opt.backend.perturbed
     opt.load_state_dict(saved)
 
 
@@ -504,8 +496,8 @@ def test_step_statistics_are_the_optimizers_own_tensors():
     assert stats.ema is opt.step_statistics.ema and stats.rho == 0.07
     assert all(t.dtype == torch.float64 and t.shape == (len(opt.blocks),) for t in stats[:3])
     described = opt.block_stats()
-    for name in ("energy", "ema", "radius"):
-        assert torch.equal(described[name], getattr(stats, name).cpu())
+    for key, name in (("energy", "energy"), ("score", "ema"), ("radius", "radius")):
+        assert torch.equal(described[key], getattr(stats, name).cpu())
     assert isinstance(opt, gearsam_fused.SharpnessAware) and gearsam_fused.OPTIMIZERS[opt.rule] is GEARSAM
 
 

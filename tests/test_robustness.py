@@ -151,7 +151,7 @@ def test_beta_zero_allocates_by_the_current_energy(backend, device):
     for xy in batches(2, device=device):
         sam_step(opt, model, xy)
         stats = opt.block_stats()
-        torch.testing.assert_close(stats["ema"], stats["energy"], rtol=0, atol=0)  # s_b = e_b: no memory
+        torch.testing.assert_close(stats["score"], stats["energy"], rtol=0, atol=0)  # s_b = e_b: no memory
         expected = 0.1 * stats["energy"] / stats["energy"].norm()
         torch.testing.assert_close(stats["radius"], expected, rtol=1e-12, atol=0)
 
@@ -165,7 +165,7 @@ def test_a_non_finite_gradient_skips_its_block_for_one_step(backend, device, fil
     opt = GEARSAM(model, torch.optim.SGD, rho=0.05, backend=backend, **SGD_KW)
     data = batches(3, device=device)
     sam_step(opt, model, data[0])
-    ema = opt.block_stats()["ema"]
+    ema = opt.block_stats()["score"]
     loss_fn(model, data[1]).backward()
     model.fc.weight.grad[0, 0] = fill
     head, body = (
@@ -175,7 +175,7 @@ def test_a_non_finite_gradient_skips_its_block_for_one_step(backend, device, fil
     opt.first_step(zero_grad=True)
     stats = opt.block_stats()
     assert opt.block_names[-1] == "classifier" and stats["non_finite"].item() == 1
-    assert stats["ema"][-1] == ema[-1] and stats["radius"][-1] == 0 and stats["radius"][:-1].all()
+    assert stats["score"][-1] == ema[-1] and stats["radius"][-1] == 0 and stats["radius"][:-1].all()
     assert all(torch.equal(p, q) for p, q in zip(model.fc.parameters(), head))  # skipped, bit for bit
     assert not any(torch.equal(p, q) for p, q in zip(model.layer1.parameters(), body))  # perturbed
     assert flat(model).isfinite().all()
@@ -183,7 +183,7 @@ def test_a_non_finite_gradient_skips_its_block_for_one_step(backend, device, fil
     opt.second_step(zero_grad=True)
     sam_step(opt, model, data[2])
     stats = opt.block_stats()
-    assert stats["non_finite"].item() == 0 and stats["radius"].all() and stats["ema"].isfinite().all()
+    assert stats["non_finite"].item() == 0 and stats["radius"].all() and stats["score"].isfinite().all()
 
 
 @pytest.mark.parametrize("backend,device", ALL)
@@ -269,7 +269,7 @@ RESUME_SCRIPT = textwrap.dedent(
     opt.load_state_dict(saved["optimizer"])
     for xy in batches(8)[4:]:
         sam_step(opt, model, xy)
-    torch.save({{"weights": flat(model), "ema": opt.block_stats()["ema"]}}, {out!r})
+    torch.save({{"weights": flat(model), "ema": opt.block_stats()["score"]}}, {out!r})
     """
 )
 
@@ -292,7 +292,7 @@ def test_resume_in_a_fresh_process_continues_bitwise(tmp_path, backend, device):
     assert done.returncode == 0, done.stderr[-3000:]
     resumed = torch.load(tmp_path / "out.pt")
     assert torch.equal(resumed["weights"], flat(model))
-    assert torch.equal(resumed["ema"], opt.block_stats()["ema"])
+    assert torch.equal(resumed["ema"], opt.block_stats()["score"])
 
 
 def test_loading_a_state_of_other_parameters_fails_clearly():
@@ -376,7 +376,7 @@ def test_a_parameter_is_named_by_its_place_in_every_message_without_a_model(back
         "param_groups[0]['params'][0]",
         "param_groups[1]['params'][0]",
     ]
-    if opt._backend.fuses_base_step:
+    if opt.backend.fuses_base_step:
         a.grad, b.grad = torch.ones_like(a), torch.ones_like(b)
         opt.first_step(zero_grad=True)
         a.grad = torch.ones_like(a)  # b has no gradient at w + eps: torch's optimizer skips it, so no fused step
@@ -423,8 +423,8 @@ def test_a_closure_without_backward_cancels_the_whole_step(backend, device):
     opt = GEARSAM(model, torch.optim.SGD, backend=backend, **SGD_KW)
     data = batches(2, device=device)
     sam_step(opt, model, data[0])
-    before, ema = flat(model), opt.block_stats()["ema"]
+    before, ema = flat(model), opt.block_stats()["score"]
     loss_fn(model, data[1]).backward()
     with pytest.raises(RuntimeError, match="no gradient computed at w \\+ eps"):
         opt.step(lambda: loss_fn(model, data[1]))  # forgot .backward()
-    assert torch.equal(flat(model), before) and torch.equal(opt.block_stats()["ema"], ema)
+    assert torch.equal(flat(model), before) and torch.equal(opt.block_stats()["score"], ema)

@@ -119,7 +119,7 @@ def test_records_continue_the_step_count_and_keep_records_without_a_sink():
     sam_steps(opt, model, 3, telemetry.record)
     telemetry.flush()
     assert [r["step"] for r in telemetry.records] == [41, 42, 43]
-    assert all(r["ema"] == [e**0.5 for e in r["energy"]] for r in telemetry.records)  # SAM's implicit score
+    assert all(r["score"] == [e**0.5 for e in r["energy"]] for r in telemetry.records)  # SAM's implicit score
 
 
 def test_rejects_bad_arguments():

@@ -55,7 +55,7 @@ def randn(dtype, device, seed, n=N):
 
 
 def tables(device):
-    """(tile_block int32, block_tiles int64, scale float64 [B]) of the 5-tile bucket."""
+    """(block_of_tile int32, first_tile_of_block int64, scale float64 [B]) of the 5-tile bucket."""
     return (
         torch.tensor(TILE_BLOCK, dtype=torch.int32, device=device),
         torch.tensor(BLOCK_TILES, dtype=torch.int64, device=device),
@@ -86,9 +86,9 @@ def test_every_launcher_is_its_op(ops):
 @pytest.mark.parametrize("dtype", STORED, ids=str)
 @pytest.mark.parametrize("backend,device", DEVICES)
 def test_opcheck_block_energy(ops, backend, device, dtype, adaptive):
-    _, block_tiles, _ = tables(device)
+    _, first_tile_of_block, _ = tables(device)
     partials = torch.full((len(TILE_BLOCK),), float("nan"), dtype=torch.float64, device=device)
-    args = (randn(dtype, device, 0), randn(dtype, device, 1), block_tiles, partials)
+    args = (randn(dtype, device, 0), randn(dtype, device, 1), first_tile_of_block, partials)
     torch.library.opcheck(ops[0].block_energy.default, args, dict(tile=TILE, adaptive=adaptive, eta=0.01))
 
 
@@ -104,22 +104,22 @@ def test_opcheck_allocate(ops, backend, device, gear):
 @pytest.mark.parametrize("dtype", STORED, ids=str)
 @pytest.mark.parametrize("backend,device", DEVICES)
 def test_opcheck_perturb_and_restore(ops, backend, device, dtype, adaptive):
-    tile_block, _, scale = tables(device)
+    block_of_tile, _, scale = tables(device)
     param, grad, backup = randn(dtype, device, 0), randn(dtype, device, 1), torch.zeros(N, dtype=dtype, device=device)
     kwargs = dict(tile=TILE, adaptive=adaptive, eta=0.01)
-    torch.library.opcheck(ops[0].perturb_.default, (param, grad, backup, scale, tile_block), kwargs)
+    torch.library.opcheck(ops[0].perturb_.default, (param, grad, backup, scale, block_of_tile), kwargs)
     torch.library.opcheck(ops[0].restore_.default, (param, randn(dtype, device, 2)), dict(tile=TILE))
 
 
 def base_step_args(dtype, device, backup: bool, corrected: bool) -> dict:
     """param, grad, backup (None: the step reads param itself) and LookSAM's correction (or none)."""
-    tile_block, _, scale = tables(device)
-    correction = dict(correction=randn(dtype, device, 3), correction_scale=scale, tile_block=tile_block)
+    block_of_tile, _, scale = tables(device)
+    correction = dict(correction=randn(dtype, device, 3), correction_scale=scale, block_of_tile=block_of_tile)
     return dict(
         param=randn(dtype, device, 0),
         grad=randn(dtype, device, 1),
         backup=randn(dtype, device, 2) if backup else None,
-        **(correction if corrected else dict(correction=None, correction_scale=None, tile_block=None)),
+        **(correction if corrected else dict(correction=None, correction_scale=None, block_of_tile=None)),
         scalars=None,
         found_inf=None,
     )
@@ -174,14 +174,14 @@ def test_ops_give_the_bits_of_a_direct_launch(ops, backend, device, dtype, adapt
     from gearsam_fused.triton_kernels._common import compute_type
 
     _, kernels = ops
-    tile_block, block_tiles, scale = tables(device)
+    block_of_tile, first_tile_of_block, scale = tables(device)
     w, grad, eta, n_tiles = randn(dtype, device, 0), randn(dtype, device, 1), 0.01, len(TILE_BLOCK)
     consts = dict(ADAPTIVE=adaptive, TILE=TILE, enable_fp_fusion=False)
 
     param, backup = w.clone(), torch.empty_like(w)
-    kernels.perturb_(param, grad, backup, scale, tile_block, tile=TILE, adaptive=adaptive, eta=eta)
+    kernels.perturb_(param, grad, backup, scale, block_of_tile, tile=TILE, adaptive=adaptive, eta=eta)
     expected, expected_backup = w.clone(), torch.empty_like(w)
-    perturb._perturb_kernel[(n_tiles,)](expected, grad, expected_backup, scale, tile_block, eta, eta,
+    perturb._perturb_kernel[(n_tiles,)](expected, grad, expected_backup, scale, block_of_tile, eta, eta,
                                         COMPUTE=compute_type(dtype), **consts)  # fmt: skip
     assert bitwise_equal(param, expected) and bitwise_equal(backup, expected_backup) and bitwise_equal(backup, w)
     assert not bitwise_equal(param, w)  # the perturbation moved the weights
@@ -189,10 +189,10 @@ def test_ops_give_the_bits_of_a_direct_launch(ops, backend, device, dtype, adapt
     assert bitwise_equal(param, w)
 
     partials = torch.empty(n_tiles, dtype=torch.float64, device=device)
-    got = kernels.block_energy(grad, w, block_tiles, partials, tile=TILE, adaptive=adaptive, eta=eta)
+    got = kernels.block_energy(grad, w, first_tile_of_block, partials, tile=TILE, adaptive=adaptive, eta=eta)
     partials_expected, energy_expected = torch.empty_like(partials), torch.empty(3, dtype=torch.float64, device=device)
     energy._tile_energy_kernel[(n_tiles,)](grad, w, partials_expected, eta, eta, ACC=compute_type(dtype), **consts)
-    energy._block_sum_kernel[(3,)](partials_expected, block_tiles, energy_expected, CHUNK=energy._BLOCK_CHUNK)
+    energy._block_sum_kernel[(3,)](partials_expected, first_tile_of_block, energy_expected, CHUNK=energy._BLOCK_CHUNK)
     assert bitwise_equal(partials, partials_expected) and bitwise_equal(got, energy_expected)
 
     for gear in (False, True):
@@ -258,7 +258,7 @@ def op_calls(device):
     """name -> (a call of the op on a tuple of tensors, those tensors): every op once, each writing all it may write."""
     from gearsam_fused import triton_kernels as k
 
-    tile_block, block_tiles, scale = tables(device)
+    block_of_tile, first_tile_of_block, scale = tables(device)
     f32 = [randn(torch.float32, device, seed) for seed in range(6)]
     sgd = dict(tile=TILE, lr=0.05, weight_decay=1e-3, momentum=0.9, dampening=0.0, nesterov=True, maximize=False,
                first=False)  # fmt: skip
@@ -271,14 +271,14 @@ def op_calls(device):
     lr_step = torch.tensor([0.01, 2.0], dtype=torch.float64, device=device)
     found_zero = torch.zeros((), dtype=torch.float32, device=device)
     return {
-        "block_energy": (lambda g, w, p: k.block_energy(g, w, block_tiles, p, tile=TILE, adaptive=True, eta=0.01),
+        "block_energy": (lambda g, w, p: k.block_energy(g, w, first_tile_of_block, p, tile=TILE, adaptive=True, eta=0.01),
                          (f32[0], f32[1], partials)),
         "allocate": (lambda e, ema: k.allocate(e, ema, gear=True, rho=0.05, beta=0.9, delta=1e-12),
                      (energy, energy.sqrt())),
-        "perturb_": (lambda w, g, b: k.perturb_(w, g, b, scale, tile_block, tile=TILE, adaptive=True, eta=0.01),
+        "perturb_": (lambda w, g, b: k.perturb_(w, g, b, scale, block_of_tile, tile=TILE, adaptive=True, eta=0.01),
                      (f32[0], f32[1], f32[2])),
         "restore_": (lambda w, b: k.restore_(w, b, tile=TILE), (f32[0], f32[1])),
-        "sgd_step_": (lambda w, g, b, buf, c: k.sgd_step_(w, g, b, buf, c, scale, tile_block, **sgd),
+        "sgd_step_": (lambda w, g, b, buf, c: k.sgd_step_(w, g, b, buf, c, scale, block_of_tile, **sgd),
                       (f32[0], f32[1], f32[2], f32[3], f32[4])),
         "sgd_step_-no-backup": (lambda w, g, buf: k.sgd_step_(w, g, None, buf, **sgd), (f32[0], f32[1], f32[3])),
         "adam_step_": (lambda w, g, b, m, v, vmax: k.adam_step_(w, g, b, m, v, vmax, **adam),
@@ -286,7 +286,7 @@ def op_calls(device):
         # the device arguments: scalars read in the kernels, found_inf zero (the step taken) or set (skipped)
         "allocate-device": (lambda e, ema, s, f: k.allocate(e, ema, s, f, gear=True, rho=0.0, beta=0.9, delta=1e-12),
                             (energy, energy.sqrt(), rho, found_zero)),
-        "sgd_step_-device": (lambda w, g, b, buf, c, s, f: k.sgd_step_(w, g, b, buf, c, scale, tile_block, s, f,
+        "sgd_step_-device": (lambda w, g, b, buf, c, s, f: k.sgd_step_(w, g, b, buf, c, scale, block_of_tile, s, f,
                                                                        **dict(sgd, lr=0.0)),
                              (f32[0], f32[1], f32[2], f32[3], f32[4], lr_step, found_zero)),
         "adam_step_-device": (lambda w, g, b, m, v, vmax, s, f: k.adam_step_(w, g, b, m, v, vmax, scalars=s,
@@ -312,21 +312,21 @@ def test_a_compiled_op_writes_the_bits_of_an_eager_one(ops, backend, device, nam
         assert (a is None and b is None) or bitwise_equal(a, b)
 
 
-def energy_at_the_perturbed_point(param, grad, backup, scale, tile_block, block_tiles, partials):
+def energy_at_the_perturbed_point(param, grad, backup, scale, block_of_tile, first_tile_of_block, partials):
     """SAM's pass over a bucket: perturb, read the perturbed weights (ASAM's energy), restore."""
     from gearsam_fused import triton_kernels as kernels
 
-    kernels.perturb_(param, grad, backup, scale, tile_block, tile=TILE, adaptive=True, eta=0.01)
-    energy = kernels.block_energy(grad, param, block_tiles, partials, tile=TILE, adaptive=True, eta=0.01)
+    kernels.perturb_(param, grad, backup, scale, block_of_tile, tile=TILE, adaptive=True, eta=0.01)
+    energy = kernels.block_energy(grad, param, first_tile_of_block, partials, tile=TILE, adaptive=True, eta=0.01)
     kernels.restore_(param, backup, tile=TILE)
     return energy
 
 
-def perturbed_copy(param, grad, backup, scale, tile_block, block_tiles, partials):
+def perturbed_copy(param, grad, backup, scale, block_of_tile, first_tile_of_block, partials):
     """The perturbed weights cloned between perturb_ and restore_."""
     from gearsam_fused import triton_kernels as kernels
 
-    kernels.perturb_(param, grad, backup, scale, tile_block, tile=TILE, adaptive=True, eta=0.01)
+    kernels.perturb_(param, grad, backup, scale, block_of_tile, tile=TILE, adaptive=True, eta=0.01)
     perturbed = param.clone()
     kernels.restore_(param, backup, tile=TILE)
     return perturbed
@@ -346,16 +346,20 @@ PASSES = [
 @pytest.mark.parametrize("backend,device", DEVICES)
 def test_compiled_perturb_and_restore_give_the_eager_bits(ops, backend, device, fn):
     """perturb_, a read, restore_ under ``torch.compile(fullgraph=True)`` (Inductor): no graph break, the eager bits."""
-    tile_block, block_tiles, scale = tables(device)
+    block_of_tile, first_tile_of_block, scale = tables(device)
     w, grad = randn(torch.float32, device, 0), randn(torch.float32, device, 1)
     runs = []
     for f in (fn, compiled_afresh(fn, "inductor")):
         param, backup, partials = w.clone(), torch.zeros_like(w), torch.zeros(5, dtype=torch.float64, device=device)
-        runs.append((f(param, grad, backup, scale, tile_block, block_tiles, partials), param, backup, partials))
+        runs.append(
+            (f(param, grad, backup, scale, block_of_tile, first_tile_of_block, partials), param, backup, partials)
+        )
     (eager, _, _, eager_partials), (got, param, backup, partials) = runs
     assert bitwise_equal(got, eager) and bitwise_equal(partials, eager_partials)
     assert bitwise_equal(param, w) and bitwise_equal(backup, w)
-    unperturbed = fn(w.clone(), grad, torch.zeros_like(w), torch.zeros_like(scale), tile_block, block_tiles, partials)
+    unperturbed = fn(
+        w.clone(), grad, torch.zeros_like(w), torch.zeros_like(scale), block_of_tile, first_tile_of_block, partials
+    )
     assert not bitwise_equal(got, unperturbed)  # the compiled graph did perturb
 
 

@@ -2,8 +2,8 @@
 
 One file per kernel family, each holding the ``@triton.jit`` kernels and the launcher that checks its tensors and
 picks the grid. All of them work on the flat buffers of :mod:`gearsam_fused.flat`: a bucket is a whole number of
-``tile``-element tiles, each tile belongs to one block, ``tile_block[t]`` names it and ``block_tiles[b]:block_tiles[b+1]``
-is block ``b``'s tile range.
+``tile``-element tiles, each tile belongs to one block, ``block_of_tile[t]`` names it and
+``first_tile_of_block[b]:first_tile_of_block[b+1]`` is block ``b``'s tile range.
 
 ================  ==========================================================  =====================
 launcher          computes                                                    launches
@@ -40,8 +40,8 @@ make_fx or aot_eager graphs, ``enable_fp_fusion=False`` reaches Triton's launch 
 on), but Inductor compiles a traced user kernel itself with its own options, takes nothing of the launch's, and
 leaves Triton's default FMA contraction on. Kept whole, a compiled graph calls the op, and the op launches its
 kernels as eager code does. A tensor argument of an op cannot be keyword-only, so the base steps take
-``correction``, ``correction_scale``, ``tile_block``, ``scalars`` and ``found_inf`` positionally or by keyword, before
-the scalars (``allocate`` its ``scalars`` and ``found_inf`` likewise): ``scalars`` holds values the kernels read on
+``correction``, ``correction_scale``, ``block_of_tile``, ``scalars`` and ``found_inf`` positionally or by keyword,
+before the scalars (``allocate`` its ``scalars`` and ``found_inf`` likewise): ``scalars`` holds values the kernels read on
 the device (lr and the step count, or rho) and ``found_inf`` GradScaler's overflow flag, which skips the step on the
 device, so that a step runs without a host synchronisation and can be captured in a CUDA graph.
 

@@ -1,17 +1,8 @@
 """Radius allocation on the device: one program, float64, no host synchronisation.
 
-GEAR rule (``GEAR=True``)::
-
-    s_b    <- beta * s_b + (1 - beta) * e_b        s_b kept when e_b is not finite
-    t_b     = s_b / max_j s_j                       so that squaring neither underflows nor overflows
-    r_b     = rho * (t_b / ||t||_2)                 0 for every b when s = 0, and 0 when e_b is not finite
-    scale_b = r_b / (sqrt(e_b) + delta)             0 when e_b is not finite
-
-SAM rule (``GEAR=False``), one global scale and the radii it implies::
-
-    scale_b = rho / (sqrt(sum_j e_j) + delta)
-    r_b     = rho * (sqrt(e_b) / sqrt(sum_j e_j))  0 for every b when e = 0
-    (both 0 for every b when sum_j e_j is not finite)
+The GEAR rule (``GEAR=True``) and the SAM rule (``GEAR=False``) are stated once, in
+:func:`gearsam_fused.allocation.gear_allocate` and :func:`~gearsam_fused.allocation.sam_allocate`. Here, as there,
+``||s||_2`` is taken through ``t_b = s_b / max_j s_j``, so that squaring neither underflows nor overflows.
 
 ``x - x == 0`` is the finiteness test: it fails for inf (inf - inf is NaN) and NaN alone.
 

@@ -3,23 +3,9 @@
 ``param`` holds ``w + eps`` and ``backup`` holds ``w``; each kernel reads ``backup`` (never ``param``), applies torch's
 update to it and writes ``param`` and the optimizer state. ``backup=None`` is a step from the current weights, with no
 perturbation to undo: ``w`` is read from ``param`` itself, each element before it is written (a registered op may not
-take one tensor twice when it writes it). C is the buffers' dtype (float32 or float64), ``C(x)`` a host scalar
-rounded once to C, ``fma`` a single rounding; every other operation rounds on its own::
-
-    both:        g = fma(C(c[block]), correction, grad) if correction     (LookSAM; c = correction_scale, per tile)
-    sgd_step_:   g = ±g;  g = fma(C(wd), w, g) if wd
-                 b = g (first step) or fma(C(1 - dampening), g, buf * C(momentum));  buf = b     if momentum
-                 d = fma(C(momentum), b, g) if nesterov else b (momentum) or g (no momentum)
-                 w <- fma(C(-lr), d, w)
-
-    adam_step_:  g = ±g;  w = w * C(decay) (AdamW) or g = fma(C(wd), w, g) (Adam)               if wd
-                 m = lerp(m, g, C(1 - beta1));  v = fma(C(1 - beta2) * g, g, v * C(beta2))
-                 vmax = max(vmax, v) (amsgrad);  denom = sqrt(vmax or v) / C(bias_correction2_sqrt) + C(eps)
-                 w <- w + (C(-step_size) * m) / denom
-
-These round exactly like ATen's CPU kernels behind ``torch.optim.SGD`` / ``Adam`` / ``AdamW`` with ``foreach=False``
-(``add(alpha=s)`` is one fma, ``lerp`` is one fma on either side of weight 1/2, ``addcmul`` rounds ``value * t1``
-before its fma), so the fused step gives the same bits as a restore followed by torch's step.
+take one tensor twice when it writes it). The update and its roundings are stated once, in
+:mod:`gearsam_fused.base_step`; here every operation is written out as one Triton operation (``tl.fma`` for an fma,
+``enable_fp_fusion=False`` so that nothing else fuses), and the square root is the correctly rounded one.
 
 Device arguments (optional tensors, after the correction's; a call without them runs today's kernels, same bits)::
 
@@ -27,8 +13,8 @@ Device arguments (optional tensors, after the correction's; a call without them 
                lr and step (Adam) or first (SGD), which must then be lr=0.0 and step=0 / first=False:
                sgd_step_:   C(-lr);  first step := (k == 1), decided at run time (the buffer then not read)
                adam_step_:  step_size = lr / (1 - beta1**k),  bias_correction2_sqrt = (1 - beta2**k) ** 0.5,
-                            decay = 1 - lr * wd, in float64 with C's pow (adam_scalars' operations), each rounded
-                            once to C as the host's values are: the same bits as the host call
+                            decay = 1 - lr * weight_decay, in float64 with C's pow (adam_scalars' operations), each
+                            rounded once to C as the host's values are: the same bits as the host call
     found_inf  float32, one element (GradScaler's, 0-d):  nonzero:  param <- backup (param untouched without backup)
                and nothing else is read or written (the state keeps its bits, grad may hold inf/NaN);
                zero:  the step above
@@ -70,8 +56,8 @@ def _scalar(x32, x64, COMPUTE: tl.constexpr):
     """The host scalar as a COMPUTE value, rounded once: x64 for float64 kernels, x32 otherwise.
 
     Materialised as a typed value rather than left to implicit promotion, so that arithmetic between two scalars
-    (``wt - 1``) runs in COMPUTE under the interpreter too, where scalar arguments arrive as Python doubles whatever
-    their annotation."""
+    (``lerp_weight - 1``) runs in COMPUTE under the interpreter too, where scalar arguments arrive as Python doubles
+    whatever their annotation."""
     return tl.full([], x64 if COMPUTE == tl.float64 else x32, COMPUTE)
 
 
@@ -142,31 +128,31 @@ _pow64 = _libdevice_pow if isinstance(_rounded, triton.runtime.JITFunction) else
 
 
 @triton.jit
-def _step_grad(grad_ptr, corr_ptr, cscale_ptr, tile_block_ptr, offsets, CORRECTED: tl.constexpr,
+def _step_grad(grad_ptr, corr_ptr, cscale_ptr, block_of_tile_ptr, offsets, CORRECTED: tl.constexpr,
                COMPUTE: tl.constexpr):  # fmt: skip
     """The tile's gradient before maximize's sign: grad, or fma(C(cscale[block]), correction, grad) if CORRECTED, the
     block's float64 scale rounded once to COMPUTE."""
     g = tl.load(grad_ptr + offsets)
     if CORRECTED:
-        scale = tl.load(cscale_ptr + tl.load(tile_block_ptr + tl.program_id(0))).to(COMPUTE)
+        scale = tl.load(cscale_ptr + tl.load(block_of_tile_ptr + tl.program_id(0))).to(COMPUTE)
         g = tl.fma(scale, tl.load(corr_ptr + offsets), g)
     return g
 
 
 @triton.jit
-def _sgd_update(param_ptr, grad_ptr, backup_ptr, buf_ptr, corr_ptr, cscale_ptr, tile_block_ptr, scalars_ptr, offsets,
-                neg_lr32, neg_lr64, wd32, wd64, momentum32, momentum64, keep32, keep64,
-                HAS_WEIGHT_DECAY: tl.constexpr, HAS_MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr,
-                MAXIMIZE: tl.constexpr, FIRST: tl.constexpr, CORRECTED: tl.constexpr, HAS_SCALARS: tl.constexpr,
-                COMPUTE: tl.constexpr):  # fmt: skip
+def _sgd_update(param_ptr, grad_ptr, backup_ptr, buf_ptr, corr_ptr, cscale_ptr, block_of_tile_ptr, scalars_ptr, offsets,
+                neg_lr32, neg_lr64, weight_decay32, weight_decay64, momentum32, momentum64, one_minus_dampening32,
+                one_minus_dampening64, HAS_WEIGHT_DECAY: tl.constexpr, HAS_MOMENTUM: tl.constexpr,
+                NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr, FIRST: tl.constexpr, CORRECTED: tl.constexpr,
+                HAS_SCALARS: tl.constexpr, COMPUTE: tl.constexpr):  # fmt: skip
     """The tile's SGD update (see _sgd_tile); with HAS_SCALARS, lr and k are read from scalars_ptr: neg_lr is
     C(-lr) and the first step is k == 1, decided at run time (FIRST is then False)."""
     w = tl.load(backup_ptr + offsets)  # loaded before param is stored: backup_ptr is param_ptr for backup=None
-    g = _step_grad(grad_ptr, corr_ptr, cscale_ptr, tile_block_ptr, offsets, CORRECTED, COMPUTE)
+    g = _step_grad(grad_ptr, corr_ptr, cscale_ptr, block_of_tile_ptr, offsets, CORRECTED, COMPUTE)
     if MAXIMIZE:
         g = -g  # a sign flip, as torch's neg: +0 becomes -0
     if HAS_WEIGHT_DECAY:
-        g = tl.fma(_scalar(wd32, wd64, COMPUTE), w, g)
+        g = tl.fma(_scalar(weight_decay32, weight_decay64, COMPUTE), w, g)
     if HAS_MOMENTUM:
         momentum = _scalar(momentum32, momentum64, COMPUTE)
         if FIRST:
@@ -176,9 +162,15 @@ def _sgd_update(param_ptr, grad_ptr, backup_ptr, buf_ptr, corr_ptr, cscale_ptr, 
             if tl.load(scalars_ptr + 1) == 1.0:
                 buf = g
             else:
-                buf = tl.fma(_scalar(keep32, keep64, COMPUTE), g, tl.load(buf_ptr + offsets) * momentum)
+                buf = tl.fma(
+                    _scalar(one_minus_dampening32, one_minus_dampening64, COMPUTE),
+                    g,
+                    tl.load(buf_ptr + offsets) * momentum,
+                )
         else:
-            buf = tl.fma(_scalar(keep32, keep64, COMPUTE), g, tl.load(buf_ptr + offsets) * momentum)
+            buf = tl.fma(
+                _scalar(one_minus_dampening32, one_minus_dampening64, COMPUTE), g, tl.load(buf_ptr + offsets) * momentum
+            )
         tl.store(buf_ptr + offsets, buf)
         if NESTEROV:
             g = tl.fma(momentum, buf, g)
@@ -191,15 +183,16 @@ def _sgd_update(param_ptr, grad_ptr, backup_ptr, buf_ptr, corr_ptr, cscale_ptr, 
 
 
 @triton.jit
-def _sgd_tile(param_ptr, grad_ptr, backup_ptr, buf_ptr, corr_ptr, cscale_ptr, tile_block_ptr, scalars_ptr,
-              found_inf_ptr, neg_lr32, neg_lr64, wd32, wd64, momentum32, momentum64, keep32, keep64,
-              HAS_WEIGHT_DECAY: tl.constexpr, HAS_MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr,
-              MAXIMIZE: tl.constexpr, FIRST: tl.constexpr, CORRECTED: tl.constexpr, HAS_SCALARS: tl.constexpr,
-              HAS_FOUND_INF: tl.constexpr, HAS_BACKUP: tl.constexpr, TILE: tl.constexpr,
+def _sgd_tile(param_ptr, grad_ptr, backup_ptr, buf_ptr, corr_ptr, cscale_ptr, block_of_tile_ptr, scalars_ptr,
+              found_inf_ptr, neg_lr32, neg_lr64, weight_decay32, weight_decay64, momentum32, momentum64,
+              one_minus_dampening32, one_minus_dampening64, HAS_WEIGHT_DECAY: tl.constexpr, HAS_MOMENTUM: tl.constexpr,
+              NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr, FIRST: tl.constexpr, CORRECTED: tl.constexpr,
+              HAS_SCALARS: tl.constexpr, HAS_FOUND_INF: tl.constexpr, HAS_BACKUP: tl.constexpr, TILE: tl.constexpr,
               COMPUTE: tl.constexpr):  # fmt: skip
-    """w = backup;  g = grad, corrected if CORRECTED (see _step_grad);  g = -g if MAXIMIZE;  g = fma(wd, w, g) if
-    HAS_WEIGHT_DECAY; with HAS_MOMENTUM: buf = g if FIRST else fma(keep, g, buf * momentum), d = fma(momentum, buf, g)
-    if NESTEROV else buf;  without: d = g.  param = fma(neg_lr, d, w).  keep is 1 - dampening, neg_lr is -lr.
+    """w = backup;  g = grad, corrected if CORRECTED (see _step_grad);  g = -g if MAXIMIZE;
+    g = fma(weight_decay, w, g) if HAS_WEIGHT_DECAY; with HAS_MOMENTUM: buf = g if FIRST else
+    fma(one_minus_dampening, g, buf * momentum), d = fma(momentum, buf, g) if NESTEROV else buf;  without: d = g.
+    param = fma(neg_lr, d, w).  one_minus_dampening is 1 - dampening, neg_lr is -lr.
     HAS_SCALARS: lr and k from scalars_ptr (see _sgd_update). HAS_FOUND_INF: where found_inf is nonzero, param =
     backup (if HAS_BACKUP; param untouched otherwise) and nothing else is read or written."""
     offsets = tl.program_id(0).to(tl.int64) * TILE + tl.arange(0, TILE)
@@ -210,60 +203,65 @@ def _sgd_tile(param_ptr, grad_ptr, backup_ptr, buf_ptr, corr_ptr, cscale_ptr, ti
             if HAS_BACKUP:
                 tl.store(param_ptr + offsets, tl.load(backup_ptr + offsets))
         else:
-            _sgd_update(param_ptr, grad_ptr, backup_ptr, buf_ptr, corr_ptr, cscale_ptr, tile_block_ptr, scalars_ptr,
-                        offsets, neg_lr32, neg_lr64, wd32, wd64, momentum32, momentum64, keep32, keep64,
-                        HAS_WEIGHT_DECAY, HAS_MOMENTUM, NESTEROV, MAXIMIZE, FIRST, CORRECTED, HAS_SCALARS,
-                        COMPUTE)  # fmt: skip
+            _sgd_update(param_ptr, grad_ptr, backup_ptr, buf_ptr, corr_ptr, cscale_ptr, block_of_tile_ptr, scalars_ptr,
+                        offsets, neg_lr32, neg_lr64, weight_decay32, weight_decay64, momentum32, momentum64,
+                        one_minus_dampening32, one_minus_dampening64, HAS_WEIGHT_DECAY, HAS_MOMENTUM, NESTEROV,
+                        MAXIMIZE, FIRST, CORRECTED, HAS_SCALARS, COMPUTE)  # fmt: skip
     else:
-        _sgd_update(param_ptr, grad_ptr, backup_ptr, buf_ptr, corr_ptr, cscale_ptr, tile_block_ptr, scalars_ptr,
-                    offsets, neg_lr32, neg_lr64, wd32, wd64, momentum32, momentum64, keep32, keep64, HAS_WEIGHT_DECAY,
-                    HAS_MOMENTUM, NESTEROV, MAXIMIZE, FIRST, CORRECTED, HAS_SCALARS, COMPUTE)  # fmt: skip
+        _sgd_update(param_ptr, grad_ptr, backup_ptr, buf_ptr, corr_ptr, cscale_ptr, block_of_tile_ptr, scalars_ptr,
+                    offsets, neg_lr32, neg_lr64, weight_decay32, weight_decay64, momentum32, momentum64,
+                    one_minus_dampening32, one_minus_dampening64, HAS_WEIGHT_DECAY, HAS_MOMENTUM, NESTEROV, MAXIMIZE,
+                    FIRST, CORRECTED, HAS_SCALARS, COMPUTE)  # fmt: skip
 
 
 @triton.jit
 def _sgd_kernel(param_ptr, grad_ptr, backup_ptr, buf_ptr, neg_lr32: tl.float32, neg_lr64: tl.float64,
-                wd32: tl.float32, wd64: tl.float64, momentum32: tl.float32, momentum64: tl.float64,
-                keep32: tl.float32, keep64: tl.float64, HAS_WEIGHT_DECAY: tl.constexpr, HAS_MOMENTUM: tl.constexpr,
-                NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr, FIRST: tl.constexpr, TILE: tl.constexpr,
-                COMPUTE: tl.constexpr):  # fmt: skip
+                weight_decay32: tl.float32, weight_decay64: tl.float64, momentum32: tl.float32, momentum64: tl.float64,
+                one_minus_dampening32: tl.float32, one_minus_dampening64: tl.float64, HAS_WEIGHT_DECAY: tl.constexpr,
+                HAS_MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr, FIRST: tl.constexpr,
+                TILE: tl.constexpr, COMPUTE: tl.constexpr):  # fmt: skip
     """_sgd_tile without a correction or device arguments (grad_ptr stands in for their pointers, never
     dereferenced)."""
     _sgd_tile(param_ptr, grad_ptr, backup_ptr, buf_ptr, grad_ptr, grad_ptr, grad_ptr, grad_ptr, grad_ptr, neg_lr32,
-              neg_lr64, wd32, wd64, momentum32, momentum64, keep32, keep64, HAS_WEIGHT_DECAY, HAS_MOMENTUM, NESTEROV,
-              MAXIMIZE, FIRST, False, False, False, False, TILE, COMPUTE)  # fmt: skip
+              neg_lr64, weight_decay32, weight_decay64, momentum32, momentum64, one_minus_dampening32,
+              one_minus_dampening64, HAS_WEIGHT_DECAY, HAS_MOMENTUM, NESTEROV, MAXIMIZE, FIRST, False, False, False,
+              False, TILE, COMPUTE)  # fmt: skip
 
 
 @triton.jit
-def _sgd_corrected_kernel(param_ptr, grad_ptr, backup_ptr, buf_ptr, corr_ptr, cscale_ptr, tile_block_ptr,
-                          neg_lr32: tl.float32, neg_lr64: tl.float64, wd32: tl.float32, wd64: tl.float64,
-                          momentum32: tl.float32, momentum64: tl.float64, keep32: tl.float32, keep64: tl.float64,
+def _sgd_corrected_kernel(param_ptr, grad_ptr, backup_ptr, buf_ptr, corr_ptr, cscale_ptr, block_of_tile_ptr,
+                          neg_lr32: tl.float32, neg_lr64: tl.float64, weight_decay32: tl.float32,
+                          weight_decay64: tl.float64, momentum32: tl.float32, momentum64: tl.float64,
+                          one_minus_dampening32: tl.float32, one_minus_dampening64: tl.float64,
                           HAS_WEIGHT_DECAY: tl.constexpr, HAS_MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr,
                           MAXIMIZE: tl.constexpr, FIRST: tl.constexpr, TILE: tl.constexpr,
                           COMPUTE: tl.constexpr):  # fmt: skip
     """_sgd_tile with LookSAM's correction, without device arguments."""
-    _sgd_tile(param_ptr, grad_ptr, backup_ptr, buf_ptr, corr_ptr, cscale_ptr, tile_block_ptr, grad_ptr, grad_ptr,
-              neg_lr32, neg_lr64, wd32, wd64, momentum32, momentum64, keep32, keep64, HAS_WEIGHT_DECAY, HAS_MOMENTUM,
-              NESTEROV, MAXIMIZE, FIRST, True, False, False, False, TILE, COMPUTE)  # fmt: skip
+    _sgd_tile(param_ptr, grad_ptr, backup_ptr, buf_ptr, corr_ptr, cscale_ptr, block_of_tile_ptr, grad_ptr, grad_ptr,
+              neg_lr32, neg_lr64, weight_decay32, weight_decay64, momentum32, momentum64, one_minus_dampening32,
+              one_minus_dampening64, HAS_WEIGHT_DECAY, HAS_MOMENTUM, NESTEROV, MAXIMIZE, FIRST, True, False, False,
+              False, TILE, COMPUTE)  # fmt: skip
 
 
 @triton.jit
-def _sgd_device_kernel(param_ptr, grad_ptr, backup_ptr, buf_ptr, corr_ptr, cscale_ptr, tile_block_ptr, scalars_ptr,
-                       found_inf_ptr, neg_lr32: tl.float32, neg_lr64: tl.float64, wd32: tl.float32, wd64: tl.float64,
-                       momentum32: tl.float32, momentum64: tl.float64, keep32: tl.float32, keep64: tl.float64,
+def _sgd_device_kernel(param_ptr, grad_ptr, backup_ptr, buf_ptr, corr_ptr, cscale_ptr, block_of_tile_ptr, scalars_ptr,
+                       found_inf_ptr, neg_lr32: tl.float32, neg_lr64: tl.float64, weight_decay32: tl.float32,
+                       weight_decay64: tl.float64, momentum32: tl.float32, momentum64: tl.float64,
+                       one_minus_dampening32: tl.float32, one_minus_dampening64: tl.float64,
                        HAS_WEIGHT_DECAY: tl.constexpr, HAS_MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr,
-                       MAXIMIZE: tl.constexpr, FIRST: tl.constexpr, CORRECTED: tl.constexpr,
-                       HAS_SCALARS: tl.constexpr, HAS_FOUND_INF: tl.constexpr, HAS_BACKUP: tl.constexpr,
-                       TILE: tl.constexpr, COMPUTE: tl.constexpr):  # fmt: skip
+                       MAXIMIZE: tl.constexpr, FIRST: tl.constexpr, CORRECTED: tl.constexpr, HAS_SCALARS: tl.constexpr,
+                       HAS_FOUND_INF: tl.constexpr, HAS_BACKUP: tl.constexpr, TILE: tl.constexpr,
+                       COMPUTE: tl.constexpr):  # fmt: skip
     """_sgd_tile with scalars and/or found_inf, with or without a correction (absent pointers stand in as other
     buffers, never dereferenced)."""
-    _sgd_tile(param_ptr, grad_ptr, backup_ptr, buf_ptr, corr_ptr, cscale_ptr, tile_block_ptr, scalars_ptr,
-              found_inf_ptr, neg_lr32, neg_lr64, wd32, wd64, momentum32, momentum64, keep32, keep64, HAS_WEIGHT_DECAY,
-              HAS_MOMENTUM, NESTEROV, MAXIMIZE, FIRST, CORRECTED, HAS_SCALARS, HAS_FOUND_INF, HAS_BACKUP, TILE,
-              COMPUTE)  # fmt: skip
+    _sgd_tile(param_ptr, grad_ptr, backup_ptr, buf_ptr, corr_ptr, cscale_ptr, block_of_tile_ptr, scalars_ptr,
+              found_inf_ptr, neg_lr32, neg_lr64, weight_decay32, weight_decay64, momentum32, momentum64,
+              one_minus_dampening32, one_minus_dampening64, HAS_WEIGHT_DECAY, HAS_MOMENTUM, NESTEROV, MAXIMIZE, FIRST,
+              CORRECTED, HAS_SCALARS, HAS_FOUND_INF, HAS_BACKUP, TILE, COMPUTE)  # fmt: skip
 
 
 @triton.jit
-def _adam_device_scalars(scalars_ptr, beta1_64, beta2_64, wd64, COMPUTE: tl.constexpr):
+def _adam_device_scalars(scalars_ptr, beta1_64, beta2_64, weight_decay64, COMPUTE: tl.constexpr):
     """``(C(-step_size), C(bias_correction2_sqrt), C(decay))`` from lr = scalars[0] and k = scalars[1], derived in
     float64 by the operations of gearsam_fused.base_step.adam_scalars (``**`` is C's pow) and rounded once to C."""
     lr = tl.load(scalars_ptr)
@@ -271,41 +269,44 @@ def _adam_device_scalars(scalars_ptr, beta1_64, beta2_64, wd64, COMPUTE: tl.cons
     one = tl.full([], 1.0, tl.float64)
     step_size = lr / (one - _pow64(tl.full([], beta1_64, tl.float64), k))
     bias_correction2_sqrt = _pow64(one - _pow64(tl.full([], beta2_64, tl.float64), k), tl.full([], 0.5, tl.float64))
-    decay = one - lr * tl.full([], wd64, tl.float64)
+    decay = one - lr * tl.full([], weight_decay64, tl.float64)
     return _rounded(-step_size, COMPUTE), _rounded(bias_correction2_sqrt, COMPUTE), _rounded(decay, COMPUTE)
 
 
 @triton.jit
-def _adam_update(param_ptr, grad_ptr, backup_ptr, exp_avg_ptr, exp_avg_sq_ptr, max_exp_avg_sq_ptr, corr_ptr,
-                 cscale_ptr, tile_block_ptr, scalars_ptr, offsets, beta1_64, wt32, wt64, beta2_32, beta2_64, keep2_32,
-                 keep2_64, eps32, eps64, wd32, wd64, decay32, decay64, neg_step32, neg_step64, bc2_32, bc2_64,
-                 HAS_WEIGHT_DECAY: tl.constexpr, DECOUPLED: tl.constexpr, AMSGRAD: tl.constexpr,
-                 MAXIMIZE: tl.constexpr, LERP_SMALL: tl.constexpr, CORRECTED: tl.constexpr,
-                 HAS_SCALARS: tl.constexpr, COMPUTE: tl.constexpr):  # fmt: skip
-    """The tile's Adam update (see _adam_tile); with HAS_SCALARS, neg_step, bc2 and decay come from
-    _adam_device_scalars instead of the host's pairs."""
-    neg_step, bc2, decay = 0.0, 0.0, 0.0  # derived from scalars if HAS_SCALARS
+def _adam_update(param_ptr, grad_ptr, backup_ptr, exp_avg_ptr, exp_avg_sq_ptr, max_exp_avg_sq_ptr, corr_ptr, cscale_ptr,
+                 block_of_tile_ptr, scalars_ptr, offsets, beta1_64, lerp_weight32, lerp_weight64, beta2_32, beta2_64,
+                 one_minus_beta2_32, one_minus_beta2_64, eps32, eps64, weight_decay32, weight_decay64, decay32, decay64,
+                 neg_step_size32, neg_step_size64, bias_correction2_sqrt32, bias_correction2_sqrt64,
+                 HAS_WEIGHT_DECAY: tl.constexpr, DECOUPLED: tl.constexpr, AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr,
+                 LERP_SMALL: tl.constexpr, CORRECTED: tl.constexpr, HAS_SCALARS: tl.constexpr,
+                 COMPUTE: tl.constexpr):  # fmt: skip
+    """The tile's Adam update (see _adam_tile); with HAS_SCALARS, neg_step_size, bias_correction2_sqrt and decay come
+    from _adam_device_scalars instead of the host's pairs."""
+    neg_step_size, bias_correction2_sqrt, decay = 0.0, 0.0, 0.0  # derived from scalars if HAS_SCALARS
     if HAS_SCALARS:
-        neg_step, bc2, decay = _adam_device_scalars(scalars_ptr, beta1_64, beta2_64, wd64, COMPUTE)
+        neg_step_size, bias_correction2_sqrt, decay = _adam_device_scalars(
+            scalars_ptr, beta1_64, beta2_64, weight_decay64, COMPUTE
+        )
     w = tl.load(backup_ptr + offsets)  # loaded before param is stored: backup_ptr is param_ptr for backup=None
-    g = _step_grad(grad_ptr, corr_ptr, cscale_ptr, tile_block_ptr, offsets, CORRECTED, COMPUTE)
+    g = _step_grad(grad_ptr, corr_ptr, cscale_ptr, block_of_tile_ptr, offsets, CORRECTED, COMPUTE)
     if MAXIMIZE:
         g = -g
     if HAS_WEIGHT_DECAY:
         if DECOUPLED:
             w = w * _host_or_device(decay32, decay64, decay, HAS_SCALARS, COMPUTE)
         else:
-            g = tl.fma(_scalar(wd32, wd64, COMPUTE), w, g)
+            g = tl.fma(_scalar(weight_decay32, weight_decay64, COMPUTE), w, g)
     # ATen's lerp: anchored at m for a small weight, at g for a large one (the weight rounded to C decides)
     m = tl.load(exp_avg_ptr + offsets)
-    wt = _scalar(wt32, wt64, COMPUTE)
+    lerp_weight = _scalar(lerp_weight32, lerp_weight64, COMPUTE)
     diff = g - m
     if LERP_SMALL:
-        m = tl.fma(wt, diff, m)
+        m = tl.fma(lerp_weight, diff, m)
     else:
-        m = tl.fma(wt - 1.0, diff, g)
+        m = tl.fma(lerp_weight - 1.0, diff, g)
     v = tl.load(exp_avg_sq_ptr + offsets) * _scalar(beta2_32, beta2_64, COMPUTE)
-    v = tl.fma(_scalar(keep2_32, keep2_64, COMPUTE) * g, g, v)
+    v = tl.fma(_scalar(one_minus_beta2_32, one_minus_beta2_64, COMPUTE) * g, g, v)
     tl.store(exp_avg_ptr + offsets, m)
     tl.store(exp_avg_sq_ptr + offsets, v)
     second = v
@@ -313,25 +314,34 @@ def _adam_update(param_ptr, grad_ptr, backup_ptr, exp_avg_ptr, exp_avg_sq_ptr, m
         # torch.maximum propagates NaN; Triton's default maximum would drop it
         second = tl.maximum(tl.load(max_exp_avg_sq_ptr + offsets), v, propagate_nan=tl.PropagateNan.ALL)
         tl.store(max_exp_avg_sq_ptr + offsets, second)
-    denom = _div(_sqrt(second, COMPUTE), _host_or_device(bc2_32, bc2_64, bc2, HAS_SCALARS, COMPUTE), COMPUTE)
+    denom = _div(
+        _sqrt(second, COMPUTE),
+        _host_or_device(bias_correction2_sqrt32, bias_correction2_sqrt64, bias_correction2_sqrt, HAS_SCALARS, COMPUTE),
+        COMPUTE,
+    )
     denom = denom + _scalar(eps32, eps64, COMPUTE)
-    update = _div(_host_or_device(neg_step32, neg_step64, neg_step, HAS_SCALARS, COMPUTE) * m, denom, COMPUTE)
+    update = _div(
+        _host_or_device(neg_step_size32, neg_step_size64, neg_step_size, HAS_SCALARS, COMPUTE) * m, denom, COMPUTE
+    )
     tl.store(param_ptr + offsets, w + update)
 
 
 @triton.jit
 def _adam_tile(param_ptr, grad_ptr, backup_ptr, exp_avg_ptr, exp_avg_sq_ptr, max_exp_avg_sq_ptr, corr_ptr, cscale_ptr,
-               tile_block_ptr, scalars_ptr, found_inf_ptr, beta1_64, wt32, wt64, beta2_32, beta2_64, keep2_32,
-               keep2_64, eps32, eps64, wd32, wd64, decay32, decay64, neg_step32, neg_step64, bc2_32, bc2_64,
-               HAS_WEIGHT_DECAY: tl.constexpr, DECOUPLED: tl.constexpr, AMSGRAD: tl.constexpr,
-               MAXIMIZE: tl.constexpr, LERP_SMALL: tl.constexpr, CORRECTED: tl.constexpr, HAS_SCALARS: tl.constexpr,
+               block_of_tile_ptr, scalars_ptr, found_inf_ptr, beta1_64, lerp_weight32, lerp_weight64, beta2_32,
+               beta2_64, one_minus_beta2_32, one_minus_beta2_64, eps32, eps64, weight_decay32, weight_decay64, decay32,
+               decay64, neg_step_size32, neg_step_size64, bias_correction2_sqrt32, bias_correction2_sqrt64,
+               HAS_WEIGHT_DECAY: tl.constexpr, DECOUPLED: tl.constexpr, AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr,
+               LERP_SMALL: tl.constexpr, CORRECTED: tl.constexpr, HAS_SCALARS: tl.constexpr,
                HAS_FOUND_INF: tl.constexpr, HAS_BACKUP: tl.constexpr, TILE: tl.constexpr,
                COMPUTE: tl.constexpr):  # fmt: skip
     """w = backup;  g = grad, corrected if CORRECTED (see _step_grad);  g = -g if MAXIMIZE;  with HAS_WEIGHT_DECAY:
-    w = w * decay if DECOUPLED else g = fma(wd, w, g);  m = fma(wt, g - m, m) if LERP_SMALL else fma(wt - 1, g - m, g);
-    v = fma(keep2 * g, g, v * beta2);  vmax = max(vmax, v) if AMSGRAD;
-    param = w + (neg_step * m) / (sqrt(vmax if AMSGRAD else v) / bc2 + eps).  wt is 1 - beta1, keep2 is 1 - beta2.
-    HAS_SCALARS: neg_step, bc2 and decay derived on the device from scalars (lr, k) and beta1_64, beta2_64, wd64.
+    w = w * decay if DECOUPLED else g = fma(weight_decay, w, g);
+    m = fma(lerp_weight, g - m, m) if LERP_SMALL else fma(lerp_weight - 1, g - m, g);
+    v = fma(one_minus_beta2 * g, g, v * beta2);  vmax = max(vmax, v) if AMSGRAD;
+    param = w + (neg_step_size * m) / (sqrt(vmax if AMSGRAD else v) / bias_correction2_sqrt + eps).
+    lerp_weight is 1 - beta1, one_minus_beta2 is 1 - beta2.  HAS_SCALARS: neg_step_size, bias_correction2_sqrt and
+    decay derived on the device from scalars (lr, k) and beta1_64, beta2_64, weight_decay64.
     HAS_FOUND_INF: where found_inf is nonzero, param = backup (if HAS_BACKUP; param untouched otherwise) and nothing
     else is read or written (see _sgd_tile)."""
     offsets = tl.program_id(0).to(tl.int64) * TILE + tl.arange(0, TILE)
@@ -342,67 +352,75 @@ def _adam_tile(param_ptr, grad_ptr, backup_ptr, exp_avg_ptr, exp_avg_sq_ptr, max
                 tl.store(param_ptr + offsets, tl.load(backup_ptr + offsets))
         else:
             _adam_update(param_ptr, grad_ptr, backup_ptr, exp_avg_ptr, exp_avg_sq_ptr, max_exp_avg_sq_ptr, corr_ptr,
-                         cscale_ptr, tile_block_ptr, scalars_ptr, offsets, beta1_64, wt32, wt64, beta2_32, beta2_64,
-                         keep2_32, keep2_64, eps32, eps64, wd32, wd64, decay32, decay64, neg_step32, neg_step64,
-                         bc2_32, bc2_64, HAS_WEIGHT_DECAY, DECOUPLED, AMSGRAD, MAXIMIZE, LERP_SMALL, CORRECTED,
+                         cscale_ptr, block_of_tile_ptr, scalars_ptr, offsets, beta1_64, lerp_weight32, lerp_weight64,
+                         beta2_32, beta2_64, one_minus_beta2_32, one_minus_beta2_64, eps32, eps64, weight_decay32,
+                         weight_decay64, decay32, decay64, neg_step_size32, neg_step_size64, bias_correction2_sqrt32,
+                         bias_correction2_sqrt64, HAS_WEIGHT_DECAY, DECOUPLED, AMSGRAD, MAXIMIZE, LERP_SMALL, CORRECTED,
                          HAS_SCALARS, COMPUTE)  # fmt: skip
     else:
         _adam_update(param_ptr, grad_ptr, backup_ptr, exp_avg_ptr, exp_avg_sq_ptr, max_exp_avg_sq_ptr, corr_ptr,
-                     cscale_ptr, tile_block_ptr, scalars_ptr, offsets, beta1_64, wt32, wt64, beta2_32, beta2_64,
-                     keep2_32, keep2_64, eps32, eps64, wd32, wd64, decay32, decay64, neg_step32, neg_step64, bc2_32,
-                     bc2_64, HAS_WEIGHT_DECAY, DECOUPLED, AMSGRAD, MAXIMIZE, LERP_SMALL, CORRECTED, HAS_SCALARS,
-                     COMPUTE)  # fmt: skip
+                     cscale_ptr, block_of_tile_ptr, scalars_ptr, offsets, beta1_64, lerp_weight32, lerp_weight64,
+                     beta2_32, beta2_64, one_minus_beta2_32, one_minus_beta2_64, eps32, eps64, weight_decay32,
+                     weight_decay64, decay32, decay64, neg_step_size32, neg_step_size64, bias_correction2_sqrt32,
+                     bias_correction2_sqrt64, HAS_WEIGHT_DECAY, DECOUPLED, AMSGRAD, MAXIMIZE, LERP_SMALL, CORRECTED,
+                     HAS_SCALARS, COMPUTE)  # fmt: skip
 
 
 @triton.jit
 def _adam_kernel(param_ptr, grad_ptr, backup_ptr, exp_avg_ptr, exp_avg_sq_ptr, max_exp_avg_sq_ptr,
-                 wt32: tl.float32, wt64: tl.float64, beta2_32: tl.float32, beta2_64: tl.float64,
-                 keep2_32: tl.float32, keep2_64: tl.float64, eps32: tl.float32, eps64: tl.float64,
-                 wd32: tl.float32, wd64: tl.float64, decay32: tl.float32, decay64: tl.float64,
-                 neg_step32: tl.float32, neg_step64: tl.float64, bc2_32: tl.float32, bc2_64: tl.float64,
-                 HAS_WEIGHT_DECAY: tl.constexpr, DECOUPLED: tl.constexpr, AMSGRAD: tl.constexpr,
-                 MAXIMIZE: tl.constexpr, LERP_SMALL: tl.constexpr, TILE: tl.constexpr,
+                 lerp_weight32: tl.float32, lerp_weight64: tl.float64, beta2_32: tl.float32, beta2_64: tl.float64,
+                 one_minus_beta2_32: tl.float32, one_minus_beta2_64: tl.float64, eps32: tl.float32, eps64: tl.float64,
+                 weight_decay32: tl.float32, weight_decay64: tl.float64, decay32: tl.float32, decay64: tl.float64,
+                 neg_step_size32: tl.float32, neg_step_size64: tl.float64, bias_correction2_sqrt32: tl.float32,
+                 bias_correction2_sqrt64: tl.float64, HAS_WEIGHT_DECAY: tl.constexpr, DECOUPLED: tl.constexpr,
+                 AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr, LERP_SMALL: tl.constexpr, TILE: tl.constexpr,
                  COMPUTE: tl.constexpr):  # fmt: skip
     """_adam_tile without a correction or device arguments (grad_ptr stands in for their pointers, never
     dereferenced; beta1_64 is only read with scalars)."""
     _adam_tile(param_ptr, grad_ptr, backup_ptr, exp_avg_ptr, exp_avg_sq_ptr, max_exp_avg_sq_ptr, grad_ptr, grad_ptr,
-               grad_ptr, grad_ptr, grad_ptr, wt64, wt32, wt64, beta2_32, beta2_64, keep2_32, keep2_64, eps32, eps64,
-               wd32, wd64, decay32, decay64, neg_step32, neg_step64, bc2_32, bc2_64, HAS_WEIGHT_DECAY, DECOUPLED,
-               AMSGRAD, MAXIMIZE, LERP_SMALL, False, False, False, False, TILE, COMPUTE)  # fmt: skip
+               grad_ptr, grad_ptr, grad_ptr, lerp_weight64, lerp_weight32, lerp_weight64, beta2_32, beta2_64,
+               one_minus_beta2_32, one_minus_beta2_64, eps32, eps64, weight_decay32, weight_decay64, decay32, decay64,
+               neg_step_size32, neg_step_size64, bias_correction2_sqrt32, bias_correction2_sqrt64, HAS_WEIGHT_DECAY,
+               DECOUPLED, AMSGRAD, MAXIMIZE, LERP_SMALL, False, False, False, False, TILE, COMPUTE)  # fmt: skip
 
 
 @triton.jit
-def _adam_corrected_kernel(param_ptr, grad_ptr, backup_ptr, exp_avg_ptr, exp_avg_sq_ptr, max_exp_avg_sq_ptr,
-                           corr_ptr, cscale_ptr, tile_block_ptr, wt32: tl.float32, wt64: tl.float64,
-                           beta2_32: tl.float32, beta2_64: tl.float64, keep2_32: tl.float32, keep2_64: tl.float64,
-                           eps32: tl.float32, eps64: tl.float64, wd32: tl.float32, wd64: tl.float64,
-                           decay32: tl.float32, decay64: tl.float64, neg_step32: tl.float32, neg_step64: tl.float64,
-                           bc2_32: tl.float32, bc2_64: tl.float64, HAS_WEIGHT_DECAY: tl.constexpr,
-                           DECOUPLED: tl.constexpr, AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr,
-                           LERP_SMALL: tl.constexpr, TILE: tl.constexpr, COMPUTE: tl.constexpr):  # fmt: skip
+def _adam_corrected_kernel(param_ptr, grad_ptr, backup_ptr, exp_avg_ptr, exp_avg_sq_ptr, max_exp_avg_sq_ptr, corr_ptr,
+                           cscale_ptr, block_of_tile_ptr, lerp_weight32: tl.float32, lerp_weight64: tl.float64,
+                           beta2_32: tl.float32, beta2_64: tl.float64, one_minus_beta2_32: tl.float32,
+                           one_minus_beta2_64: tl.float64, eps32: tl.float32, eps64: tl.float64,
+                           weight_decay32: tl.float32, weight_decay64: tl.float64, decay32: tl.float32,
+                           decay64: tl.float64, neg_step_size32: tl.float32, neg_step_size64: tl.float64,
+                           bias_correction2_sqrt32: tl.float32, bias_correction2_sqrt64: tl.float64,
+                           HAS_WEIGHT_DECAY: tl.constexpr, DECOUPLED: tl.constexpr, AMSGRAD: tl.constexpr,
+                           MAXIMIZE: tl.constexpr, LERP_SMALL: tl.constexpr, TILE: tl.constexpr,
+                           COMPUTE: tl.constexpr):  # fmt: skip
     """_adam_tile with LookSAM's correction, without device arguments."""
     _adam_tile(param_ptr, grad_ptr, backup_ptr, exp_avg_ptr, exp_avg_sq_ptr, max_exp_avg_sq_ptr, corr_ptr, cscale_ptr,
-               tile_block_ptr, grad_ptr, grad_ptr, wt64, wt32, wt64, beta2_32, beta2_64, keep2_32, keep2_64, eps32,
-               eps64, wd32, wd64, decay32, decay64, neg_step32, neg_step64, bc2_32, bc2_64, HAS_WEIGHT_DECAY,
+               block_of_tile_ptr, grad_ptr, grad_ptr, lerp_weight64, lerp_weight32, lerp_weight64, beta2_32, beta2_64,
+               one_minus_beta2_32, one_minus_beta2_64, eps32, eps64, weight_decay32, weight_decay64, decay32, decay64,
+               neg_step_size32, neg_step_size64, bias_correction2_sqrt32, bias_correction2_sqrt64, HAS_WEIGHT_DECAY,
                DECOUPLED, AMSGRAD, MAXIMIZE, LERP_SMALL, True, False, False, False, TILE, COMPUTE)  # fmt: skip
 
 
 @triton.jit
 def _adam_device_kernel(param_ptr, grad_ptr, backup_ptr, exp_avg_ptr, exp_avg_sq_ptr, max_exp_avg_sq_ptr, corr_ptr,
-                        cscale_ptr, tile_block_ptr, scalars_ptr, found_inf_ptr, beta1_64: tl.float64,
-                        wt32: tl.float32, wt64: tl.float64, beta2_32: tl.float32, beta2_64: tl.float64,
-                        keep2_32: tl.float32, keep2_64: tl.float64, eps32: tl.float32, eps64: tl.float64,
-                        wd32: tl.float32, wd64: tl.float64, decay32: tl.float32, decay64: tl.float64,
-                        neg_step32: tl.float32, neg_step64: tl.float64, bc2_32: tl.float32, bc2_64: tl.float64,
-                        HAS_WEIGHT_DECAY: tl.constexpr, DECOUPLED: tl.constexpr, AMSGRAD: tl.constexpr,
-                        MAXIMIZE: tl.constexpr, LERP_SMALL: tl.constexpr, CORRECTED: tl.constexpr,
-                        HAS_SCALARS: tl.constexpr, HAS_FOUND_INF: tl.constexpr, HAS_BACKUP: tl.constexpr,
-                        TILE: tl.constexpr, COMPUTE: tl.constexpr):  # fmt: skip
+                        cscale_ptr, block_of_tile_ptr, scalars_ptr, found_inf_ptr, beta1_64: tl.float64,
+                        lerp_weight32: tl.float32, lerp_weight64: tl.float64, beta2_32: tl.float32,
+                        beta2_64: tl.float64, one_minus_beta2_32: tl.float32, one_minus_beta2_64: tl.float64,
+                        eps32: tl.float32, eps64: tl.float64, weight_decay32: tl.float32, weight_decay64: tl.float64,
+                        decay32: tl.float32, decay64: tl.float64, neg_step_size32: tl.float32,
+                        neg_step_size64: tl.float64, bias_correction2_sqrt32: tl.float32,
+                        bias_correction2_sqrt64: tl.float64, HAS_WEIGHT_DECAY: tl.constexpr, DECOUPLED: tl.constexpr,
+                        AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr, LERP_SMALL: tl.constexpr,
+                        CORRECTED: tl.constexpr, HAS_SCALARS: tl.constexpr, HAS_FOUND_INF: tl.constexpr,
+                        HAS_BACKUP: tl.constexpr, TILE: tl.constexpr, COMPUTE: tl.constexpr):  # fmt: skip
     """_adam_tile with scalars and/or found_inf, with or without a correction (absent pointers stand in as other
     buffers, never dereferenced)."""
     _adam_tile(param_ptr, grad_ptr, backup_ptr, exp_avg_ptr, exp_avg_sq_ptr, max_exp_avg_sq_ptr, corr_ptr, cscale_ptr,
-               tile_block_ptr, scalars_ptr, found_inf_ptr, beta1_64, wt32, wt64, beta2_32, beta2_64, keep2_32,
-               keep2_64, eps32, eps64, wd32, wd64, decay32, decay64, neg_step32, neg_step64, bc2_32, bc2_64,
+               block_of_tile_ptr, scalars_ptr, found_inf_ptr, beta1_64, lerp_weight32, lerp_weight64, beta2_32,
+               beta2_64, one_minus_beta2_32, one_minus_beta2_64, eps32, eps64, weight_decay32, weight_decay64, decay32,
+               decay64, neg_step_size32, neg_step_size64, bias_correction2_sqrt32, bias_correction2_sqrt64,
                HAS_WEIGHT_DECAY, DECOUPLED, AMSGRAD, MAXIMIZE, LERP_SMALL, CORRECTED, HAS_SCALARS, HAS_FOUND_INF,
                HAS_BACKUP, TILE, COMPUTE)  # fmt: skip
 
@@ -420,25 +438,25 @@ def _check_base_buffers(param: torch.Tensor, tile: int, **buffers: torch.Tensor 
 
 
 def _check_correction(param: torch.Tensor, tile: int, correction: torch.Tensor | None,
-                      correction_scale: torch.Tensor | None, tile_block: torch.Tensor | None) -> tuple:  # fmt: skip
-    """LookSAM's correction checked as ``perturb_`` checks its scale and tile_block (same messages as ops.cpp): the
+                      correction_scale: torch.Tensor | None, block_of_tile: torch.Tensor | None) -> tuple:  # fmt: skip
+    """LookSAM's correction checked as ``perturb_`` checks its scale and block_of_tile (same messages as ops.cpp): the
     three buffers, or () where none is given; some without the others means the caller's state is broken."""
-    given = {"correction": correction, "correction_scale": correction_scale, "tile_block": tile_block}
+    given = {"correction": correction, "correction_scale": correction_scale, "block_of_tile": block_of_tile}
     missing = [name for name, t in given.items() if t is None]
     if len(missing) == len(given):
         return ()
     if missing:
         raise ValueError(
-            f"correction, correction_scale and tile_block must be given together, missing {', '.join(missing)}"
+            f"correction, correction_scale and block_of_tile must be given together, missing {', '.join(missing)}"
         )
     check_flat("correction", correction)
     check_same("correction", correction, "param", param)
     check_flat("correction_scale", correction_scale, dtype=torch.float64, device=param.device)
-    check_flat("tile_block", tile_block, dtype=torch.int32, device=param.device)
+    check_flat("block_of_tile", block_of_tile, dtype=torch.int32, device=param.device)
     n_tiles = param.numel() // tile
-    if tile_block.numel() != n_tiles:
-        raise ValueError(f"tile_block has {tile_block.numel()} entries for {n_tiles} tiles")
-    return correction, correction_scale, tile_block
+    if block_of_tile.numel() != n_tiles:
+        raise ValueError(f"block_of_tile has {block_of_tile.numel()} entries for {n_tiles} tiles")
+    return correction, correction_scale, block_of_tile
 
 
 def _in_compute(x: float, dtype: torch.dtype) -> float:
@@ -450,6 +468,11 @@ def _in_compute(x: float, dtype: torch.dtype) -> float:
         return struct.unpack("f", struct.pack("f", x))[0]  # the C cast: round to nearest-even
     except OverflowError:  # rounds past float32's largest value
         return math.copysign(math.inf, x)
+
+
+def _pairs(*values: float) -> tuple[float, ...]:
+    """Each host scalar twice, as the kernels take it: its float32 and its float64 argument (see _scalar)."""
+    return tuple(v for value in values for v in (value, value))
 
 
 def _device_flags(corrected: tuple, scalars: torch.Tensor | None, found_inf: torch.Tensor | None,
@@ -474,14 +497,14 @@ def _device_pointers(param: torch.Tensor, corrected: tuple, scalars: torch.Tenso
 @triton_op(f"{NAMESPACE}::sgd_step_", mutates_args=("param", "momentum_buffer"))
 def sgd_step_(param: torch.Tensor, grad: torch.Tensor, backup: torch.Tensor | None,
               momentum_buffer: torch.Tensor | None, correction: torch.Tensor | None = None,
-              correction_scale: torch.Tensor | None = None, tile_block: torch.Tensor | None = None,
+              correction_scale: torch.Tensor | None = None, block_of_tile: torch.Tensor | None = None,
               scalars: torch.Tensor | None = None, found_inf: torch.Tensor | None = None, *, tile: int, lr: float,
               weight_decay: float, momentum: float, dampening: float, nesterov: bool, maximize: bool,
               first: bool) -> None:  # fmt: skip
     """``param`` <- torch's SGD step taken from ``backup`` (from ``param`` itself if ``backup`` is None);
     ``momentum_buffer`` (given iff ``momentum != 0``) updated in place, and only written, not read, on the ``first``
     step. ``grad`` and ``backup`` are only read. With ``correction``, ``correction_scale`` (float64 ``[B]``) and
-    ``tile_block`` (int32 per tile), all or none, the step's gradient is ``fma(C(correction_scale[block]),
+    ``block_of_tile`` (int32 per tile), all or none, the step's gradient is ``fma(C(correction_scale[block]),
     correction, grad)`` (LookSAM). With ``scalars`` (float64 ``[2]``: lr and the step count k, read on the device;
     then ``lr=0.0`` and ``first=False``) the step is lr's and the first is k == 1. With ``found_inf`` (float32, one
     element) nonzero, ``param`` <- ``backup`` (untouched without backup) and nothing else is written or ``grad``
@@ -492,7 +515,7 @@ def sgd_step_(param: torch.Tensor, grad: torch.Tensor, backup: torch.Tensor | No
             f"momentum_buffer must be given exactly when momentum != 0 (momentum={momentum}, "
             f"momentum_buffer {'missing' if momentum_buffer is None else 'given'})"
         )
-    corrected = _check_correction(param, tile, correction, correction_scale, tile_block)
+    corrected = _check_correction(param, tile, correction, correction_scale, block_of_tile)
     check_device_step("sgd_step_", param, scalars, found_inf, lr=lr, first=first)
     device_args = scalars is not None or found_inf is not None
     n_tiles = param.numel() // tile
@@ -503,7 +526,7 @@ def sgd_step_(param: torch.Tensor, grad: torch.Tensor, backup: torch.Tensor | No
     if not n_tiles or not launches(kernel, param):
         return
     # the differences are taken in double, as torch takes them, and rounded to C in the kernel
-    neg_lr, keep = -lr, 1.0 - dampening
+    neg_lr, one_minus_dampening = -lr, 1.0 - dampening
     pointers = (
         param,
         grad,
@@ -514,14 +537,7 @@ def sgd_step_(param: torch.Tensor, grad: torch.Tensor, backup: torch.Tensor | No
     device_flags = _device_flags(corrected, scalars, found_inf, backup) if device_args else {}
     wrap_triton(kernel)[(n_tiles,)](
         *pointers,
-        neg_lr,
-        neg_lr,
-        weight_decay,
-        weight_decay,
-        momentum,
-        momentum,
-        keep,
-        keep,
+        *_pairs(neg_lr, weight_decay, momentum, one_minus_dampening),
         HAS_WEIGHT_DECAY=weight_decay != 0,
         HAS_MOMENTUM=momentum != 0,
         NESTEROV=bool(nesterov),
@@ -538,7 +554,7 @@ def sgd_step_(param: torch.Tensor, grad: torch.Tensor, backup: torch.Tensor | No
 @triton_op(f"{NAMESPACE}::adam_step_", mutates_args=("param", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"))
 def adam_step_(param: torch.Tensor, grad: torch.Tensor, backup: torch.Tensor | None, exp_avg: torch.Tensor,
                exp_avg_sq: torch.Tensor, max_exp_avg_sq: torch.Tensor | None, correction: torch.Tensor | None = None,
-               correction_scale: torch.Tensor | None = None, tile_block: torch.Tensor | None = None,
+               correction_scale: torch.Tensor | None = None, block_of_tile: torch.Tensor | None = None,
                scalars: torch.Tensor | None = None, found_inf: torch.Tensor | None = None, *, tile: int,
                beta1: float, beta2: float, eps: float, weight_decay: float, decoupled: bool, amsgrad: bool,
                maximize: bool, lr: float, step: int) -> None:  # fmt: skip
@@ -547,7 +563,7 @@ def adam_step_(param: torch.Tensor, grad: torch.Tensor, backup: torch.Tensor | N
     updated in place. ``step_size``, ``bias_correction2_sqrt`` and ``decay`` (AdamW's) are derived from ``lr`` and
     ``step`` as torch does (:func:`gearsam_fused.base_step.adam_scalars`): on the host, or, with ``scalars``
     (float64 ``[2]``: lr and k; then ``lr=0.0`` and ``step=0``), by the same float64 operations on the device.
-    ``correction``, ``correction_scale``, ``tile_block`` and ``found_inf`` as for :func:`sgd_step_`."""
+    ``correction``, ``correction_scale``, ``block_of_tile`` and ``found_inf`` as for :func:`sgd_step_`."""
     _check_base_buffers(
         param,
         tile,
@@ -562,7 +578,7 @@ def adam_step_(param: torch.Tensor, grad: torch.Tensor, backup: torch.Tensor | N
             f"max_exp_avg_sq must be given exactly when amsgrad is set (amsgrad={amsgrad}, "
             f"max_exp_avg_sq {'missing' if max_exp_avg_sq is None else 'given'})"
         )
-    corrected = _check_correction(param, tile, correction, correction_scale, tile_block)
+    corrected = _check_correction(param, tile, correction, correction_scale, block_of_tile)
     check_device_step("adam_step_", param, scalars, found_inf, lr=lr, step=step)
     device_args = scalars is not None or found_inf is not None
     n_tiles = param.numel() // tile
@@ -576,7 +592,7 @@ def adam_step_(param: torch.Tensor, grad: torch.Tensor, backup: torch.Tensor | N
         step_size, bias_correction2_sqrt, decay = adam_scalars(lr, beta1, beta2, weight_decay, step)
     else:  # derived in the kernel; these are not read
         step_size, bias_correction2_sqrt, decay = 0.0, 1.0, 1.0
-    wt, keep2, neg_step = 1.0 - beta1, 1.0 - beta2, -step_size
+    lerp_weight, one_minus_beta2, neg_step_size = 1.0 - beta1, 1.0 - beta2, -step_size
     pointers = (
         param,
         grad,
@@ -590,28 +606,13 @@ def adam_step_(param: torch.Tensor, grad: torch.Tensor, backup: torch.Tensor | N
     wrap_triton(kernel)[(n_tiles,)](
         *pointers,
         *((beta1,) if device_args else ()),
-        wt,
-        wt,
-        beta2,
-        beta2,
-        keep2,
-        keep2,
-        eps,
-        eps,
-        weight_decay,
-        weight_decay,
-        decay,
-        decay,
-        neg_step,
-        neg_step,
-        bias_correction2_sqrt,
-        bias_correction2_sqrt,
+        *_pairs(lerp_weight, beta2, one_minus_beta2, eps, weight_decay, decay, neg_step_size, bias_correction2_sqrt),
         HAS_WEIGHT_DECAY=weight_decay != 0,
         DECOUPLED=bool(decoupled),
         AMSGRAD=bool(amsgrad),
         MAXIMIZE=bool(maximize),
         # ATen picks the lerp's anchor from the weight as rounded to C, so decide on that value
-        LERP_SMALL=abs(_in_compute(wt, param.dtype)) < 0.5,
+        LERP_SMALL=abs(_in_compute(lerp_weight, param.dtype)) < 0.5,
         **device_flags,
         TILE=tile,
         COMPUTE=compute_type(param.dtype),

@@ -2,7 +2,7 @@
 
     partial_t = sum_{i in tile t} (T_i * g_i)^2          T_i = |w_i| + eta (ASAM) or 1; float32 accumulation
                                                          (float64 for float64 gradients)
-    e_b       = sum_{t = block_tiles[b]}^{block_tiles[b+1] - 1} partial_t      float64, in tile order
+    e_b       = sum_{t = first_tile_of_block[b]}^{first_tile_of_block[b+1] - 1} partial_t      float64, in tile order
 
 Two launches, no atomics: each tile's sum is one program's fixed tree reduction, and each block's sum is one program
 walking its tiles in order, so the same gradients always give bitwise the same energies.
@@ -35,11 +35,12 @@ def _tile_energy_kernel(grad_ptr, param_ptr, partial_ptr, eta32: tl.float32, eta
 
 
 @triton.jit
-def _block_sum_kernel(partial_ptr, block_tiles_ptr, energy_ptr, CHUNK: tl.constexpr):
-    """energy[b] = sum of partial[t] for t in [block_tiles[b], block_tiles[b + 1]), float64, in tile order."""
+def _block_sum_kernel(partial_ptr, first_tile_of_block_ptr, energy_ptr, CHUNK: tl.constexpr):
+    """energy[b] = sum of partial[t] for t in [first_tile_of_block[b], first_tile_of_block[b + 1]), float64, in tile
+    order."""
     block = tl.program_id(0)
-    first = tl.load(block_tiles_ptr + block)
-    last = tl.load(block_tiles_ptr + block + 1)
+    first = tl.load(first_tile_of_block_ptr + block)
+    last = tl.load(first_tile_of_block_ptr + block + 1)
     acc = tl.zeros([CHUNK], dtype=tl.float64)
     for start in range(first, last, CHUNK):
         offsets = start + tl.arange(0, CHUNK)
@@ -49,21 +50,21 @@ def _block_sum_kernel(partial_ptr, block_tiles_ptr, energy_ptr, CHUNK: tl.conste
 
 @kept_whole
 @triton_op(f"{NAMESPACE}::block_energy", mutates_args=("partials",))
-def block_energy(grad: torch.Tensor, param: torch.Tensor, block_tiles: torch.Tensor, partials: torch.Tensor, *,
+def block_energy(grad: torch.Tensor, param: torch.Tensor, first_tile_of_block: torch.Tensor, partials: torch.Tensor, *,
                  tile: int, adaptive: bool, eta: float) -> torch.Tensor:  # fmt: skip
-    """float64 ``[B]``: ``e_b`` of every block of the bucket (``B = len(block_tiles) - 1``).
+    """float64 ``[B]``: ``e_b`` of every block of the bucket (``B = len(first_tile_of_block) - 1``).
 
     ``grad`` and ``param`` are the bucket's flat buffers (``param`` is read only when ``adaptive``); ``partials`` is
     float64 scratch with one entry per tile, overwritten.
     """
     check_flat("grad", grad, tile)
     check_same("param", param, "grad", grad)
-    check_flat("block_tiles", block_tiles, dtype=torch.int64, device=grad.device)
+    check_flat("first_tile_of_block", first_tile_of_block, dtype=torch.int64, device=grad.device)
     n_tiles = grad.numel() // tile
     check_flat("partials", partials, dtype=torch.float64, device=grad.device)
     if partials.numel() != n_tiles:
         raise ValueError(f"partials has {partials.numel()} entries for {n_tiles} tiles")
-    n_blocks = block_tiles.numel() - 1
+    n_blocks = first_tile_of_block.numel() - 1
     energy = torch.empty(n_blocks, dtype=torch.float64, device=grad.device)
     if n_tiles and launches(_tile_energy_kernel, grad):
         wrap_triton(_tile_energy_kernel)[(n_tiles,)](
@@ -78,5 +79,5 @@ def block_energy(grad: torch.Tensor, param: torch.Tensor, block_tiles: torch.Ten
             enable_fp_fusion=False,
         )
     if n_blocks and launches(_block_sum_kernel, grad):
-        wrap_triton(_block_sum_kernel)[(n_blocks,)](partials, block_tiles, energy, CHUNK=_BLOCK_CHUNK)
+        wrap_triton(_block_sum_kernel)[(n_blocks,)](partials, first_tile_of_block, energy, CHUNK=_BLOCK_CHUNK)
     return energy

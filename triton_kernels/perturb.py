@@ -1,6 +1,6 @@
 """Perturbation to ``w + eps`` and its exact undoing, over a flat bucket.
 
-    perturb_:  backup_i = w_i;   w_i <- w_i + scale[tile_block[tile(i)]] * T_i^2 * g_i   (w_i kept where scale is 0)
+    perturb_:  backup_i = w_i;   w_i <- w_i + scale[block_of_tile[tile(i)]] * T_i^2 * g_i   (w_i kept where scale is 0)
                T_i = |w_i| + eta (ASAM) or 1; arithmetic in float32 (float64 for float64 buffers), rounded once
     restore_:  w_i <- backup_i   (a copy of the stored bits: exact in every dtype)
 
@@ -33,13 +33,13 @@ def _round_to(x, DTYPE: tl.constexpr):
 
 
 @triton.jit
-def _perturb_kernel(param_ptr, grad_ptr, backup_ptr, scale_ptr, tile_block_ptr, eta32: tl.float32, eta64: tl.float64,
+def _perturb_kernel(param_ptr, grad_ptr, backup_ptr, scale_ptr, block_of_tile_ptr, eta32: tl.float32, eta64: tl.float64,
                     ADAPTIVE: tl.constexpr, TILE: tl.constexpr, COMPUTE: tl.constexpr):  # fmt: skip
     """backup = w;  w <- w + scale[block] * T^2 * g with T = |w| + eta if ADAPTIVE else 1, in COMPUTE precision;
     w unchanged when scale[block] is 0."""
     tile = tl.program_id(0).to(tl.int64)
     offsets = tile * TILE + tl.arange(0, TILE)
-    scale = tl.load(scale_ptr + tl.load(tile_block_ptr + tile)).to(COMPUTE)
+    scale = tl.load(scale_ptr + tl.load(block_of_tile_ptr + tile)).to(COMPUTE)
     stored = tl.load(param_ptr + offsets)
     tl.store(backup_ptr + offsets, stored)
     w = stored.to(COMPUTE)
@@ -61,23 +61,24 @@ def _restore_kernel(param_ptr, backup_ptr, TILE: tl.constexpr):
 @kept_whole
 @triton_op(f"{NAMESPACE}::perturb_", mutates_args=("param", "backup"))
 def perturb_(param: torch.Tensor, grad: torch.Tensor, backup: torch.Tensor, scale: torch.Tensor,
-             tile_block: torch.Tensor, *, tile: int, adaptive: bool, eta: float) -> None:  # fmt: skip
-    """In place on ``param`` (saving it to ``backup``); ``scale`` is float64 ``[B]``, ``tile_block`` int32 per tile."""
+             block_of_tile: torch.Tensor, *, tile: int, adaptive: bool, eta: float) -> None:  # fmt: skip
+    """In place on ``param`` (saving it to ``backup``); ``scale`` is float64 ``[B]``, ``block_of_tile`` int32 per
+    tile."""
     check_flat("param", param, tile)
     check_same("grad", grad, "param", param)
     check_same("backup", backup, "param", param)
     check_flat("scale", scale, dtype=torch.float64, device=param.device)
-    check_flat("tile_block", tile_block, dtype=torch.int32, device=param.device)
+    check_flat("block_of_tile", block_of_tile, dtype=torch.int32, device=param.device)
     n_tiles = param.numel() // tile
-    if tile_block.numel() != n_tiles:
-        raise ValueError(f"tile_block has {tile_block.numel()} entries for {n_tiles} tiles")
+    if block_of_tile.numel() != n_tiles:
+        raise ValueError(f"block_of_tile has {block_of_tile.numel()} entries for {n_tiles} tiles")
     if n_tiles and launches(_perturb_kernel, param):
         wrap_triton(_perturb_kernel)[(n_tiles,)](
             param,
             grad,
             backup,
             scale,
-            tile_block,
+            block_of_tile,
             eta,
             eta,
             ADAPTIVE=adaptive,

@@ -1,11 +1,9 @@
 // Radius allocation on the CPU, float64, one thread (the vectors hold one entry per block).
 //
-// GEAR rule:  s_b <- beta s_b + (1 - beta) e_b;   t_b = s_b / max_j s_j;   r_b = rho t_b / ||t||_2 (0 when s = 0);
-//             scale_b = r_b / (sqrt(e_b) + delta)
-//             (t keeps the squares of tiny or huge float64 scores from underflowing or overflowing); a block whose
-//             e_b is not finite keeps s_b and gets r_b = scale_b = 0 (skipped for this step)
-// SAM rule:   scale_b = rho / (sqrt(sum_j e_j) + delta);   r_b = rho sqrt(e_b) / sqrt(sum_j e_j) (0 when e = 0);
-//             all 0 when sum_j e_j is not finite
+// The GEAR and SAM rules (EMA, radii, scales; a block whose energy is not finite skipped for the step) are stated
+// once, in gearsam_fused/allocation.py (gear_allocate, sam_allocate). Here, as there, ||s||_2 is taken through
+// t_b = s_b / max_j s_j, so that squaring tiny or huge float64 scores neither underflows nor overflows.
+//
 // Capturable: rho from scalars[0] where given; found_inf nonzero gives scale = radius = 0 and leaves the EMA as it
 // is. Both are CPU tensors here, read on the host.
 

@@ -1,20 +1,10 @@
 // SAM's restore fused with the base optimizer's update on the CPU: one pass reads backup (w; param holds w + eps and
 // is never read), writes param and the optimizer state. backup may be param itself: every loop reads an element
-// before writing it, and no pointer is declared restrict. Per element, in the buffers' type, each scalar rounded once
-// to it (SgdConstants / AdamConstants), fma rounding once, every other operation rounding on its own:
-//
-//   both:  g = fma(C(c[block]), correction, grad) if correction      (c = correction_scale, C rounds once to the type)
-//   sgd:   g = g (negated if maximize);  g = fma(wd, w, g) if wd != 0
-//          b = g (first) or fma(1 - dampening, g, buf * momentum);  buf = b;  d = fma(momentum, b, g) (nesterov) or b
-//          (d = g without momentum);  w <- fma(-lr, d, w)
-//   adam:  g = g (negated if maximize);  w = w * decay (AdamW) or g = fma(wd, w, g) (Adam), if wd != 0
-//          m = lerp(m, g, 1 - beta1);  v = fma((1 - beta2) * g, g, v * beta2);  vmax = max(vmax, v) (amsgrad)
-//          w <- w + (-step_size * m) / (sqrt(v or vmax) / bias_correction2_sqrt + eps)
-//
-// These are the roundings of ATen's CPU kernels for add(alpha=), mul_, lerp_, addcmul_, div and addcdiv_, and the
-// square root is ATen's own (see torch_sqrt_), so the results equal restore_ followed by torch.optim.SGD / Adam /
-// AdamW (foreach=False), bit for bit. The build uses -ffp-contract=off, so only the std::fma calls fuse. Zero padding
-// stays zero (with eps > 0 for Adam).
+// before writing it, and no pointer is declared restrict. The update and its roundings are stated once, in
+// gearsam_fused/base_step.py; here each scalar is rounded once to the buffers' type (SgdConstants / AdamConstants),
+// only the std::fma calls fuse (the build uses -ffp-contract=off), and the square root is ATen's own (see
+// torch_sqrt_), so the results equal restore_ followed by torch.optim.SGD / Adam / AdamW (foreach=False), bit for bit.
+// Zero padding stays zero (with eps > 0 for Adam).
 //
 // Structure (csrc/README.md, "Memory traffic"): tiles split between threads; a parameter larger than the last-level
 // cache is written with non-temporal stores (stream.h), from a scratch run or, for Adam, from AVX2 registers; Adam runs
@@ -97,16 +87,16 @@ template <typename scalar_t>
 struct CorrectionData {
   const scalar_t* values = nullptr;
   const double* scale = nullptr;
-  const int32_t* tile_block = nullptr;
+  const int32_t* block_of_tile = nullptr;
 
   explicit CorrectionData(const Correction& c) {
     if (!c.given()) return;
     values = c.values.const_data_ptr<scalar_t>();
     scale = c.scale.const_data_ptr<double>();
-    tile_block = c.tile_block.const_data_ptr<int32_t>();
+    block_of_tile = c.block_of_tile.const_data_ptr<int32_t>();
   }
   TileGrad<scalar_t> tile(const scalar_t* grad, int64_t t) const {
-    return {grad, values, values ? static_cast<scalar_t>(scale[tile_block[t]]) : scalar_t(0)};
+    return {grad, values, values ? static_cast<scalar_t>(scale[block_of_tile[t]]) : scalar_t(0)};
   }
 };
 
@@ -232,7 +222,7 @@ GEARSAM_INLINE void adam_moments_loop(const TileGrad<scalar_t> g_in, const scala
     g = c.l2 ? std::fma(c.weight_decay, w_in[i], g) : g;
     // ATen's lerp: from m for a small weight, from the end point g otherwise (lerp_weight is then weight - 1)
     const scalar_t m = m_io[i];
-    m_io[i] = std::fma(c.lerp_weight, g - m, c.small_weight ? m : g);
+    m_io[i] = std::fma(c.lerp_weight, g - m, c.lerp_small ? m : g);
     const scalar_t v = std::fma(c.one_minus_beta2 * g, g, v_io[i] * c.beta2);
     v_io[i] = v;
     scalar_t second = v;
@@ -290,22 +280,22 @@ GEARSAM_FMA_CLONE void adam_update_fma(scalar_t* out, const scalar_t* w_in, cons
 // aligned (adam_chunk checks).
 GEARSAM_FMA_CLONE void adam_update_stream(float* out, const float* w_in, const float* m_io, const float* root,
                                           int64_t n, const AdamConstants<float>& c) {
-  const __m256 decay = _mm256_set1_ps(c.decay), bc2 = _mm256_set1_ps(c.bias_correction2_sqrt);
+  const __m256 decay = _mm256_set1_ps(c.decay), bias_correction2_sqrt = _mm256_set1_ps(c.bias_correction2_sqrt);
   const __m256 eps = _mm256_set1_ps(c.eps), step = _mm256_set1_ps(c.neg_step_size);
   for (int64_t i = 0; i < n; i += 8) {
     const __m256 w = c.decoupled ? _mm256_mul_ps(_mm256_loadu_ps(w_in + i), decay) : _mm256_loadu_ps(w_in + i);
-    const __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_loadu_ps(root + i), bc2), eps);
+    const __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_loadu_ps(root + i), bias_correction2_sqrt), eps);
     _mm256_stream_ps(out + i, _mm256_add_ps(w, _mm256_div_ps(_mm256_mul_ps(step, _mm256_loadu_ps(m_io + i)), denom)));
   }
 }
 
 GEARSAM_FMA_CLONE void adam_update_stream(double* out, const double* w_in, const double* m_io, const double* root,
                                           int64_t n, const AdamConstants<double>& c) {
-  const __m256d decay = _mm256_set1_pd(c.decay), bc2 = _mm256_set1_pd(c.bias_correction2_sqrt);
+  const __m256d decay = _mm256_set1_pd(c.decay), bias_correction2_sqrt = _mm256_set1_pd(c.bias_correction2_sqrt);
   const __m256d eps = _mm256_set1_pd(c.eps), step = _mm256_set1_pd(c.neg_step_size);
   for (int64_t i = 0; i < n; i += 4) {
     const __m256d w = c.decoupled ? _mm256_mul_pd(_mm256_loadu_pd(w_in + i), decay) : _mm256_loadu_pd(w_in + i);
-    const __m256d denom = _mm256_add_pd(_mm256_div_pd(_mm256_loadu_pd(root + i), bc2), eps);
+    const __m256d denom = _mm256_add_pd(_mm256_div_pd(_mm256_loadu_pd(root + i), bias_correction2_sqrt), eps);
     _mm256_stream_pd(out + i, _mm256_add_pd(w, _mm256_div_pd(_mm256_mul_pd(step, _mm256_loadu_pd(m_io + i)), denom)));
   }
 }

@@ -3,7 +3,7 @@
 //   partial_t = sum_{i in tile t} (T_i g_i)^2     T_i = |w_i| + eta (ASAM) or 1; squares in float32 (float64 for
 //                                                 float64 buffers), summed 8 at a time in 8 lanes, each lane's short
 //                                                 sums added in float64, the lanes combined pairwise
-//   e_b       = sum_{t = block_tiles[b]}^{block_tiles[b+1]-1} partial_t     float64, in tile order
+//   e_b       = sum_{t = first_tile_of_block[b]}^{first_tile_of_block[b+1]-1} partial_t     float64, in tile order
 //
 // Threads split the tiles (then the blocks) between them, but every sum runs over a fixed range in a fixed order, so
 // the result does not depend on how the work was split.
@@ -61,7 +61,7 @@ void tile_energies(const at::Tensor& grad, const at::Tensor& param, const at::Te
 
 }  // namespace
 
-void block_energy(const at::Tensor& grad, const at::Tensor& param, const at::Tensor& block_tiles,
+void block_energy(const at::Tensor& grad, const at::Tensor& param, const at::Tensor& first_tile_of_block,
                   const at::Tensor& partials, const at::Tensor& energy, int64_t tile, bool adaptive, double eta) {
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad.scalar_type(), "gearsam_block_energy_cpu", [&] {
     if (adaptive)
@@ -70,7 +70,7 @@ void block_energy(const at::Tensor& grad, const at::Tensor& param, const at::Ten
       tile_energies<false, scalar_t>(grad, param, partials, tile, eta);
   });
   const double* part = partials.const_data_ptr<double>();
-  const int64_t* range = block_tiles.const_data_ptr<int64_t>();
+  const int64_t* range = first_tile_of_block.const_data_ptr<int64_t>();
   double* out = energy.mutable_data_ptr<double>();
   at::parallel_for(0, energy.numel(), 1, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {

@@ -1,6 +1,6 @@
 // Perturbation to w + eps and its exact undoing on the CPU.
 //
-//   perturb:  backup_i = w_i;   w_i <- w_i + scale[tile_block[tile(i)]] * T_i^2 * g_i   (w_i kept where scale is 0)
+//   perturb:  backup_i = w_i;   w_i <- w_i + scale[block_of_tile[tile(i)]] * T_i^2 * g_i   (w_i kept where scale is 0)
 //             T_i = |w_i| + eta (ASAM) or 1; float32 arithmetic (float64 for float64), one rounding to the stored
 //             dtype (round to nearest even), multiply and add rounded separately (built with -ffp-contract=off)
 //   restore:  w_i <- backup_i   (memcpy)
@@ -24,16 +24,16 @@ namespace {
 
 template <bool Adaptive, typename scalar_t>
 void perturb_tiles(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& backup, const at::Tensor& scale,
-                   const at::Tensor& tile_block, int64_t tile, double eta) {
+                   const at::Tensor& block_of_tile, int64_t tile, double eta) {
   using compute_t = at::opmath_type<scalar_t>;
   scalar_t* w = param.mutable_data_ptr<scalar_t>();
   const scalar_t* g = grad.const_data_ptr<scalar_t>();
   scalar_t* saved = backup.mutable_data_ptr<scalar_t>();
   const double* block_scale = scale.const_data_ptr<double>();
-  const int32_t* block_of = tile_block.const_data_ptr<int32_t>();
+  const int32_t* block_of = block_of_tile.const_data_ptr<int32_t>();
   const compute_t eta_c = static_cast<compute_t>(eta);
   const bool stream = stream_stores(backup.nbytes());
-  for_each_tile(tile_block.numel(), tile, [&](int64_t t) {
+  for_each_tile(block_of_tile.numel(), tile, [&](int64_t t) {
     const compute_t s = static_cast<compute_t>(block_scale[block_of[t]]);
     if (stream)
       stream_copy(saved + t * tile, w + t * tile, tile * sizeof(scalar_t));
@@ -55,12 +55,12 @@ void perturb_tiles(const at::Tensor& param, const at::Tensor& grad, const at::Te
 }  // namespace
 
 void perturb(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& backup, const at::Tensor& scale,
-             const at::Tensor& tile_block, int64_t tile, bool adaptive, double eta) {
+             const at::Tensor& block_of_tile, int64_t tile, bool adaptive, double eta) {
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, param.scalar_type(), "gearsam_perturb_cpu", [&] {
     if (adaptive)
-      perturb_tiles<true, scalar_t>(param, grad, backup, scale, tile_block, tile, eta);
+      perturb_tiles<true, scalar_t>(param, grad, backup, scale, block_of_tile, tile, eta);
     else
-      perturb_tiles<false, scalar_t>(param, grad, backup, scale, tile_block, tile, eta);
+      perturb_tiles<false, scalar_t>(param, grad, backup, scale, block_of_tile, tile, eta);
   });
 }
 

@@ -1,19 +1,11 @@
 // SAM's restore fused with the base optimizer's update on CUDA: one pass reads backup (w; param holds w + eps and is
-// never read), writes param and the optimizer state; backup may be param itself. Per element, in the buffers' type,
-// each scalar rounded once to it (SgdConstants / AdamConstants), fma_rn rounding once and every other operation
-// through its own _rn intrinsic, so nvcc can neither contract nor approximate anything:
-//
-//   both:  g = fma(C(c[block]), correction, grad) if correction      (c = correction_scale, C rounds once to the type)
-//   sgd:   g = g (negated if maximize);  g = fma(wd, w, g) if wd != 0
-//          b = g (first) or fma(1 - dampening, g, buf * momentum);  buf = b;  d = fma(momentum, b, g) (nesterov) or b
-//          (d = g without momentum);  w <- fma(-lr, d, w)
-//   adam:  g = g (negated if maximize);  w = w * decay (AdamW) or g = fma(wd, w, g) (Adam), if wd != 0
-//          m = lerp(m, g, 1 - beta1);  v = fma((1 - beta2) * g, g, v * beta2);  vmax = max(vmax, v) (amsgrad)
-//          w <- w + (-step_size * m) / (sqrt(v or vmax) / bias_correction2_sqrt + eps)      sqrt correctly rounded
-//
-// These are the roundings of ATen's CPU kernels (a true division by bias_correction2_sqrt, not torch's CUDA multiply
-// by its reciprocal), so a step gives the same bits on either device; the one exception is the square root, which
-// the CPU kernel takes from ATen (see cpu/base_step.cpp). Grid-stride over 16-byte vectors with 64-bit indices.
+// never read), writes param and the optimizer state; backup may be param itself. The update and its roundings are
+// stated once, in gearsam_fused/base_step.py: the roundings of ATen's CPU kernels (a true division by
+// bias_correction2_sqrt, not torch's CUDA multiply by its reciprocal), so a step gives the same bits on either device
+// but for the square root, correctly rounded here and ATen's own on the CPU. Each scalar is rounded once to the
+// buffers' type (SgdConstants / AdamConstants), fma_rn rounds once and every other operation goes through its own
+// _rn intrinsic, so nvcc can neither contract nor approximate anything. Grid-stride over 16-byte vectors with
+// 64-bit indices.
 //
 // Capturable (gearsam.h): scalars and found_inf are loaded in the kernel, never on the host, so a CUDA graph replays
 // the step with their current values. Given scalars, each thread rebuilds the constants from options.at_step(lr, k),
@@ -41,7 +33,7 @@ template <typename scalar_t>
 struct CorrectionPtrs {
   const scalar_t* values;
   const double* scale;
-  const int32_t* tile_block;
+  const int32_t* block_of_tile;
   int64_t tile;
 };
 
@@ -49,7 +41,7 @@ template <typename scalar_t>
 CorrectionPtrs<scalar_t> correction_ptrs(const Correction& c, int64_t tile) {
   if (!c.given()) return {nullptr, nullptr, nullptr, tile};
   return {c.values.const_data_ptr<scalar_t>(), c.scale.const_data_ptr<double>(),
-          c.tile_block.const_data_ptr<int32_t>(), tile};
+          c.block_of_tile.const_data_ptr<int32_t>(), tile};
 }
 
 // The Vec gradients from element i on, corrected where a correction is given: fma(C(scale[block]), correction, grad),
@@ -60,7 +52,7 @@ __device__ __forceinline__ Pack<scalar_t, Vec> load_grad(const scalar_t* __restr
   using pack_t = Pack<scalar_t, Vec>;
   pack_t g = *reinterpret_cast<const pack_t*>(grad + i);
   if (corr.values != nullptr) {
-    const scalar_t s = static_cast<scalar_t>(corr.scale[corr.tile_block[i / corr.tile]]);
+    const scalar_t s = static_cast<scalar_t>(corr.scale[corr.block_of_tile[i / corr.tile]]);
     const pack_t x = *reinterpret_cast<const pack_t*>(corr.values + i);
 #pragma unroll
     for (int k = 0; k < Vec; ++k) g.v[k] = fma_rn(s, x.v[k], g.v[k]);
@@ -158,7 +150,7 @@ __global__ void adam_kernel(scalar_t* param, const scalar_t* __restrict__ grad, 
         gk = fma_rn(c.weight_decay, wk, gk);
       // ATen's lerp: from m for a small weight, from the end point g otherwise (lerp_weight is then weight - 1)
       const scalar_t diff = sub_rn(gk, m.v[k]);
-      m.v[k] = fma_rn(c.lerp_weight, diff, c.small_weight ? m.v[k] : gk);
+      m.v[k] = fma_rn(c.lerp_weight, diff, c.lerp_small ? m.v[k] : gk);
       sq.v[k] = fma_rn(mul_rn(c.one_minus_beta2, gk), gk, mul_rn(sq.v[k], c.beta2));
       scalar_t second = sq.v[k];
       if (c.amsgrad) {

@@ -5,7 +5,8 @@
 //                                                  float32 (float64 for float64), the block adds the threads' sums
 //                                                  in float64 along a fixed tree
 //   stage 2 (one thread block per block, grid-stride over blocks):
-//     e_b = sum_{t = block_tiles[b]}^{block_tiles[b+1]-1} partial_t      float64, fixed thread assignment and tree
+//     e_b = sum_{t = first_tile_of_block[b]}^{first_tile_of_block[b+1]-1} partial_t
+//     float64, fixed thread assignment and tree
 //
 // Which thread reads which element depends only on the tile size and kThreads, so results are bitwise reproducible.
 
@@ -43,12 +44,13 @@ __global__ void tile_energy_kernel(const scalar_t* __restrict__ grad, const scal
   }
 }
 
-__global__ void block_sum_kernel(const double* __restrict__ partials, const int64_t* __restrict__ block_tiles,
+__global__ void block_sum_kernel(const double* __restrict__ partials, const int64_t* __restrict__ first_tile_of_block,
                                  double* __restrict__ energy, int64_t n_blocks) {
   __shared__ double scratch[kThreads / kWarp];
   for (int64_t b = blockIdx.x; b < n_blocks; b += gridDim.x) {
     double sum = 0.0;
-    for (int64_t t = block_tiles[b] + threadIdx.x; t < block_tiles[b + 1]; t += kThreads) sum += partials[t];
+    for (int64_t t = first_tile_of_block[b] + threadIdx.x; t < first_tile_of_block[b + 1]; t += kThreads)
+      sum += partials[t];
     const double total = block_sum(sum, scratch);
     if (threadIdx.x == 0) energy[b] = total;
   }
@@ -66,7 +68,7 @@ void launch_tile_energy(const at::Tensor& grad, const at::Tensor& param, const a
 
 }  // namespace
 
-void block_energy(const at::Tensor& grad, const at::Tensor& param, const at::Tensor& block_tiles,
+void block_energy(const at::Tensor& grad, const at::Tensor& param, const at::Tensor& first_tile_of_block,
                   const at::Tensor& partials, const at::Tensor& energy, int64_t tile, bool adaptive, double eta) {
   const c10::cuda::CUDAGuard guard(grad.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
@@ -85,8 +87,8 @@ void block_energy(const at::Tensor& grad, const at::Tensor& param, const at::Ten
   const int64_t n_blocks = energy.numel();
   if (n_blocks > 0) {
     block_sum_kernel<<<grid_for(n_blocks, grad.get_device()), kThreads, 0, stream>>>(
-        partials.const_data_ptr<double>(), block_tiles.const_data_ptr<int64_t>(), energy.mutable_data_ptr<double>(),
-        n_blocks);
+        partials.const_data_ptr<double>(), first_tile_of_block.const_data_ptr<int64_t>(),
+        energy.mutable_data_ptr<double>(), n_blocks);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
 }

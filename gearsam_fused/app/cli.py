@@ -26,7 +26,7 @@ from .probe import ProbeSettings, probe_run
 from .studies import STUDIES, rebuild_study, run_study, study_config
 from .training import (
     AMP_MODES,
-    OPTIMIZERS,
+    OPTIMIZER_NAMES,
     RESUMABLE,
     SCHEDULES,
     SECOND_PASS_FORMS,
@@ -74,7 +74,7 @@ def _adder(parser: argparse.ArgumentParser, defaults: RunConfig):
 def _training_options(parser: argparse.ArgumentParser, defaults: RunConfig) -> None:
     """Options shared by demo and train."""
     add = _adder(parser, defaults)
-    add("--optimizers", nargs="+", choices=OPTIMIZERS, help=f"which of {', '.join(OPTIMIZERS)} to train; gsam, wsam "
+    add("--optimizers", nargs="+", choices=OPTIMIZER_NAMES, help=f"which of {', '.join(OPTIMIZER_NAMES)} to train; gsam, wsam "
         "and friendly-sam are GSAM, WSAM and F-SAM at their authors' defaults, gear-gsam GEAR-SAM with GSAM's "
         "descent")  # fmt: skip
     add("--seeds", type=int, nargs="+", help="one run per optimizer and seed")

@@ -11,7 +11,7 @@
   SAM/GEAR-SAM run under ``--second-pass always``, none of SGD's) and ``sam_fraction`` (the share of the epoch's
   steps that did); ``train_sharpness`` is then the mean over the images of those steps (None when there were none);
 - ``blocks``: one per SAM/GEAR-SAM step, the :class:`~gearsam_fused.telemetry.BlockTelemetry` record: ``step``,
-  ``rho``, ``blocks`` (names), per block ``energy``, ``ema`` (allocation score), ``radius`` and ``share``, and the
+  ``rho``, ``blocks`` (names), per block ``energy``, ``score`` (allocation score), ``radius`` and ``share``, and the
   step's ``loss``, ``perturbed_loss`` and realized ``sharpness`` (None on a step that skipped the second pass),
   ``sam_step`` (whether it took the second pass) and ``sam_fraction`` (the share of the run's steps up to it that
   did, counted from its first step across resumptions);

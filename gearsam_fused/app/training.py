@@ -32,6 +32,7 @@ from torch import nn
 from gearsam_fused import (
     GEARSAM,
     GSAM,
+    OPTIMIZERS,
     WSAM,
     Adaptive,
     BlockTelemetry,
@@ -43,8 +44,8 @@ from gearsam_fused import (
     SurrogateGap,
     __version__,
     frozen_bn_stats,
+    timing,
 )
-from gearsam_fused import OPTIMIZERS as SHARPNESS_AWARE
 from gearsam_fused.allocation import GEAR_RULE
 from gearsam_fused.backends import resolve_backend_name
 from gearsam_fused.checks import check_real
@@ -75,12 +76,12 @@ FAMILY = {
 }
 #: Every sharpness-aware optimizer a run can train, by name: the library's by their rule, with their own step
 #: (no part), then the family.
-BUILDS = {**{rule: (cls, {}) for rule, cls in SHARPNESS_AWARE.items()}, **FAMILY}
+BUILDS = {**{rule: (cls, {}) for rule, cls in OPTIMIZERS.items()}, **FAMILY}
 #: The paper's comparison, which the demo trains: the baseline, then the library's sharpness-aware optimizers by
 #: their rule.
-PAPER = (SGD, *SHARPNESS_AWARE)
+PAPER = (SGD, *OPTIMIZERS)
 #: The optimizers a run can train, by the names of ``--optimizers`` and the metrics rows: the demo's, then the family.
-OPTIMIZERS = (*PAPER, *FAMILY)
+OPTIMIZER_NAMES = (*PAPER, *FAMILY)
 SCHEDULES = ("constant", "cosine")
 #: Every SAM/GEAR-SAM step takes the second forward and backward: ``--second-pass``'s default.
 ALWAYS = "always"
@@ -231,9 +232,11 @@ class RunConfig:
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{spell(name)} must be one of {allowed}, got {getattr(self, name)!r}")
-        unknown = [o for o in self.optimizers if o not in OPTIMIZERS]
+        unknown = [o for o in self.optimizers if o not in OPTIMIZER_NAMES]
         if unknown or not self.optimizers:
-            raise ValueError(f"{spell('optimizers')}: unknown {unknown}; expected a non-empty subset of {OPTIMIZERS}")
+            raise ValueError(
+                f"{spell('optimizers')}: unknown {unknown}; expected a non-empty subset of {OPTIMIZER_NAMES}"
+            )
         if not self.seeds:
             raise ValueError(f"{spell('seeds')} must name at least one seed")
         twice = sorted({seed for seed in self.seeds if self.seeds.count(seed) > 1})
@@ -251,10 +254,10 @@ class RunConfig:
                              "that skipped the second pass would have no second gradient for their descent and no "
                              "perturbation for their ascent, so they take it on every step; drop them from "
                              f"{spell('optimizers')} or use {spell('second_pass')} {ALWAYS}")  # fmt: skip
-        plain = [o for o in self.optimizers if o not in SHARPNESS_AWARE]
+        plain = [o for o in self.optimizers if o not in OPTIMIZERS]
         if plain:
             raise ValueError(f"{spell('second_pass')} {self.second_pass} schedules the second pass of "
-                             f"{', '.join(SHARPNESS_AWARE)}; {', '.join(plain)} has none: drop it from "
+                             f"{', '.join(OPTIMIZERS)}; {', '.join(plain)} has none: drop it from "
                              f"{spell('optimizers')} (or train it in a run of its own)")  # fmt: skip
         if schedule.corrects and self.adaptive:
             raise ValueError(f"{spell('second_pass')} {self.second_pass}: LookSAM's correction is defined for plain "
@@ -262,7 +265,7 @@ class RunConfig:
 
     def describe(self, name: str) -> str:
         """Optimizer ``name`` as run summaries show it: with its second-pass schedule where it has one."""
-        return name if name not in SHARPNESS_AWARE or self.second_pass == ALWAYS else f"{name} {self.second_pass}"
+        return name if name not in OPTIMIZERS or self.second_pass == ALWAYS else f"{name} {self.second_pass}"
 
     @classmethod
     def load(cls, path: Path) -> RunConfig:
@@ -399,14 +402,14 @@ def clear_dir(path: Path) -> None:
 
 
 def make_optimizer(name: str, model: nn.Module, cfg: RunConfig, seed: int = 0) -> torch.optim.Optimizer:
-    """The optimizer ``name`` of :data:`OPTIMIZERS` over ``model``: SGD with the run's momentum and weight decay, alone
+    """The optimizer ``name`` of :data:`OPTIMIZER_NAMES` over ``model``: SGD with the run's momentum and weight decay, alone
     or as the base optimizer of the library's sharpness-aware optimizer of that name (:data:`BUILDS`), under the
     run's second-pass schedule (``random:P`` draws its steps from ``seed``)."""
     base = dict(lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
     if name == SGD:
         return torch.optim.SGD(model.parameters(), **base)
     if name not in BUILDS:
-        raise ValueError(f"unknown optimizer {name!r}; expected one of {OPTIMIZERS}")
+        raise ValueError(f"unknown optimizer {name!r}; expected one of {OPTIMIZER_NAMES}")
     sharpness_aware, part = BUILDS[name]
     hyper = dict(rho=cfg.rho, adaptive=cfg.adaptive, backend=cfg.backend, **part, **base)
     hyper["schedule"] = second_pass_schedule(cfg.second_pass, seed)
@@ -424,31 +427,20 @@ class Stopwatch:
     by :meth:`seconds`, so timing a step never waits for the device."""
 
     def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
+        self.device = device
         self._done = 0.0
-        self._events: list[tuple] = []
-        self._started = None
+        self._sections: list[tuple[timing.Mark, timing.Mark]] = []
+        self._started: timing.Mark | None = None
 
     def start(self) -> None:
-        if self.cuda:
-            self._started = torch.cuda.Event(enable_timing=True)
-            self._started.record()
-        else:
-            self._started = time.perf_counter()
+        self._started = timing.mark(self.device)
 
     def stop(self) -> None:
-        if self.cuda:
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            self._events.append((self._started, end))
-        else:
-            self._done += time.perf_counter() - self._started
+        self._sections.append((self._started, timing.mark(self.device)))
 
     def seconds(self) -> float:
-        if self._events:
-            self._events[-1][1].synchronize()
-            self._done += sum(a.elapsed_time(b) for a, b in self._events) / 1e3
-            self._events.clear()
+        self._done += sum(timing.seconds(a, b) for a, b in self._sections)
+        self._sections.clear()
         return self._done
 
 
@@ -504,7 +496,7 @@ class TrainingRun:
     """One optimizer under one seed: what its steps, epochs and checkpoints read and advance."""
 
     cfg: RunConfig
-    name: str  # one of OPTIMIZERS
+    name: str  # one of OPTIMIZER_NAMES
     seed: int
     device: torch.device
     train: tuple[torch.Tensor, torch.Tensor]  # images and labels on the device, label noise applied
@@ -742,12 +734,8 @@ def _restore_checkpoint(run: TrainingRun) -> None:
     run.optimizer.load_state_dict(saved["optimizer"])
     run.scheduler.load_state_dict(saved["scheduler"])
     run.epoch, run.step, run.seconds, run.sam_seconds = (saved[k] for k in ("epoch", "step", "seconds", "sam_seconds"))
-    # checkpoints from before schedules: every step of a SAM/GEAR-SAM run took the second pass
-    run.sam_steps = saved.get("sam_steps", run.step if run.sharpness_aware else 0)
-    run.cpu_seconds = saved.get("cpu_seconds", 0.0)
-    # checkpoints from before the cosine was saved ran the schedule they were started with
-    started_with = {"start": 0, "phase": 0.0, "total": run.steps_per_epoch * saved["config"]["epochs"]}
-    run.cosine.update(stretch_cosine(saved.get("cosine", started_with), run.step, run.cosine["total"]))
+    run.sam_steps, run.cpu_seconds = saved["sam_steps"], saved["cpu_seconds"]
+    run.cosine.update(stretch_cosine(saved["cosine"], run.step, run.cosine["total"]))
 
 
 def _start_instruments(run: TrainingRun, stream: TextIO | None) -> None:

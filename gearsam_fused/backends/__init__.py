@@ -24,7 +24,7 @@ import torch
 from ..partition import Block
 from .base import Backend
 from .cpp_ops import CppBackend
-from .fused import FusedBackend
+from .flat_buffer import FlatBufferBackend
 from .reference import ReferenceBackend
 from .sharded import ShardedBackend
 from .torch_ops import TorchBackend
@@ -35,8 +35,8 @@ BACKENDS: dict[str, type[Backend]] = {
     "reference": ReferenceBackend, "torch": TorchBackend, "triton": TritonBackend, "cpp": CppBackend,
     "sharded": ShardedBackend,
 }  # fmt: skip
-#: The backends that leave every parameter where it is (the FusedBackend ones re-home them into flat buffers).
-IN_PLACE_BACKENDS = tuple(name for name, cls in BACKENDS.items() if not issubclass(cls, FusedBackend))
+#: The backends that leave every parameter where it is (the FlatBufferBackend ones re-home them into flat buffers).
+IN_PLACE_BACKENDS = tuple(name for name, cls in BACKENDS.items() if not issubclass(cls, FlatBufferBackend))
 
 
 def available_backends() -> list[str]:

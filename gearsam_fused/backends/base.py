@@ -274,8 +274,11 @@ class Backend:
 
     def memory_overhead(self) -> dict[str, int]:
         """Bytes this backend holds (at its peak within a step) beyond the parameters and their gradients; the
-        correction buffer, once allocated, is in ``correction`` and in ``total``."""
-        raise NotImplementedError
+        correction buffer, once allocated, is in ``correction`` and in ``total``. Here, for the backends that leave
+        every parameter where it is: a saved copy of each parameter with a gradient (of this rank's shard), held from
+        ``perturb_`` to ``restore_`` and bounded by all of them; the flat-buffer backends count their buffers."""
+        backup = sum(local(p).nbytes for block in self.blocks for p in block.params)
+        return self._with_buffers({"backup": backup, "padding": 0, "tables": 0, "total": backup, "grad_buffer": 0})
 
 
 def friendly_ascent(g: torch.Tensor, m: torch.Tensor, sigma: float, lmbda: float, first: bool) -> None:

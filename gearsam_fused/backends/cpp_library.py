@@ -3,7 +3,7 @@
 
 Each one applies the argument checks of ``csrc/ops.cpp`` that need no data, in the same order and with the same
 messages, then gives outputs of the right shape, dtype and device without computing anything: the energy is float64
-``[block_tiles.numel() - 1]`` on ``grad``'s device, ``allocate``'s scale and radius are shaped like the energy, the
+``[first_tile_of_block.numel() - 1]`` on ``grad``'s device, ``allocate``'s scale and radius are shaped like the energy, the
 other four operators return nothing. ``register_fake`` also makes them the operators' Meta kernels.
 
 ``_C`` names this module as where its fakes live (``m.set_python_module``), so torch checks that they are registered
@@ -58,44 +58,44 @@ def _check_optional_state(name: str, t: torch.Tensor | None, needed: bool, why: 
         check_same(name, t, "param", param)
 
 
-def _check_tile_block(tile_block: torch.Tensor, param: torch.Tensor, tile: int) -> None:
+def _check_block_of_tile(block_of_tile: torch.Tensor, param: torch.Tensor, tile: int) -> None:
     """The int32 block of each of ``param``'s tiles."""
-    _check_flat("tile_block", tile_block, 0, torch.int32, param)
+    _check_flat("block_of_tile", block_of_tile, 0, torch.int32, param)
     n_tiles = param.numel() // tile
-    if tile_block.numel() != n_tiles:
-        raise ValueError(f"tile_block has {tile_block.numel()} entries for {n_tiles} tiles")
+    if block_of_tile.numel() != n_tiles:
+        raise ValueError(f"block_of_tile has {block_of_tile.numel()} entries for {n_tiles} tiles")
 
 
-def _check_correction(param: torch.Tensor, tile: int, correction, correction_scale, tile_block) -> None:
+def _check_correction(param: torch.Tensor, tile: int, correction, correction_scale, block_of_tile) -> None:
     """LookSAM's correction: all three tensors or none."""
-    given = {"correction": correction, "correction_scale": correction_scale, "tile_block": tile_block}
+    given = {"correction": correction, "correction_scale": correction_scale, "block_of_tile": block_of_tile}
     if all(t is None for t in given.values()):
         return
     missing = [name for name, t in given.items() if t is None]
     if missing:
         raise ValueError(
-            "correction, correction_scale and tile_block must be given together, missing " + ", ".join(missing)
+            "correction, correction_scale and block_of_tile must be given together, missing " + ", ".join(missing)
         )
     check_same("correction", correction, "param", param)
     _check_flat("correction_scale", correction_scale, 0, torch.float64, param)
-    _check_tile_block(tile_block, param, tile)
+    _check_block_of_tile(block_of_tile, param, tile)
 
 
 # ------------------------------------------------------------------------------------------- the fakes
 @torch.library.register_fake("gearsam_fused::block_energy")
-def _block_energy(grad, param, block_tiles, partials, *, tile, adaptive, eta):
+def _block_energy(grad, param, first_tile_of_block, partials, *, tile, adaptive, eta):
     _check_tile(tile)
     _check_flat("grad", grad, tile)
     _check_floating("grad", grad)
     check_same("param", param, "grad", grad)
-    _check_flat("block_tiles", block_tiles, 0, torch.int64, grad)
+    _check_flat("first_tile_of_block", first_tile_of_block, 0, torch.int64, grad)
     _check_flat("partials", partials, 0, torch.float64, grad)
     n_tiles = grad.numel() // tile
     if partials.numel() != n_tiles:
         raise ValueError(f"partials has {partials.numel()} entries for {n_tiles} tiles")
-    if block_tiles.numel() < 1:
-        raise ValueError("block_tiles needs at least one entry (B + 1 for B blocks)")
-    return grad.new_empty(block_tiles.numel() - 1, dtype=torch.float64)
+    if first_tile_of_block.numel() < 1:
+        raise ValueError("first_tile_of_block needs at least one entry (B + 1 for B blocks)")
+    return grad.new_empty(first_tile_of_block.numel() - 1, dtype=torch.float64)
 
 
 @torch.library.register_fake("gearsam_fused::allocate")
@@ -107,14 +107,14 @@ def _allocate(energy, ema, *, gear, rho, beta, delta, scalars=None, found_inf=No
 
 
 @torch.library.register_fake("gearsam_fused::perturb_")
-def _perturb(param, grad, backup, scale, tile_block, *, tile, adaptive, eta):
+def _perturb(param, grad, backup, scale, block_of_tile, *, tile, adaptive, eta):
     _check_tile(tile)
     _check_flat("param", param, tile)
     _check_floating("param", param)
     check_same("grad", grad, "param", param)
     check_same("backup", backup, "param", param)
     _check_flat("scale", scale, 0, torch.float64, param)
-    _check_tile_block(tile_block, param, tile)
+    _check_block_of_tile(block_of_tile, param, tile)
 
 
 @torch.library.register_fake("gearsam_fused::restore_")
@@ -126,21 +126,21 @@ def _restore(param, backup, *, tile):
 
 @torch.library.register_fake("gearsam_fused::sgd_step_")
 def _sgd_step(param, grad, backup, momentum_buffer, *, tile, lr, weight_decay, momentum, dampening, nesterov, maximize,
-              first, correction=None, correction_scale=None, tile_block=None, scalars=None,
+              first, correction=None, correction_scale=None, block_of_tile=None, scalars=None,
               found_inf=None):  # fmt: skip
     _check_base_step(param, grad, backup, tile)
     _check_optional_state("momentum_buffer", momentum_buffer, momentum != 0, "momentum != 0", param)
-    _check_correction(param, tile, correction, correction_scale, tile_block)
+    _check_correction(param, tile, correction, correction_scale, block_of_tile)
     check_device_step("sgd_step_", param, scalars, found_inf, lr=lr, first=first)
 
 
 @torch.library.register_fake("gearsam_fused::adam_step_")
 def _adam_step(param, grad, backup, exp_avg, exp_avg_sq, max_exp_avg_sq, *, tile, beta1, beta2, eps, weight_decay,
                decoupled, amsgrad, maximize, lr, step, correction=None,
-               correction_scale=None, tile_block=None, scalars=None, found_inf=None):  # fmt: skip
+               correction_scale=None, block_of_tile=None, scalars=None, found_inf=None):  # fmt: skip
     _check_base_step(param, grad, backup, tile)
     check_same("exp_avg", exp_avg, "param", param)
     check_same("exp_avg_sq", exp_avg_sq, "param", param)
     _check_optional_state("max_exp_avg_sq", max_exp_avg_sq, amsgrad, "amsgrad=True", param)
-    _check_correction(param, tile, correction, correction_scale, tile_block)
+    _check_correction(param, tile, correction, correction_scale, block_of_tile)
     check_device_step("adam_step_", param, scalars, found_inf, lr=lr, step=step)

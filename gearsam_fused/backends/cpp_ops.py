@@ -13,7 +13,7 @@ import functools
 
 import torch
 
-from .fused import KernelBackend
+from .flat_buffer import KernelBackend
 
 #: How to get the extension, for error messages.
 BUILD_HINT = (
@@ -24,7 +24,7 @@ BUILD_HINT = (
 
 
 @functools.cache
-def _load() -> tuple[torch._ops._OpNamespace | None, str]:
+def _load() -> tuple[object | None, str]:
     """The kernel module, ``torch.ops.gearsam_fused`` (its operators registered, their fakes too), or None and why
     the extension could not be imported."""
     try:

@@ -60,8 +60,3 @@ class ReferenceBackend(Backend):
         for p, saved in self._saved:
             p.copy_(saved)
         self._saved.clear()
-
-    def memory_overhead(self) -> dict[str, int]:
-        # One clone per parameter that has a gradient, held from perturb_ to restore_; bounded by all of them.
-        backup = sum(local(p).nbytes for block in self.blocks for p in block.params)
-        return self._with_buffers({"backup": backup, "padding": 0, "tables": 0, "total": backup, "grad_buffer": 0})

@@ -112,8 +112,3 @@ class ShardedBackend(Backend):
         for group, backup in self._saved:
             group.scatter_(backup)
         self._saved.clear()
-
-    def memory_overhead(self) -> dict[str, int]:
-        # the gathered w of every parameter with a gradient, held from perturb_ to restore_; bounded by all of them
-        backup = sum(local(p).nbytes for block in self.blocks for p in block.params)
-        return self._with_buffers({"backup": backup, "padding": 0, "tables": 0, "total": backup, "grad_buffer": 0})

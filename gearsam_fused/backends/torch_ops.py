@@ -26,10 +26,10 @@ import torch
 from ..base_step import BucketUpdate, adam_scalars
 from ..flat import Bucket
 from .base import compute_dtype
-from .fused import FusedBackend
+from .flat_buffer import FlatBufferBackend
 
 
-class TorchBackend(FusedBackend):
+class TorchBackend(FlatBufferBackend):
     name = "torch"
 
     @staticmethod
@@ -47,7 +47,7 @@ class TorchBackend(FusedBackend):
         norms = torch.linalg.vector_norm(g, dim=1, dtype=None if g.dtype == dtype else dtype)
         bucket.partials.copy_(norms)
         # unsafe: the lengths are ours and valid; checking them would read them back to the host
-        return torch.segment_reduce(bucket.partials.square_(), "sum", lengths=bucket.tiles_per_block, unsafe=True)
+        return torch.segment_reduce(bucket.partials.square_(), "sum", lengths=bucket.tile_count_of_block, unsafe=True)
 
     @torch.no_grad()
     def _bucket_perturb(self, bucket: Bucket, scale: torch.Tensor, adaptive: bool, eta: float) -> None:
@@ -55,7 +55,7 @@ class TorchBackend(FusedBackend):
         w = self._tiles(bucket.param, bucket)
         g = self._tiles(bucket.grad, bucket)
         dtype = compute_dtype(w)
-        tile_scale = scale[bucket.tile_block].to(dtype).unsqueeze(1)
+        tile_scale = scale[bucket.block_of_tile].to(dtype).unsqueeze(1)
         skipped = tile_scale == 0  # a block skipped this step stays w, even where its gradient is inf or NaN
         if not adaptive and w.dtype == dtype:
             torch.where(skipped, w, w.addcmul(g, tile_scale), out=w)
@@ -82,7 +82,7 @@ class TorchBackend(FusedBackend):
         bucket = update.bucket
         g = bucket.grad
         if correction is not None:
-            tile_scale = scale[bucket.tile_block].to(g.dtype).unsqueeze(1)
+            tile_scale = scale[bucket.block_of_tile].to(g.dtype).unsqueeze(1)
             corrected = self._tiles(bucket.backup, bucket)
             torch.addcmul(self._tiles(g, bucket), self._tiles(correction, bucket), tile_scale, out=corrected)
             g = bucket.backup

@@ -12,7 +12,7 @@ import os
 
 import torch
 
-from .fused import KernelBackend
+from .flat_buffer import KernelBackend
 
 
 def interpreter_enabled() -> bool:

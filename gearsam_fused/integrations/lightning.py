@@ -83,7 +83,7 @@ class SharpnessAwareMixin:
         if isinstance(sam, SharpnessAware) and sam.perturbed:
             stats = sam.step_statistics
             if stats.rho > 0:
-                shares = stats.radius.square() / stats.rho**2
+                shares = sam.describe_blocks(stats.energy, stats.ema, stats.radius, stats.rho)["share"]
                 self.log("sam/rho", float(stats.rho))
                 for name, share in zip(sam.block_names, shares.unbind()):
                     self.log(f"sam/share/{name}", share)

@@ -24,12 +24,12 @@ own work took and the fraction of the steps since the last log that were SAM ste
 from __future__ import annotations
 
 import contextlib
-import time
 
 import torch
 from torch import nn
 from transformers import Trainer, TrainerCallback
 
+from .. import timing
 from ..bn import frozen_bn_stats
 from ..optim import GEARSAM, GSAM, SAM, WSAM, FriendlySAM, SharpnessAware
 
@@ -80,7 +80,9 @@ class SecondStep(torch.optim.Optimizer):
 class SAMTrainer(Trainer):
     """``transformers.Trainer`` training with SAM, ASAM or GEAR-SAM around the optimizer ``TrainingArguments`` select.
 
-    Args (besides the Trainer's own):
+    Besides the Trainer's own arguments:
+
+    Args:
         sam: one of :data:`FLAVOURS`: ``"sam"``, ``"asam"``, ``"gear-sam"``, ``"gsam"``, ``"wsam"`` or ``"friendly-sam"``.
         rho: the radius; ``beta``: GEAR-SAM's EMA factor; ``eta``: ASAM's ``T = |w| + eta``.
         partition: the blocks (:func:`gearsam_fused.partition`; GEAR-SAM allocates over them, SAM reports them).
@@ -222,9 +224,8 @@ class _UndoSkippedStep(TrainerCallback):
 
 
 class _StepClock:
-    """Marks in each optimizer step ("start", "sam", "sam_end", "end") on the clock of the device doing the work:
-    CUDA events on a GPU (recorded without waiting for the GPU, read at logging time), ``time.perf_counter()``
-    elsewhere."""
+    """Marks in each optimizer step ("start", "sam", "sam_end", "end") on the clock of the device doing the work
+    (:mod:`gearsam_fused.timing`: on a GPU recorded without waiting for it, read at logging time)."""
 
     def __init__(self):
         self.steps: list[dict] = []
@@ -234,24 +235,12 @@ class _StepClock:
             self.steps.append({})
         if not self.steps:
             return
-        if device.type == "cuda":
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            self.steps[-1][name] = event
-        else:
-            self.steps[-1][name] = time.perf_counter()
+        self.steps[-1][name] = timing.mark(device)
 
     def share(self, begin: str, end: str) -> float | None:
         """Of the time of the steps marked since the last call, the share spent between ``begin`` and ``end`` (None
         when no step was complete); forgets them."""
         done = [m for m in self.steps if {"start", begin, end, "end"} <= m.keys()]
         self.steps = [m for m in self.steps if "end" not in m]
-        total = sum(_seconds(m["start"], m["end"]) for m in done)
-        return sum(_seconds(m[begin], m[end]) for m in done) / total if total > 0 else None
-
-
-def _seconds(a, b) -> float:
-    if isinstance(a, float):
-        return b - a
-    b.synchronize()
-    return a.elapsed_time(b) / 1e3
+        total = sum(timing.seconds(m["start"], m["end"]) for m in done)
+        return sum(timing.seconds(m[begin], m[end]) for m in done) / total if total > 0 else None

@@ -1,6 +1,6 @@
 """What the flat-buffer backends share: the layout, keeping it in sync, and the step flow over buckets.
 
-A subclass supplies the tensor work for one bucket (:meth:`FusedBackend._bucket_energy`, ``_bucket_perturb``,
+A subclass supplies the tensor work for one bucket (:meth:`FlatBufferBackend._bucket_energy`, ``_bucket_perturb``,
 ``_bucket_restore``, ``_bucket_restore_and_update``); everything here costs a constant number of device operations per bucket, however many
 parameter tensors the model has. :class:`KernelBackend` supplies it from a module of kernel launchers.
 """
@@ -18,7 +18,7 @@ from ..flat import Bucket, FlatLayout
 from .base import CORRECTION, MOMENTUM, Backend, compute_dtype, friendly_ascent
 
 
-class FusedBackend(Backend):
+class FlatBufferBackend(Backend):
     fuses_base_step = True
 
     def __init__(self, blocks, device: torch.device, param_group=None):
@@ -129,7 +129,7 @@ class FusedBackend(Backend):
         for start in range(0, bucket.n_tiles, rows):
             products = a[start : start + rows].to(dtype) * b[start : start + rows].to(dtype)
             torch.sum(products, dim=1, dtype=torch.float64, out=bucket.partials[start : start + rows])
-        return torch.segment_reduce(bucket.partials, "sum", lengths=bucket.tiles_per_block, unsafe=True)
+        return torch.segment_reduce(bucket.partials, "sum", lengths=bucket.tile_count_of_block, unsafe=True)
 
     @torch.no_grad()
     def orthogonalize_(self, coefficient: torch.Tensor) -> torch.Tensor:
@@ -146,7 +146,7 @@ class FusedBackend(Backend):
         g = self._tiles_of(bucket.grad, bucket)
         kept = self._tiles_of(self._flat_correction(bucket), bucket)
         dtype = compute_dtype(g)
-        scale = per_block.to(bucket.device)[bucket.tile_block].to(dtype).unsqueeze(1)
+        scale = per_block.to(bucket.device)[bucket.block_of_tile].to(dtype).unsqueeze(1)
         if g.dtype == dtype:
             torch.addcmul(g, kept, scale, value=sign, out=self._tiles_of(out, bucket))
         else:
@@ -161,7 +161,7 @@ class FusedBackend(Backend):
     # ------------------------------------------------------------------ the SAM family's parts, per bucket
     def _per_tile(self, per_block: torch.Tensor, bucket: Bucket, dtype: torch.dtype) -> torch.Tensor:
         """``[n_tiles, 1]``: each tile's entry of the float64 ``[B]`` vector ``per_block``, in ``dtype``."""
-        return per_block.to(bucket.device)[bucket.tile_block].to(dtype).unsqueeze(1)
+        return per_block.to(bucket.device)[bucket.block_of_tile].to(dtype).unsqueeze(1)
 
     def _touched(self, bucket: Bucket) -> None:
         # the regions of parameters without a gradient may have changed: the next sync must zero them again
@@ -251,7 +251,7 @@ class KernelModule(Protocol):
     :class:`~gearsam_fused.backends.base.Backend`'s methods of the same names."""
 
     def block_energy(
-        self, grad: torch.Tensor, param: torch.Tensor, block_tiles: torch.Tensor, partials: torch.Tensor, *,
+        self, grad: torch.Tensor, param: torch.Tensor, first_tile_of_block: torch.Tensor, partials: torch.Tensor, *,
         tile: int, adaptive: bool, eta: float,
     ) -> torch.Tensor: ...  # fmt: skip
 
@@ -265,19 +265,19 @@ class KernelModule(Protocol):
 
     def perturb_(
         self, param: torch.Tensor, grad: torch.Tensor, backup: torch.Tensor, scale: torch.Tensor,
-        tile_block: torch.Tensor, *, tile: int, adaptive: bool, eta: float,
+        block_of_tile: torch.Tensor, *, tile: int, adaptive: bool, eta: float,
     ) -> None: ...  # fmt: skip
 
     def restore_(self, param: torch.Tensor, backup: torch.Tensor, *, tile: int) -> None: ...
 
     # The base optimizer's update folded into the restore (formulas in gearsam_fused.triton_kernels.base_step); backup
-    # None reads w from param (no perturbation to undo), and correction/correction_scale/tile_block add LookSAM's term
+    # None reads w from param (no perturbation to undo), and correction/correction_scale/block_of_tile add LookSAM's term
     # to grad.
     def sgd_step_(
         self, param: torch.Tensor, grad: torch.Tensor, backup: torch.Tensor | None, momentum_buffer: torch.Tensor | None, *,
         tile: int, lr: float, weight_decay: float, momentum: float, dampening: float, nesterov: bool, maximize: bool,
         first: bool, correction: torch.Tensor | None = None, correction_scale: torch.Tensor | None = None,
-        tile_block: torch.Tensor | None = None, scalars: torch.Tensor | None = None,
+        block_of_tile: torch.Tensor | None = None, scalars: torch.Tensor | None = None,
         found_inf: torch.Tensor | None = None,
     ) -> None: ...  # fmt: skip
 
@@ -286,12 +286,12 @@ class KernelModule(Protocol):
         exp_avg_sq: torch.Tensor, max_exp_avg_sq: torch.Tensor | None, *, tile: int, beta1: float, beta2: float,
         eps: float, weight_decay: float, decoupled: bool, amsgrad: bool, maximize: bool, lr: float, step: int,
         correction: torch.Tensor | None = None,
-        correction_scale: torch.Tensor | None = None, tile_block: torch.Tensor | None = None,
+        correction_scale: torch.Tensor | None = None, block_of_tile: torch.Tensor | None = None,
         scalars: torch.Tensor | None = None, found_inf: torch.Tensor | None = None,
     ) -> None: ...  # fmt: skip
 
 
-class KernelBackend(FusedBackend):
+class KernelBackend(FlatBufferBackend):
     """A fused backend whose tensor work is done by a :class:`KernelModule`."""
 
     capturable = True
@@ -305,7 +305,7 @@ class KernelBackend(FusedBackend):
             return self.kernels.block_energy(
                 bucket.grad if grad is None else grad,
                 bucket.param,
-                bucket.block_tiles,
+                bucket.first_tile_of_block,
                 bucket.partials,
                 tile=bucket.tile,
                 adaptive=adaptive,
@@ -326,7 +326,7 @@ class KernelBackend(FusedBackend):
                 bucket.grad,
                 bucket.backup,
                 scale,
-                bucket.tile_block,
+                bucket.block_of_tile,
                 tile=bucket.tile,
                 adaptive=adaptive,
                 eta=eta,
@@ -345,7 +345,7 @@ class KernelBackend(FusedBackend):
     def _bucket_update(self, update: BucketUpdate, correction, scale) -> None:
         bucket = update.bucket
         corrected = {} if correction is None else {
-            "correction": correction, "correction_scale": scale, "tile_block": bucket.tile_block
+            "correction": correction, "correction_scale": scale, "block_of_tile": bucket.block_of_tile
         }  # fmt: skip
         with _launching_on(bucket.device):
             # no backup: w is read from the parameters themselves, each element before it is written
