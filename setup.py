@@ -159,6 +159,9 @@ setup(
             "lightning>=2.2",
             "ruff==0.17.6",  # pinned: a new release may format differently, and CI checks the format
         ],
+        # The documentation site (docs/, built with -W: a new release may warn differently). Sphinx 9 needs
+        # Python >= 3.11.
+        "docs": ["sphinx==9.0.4", "myst-parser==5.2.0", "furo==2025.12.19"],
     },
     entry_points={"console_scripts": ["gearsam = gearsam_fused.app.cli:main"]},
     ext_modules=ext_modules,

@@ -9,8 +9,6 @@ capturable step reads no value on the host (every reading method of a tensor is 
 
 import contextlib
 import copy
-import re
-from pathlib import Path
 
 import pytest
 import torch
@@ -26,6 +24,7 @@ from gearsam_fused.schedules import Every
 from gearsam_fused.telemetry import BlockTelemetry
 
 from conftest import CUDA, KERNELS, mlp, mlp_data, mse
+from doc_blocks import needs_block
 
 BASES = {
     "sgd": (torch.optim.SGD, dict(lr=0.1, momentum=0.9, weight_decay=5e-4, nesterov=True)),
@@ -391,13 +390,11 @@ def test_a_resnet18_training_step_captured_in_a_cuda_graph_replays_as_eager(back
 def test_the_readme_cuda_graph_example_runs():
     """The README's block, as written, on the repository's ResNet-18: the replayed steps move the weights, and the
     scheduler's lr reached the graph (the weights after two replays differ from a run with the lr frozen)."""
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
-    blocks = [b for b in re.findall(r"```python\n(.*?)```", readme, flags=re.S) if b.startswith("# needs: a CUDA GPU")]
-    assert len(blocks) == 1
+    block, where = needs_block("# needs: a CUDA GPU")  # in the documentation's usage page
     torch.manual_seed(0)
     x, y = torch.randn(4, 3, 32, 32), torch.randint(0, 10, (4,))
     namespace = {"model": resnet18(width=4), "loader": [(x, y), (x, y)], "torch": torch, "F": F, "GEARSAM": GEARSAM}
-    exec(compile(blocks[0], "README.md", "exec"), namespace)
+    exec(compile(block, where, "exec"), namespace)
     torch.cuda.synchronize()
     assert namespace["opt"].base_step_mode == "fused"
     assert namespace["opt"].param_groups[0]["lr"].item() < 0.1  # the scheduler wrote into the tensor the graph reads

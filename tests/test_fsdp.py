@@ -16,8 +16,6 @@ processes, and every test reads its part of the results.
 from __future__ import annotations
 
 import copy
-import re
-from pathlib import Path
 from typing import NamedTuple
 
 import pytest
@@ -30,6 +28,7 @@ from gearsam_fused.distributed import sam_step
 from gearsam_fused.models import resnet18
 
 from conftest import FP32_STEP_RTOL, rel_err
+from doc_blocks import needs_block
 from ranks import run_ranks, run_ranks_once
 
 pytest.importorskip("torch.distributed.fsdp")
@@ -424,11 +423,9 @@ def test_the_gear_ema_is_saved_once_and_the_optimizer_state_by_name(checkpointed
 
 
 # ------------------------------------------------------------------------------ the README's example
-def readme_example() -> str:
-    readme = Path(__file__).resolve().parents[1] / "README.md"
-    blocks = re.findall(r"```python\n(.*?)```", readme.read_text(encoding="utf-8"), flags=re.S)
-    (block,) = [b for b in blocks if b.startswith("# needs: torch.distributed and FSDP2")]
-    return block
+def readme_example() -> tuple[str, str]:
+    """The FSDP2 block of the documentation (its distributed page), and where it is."""
+    return needs_block("# needs: torch.distributed and FSDP2")
 
 
 def _readme_example(rank: int, world: int, directory: str) -> dict:
@@ -440,7 +437,7 @@ def _readme_example(rank: int, world: int, directory: str) -> dict:
     loader = [(x[2 * rank : 2 * rank + 2], y[2 * rank : 2 * rank + 2]) for x, y in batches]
     torch.manual_seed(0)  # every rank builds the same model before sharding it
     namespace = {"model": resnet18(width=4), "loader": loader, "checkpoint_dir": directory}
-    exec(compile(readme_example(), "README.md", "exec"), namespace)
+    exec(compile(*readme_example(), "exec"), namespace)
     model, opt = namespace["model"], namespace["opt"]
     torch.manual_seed(1)
     fresh = resnet18(width=4)

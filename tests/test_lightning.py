@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import re
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,6 +21,7 @@ from gearsam_fused.integrations.lightning import SharpnessAwareMixin  # noqa: E4
 from gearsam_fused.models import resnet18  # noqa: E402
 
 from conftest import flat, rel_err  # noqa: E402
+from doc_blocks import needs_block  # noqa: E402
 
 STEPS = 6
 #: What GEAR-SAM says when it takes over a plain optimizer's state dict (its EMA restarts at zero).
@@ -302,12 +302,11 @@ def test_16_mixed_is_refused_with_the_reason():
 
 
 def test_the_readme_example_runs():
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
-    (block,) = [b for b in re.findall(r"```python\n(.*?)```", readme, flags=re.S) if b.startswith("# needs: lightning")]
+    block, where = needs_block("# needs: lightning")  # in the documentation's integrations page
     torch.manual_seed(0)
     data = [(torch.randn(4, 3, 32, 32), torch.randint(0, 10, (4,))) for _ in range(4)]
     namespace = {"model": resnet18(width=4), "loader": torch.utils.data.DataLoader(data, batch_size=None)}
-    exec(compile(block, "README.md", "exec"), namespace)
+    exec(compile(block, where, "exec"), namespace)
     module, fit = namespace["module"], namespace["trainer"]
     assert fit.global_step == 4  # 2 epochs of 4 micro-batches, 2 per step
     assert module.optimizers().optimizer.block_names == ["stem", "layer1", "layer2", "layer3", "layer4", "classifier"]

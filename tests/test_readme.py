@@ -1,28 +1,74 @@
-"""The README's Python examples run as written (given a model and a loader), so the documentation stays true."""
+"""The Python examples of the README and of the documentation pages run as written (given a model and a loader), so
+the documentation stays true. Each page runs in a namespace of its own."""
 
-import re
-from pathlib import Path
-
+import pytest
 import torch
 
+from gearsam_fused import GSAM
 from gearsam_fused.models import resnet18
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+from doc_blocks import NEEDS, README, name, needs_blocks, pages, python_blocks
+
+RESNET_BLOCKS = ["stem", "layer1", "layer2", "layer3", "layer4", "classifier"]
 
 
-def test_readme_python_examples_run():
-    blocks = re.findall(r"```python\n(.*?)```", README.read_text(encoding="utf-8"), flags=re.S)
-    assert len(blocks) >= 3
+def run_page(page) -> dict:
+    """Every block of ``page`` but the ``# needs:`` ones, in order, in one namespace that starts with a small
+    ResNet-18, a one-batch loader and that batch."""
     torch.manual_seed(0)
     x, y = torch.randn(4, 3, 32, 32), torch.randint(0, 10, (4,))
     namespace = {"model": resnet18(width=4), "loader": [(x, y)], "x": x, "y": y}
-    # run elsewhere: test_ddp.py runs the DDP loop under two processes, test_fsdp.py the FSDP2 block (a process
-    # group), test_transformers.py and test_lightning.py the integrations' blocks (optional packages),
-    # test_capturable.py the CUDA graph (a GPU)
-    elsewhere = [code for code in blocks if code.startswith("# needs:")]
-    assert len(elsewhere) == 5
-    for code in blocks:
-        if code not in elsewhere:
-            exec(compile(code, str(README), "exec"), namespace)
-    assert namespace["opt"].block_names == ["stem", "layer1", "layer2", "layer3", "layer4", "classifier"]
+    for code in python_blocks(page):
+        if not code.startswith(NEEDS):
+            exec(compile(code, name(page), "exec"), namespace)
+    return namespace
+
+
+def test_the_blocks_that_need_more_are_run_elsewhere():
+    # test_ddp.py runs the DDP loop under two processes, test_fsdp.py the FSDP2 block (a process group),
+    # test_transformers.py and test_lightning.py the integrations' blocks (optional packages), test_capturable.py the
+    # CUDA graph (a GPU); each finds its block by its first line (doc_blocks.needs_block)
+    found = {code.splitlines()[0]: where for code, where in needs_blocks()}
+    assert len(needs_blocks()) == len(found) == 5, found
+    assert found == {
+        "# needs: torch.distributed (run one process per GPU, e.g. with torchrun)": "docs/distributed.md",
+        "# needs: torch.distributed and FSDP2 (one process per GPU, e.g. with torchrun, after dist.init_process_group)": (
+            "docs/distributed.md"
+        ),
+        "# needs: transformers": "docs/integrations.md",
+        "# needs: lightning": "docs/integrations.md",
+        "# needs: a CUDA GPU": "docs/usage.md",
+    }
+
+
+def test_readme_python_examples_run():
+    assert len(python_blocks(README)) >= 2
+    namespace = run_page(README)
+    assert namespace["opt"].block_names == RESNET_BLOCKS
+
+
+def check_usage(namespace):
+    assert namespace["opt"].block_names == RESNET_BLOCKS
     assert torch.isfinite(namespace["loss_at_perturbed_point"])
+    assert len(namespace["top"]) == 2 and namespace["top"][0] >= namespace["top"][1]
+    assert isinstance(namespace["gsam"], GSAM)
+
+
+def check_training(namespace):
+    assert namespace["opt"].block_names == RESNET_BLOCKS
+    assert not namespace["report"].skipped
+    assert torch.isfinite(torch.as_tensor(namespace["loss"]))
+
+
+#: what each page's examples leave behind, beyond having run
+CHECKS = {"README.md": None, "docs/usage.md": check_usage, "docs/training.md": check_training}
+
+
+@pytest.mark.parametrize("page", [p for p in pages() if p != README], ids=name)
+def test_docs_python_examples_run(page):
+    runnable = [code for code in python_blocks(page) if not code.startswith(NEEDS)]
+    if not runnable:
+        assert name(page) not in CHECKS
+        return
+    assert name(page) in CHECKS, f"{name(page)} has examples: add what they leave behind to CHECKS"
+    CHECKS[name(page)](run_page(page))

@@ -30,6 +30,7 @@ from gearsam_fused import GEARSAM, SAM, partition  # noqa: E402
 from gearsam_fused.integrations.transformers import FLAVOURS, SAMTrainer  # noqa: E402
 
 from conftest import flat, rel_err  # noqa: E402
+from doc_blocks import needs_block  # noqa: E402
 
 SEQ, N_SEQ = 12, 24
 #: What GEAR-SAM says when it takes over a plain optimizer's state dict (its EMA restarts at zero).
@@ -402,13 +403,10 @@ def test_the_blocks_of_each_architecture_family(family):
 
 
 def test_the_readme_example_runs(tmp_path, monkeypatch):
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
-    (block,) = [
-        b for b in re.findall(r"```python\n(.*?)```", readme, flags=re.S) if b.startswith("# needs: transformers")
-    ]
+    block, where = needs_block("# needs: transformers")  # in the documentation's integrations page
     monkeypatch.chdir(tmp_path)  # it writes to "out"
     namespace = {"dataset": Tokens()}
-    exec(compile(block, "README.md", "exec"), namespace)
+    exec(compile(block, where, "exec"), namespace)
     trainer = namespace["trainer"]
     layers = [f"transformer.h.{i}" for i in range(4)]
     assert trainer.state.global_step == 20 and trainer.sam.block_names == ["stem", *layers, "classifier"]
