@@ -58,6 +58,28 @@ def accumulated_step(
 
     Returns the first-pass loss (the loss at ``w``) averaged over the micro-batches, detached, without synchronising.
     """
+    micro_batches = _checked(optimizer, loss_fn, micro_batches, amp, model)
+    optimizer.zero_grad(set_to_none=set_to_none)
+    loss = _backward_pass(loss_fn, micro_batches, amp)
+    if amp is not None:
+        run_second = amp.first_step(set_to_none=set_to_none)
+    else:
+        run_second = optimizer.first_step()  # False on a step the schedule skips: the update is made
+        if run_second:
+            optimizer.zero_grad(set_to_none=set_to_none)
+    if run_second:
+        with frozen_bn_stats(model) if model is not None else contextlib.nullcontext():
+            _backward_pass(loss_fn, micro_batches, amp)
+    if amp is not None:
+        amp.second_step()
+    elif run_second:
+        optimizer.second_step()
+    return loss
+
+
+def _checked(optimizer, loss_fn, micro_batches, amp, model) -> list:
+    """Refuse bad arguments of :func:`accumulated_step`, each by name; returns the micro-batches as a list (both
+    passes iterate over them)."""
     check_sharpness_aware(optimizer)
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable as loss_fn(micro_batch) -> loss, got {type(loss_fn).__name__}")
@@ -78,36 +100,21 @@ def accumulated_step(
         raise TypeError(
             f"model must be an nn.Module (whose BatchNorm statistics to freeze), got {type(model).__name__}"
         )
+    return micro_batches
 
-    k = len(micro_batches)
 
-    def backward_pass() -> torch.Tensor:
-        total = None
-        for i, mb in enumerate(micro_batches):
-            loss = loss_fn(mb)
-            if not isinstance(loss, torch.Tensor) or loss.ndim != 0:
-                raise ValueError(
-                    f"loss_fn must return a scalar tensor (the micro-batch's mean loss); for micro-batch {i} it "
-                    f"returned {type(loss).__name__}{'' if not isinstance(loss, torch.Tensor) else tuple(loss.shape)}"
-                )
-            loss = loss / k
-            (amp.scaler.scale(loss) if amp is not None else loss).backward()
-            total = loss.detach() if total is None else total + loss.detach()
-        return total
-
-    optimizer.zero_grad(set_to_none=set_to_none)
-    loss = backward_pass()
-    if amp is not None:
-        run_second = amp.first_step(set_to_none=set_to_none)
-    else:
-        run_second = optimizer.first_step()  # False on a step the schedule skips: the update is made
-        if run_second:
-            optimizer.zero_grad(set_to_none=set_to_none)
-    if run_second:
-        with frozen_bn_stats(model) if model is not None else contextlib.nullcontext():
-            backward_pass()
-    if amp is not None:
-        amp.second_step()
-    elif run_second:
-        optimizer.second_step()
-    return loss
+def _backward_pass(loss_fn, micro_batches: list, amp: SAMScaler | None) -> torch.Tensor:
+    """``backward`` of every micro-batch's loss over ``k``, scaled by ``amp``'s GradScaler if given; returns their
+    detached sum, the pass's mean loss."""
+    k, total = len(micro_batches), None
+    for i, mb in enumerate(micro_batches):
+        loss = loss_fn(mb)
+        if not isinstance(loss, torch.Tensor) or loss.ndim != 0:
+            raise ValueError(
+                f"loss_fn must return a scalar tensor (the micro-batch's mean loss); for micro-batch {i} it "
+                f"returned {type(loss).__name__}{'' if not isinstance(loss, torch.Tensor) else tuple(loss.shape)}"
+            )
+        loss = loss / k
+        (amp.scaler.scale(loss) if amp is not None else loss).backward()
+        total = loss.detach() if total is None else total + loss.detach()
+    return total

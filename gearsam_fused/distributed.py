@@ -51,6 +51,48 @@ def _multi_process() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
+def _check_step(optimizer: SharpnessAware, model: nn.Module, closure, m_sharpness: bool) -> bool:
+    """Refuse what :func:`sam_step` cannot do right, each by name; returns whether ``model`` is a DDP module."""
+    check_sharpness_aware(optimizer)
+    if not callable(closure):
+        raise TypeError(
+            f"closure must be callable (forward + backward, returning the loss), got {type(closure).__name__}"
+        )
+    if not isinstance(m_sharpness, bool):
+        raise TypeError(f"m_sharpness must be a bool, got {m_sharpness!r}")
+    wrapped = isinstance(model, DistributedDataParallel)
+    sharded = _is_fully_sharded(model)
+    if not wrapped and not sharded and _multi_process():
+        # Without DDP's (or FSDP2's) hooks neither pass would be reduced and the ranks would drift apart silently.
+        raise TypeError(
+            f"model must be the DistributedDataParallel or fully_shard (FSDP2) module that closure runs forward "
+            f"through, got {type(model).__name__} while {dist.get_world_size()} processes are training"
+        )
+    if m_sharpness and sharded:
+        raise ValueError(
+            "m_sharpness is not supported on a fully_shard (FSDP2) model: each rank only holds shards of the "
+            "parameters, so a perturbation from its own mini-batch's gradient would need that whole gradient on "
+            "every rank; use DistributedDataParallel for m-sharpness"
+        )
+    if m_sharpness and wrapped and model.static_graph:
+        # DDP's static graph asserts inside backward under no_sync() (pytorch/pytorch#143580): refuse up front
+        raise ValueError(
+            "m_sharpness runs the first pass under DDP's no_sync(), which DistributedDataParallel(static_graph=True) "
+            "does not support; build the DDP module with static_graph=False"
+        )
+    schedule = getattr(optimizer, "schedule", None)
+    if m_sharpness and wrapped and schedule is not None and schedule.corrects and _multi_process():
+        # LookSAM keeps g_v = g_s - proj_g(g_s) from a SAM step and adds it on the skipped ones: with m-sharpness g is
+        # each rank's own gradient, so g_v, and with it every skipped step's update, would differ between the ranks
+        raise ValueError(
+            f"m_sharpness with schedule {schedule!r} would make the ranks drift apart: LookSAM's stored direction is "
+            "computed from the first gradient, which m-sharpness leaves unreduced, so each rank would correct its "
+            "skipped steps differently; use m_sharpness=False, or a schedule without correction (Every, Random, "
+            "Adaptive)"
+        )
+    return wrapped
+
+
 def sam_step(
     optimizer: SharpnessAware,
     model: nn.Module,
@@ -90,43 +132,7 @@ def sam_step(
 
     On return the gradients hold the (all-reduced) gradient at the perturbed point (on a skipped step, at ``w``).
     """
-    check_sharpness_aware(optimizer)
-    if not callable(closure):
-        raise TypeError(
-            f"closure must be callable (forward + backward, returning the loss), got {type(closure).__name__}"
-        )
-    if not isinstance(m_sharpness, bool):
-        raise TypeError(f"m_sharpness must be a bool, got {m_sharpness!r}")
-    wrapped = isinstance(model, DistributedDataParallel)
-    sharded = _is_fully_sharded(model)
-    if not wrapped and not sharded and _multi_process():
-        # Without DDP's (or FSDP2's) hooks neither pass would be reduced and the ranks would drift apart silently.
-        raise TypeError(
-            f"model must be the DistributedDataParallel or fully_shard (FSDP2) module that closure runs forward "
-            f"through, got {type(model).__name__} while {dist.get_world_size()} processes are training"
-        )
-    if m_sharpness and sharded:
-        raise ValueError(
-            "m_sharpness is not supported on a fully_shard (FSDP2) model: each rank only holds shards of the "
-            "parameters, so a perturbation from its own mini-batch's gradient would need that whole gradient on "
-            "every rank; use DistributedDataParallel for m-sharpness"
-        )
-    if m_sharpness and wrapped and model.static_graph:
-        # DDP's static graph asserts inside backward under no_sync() (pytorch/pytorch#143580): refuse up front
-        raise ValueError(
-            "m_sharpness runs the first pass under DDP's no_sync(), which DistributedDataParallel(static_graph=True) "
-            "does not support; build the DDP module with static_graph=False"
-        )
-    schedule = getattr(optimizer, "schedule", None)
-    if m_sharpness and wrapped and schedule is not None and schedule.corrects and _multi_process():
-        # LookSAM keeps g_v = g_s - proj_g(g_s) from a SAM step and adds it on the skipped ones: with m-sharpness g is
-        # each rank's own gradient, so g_v, and with it every skipped step's update, would differ between the ranks
-        raise ValueError(
-            f"m_sharpness with schedule {schedule!r} would make the ranks drift apart: LookSAM's stored direction is "
-            "computed from the first gradient, which m-sharpness leaves unreduced, so each rank would correct its "
-            "skipped steps differently; use m_sharpness=False, or a schedule without correction (Every, Random, "
-            "Adaptive)"
-        )
+    wrapped = _check_step(optimizer, model, closure, m_sharpness)
     # decided before the first forward: a skipped step's only pass feeds the update, so it is always all-reduced
     perturbs = optimizer.sam_step
     local_first_pass = model.no_sync() if (m_sharpness and wrapped and perturbs) else contextlib.nullcontext()

@@ -383,23 +383,7 @@ def partition(model: nn.Module | None, strategy="coarse", params: Iterable[torch
     if model is not None and not isinstance(model, nn.Module):
         raise TypeError(f"partition() expects an nn.Module as model, got {type(model).__name__}")
     model = unwrap(model)
-    if isinstance(strategy, str):
-        if strategy not in STRATEGIES:
-            raise ValueError(
-                f"unknown partition strategy {strategy!r}; expected one of {STRATEGIES}, a callable or a mapping"
-            )
-        if strategy in ("coarse", "fine") and model is None:
-            raise ValueError(
-                f"partition strategy {strategy!r} reads module names and needs the model: pass model=... "
-                "(or the nn.Module itself as params), or use 'tensor', 'global', a mapping"
-            )
-    elif not callable(strategy) and not isinstance(strategy, Mapping):
-        raise ValueError(
-            f"unknown partition strategy of type {type(strategy).__name__}; expected a name, callable or mapping"
-        )
-    elif callable(strategy) and not isinstance(strategy, Mapping) and model is None:
-        raise ValueError("a callable partition strategy receives parameter names and needs the model: pass model=...")
-
+    _check_strategy(strategy, model)
     if params is None:
         if model is None:
             raise ValueError("partition() needs a model or params")
@@ -425,6 +409,26 @@ def partition(model: nn.Module | None, strategy="coarse", params: Iterable[torch
 
     _validate(blocks, params, names)
     return blocks
+
+
+def _check_strategy(strategy, model: nn.Module | None) -> None:
+    """Refuse an unknown strategy, or one that reads names without a model, saying what to pass instead."""
+    if isinstance(strategy, str):
+        if strategy not in STRATEGIES:
+            raise ValueError(
+                f"unknown partition strategy {strategy!r}; expected one of {STRATEGIES}, a callable or a mapping"
+            )
+        if strategy in ("coarse", "fine") and model is None:
+            raise ValueError(
+                f"partition strategy {strategy!r} reads module names and needs the model: pass model=... "
+                "(or the nn.Module itself as params), or use 'tensor', 'global', a mapping"
+            )
+    elif not callable(strategy) and not isinstance(strategy, Mapping):
+        raise ValueError(
+            f"unknown partition strategy of type {type(strategy).__name__}; expected a name, callable or mapping"
+        )
+    elif callable(strategy) and not isinstance(strategy, Mapping) and model is None:
+        raise ValueError("a callable partition strategy receives parameter names and needs the model: pass model=...")
 
 
 def _validate(blocks: list[Block], params: list[torch.Tensor], names: dict[int, str]) -> None:

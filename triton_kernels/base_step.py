@@ -470,6 +470,13 @@ def _in_compute(x: float, dtype: torch.dtype) -> float:
         return math.copysign(math.inf, x)
 
 
+def _pick(plain, with_correction, with_device_args, corrected: tuple, scalars, found_inf) -> tuple:
+    """``(kernel, whether it takes device arguments)``: the ``_device`` kernel where ``scalars`` or ``found_inf`` is
+    given, else the ``_corrected`` twin where a correction is, else the plain kernel."""
+    device_args = scalars is not None or found_inf is not None
+    return (with_device_args if device_args else with_correction if corrected else plain), device_args
+
+
 def _pairs(*values: float) -> tuple[float, ...]:
     """Each host scalar twice, as the kernels take it: its float32 and its float64 argument (see _scalar)."""
     return tuple(v for value in values for v in (value, value))
@@ -517,12 +524,8 @@ def sgd_step_(param: torch.Tensor, grad: torch.Tensor, backup: torch.Tensor | No
         )
     corrected = _check_correction(param, tile, correction, correction_scale, block_of_tile)
     check_device_step("sgd_step_", param, scalars, found_inf, lr=lr, first=first)
-    device_args = scalars is not None or found_inf is not None
+    kernel, device_args = _pick(_sgd_kernel, _sgd_corrected_kernel, _sgd_device_kernel, corrected, scalars, found_inf)
     n_tiles = param.numel() // tile
-    if device_args:
-        kernel = _sgd_device_kernel
-    else:
-        kernel = _sgd_corrected_kernel if corrected else _sgd_kernel
     if not n_tiles or not launches(kernel, param):
         return
     # the differences are taken in double, as torch takes them, and rounded to C in the kernel
@@ -564,15 +567,8 @@ def adam_step_(param: torch.Tensor, grad: torch.Tensor, backup: torch.Tensor | N
     ``step`` as torch does (:func:`gearsam_fused.base_step.adam_scalars`): on the host, or, with ``scalars``
     (float64 ``[2]``: lr and k; then ``lr=0.0`` and ``step=0``), by the same float64 operations on the device.
     ``correction``, ``correction_scale``, ``block_of_tile`` and ``found_inf`` as for :func:`sgd_step_`."""
-    _check_base_buffers(
-        param,
-        tile,
-        grad=grad,
-        backup=backup,
-        exp_avg=exp_avg,
-        exp_avg_sq=exp_avg_sq,
-        max_exp_avg_sq=max_exp_avg_sq,
-    )
+    state = dict(exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, max_exp_avg_sq=max_exp_avg_sq)
+    _check_base_buffers(param, tile, grad=grad, backup=backup, **state)
     if (max_exp_avg_sq is None) == bool(amsgrad):
         raise ValueError(
             f"max_exp_avg_sq must be given exactly when amsgrad is set (amsgrad={amsgrad}, "
@@ -580,12 +576,10 @@ def adam_step_(param: torch.Tensor, grad: torch.Tensor, backup: torch.Tensor | N
         )
     corrected = _check_correction(param, tile, correction, correction_scale, block_of_tile)
     check_device_step("adam_step_", param, scalars, found_inf, lr=lr, step=step)
-    device_args = scalars is not None or found_inf is not None
+    kernel, device_args = _pick(
+        _adam_kernel, _adam_corrected_kernel, _adam_device_kernel, corrected, scalars, found_inf
+    )
     n_tiles = param.numel() // tile
-    if device_args:
-        kernel = _adam_device_kernel
-    else:
-        kernel = _adam_corrected_kernel if corrected else _adam_kernel
     if not n_tiles or not launches(kernel, param):
         return
     if scalars is None:
