@@ -68,8 +68,9 @@ def _accepts(compiler: str, flags: list[str]) -> bool:
 def _cxx_flags(compiler: str) -> list[str]:
     """The C++ flags: -fopenmp only where the compiler accepts it (a compiler that rejects the others fails the
     build, which then says why)."""
-    # -ffp-contract=off: w + scale * g must round like the reference's separate multiply and add.
-    flags = ["-O3", "-ffp-contract=off"]
+    # -ffp-contract=off: w + scale * g must round like the reference's separate multiply and add. -fno-math-errno:
+    # std::sqrt need not set errno for a negative argument (its value is NaN either way), so loops with it vectorise.
+    flags = ["-O3", "-ffp-contract=off", "-fno-math-errno"]
     # OpenMP threads ATen's parallel_for in the CPU kernels; without it they are correct but single-threaded.
     if _accepts(compiler, ["-fopenmp"]):
         return [*flags, "-fopenmp"]

@@ -87,7 +87,7 @@ TORCH_LIBRARY(gearsam_fused, m) {
       "Tensor? correction=None, Tensor? correction_scale=None, Tensor? block_of_tile=None, Tensor? scalars=None, "
       "Tensor? found_inf=None) -> ()");
   // param = backup (or param's own values) after one step of torch.optim.Adam (AdamW when decoupled) on grad, bit for
-  // bit; exp_avg, exp_avg_sq and max_exp_avg_sq (given iff amsgrad) are updated in place. step is the step count
+  // bit with a correctly rounded square root (gearsam_fused/base_step.py); exp_avg, exp_avg_sq and max_exp_avg_sq (given iff amsgrad) are updated in place. step is the step count
   // k of this update (1 for the first), a SymInt so that a compiled step does not specialise on it; step_size =
   // lr / (1 - beta1^k), bias_correction2_sqrt = (1 - beta2^k)^0.5 and decay = 1 - lr * weight_decay are derived
   // from them as torch derives them in Python; correction, correction_scale and block_of_tile as for sgd_step_.

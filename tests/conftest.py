@@ -1,6 +1,8 @@
+import contextlib
 import copy
 import os
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -153,6 +155,45 @@ def flat(model) -> torch.Tensor:
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm()).item()
+
+
+def correct_root(t: torch.Tensor) -> torch.Tensor:
+    """The correctly rounded square root of a float32 or float64 CPU tensor: NumPy's, which is the IEEE operation."""
+    return torch.from_numpy(np.sqrt(t.detach().numpy())).reshape(t.shape)
+
+
+@contextlib.contextmanager
+def correctly_rounded_sqrt():
+    """While open, torch's square roots of float32 and float64 CPU tensors (``Tensor.sqrt`` and ``torch._foreach_sqrt``,
+    what ``torch.optim.Adam``/``AdamW`` take) are correctly rounded. torch's own CPU root comes from MKL on x86 builds
+    and misses the correctly rounded one by an ulp for about one float32 in six; the fused Adam kernels take the
+    correctly rounded root (gearsam_fused/base_step.py), so torch's optimizer run inside this context is their
+    bit-for-bit oracle, every other operation being torch's own."""
+    inherited = "sqrt" not in torch.Tensor.__dict__
+    tensor_sqrt, foreach_sqrt = torch.Tensor.sqrt, torch._foreach_sqrt
+
+    def sqrt(self):
+        if self.device.type == "cpu" and self.dtype in (torch.float32, torch.float64):
+            return correct_root(self)
+        return tensor_sqrt(self)
+
+    torch.Tensor.sqrt = sqrt
+    torch._foreach_sqrt = lambda tensors: [sqrt(t) for t in tensors]
+    try:
+        yield
+    finally:
+        torch._foreach_sqrt = foreach_sqrt
+        if inherited:
+            del torch.Tensor.sqrt
+        else:
+            torch.Tensor.sqrt = tensor_sqrt
+
+
+def torch_adam_oracle(backend: str, device: str):
+    """The context in which torch's Adam is the bit-for-bit oracle of ``backend``'s fused Adam on ``device``: the
+    ``cpp`` CPU kernel takes the correctly rounded root (:func:`correctly_rounded_sqrt`); the ``torch`` backend runs
+    torch's own operations, root included (nothing to change)."""
+    return correctly_rounded_sqrt() if (backend, device) == ("cpp", "cpu") else contextlib.nullcontext()
 
 
 @pytest.fixture

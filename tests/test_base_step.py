@@ -2,7 +2,9 @@
 SGD and Adam(W), whole trajectories against the same optimizer stepping per tensor, which steps are fused and why
 others are not, and the state it keeps in torch's format."""
 
+import contextlib
 import copy
+import math
 
 import pytest
 import torch
@@ -18,12 +20,14 @@ from conftest import (
     FUSED,
     KERNELS,
     batches,
+    correct_root,
     flat,
     kernel_module,
     loss_fn,
     rel_err,
     sam_step,
     tiny_resnet,
+    torch_adam_oracle,
 )
 
 TILE = 2048
@@ -46,7 +50,7 @@ ADAM_FLAGS = {
 
 def adam_tolerance(dtype: torch.dtype, step_size: float) -> dict:
     """An Adam parameter against torch's: torch's CPU ``sqrt`` (MKL's vector one on x86) may be one unit in the last
-    place off the correctly rounded root the Triton kernel takes, which moves the update ``step_size * m / denom`` (of order
+    place off the correctly rounded root the kernels take, which moves the update ``step_size * m / denom`` (of order
     ``step_size``) by about one part in 1e7 (float32) and the rounded sum by an ulp of ``w``. The moments, which take
     no root, are compared bit for bit."""
     eps = torch.finfo(dtype).eps
@@ -95,13 +99,27 @@ def test_sgd_kernel_is_torchs_sgd_bit_for_bit(backend, device, flags, first, dty
         assert torch.equal(buffer.cpu(), expected_state["momentum_buffer"])
 
 
+def test_the_oracle_root_is_correctly_rounded():
+    """correctly_rounded_sqrt's root, the oracle of the kernels' square root, checked exactly: for float32, r is the
+    correctly rounded root of x when x lies between the squares of r's two rounding boundaries (half way to its
+    neighbours), computed without error in float64; for float64, it equals the C library's root element by element."""
+    x = torch.cat([torch.rand(20000), torch.rand(20000) * 1e-6, torch.rand(20000) * 1e6, torch.tensor([0.0, 1.0, 4.0])])
+    r = correct_root(x)
+    below, above = (torch.nextafter(r, torch.tensor(v)).double() for v in (0.0, float("inf")))
+    lower, upper = (r.double() + below) / 2, (r.double() + above) / 2
+    assert (lower**2 <= x.double()).all() and (x.double() <= upper**2).all()
+    y = torch.rand(2000, dtype=torch.float64) * 10.0 ** torch.randint(-8, 8, (2000,))
+    assert correct_root(y).tolist() == [math.sqrt(v) for v in y.tolist()]
+
+
 @pytest.mark.parametrize("dtype", FLOATS, ids=str)
 @pytest.mark.parametrize("step", [0, 4, 99])
 @pytest.mark.parametrize("flags", list(ADAM_FLAGS), ids=str)
 @pytest.mark.parametrize("backend,device", KERNELS)
 def test_adam_kernel_is_torchs_adam(backend, device, flags, step, dtype):
-    """Against torch's CPU Adam(W) on every device: bit for bit where the kernel takes torch's own square root (the
-    C++ CPU kernel), else within :func:`adam_tolerance`; the moments bit for bit everywhere."""
+    """Against torch's CPU Adam(W) on every device, within :func:`adam_tolerance`, the moments bit for bit; the C++ CPU
+    kernel also bit for bit against torch's Adam with the correctly rounded root it takes
+    (:func:`conftest.torch_adam_oracle`)."""
     cls, kw = ADAM_FLAGS[flags]
     kw = {"betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, "amsgrad": False, "maximize": False, **kw}
     backup, grad = flat_buffers(dtype)
@@ -127,10 +145,11 @@ def test_adam_kernel_is_torchs_adam(backend, device, flags, step, dtype):
     )  # fmt: skip
     for name, buffer in zip(names, buffers):
         assert torch.equal(buffer.cpu(), expected[name]), name
-    if (backend, device) == ("cpp", "cpu"):  # its CPU kernel takes torch's own square root
-        assert torch.equal(param, expected_w)
-    else:
-        torch.testing.assert_close(param.cpu(), expected_w, **adam_tolerance(dtype, step_size))
+    torch.testing.assert_close(param.cpu(), expected_w, **adam_tolerance(dtype, step_size))
+    if (backend, device) == ("cpp", "cpu"):
+        with torch_adam_oracle(backend, device):
+            oracle_w, _ = torch_step(cls, kw, backup, grad, state)
+        assert torch.equal(param, oracle_w)
 
 
 @pytest.mark.parametrize("backend,device", [c for c in KERNELS if c.values[1] == "cpu"])
@@ -189,8 +208,8 @@ TRAJECTORIES = [(base, torch.float32) for base in BASES] + [
 def test_fused_trajectory_equals_the_base_optimizer_stepping_per_tensor(backend, device, base, dtype):
     """50 steps of GEAR-SAM with two param groups and an LR schedule: fused, against the same backend calling the base
     optimizer's own step (foreach=False and True). On the CPU, SGD is bit for bit on every backend, and so is Adam on
-    ``torch`` (torch's own operations over the flat buffer) and ``cpp`` (torch's square root); Triton's Adam, with a
-    correctly rounded root, is within the suite's relative error per step (float32 1e-6, float64 1e-10), over the
+    ``torch`` (torch's own operations over the flat buffer) and on ``cpp`` against torch's Adam with the correctly
+    rounded root it takes (:func:`conftest.torch_adam_oracle`); Triton's Adam, with a correctly rounded root, is within the suite's relative error per step (float32 1e-6, float64 1e-10), over the
     steps. On CUDA torch's own kernels round differently (e.g. a multiply by a reciprocal), so all are held to that
     tolerance there."""
     steps = 20 if (backend, device) == ("triton", "cpu") else 50  # the interpreter is slow; 20 steps cross every state
@@ -199,7 +218,8 @@ def test_fused_trajectory_equals_the_base_optimizer_stepping_per_tensor(backend,
     # see test_adam_kernel_is_torchs_adam
     exact = device == "cpu" and (base.startswith("sgd") or backend in ("torch", "cpp"))
     for foreach in (False, True):
-        plain, plain_opt, plain_modes = trajectory(backend, base, dtype, "per-tensor", foreach, steps, device)
+        with torch_adam_oracle(backend, device):
+            plain, plain_opt, plain_modes = trajectory(backend, base, dtype, "per-tensor", foreach, steps, device)
         assert plain_modes == {"per-tensor"}
         if exact:
             assert torch.equal(flat(fused), flat(plain)), f"foreach={foreach}"
@@ -216,8 +236,8 @@ def test_fused_trajectory_equals_the_base_optimizer_stepping_per_tensor(backend,
 @pytest.mark.parametrize("backend,device", FUSED)
 def test_rho_zero_is_the_base_optimizer(backend, device, base):
     """SAM with rho = 0 and a fused base step is the base optimizer itself: on the CPU bit for bit where the update's
-    arithmetic is torch's (SGD everywhere, Adam on ``torch`` and ``cpp``), within the per-step tolerance on Triton's
-    Adam and on CUDA (see the trajectory test)."""
+    arithmetic is torch's (SGD everywhere, Adam on ``torch``, and on ``cpp`` with the correctly rounded root), within
+    the per-step tolerance on Triton's Adam and on CUDA (see the trajectory test)."""
     base_cls, kw = BASES[base]
     model, twin = tiny_resnet(device=device), tiny_resnet(device=device)
     opt = SAM(model.parameters(), base_cls, rho=0.0, backend=backend, **kw)
@@ -225,7 +245,8 @@ def test_rho_zero_is_the_base_optimizer(backend, device, base):
     for xy in batches(5, device=device):
         sam_step(opt, model, xy)
         loss_fn(twin, xy).backward()
-        plain.step()
+        with torch_adam_oracle(backend, device):
+            plain.step()
         plain.zero_grad()
     assert opt.base_step_mode == "fused"
     if device == "cpu" and (base.startswith("sgd") or backend in ("torch", "cpp")):
@@ -413,27 +434,29 @@ HELPER_CASES = [c for c in FUSED if c.values[1] == "cpu"]
 @pytest.mark.parametrize("backend,device", HELPER_CASES)
 def test_the_helpers_drive_the_fused_step_as_they_drive_the_per_tensor_one(backend, device, base):
     """accumulated_step with loss scaling (one step overflows and is skipped whole) and frozen BatchNorm statistics:
-    with the base step fused, the same bits as with it per tensor, where the arithmetic is torch's. Triton's Adam takes
+    with the base step fused, the same bits as with it per tensor, where the arithmetic is torch's (for ``cpp``'s Adam,
+    with the correctly rounded root: :func:`conftest.torch_adam_oracle`). Triton's Adam takes
     the correctly rounded square root, which torch's CPU one may miss by a unit in the last place (see
     test_adam_kernel_is_torchs_adam): its weights and moments are within the suite's float32 relative error per step,
     over the 3 steps taken; its step counts are exact."""
     base_cls, kw = BASES[base]
     runs = {}
-    for mode in ("fused", "per-tensor"):
+    for mode, oracle in (("fused", contextlib.nullcontext()), ("per-tensor", torch_adam_oracle(backend, "cpu"))):
         model = tiny_resnet()
         opt = GEARSAM(model, base_cls, rho=0.05, backend=backend, base_step=mode, **kw)
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
         amp = SAMScaler(opt, scaler)
         skipped = []
-        for i, (x, y) in enumerate(batches(4)):
-            factor = float("inf") if i == 2 else 1.0  # this step's first pass overflows
+        with oracle:
+            for i, (x, y) in enumerate(batches(4)):
+                factor = float("inf") if i == 2 else 1.0  # this step's first pass overflows
 
-            def loss(mb, factor=factor):
-                return loss_fn(model, mb) * factor
+                def loss(mb, factor=factor):
+                    return loss_fn(model, mb) * factor
 
-            accumulated_step(opt, loss, [(x[:8], y[:8]), (x[8:], y[8:])], amp=amp, model=model)
-            scaler.update()
-            skipped.append(amp.last.skipped)
+                accumulated_step(opt, loss, [(x[:8], y[:8]), (x[8:], y[8:])], amp=amp, model=model)
+                scaler.update()
+                skipped.append(amp.last.skipped)
         assert opt.base_step_mode == mode
         runs[mode] = flat(model), opt.state_dict(), skipped
     (fused, fused_state, fused_skips), (plain, plain_state, plain_skips) = runs["fused"], runs["per-tensor"]

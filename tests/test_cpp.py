@@ -20,7 +20,7 @@ from gearsam_fused import GEARSAM, SAM
 from gearsam_fused.backends import cpp_ops, resolve_backend_name
 from gearsam_fused.backends.cpp_ops import cpp_built_with_cuda, cpp_installed
 
-from conftest import SGD_KW, flat
+from conftest import SGD_KW, correctly_rounded_sqrt, flat
 
 CSRC = Path(__file__).resolve().parents[1] / "csrc"
 needs_cpp = pytest.mark.skipif(not cpp_installed(), reason="the C++ extension is not built")
@@ -142,24 +142,31 @@ def test_any_number_of_threads_gives_bitwise_identical_kernels():
         torch.set_num_threads(previous)
 
 
-@needs_cpp
-def test_buffers_past_the_last_level_cache_stream_their_outputs_to_the_same_bits():
-    """Outputs the CPU kernels write without reading (backup, restored and updated parameter) go out with
-    non-temporal stores past ``cpu_stream_threshold_bytes()``: the same bits as torch, on a bucket just past it (float32
-    on 1 and 2 threads, float64), with a length that is no multiple of the kernels' runs."""
+def _stream_threshold_elements(dtype: torch.dtype) -> int:
+    """Elements of ``dtype`` past which the CPU kernels stream their outputs (skips where they never do, or where a
+    buffer past it is too large for a test)."""
     from gearsam_fused import _C
 
-    kernels = torch.ops.gearsam_fused
     threshold = _C.cpu_stream_threshold_bytes()
     if threshold < 0:
         pytest.skip("this CPU has no non-temporal stores: the kernels never stream")
     if threshold > 2**28:
         pytest.skip(f"a last-level cache of {threshold / 2**20:.0f} MiB: a bucket past it is too large for a test")
+    return threshold // dtype.itemsize
+
+
+@needs_cpp
+def test_buffers_past_the_last_level_cache_stream_their_outputs_to_the_same_bits():
+    """Outputs the CPU kernels write without reading (backup, restored and updated parameter) go out with
+    non-temporal stores past ``cpu_stream_threshold_bytes()``: the same bits as torch, on a bucket just past it (float32
+    on 1 and 2 threads, float64), with a length that is no multiple of the kernels' runs. Adam against torch's with the
+    correctly rounded root the kernel takes (conftest.correctly_rounded_sqrt)."""
+    kernels = torch.ops.gearsam_fused
     tile = 1024
     previous = torch.get_num_threads()
     try:
         for dtype, threads in ((torch.float32, 1), (torch.float32, 2), (torch.float64, 2)):
-            n = (threshold // dtype.itemsize // tile + 3) * tile  # just past the threshold
+            n = (_stream_threshold_elements(dtype) // tile + 3) * tile  # just past the threshold
             g = torch.Generator().manual_seed(0)
             w0, grad = torch.randn(n, generator=g, dtype=dtype), torch.randn(n, generator=g, dtype=dtype)
             torch.set_num_threads(threads)
@@ -171,6 +178,10 @@ def test_buffers_past_the_last_level_cache_stream_their_outputs_to_the_same_bits
             assert torch.equal(w, w0 + grad * torch.tensor(0.01, dtype=dtype))
             kernels.restore_(w, backup, tile=tile)
             assert torch.equal(w, w0)
+            kernels.perturb_(w, grad, backup, scale, torch.zeros(n // tile, dtype=torch.int32), tile=tile,
+                             adaptive=True, eta=0.01)  # fmt: skip
+            T = w0.abs() + torch.tensor(0.01, dtype=dtype)
+            assert torch.equal(backup, w0) and torch.equal(w, w0 + (T * T * grad) * torch.tensor(0.01, dtype=dtype))
 
             p = torch.nn.Parameter(w0.clone())
             p.grad = grad.clone()
@@ -185,7 +196,8 @@ def test_buffers_past_the_last_level_cache_stream_their_outputs_to_the_same_bits
             p = torch.nn.Parameter(w0.clone())
             p.grad = grad.clone()
             adamw = torch.optim.AdamW([p], lr=1e-3, weight_decay=0.01, foreach=False)
-            adamw.step()
+            with correctly_rounded_sqrt():
+                adamw.step()
             out, m, v = torch.full_like(w0, float("nan")), torch.zeros_like(w0), torch.zeros_like(w0)
             kernels.adam_step_(out, grad, w0, m, v, None, tile=tile, beta1=0.9, beta2=0.999, eps=1e-8,
                                weight_decay=0.01, decoupled=True, amsgrad=False, maximize=False, lr=1e-3,
@@ -195,6 +207,72 @@ def test_buffers_past_the_last_level_cache_stream_their_outputs_to_the_same_bits
             assert torch.equal(m, state["exp_avg"]) and torch.equal(v, state["exp_avg_sq"])
     finally:
         torch.set_num_threads(previous)
+
+
+STREAMED_UPDATES = {
+    "sgd-nesterov-maximize": ("sgd", dict(lr=0.1, weight_decay=5e-4, momentum=0.9, dampening=0.0, nesterov=True,
+                                          maximize=True, first=False)),
+    "sgd-first-dampening": ("sgd", dict(lr=0.05, weight_decay=0.0, momentum=0.5, dampening=0.1, nesterov=False,
+                                        maximize=False, first=True)),
+    "sgd-plain": ("sgd", dict(lr=0.1, weight_decay=1e-3, momentum=0.0, dampening=0.0, nesterov=False, maximize=False,
+                              first=False)),
+    "adamw": ("adam", dict(beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, decoupled=True, amsgrad=False,
+                           maximize=False, lr=1e-3, step=7)),
+    "adam-l2-amsgrad-maximize": ("adam", dict(beta1=0.8, beta2=0.99, eps=1e-6, weight_decay=0.01, decoupled=False,
+                                              amsgrad=True, maximize=True, lr=1e-2, step=3)),
+}  # fmt: skip
+
+
+def _update(kind: str, kw: dict, out, grad, backup, state, tile: int, correction) -> None:
+    kernels = torch.ops.gearsam_fused
+    if kind == "sgd":
+        kernels.sgd_step_(out, grad, backup, state[0] if kw["momentum"] else None, tile=tile, **kw, **correction)
+    else:
+        kernels.adam_step_(out, grad, backup, *state[:2], state[2] if kw["amsgrad"] else None, tile=tile, **kw,
+                           **correction)  # fmt: skip
+
+
+@needs_cpp
+@pytest.mark.parametrize("corrected", [False, True], ids=["", "corrected"])
+@pytest.mark.parametrize("name", list(STREAMED_UPDATES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_streamed_updates_equal_the_same_update_unstreamed(dtype, name, corrected):
+    """The fused base steps past the last-level cache (vector loops that stream the parameter out, vec.h; and, for a
+    parameter that is not 32-byte aligned, the scalar loop through scratch) against the same step on the same values
+    in two halves, each below the threshold (the scalar loops, no streaming): the same bits for every flag of SGD and
+    Adam, with LookSAM's correction and without."""
+    kind, kw = STREAMED_UPDATES[name]
+    tile = 1024
+    n = (_stream_threshold_elements(dtype) // tile + 3) * tile
+    half = n // tile // 2 * tile
+    g = torch.Generator().manual_seed(3)
+    grad, backup = torch.randn(n, generator=g, dtype=dtype), torch.randn(n, generator=g, dtype=dtype)
+    state = [torch.randn(n, generator=g, dtype=dtype) * 0.1, torch.rand(n, generator=g, dtype=dtype) * 0.01]
+    state.append(state[1] * 1.5)
+    correction = {}
+    if corrected:
+        block_of_tile = torch.arange(n // tile, dtype=torch.int32) % 3
+        correction = {"correction": torch.randn(n, generator=g, dtype=dtype), "block_of_tile": block_of_tile,
+                      "correction_scale": torch.tensor([0.5, -0.25, 0.125], dtype=torch.float64)}  # fmt: skip
+
+    def piece(lo, hi):
+        part = dict(correction)
+        if corrected:
+            part["correction"] = correction["correction"][lo:hi]
+            part["block_of_tile"] = correction["block_of_tile"][lo // tile : hi // tile]
+        out, st = torch.full((hi - lo,), float("nan"), dtype=dtype), [s[lo:hi].clone() for s in state]
+        _update(kind, kw, out, grad[lo:hi], backup[lo:hi], st, tile, part)
+        return out, st
+
+    (out_a, st_a), (out_b, st_b) = piece(0, half), piece(half, n)
+    expected = [torch.cat(pair) for pair in zip([out_a, *st_a], [out_b, *st_b])]
+    aligned = torch.full((n,), float("nan"), dtype=dtype)
+    unaligned = torch.full((n + 1,), float("nan"), dtype=dtype)[1:]  # 4 or 8 bytes past a 32-byte boundary
+    for out in (aligned, unaligned):
+        st = [s.clone() for s in state]
+        _update(kind, kw, out, grad, backup, st, tile, correction)
+        for got, want in zip([out, *st], expected):
+            assert torch.equal(got, want), ("unaligned" if out is unaligned else "aligned", name)
 
 
 # ------------------------------------------------------------------------------------------- errors
