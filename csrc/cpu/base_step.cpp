@@ -93,6 +93,19 @@ T* offset(T* p, int64_t i) {
   return p ? p + i : nullptr;
 }
 
+// Calls run(g, start, n, scratch) for every run [start, start + n) of at most kScratch elements of each tile, the
+// tiles split between threads; g is the run's gradient source and scratch a run's worth of the thread's memory.
+template <typename scalar_t, typename Run>
+void for_each_run(int64_t n_tiles, int64_t tile, const CorrectionData<scalar_t>& correction, const scalar_t* g_in,
+                  const Run& run) {
+  for_each_tile(n_tiles, tile, [&](int64_t t) {
+    const TileGrad<scalar_t> g = correction.tile(g_in, t);
+    scalar_t scratch[kScratch];
+    for (int64_t start = t * tile; start < (t + 1) * tile; start += kScratch)
+      run(g.at(start), start, std::min(kScratch, (t + 1) * tile - start), scratch);
+  });
+}
+
 // The flags that decide whether a buffer is loaded or stored are template parameters: a loop without control flow
 // vectorises. The others are loop-invariant selects, which the compiler turns into blends. Every pointer points at the
 // run's first element.
@@ -172,25 +185,19 @@ template <typename scalar_t, bool kMomentum, bool kFirst, bool kCorrected>
 void sgd_tiles(scalar_t* out, const scalar_t* g_in, const CorrectionData<scalar_t>& correction, const scalar_t* w_in,
                scalar_t* buf, int64_t n_tiles, int64_t tile, bool stream, const SgdConstants<scalar_t>& c) {
   const bool fma = cpu_has_fma();
-  for_each_tile(n_tiles, tile, [&](int64_t t) {
-    const TileGrad<scalar_t> g = correction.tile(g_in, t);
-    scalar_t scratch[kScratch];
-    for (int64_t start = t * tile; start < (t + 1) * tile; start += kScratch) {
-      const int64_t n = std::min(kScratch, (t + 1) * tile - start);
+  for_each_run(n_tiles, tile, correction, g_in, [&](const TileGrad<scalar_t>& g, int64_t start, int64_t n,
+                                                     scalar_t* scratch) {
 #if defined(GEARSAM_VEC)
-      if (stream && streams_directly(fma, out + start, n)) {
-        sgd_stream<scalar_t, kMomentum, kFirst, kCorrected>(out + start, g.at(start), w_in + start, offset(buf, start),
-                                                            n, c);
-        continue;
-      }
+    if (stream && streams_directly(fma, out + start, n))
+      return sgd_stream<scalar_t, kMomentum, kFirst, kCorrected>(out + start, g, w_in + start, offset(buf, start), n,
+                                                                  c);
 #endif
-      scalar_t* dst = stream ? scratch : out + start;
-      if (fma)
-        sgd_run_fma<scalar_t, kMomentum, kFirst, kCorrected>(dst, g.at(start), w_in + start, offset(buf, start), n, c);
-      else
-        sgd_run<scalar_t, kMomentum, kFirst, kCorrected>(dst, g.at(start), w_in + start, offset(buf, start), n, c);
-      if (stream) stream_copy(out + start, scratch, n * sizeof(scalar_t));
-    }
+    scalar_t* dst = stream ? scratch : out + start;
+    if (fma)
+      sgd_run_fma<scalar_t, kMomentum, kFirst, kCorrected>(dst, g, w_in + start, offset(buf, start), n, c);
+    else
+      sgd_run<scalar_t, kMomentum, kFirst, kCorrected>(dst, g, w_in + start, offset(buf, start), n, c);
+    if (stream) stream_copy(out + start, scratch, n * sizeof(scalar_t));
   });
 }
 
@@ -311,27 +318,20 @@ void adam_tiles(scalar_t* out, const scalar_t* g_in, const CorrectionData<scalar
                 const scalar_t* w_in, scalar_t* m, scalar_t* v, scalar_t* vmax, int64_t n_tiles, int64_t tile,
                 bool stream, const AdamConstants<scalar_t>& c) {
   const bool fma = cpu_has_fma();
-  for_each_tile(n_tiles, tile, [&](int64_t t) {
-    const TileGrad<scalar_t> g = correction.tile(g_in, t);
-    scalar_t scratch[kScratch];
-    for (int64_t start = t * tile; start < (t + 1) * tile; start += kScratch) {
-      const int64_t n = std::min(kScratch, (t + 1) * tile - start);
-      scalar_t* vmax_at = offset(vmax, start);
+  for_each_run(n_tiles, tile, correction, g_in, [&](const TileGrad<scalar_t>& g, int64_t start, int64_t n,
+                                                     scalar_t* scratch) {
+    scalar_t* vmax_at = offset(vmax, start);
 #if defined(GEARSAM_VEC)
-      if (stream && streams_directly(fma, out + start, n)) {
-        adam_stream<scalar_t, kAmsgrad, kCorrected>(out + start, g.at(start), w_in + start, m + start, v + start,
-                                                    vmax_at, n, c);
-        continue;
-      }
+    if (stream && streams_directly(fma, out + start, n))
+      return adam_stream<scalar_t, kAmsgrad, kCorrected>(out + start, g, w_in + start, m + start, v + start, vmax_at,
+                                                         n, c);
 #endif
-      scalar_t* dst = stream ? scratch : out + start;
-      if (fma)
-        adam_run_fma<scalar_t, kAmsgrad, kCorrected>(dst, g.at(start), w_in + start, m + start, v + start, vmax_at, n,
-                                                     c);
-      else
-        adam_run<scalar_t, kAmsgrad, kCorrected>(dst, g.at(start), w_in + start, m + start, v + start, vmax_at, n, c);
-      if (stream) stream_copy(out + start, scratch, n * sizeof(scalar_t));
-    }
+    scalar_t* dst = stream ? scratch : out + start;
+    if (fma)
+      adam_run_fma<scalar_t, kAmsgrad, kCorrected>(dst, g, w_in + start, m + start, v + start, vmax_at, n, c);
+    else
+      adam_run<scalar_t, kAmsgrad, kCorrected>(dst, g, w_in + start, m + start, v + start, vmax_at, n, c);
+    if (stream) stream_copy(out + start, scratch, n * sizeof(scalar_t));
   });
 }
 
