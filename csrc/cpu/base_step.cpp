@@ -7,9 +7,9 @@
 // square root is correctly rounded (see base_step.py for where it is not). Zero padding stays zero (with eps > 0 for
 // Adam).
 //
-// Structure (csrc/README.md, "Memory traffic"): tiles split between threads, each pass one loop over runs of a tile;
-// a parameter larger than the last-level cache is computed into a scratch run and streamed out with non-temporal
-// stores (stream.h).
+// Structure (csrc/README.md, "Memory traffic"): tiles split between threads, in runs of a tile (for_each_run); a
+// parameter larger than the last-level cache is written with non-temporal stores (stream.h), from a vector loop as it
+// loads (vec.h) where the CPU has AVX2 and FMA, else from a scratch run.
 //
 // Capturable arguments (gearsam.h) are CPU tensors here, read on the host before the step: scalars' (lr, k) replace
 // the options' through at_step, so the constants are those of the host call with the same lr and k; found_inf
