@@ -96,10 +96,9 @@ def measure(benchmark, record, quick, floor, params, opt, contender: str, extra_
     rounds = 3 if quick else max(5, min(30, int(3e8 / params.numel)))
     benchmark.pedantic(synchronised_step, setup=floor.interleaved(), rounds=rounds, iterations=1)
     counted = (BYTES_PER_PARAM + extra_bytes) * params.numel
-    gbps = counted / benchmark.stats.stats.median / 1e9
     fields = dict(
         set=params.name, **fields, contender=contender, parameters=params.numel, tensors=len(params.params),
-        bytes_counted=counted, gbps=gbps, **floor.fields(gbps, params.numel, contender),
+        bytes_counted=counted, **floor.fields(counted, benchmark.stats.stats.data, params.numel, contender),
         held_bytes=held, **extra,
     )  # fmt: skip
     benchmark.extra_info.update(fields)

@@ -333,10 +333,9 @@ def measure(benchmark, record, quick, floor, params, opt, step, contender: str, 
         extra.update(compile_s=compiled, compile_cache_hits=timer.cache["hits"],
                      compile_cache_misses=timer.cache["misses"])  # fmt: skip
     counted = bytes_per_param * params.numel
-    gbps = counted / benchmark.stats.stats.median / 1e9
     fields = dict(
         set=params.name, base=base, contender=contender, parameters=params.numel, tensors=len(params.params),
-        bytes_counted=counted, gbps=gbps, **floor.fields(gbps, params.numel, contender), **fields, **extra,
+        bytes_counted=counted, **floor.fields(counted, benchmark.stats.stats.data, params.numel, contender), **fields, **extra,
     )  # fmt: skip
     benchmark.extra_info.update(fields)
     record(**fields)

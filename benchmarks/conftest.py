@@ -173,12 +173,23 @@ class MemoryFloor:
 
         return measure_then_setup
 
-    def fields(self, gbps: float, parameters: int, what: str) -> dict:
-        """A row's floor fields for its counted-bytes rate ``gbps`` (the rate of its median round), from the floor
-        measured between its rounds: ``floor_gbps`` their median, ``pct_floor`` the row's rate over it. Where the
-        row cannot fit in the caches (:data:`FLOOR_CHECKED_FROM`) and its rate is above even the best of those
-        measurements, the row is a benchmark bug and ``what`` fails with the numbers."""
-        samples, self.samples = self.samples or [self._sample() for _ in range(3)], []
+    def fields(self, counted: int, round_s: list[float], parameters: int, what: str) -> dict:
+        """A row's rate and floor fields, for ``counted`` bytes moved in each of its timed rounds ``round_s`` (in the
+        order they ran, each just after a floor measurement of :meth:`interleaved`). ``gbps`` is the rate of the median
+        round; ``floor_gbps`` the median of the floor's measurements; ``pct_floor`` the median over the rounds of each
+        round's rate over the floor measured around it (the mean of the measurements just before and just after it:
+        one more is taken here, after the last round). Pairing each round with its own moment keeps the minutes-long
+        swings of a shared machine's bandwidth out of the ratio. Where the row cannot fit in the caches
+        (:data:`FLOOR_CHECKED_FROM`) and its rate is above even the best of those measurements, the row is a benchmark
+        bug and ``what`` fails with the numbers."""
+        samples, self.samples = self.samples, []
+        if len(samples) != len(round_s):
+            raise ValueError(f"{what}: {len(round_s)} rounds timed but {len(samples)} floor measurements before them")
+        samples.append(self._sample())
+        gbps = counted / statistics.median(round_s) / 1e9
+        around = [(before + after) / 2 for before, after in zip(samples, samples[1:])]
+        ratios = [counted / s / 1e9 / floor for s, floor in zip(round_s, around)]
+        q1, paired, q3 = statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 else ratios * 3
         median, best = statistics.median(samples), max(samples)
         if parameters >= FLOOR_CHECKED_FROM:
             assert gbps <= best, (
@@ -186,7 +197,8 @@ class MemoryFloor:
                 f"(best {best:.1f} GB/s, {self.kind}) at {parameters / 1e6:.0f}M parameters: the count or the floor "
                 f"is wrong"
             )
-        return {"floor_gbps": median, "floor_best_gbps": best, "floor_kind": self.kind, "pct_floor": 100 * gbps / median,
+        return {"gbps": gbps, "floor_gbps": median, "floor_best_gbps": best, "floor_kind": self.kind,
+                "pct_floor": 100 * paired, "pct_floor_q1": 100 * q1, "pct_floor_q3": 100 * q3, "floor_paired": "each round with the floor around it",
                 "floor_start_gbps": dict(self.start_gbps)}  # fmt: skip
 
 

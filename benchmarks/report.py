@@ -121,6 +121,10 @@ def counted_gbps(row: dict) -> float:
 
 
 def pct_floor(row: dict) -> float:
+    """The row's counted-bytes rate as % of the floor: each round over the floor around it where the run paired them
+    (conftest.MemoryFloor.fields), else the median round's rate over the median floor."""
+    if "floor_paired" in row:
+        return row["pct_floor"] * counted_gbps(row) / row["gbps"]
     return 100 * counted_gbps(row) / floor_gbps(row)
 
 
@@ -129,7 +133,8 @@ def floor_note(group: list[dict]) -> str:
     first = group[0]
     if "floor_best_gbps" in first:  # measured between each row's rounds
         floors = sorted(r["floor_gbps"] for r in group)
-        return (f"memory floor ({first['floor_kind']}) measured between each row's rounds, "
+        paired = ", each round's rate over the floor around it" if "floor_paired" in first else ""
+        return (f"memory floor ({first['floor_kind']}) measured between each row's rounds{paired}, "
                 f"{floors[0]:.0f}-{floors[-1]:.0f} GB/s over the rows")  # fmt: skip
     if "floor_gbps" in first:
         return f"memory floor {first['floor_gbps']:.0f} GB/s ({first['floor_kind']})"

@@ -405,9 +405,10 @@ def test_the_peers_family_runs_on_the_path_its_name_says():
     assert contenders.family_skip("GEAR-SAM + GSAM", "pytorch_optimizer", "cpu", quick=False) is not None
 
 
-def test_a_row_above_the_floor_of_its_own_rounds_fails_where_no_cache_holds_it():
-    """The floor's fields: the row's rate over the median of the floor measured between its rounds; a row of 50M
-    parameters or more above the best of those measurements is a benchmark bug, a smaller one may be in the caches."""
+def test_a_row_above_the_floor_of_its_own_rounds_fails_where_no_cache_holds_it(monkeypatch):
+    """The floor's fields: the rate of the row's median round; its % of the floor the median over its rounds of each
+    round's rate over the mean of the floor measured just before and just after it; a row of 50M parameters or more
+    above the best of those measurements is a benchmark bug, a smaller one may be in the caches."""
     floor = _load("conftest").MemoryFloor(2**16)
     # buffers this small stay in the caches, where our kernels do not stream: only STREAM's three kinds
     assert floor.kind == "fastest of copy, triad, update"
@@ -416,11 +417,33 @@ def test_a_row_above_the_floor_of_its_own_rounds_fails_where_no_cache_holds_it()
     for _ in range(3):
         assert measure() is None  # pedantic's setup: nothing to pass on
     assert len(floor.samples) == 3
-    floor.samples = [10.0, 12.0, 11.0]
-    fields = floor.fields(11.0, 60_000_000, "row")
-    assert fields["floor_gbps"] == 11.0 and fields["floor_best_gbps"] == 12.0 and fields["pct_floor"] == 100.0
+    after = iter([12.0, 12.0, 12.0])  # the measurement after a row's last round, one per row below
+    monkeypatch.setattr(floor, "_sample", lambda: next(after))
+    # 3 rounds of 1e9 bytes at 10, 12 and 11 GB/s; the floor around them 10.5, 11 and 11.5
+    floor.samples = [10.0, 11.0, 11.0]
+    fields = floor.fields(10**9, [1 / 10, 1 / 12, 1 / 11], 60_000_000, "row")
+    assert fields["gbps"] == pytest.approx(11.0) and fields["floor_gbps"] == 11.0 and fields["floor_best_gbps"] == 12.0
+    ratios = sorted([10 / 10.5, 12 / 11, 11 / 11.5])
+    assert fields["pct_floor"] == pytest.approx(100 * ratios[1])
+    quartiles = (50 * (ratios[0] + ratios[1]), 50 * (ratios[1] + ratios[2]))
+    assert (fields["pct_floor_q1"], fields["pct_floor_q3"]) == pytest.approx(quartiles)
+    assert floor.samples == []  # each row starts its own measurements
     floor.samples = [10.0, 12.0, 11.0]
     with pytest.raises(AssertionError, match="above the memory floor"):
-        floor.fields(12.5, 60_000_000, "row")
+        floor.fields(10**9, [1 / 12.5] * 3, 60_000_000, "row")
     floor.samples = [10.0, 12.0, 11.0]
-    assert floor.fields(12.5, 1_000_000, "row")["pct_floor"] == pytest.approx(100 * 12.5 / 11)
+    assert floor.fields(10**9, [1 / 12.5] * 3, 1_000_000, "row")["gbps"] == pytest.approx(12.5)
+    floor.samples = [10.0, 12.0]
+    with pytest.raises(ValueError, match="3 rounds timed but 2 floor measurements"):
+        floor.fields(10**9, [1 / 12.5] * 3, 1_000_000, "row")
+
+
+def test_a_paired_row_keeps_its_rounds_ratio_to_the_floor():
+    """Rows whose rounds were each compared with the floor around them report that median ratio, not the median
+    rate over the median floor; the bare base step's, recounted at its own bytes, in the same proportion."""
+    paired = {"benchmark": "bench_whole_step", "base": "SGD", "parameters": 10, "bytes_counted": 400, "device": "cpu",
+              "gbps": 40.0, "floor_gbps": 50.0, "pct_floor": 90.0, "floor_paired": "each round"}  # fmt: skip
+    assert report.pct_floor({**paired, "contender": "cpp"}) == 90.0
+    assert report.pct_floor({**paired, "contender": "bare base step"}) == pytest.approx(45.0)
+    unpaired = {key: value for key, value in paired.items() if key != "floor_paired"}
+    assert report.pct_floor({**unpaired, "contender": "cpp"}) == pytest.approx(80.0)

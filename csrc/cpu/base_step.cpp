@@ -262,22 +262,6 @@ GEARSAM_INLINE void adam_update_loop(scalar_t* out, const scalar_t* w_in, const 
   }
 }
 
-#if defined(GEARSAM_VEC)
-// adam_update_loop in vectors (vec.h), operation for operation, the parameter streamed out.
-template <typename scalar_t>
-GEARSAM_FMA_CLONE void adam_update_stream(scalar_t* out, const scalar_t* w_in, const scalar_t* m_io,
-                                          const scalar_t* second, int64_t n, const AdamConstants<scalar_t>& c) {
-  using V = Vec<scalar_t>;
-  const auto decay = V::set1(c.decay), bias_correction2_sqrt = V::set1(c.bias_correction2_sqrt);
-  const auto eps = V::set1(c.eps), neg_step_size = V::set1(c.neg_step_size);
-  for (int64_t i = 0; i < n; i += V::kWidth) {
-    const auto w = c.decoupled ? V::mul(V::load(w_in + i), decay) : V::load(w_in + i);
-    const auto denom = V::add(V::div(V::sqrt(V::load(second + i)), bias_correction2_sqrt), eps);
-    V::stream(out + i, V::add(w, V::div(V::mul(neg_step_size, V::load(m_io + i)), denom)));
-  }
-}
-#endif
-
 // One run: pass 1, then pass 2 into dst, while the run is in L1.
 template <typename scalar_t, bool kAmsgrad, bool kCorrected>
 GEARSAM_INLINE void adam_loop(scalar_t* dst, const TileGrad<scalar_t> g_in, const scalar_t* w_in, scalar_t* m_io,
@@ -301,14 +285,37 @@ GEARSAM_FMA_CLONE void adam_run_fma(scalar_t* dst, const TileGrad<scalar_t> g_in
 }
 
 #if defined(GEARSAM_VEC)
-// adam_run with pass 2 in vectors, the parameter streamed out (where streams_directly).
+// adam_loop's two passes fused into one vector loop (vec.h), operation for operation, the parameter streamed out:
+// past the caches the memory then stays busy while the divider works (two passes leave it idle during the second).
 template <typename scalar_t, bool kAmsgrad, bool kCorrected>
 GEARSAM_FMA_CLONE void adam_stream(scalar_t* out, const TileGrad<scalar_t> g_in, const scalar_t* w_in,
                                    scalar_t* m_io, scalar_t* v_io, scalar_t* vmax_io, int64_t n,
                                    const AdamConstants<scalar_t>& c) {
-  scalar_t second[kScratch];
-  adam_moments_loop<scalar_t, kAmsgrad, kCorrected>(g_in, w_in, m_io, v_io, vmax_io, second, n, c);
-  adam_update_stream(out, w_in, m_io, second, n, c);
+  using V = Vec<scalar_t>;
+  const auto weight_decay = V::set1(c.weight_decay), lerp_weight = V::set1(c.lerp_weight);
+  const auto one_minus_beta2 = V::set1(c.one_minus_beta2), beta2 = V::set1(c.beta2), decay = V::set1(c.decay);
+  const auto bias_correction2_sqrt = V::set1(c.bias_correction2_sqrt), eps = V::set1(c.eps);
+  const auto neg_step_size = V::set1(c.neg_step_size);
+  for (int64_t i = 0; i < n; i += V::kWidth) {
+    const auto w_old = V::load(w_in + i);
+    auto g = V::load(g_in.grad + i);
+    if constexpr (kCorrected) g = V::fma(V::set1(g_in.scale), V::load(g_in.correction + i), g);
+    if (c.maximize) g = V::neg(g);
+    if (c.l2) g = V::fma(weight_decay, w_old, g);
+    const auto m_old = V::load(m_io + i);
+    const auto m = V::fma(lerp_weight, V::sub(g, m_old), c.lerp_small ? m_old : g);
+    V::store(m_io + i, m);
+    const auto v = V::fma(V::mul(one_minus_beta2, g), g, V::mul(V::load(v_io + i), beta2));
+    V::store(v_io + i, v);
+    auto second = v;
+    if constexpr (kAmsgrad) {
+      second = V::nan_max(V::load(vmax_io + i), v);
+      V::store(vmax_io + i, second);
+    }
+    const auto w = c.decoupled ? V::mul(w_old, decay) : w_old;
+    const auto denom = V::add(V::div(V::sqrt(second), bias_correction2_sqrt), eps);
+    V::stream(out + i, V::add(w, V::div(V::mul(neg_step_size, m), denom)));
+  }
 }
 #endif
 

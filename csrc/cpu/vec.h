@@ -1,7 +1,7 @@
 // AVX2 vectors of float and double behind one interface, for the loops that store their results straight to memory
 // (non-temporal stores, stream.h): GCC writes no such store from a plain loop, so those loops are written in
 // intrinsics, once for both types. Every operation is the IEEE one of its scalar counterpart (fma rounds once, like
-// std::fma; neg and abs set the sign bit, like unary minus and std::abs), so a vector loop gives the bits of the
+// std::fma; neg and abs set the sign bit, like unary minus and std::abs; nan_max is torch.maximum's rule), so a vector loop gives the bits of the
 // scalar loop it mirrors.
 //
 // Only where GCC targets x86-64 (GEARSAM_VEC is then defined); the functions compile for AVX2 + FMA, so they may only
@@ -58,12 +58,17 @@ struct Vec<float> {
   GEARSAM_VEC_OP void store(float* p, V x) { _mm256_storeu_ps(p, x); }
   GEARSAM_VEC_OP void stream(float* p, V x) { _mm256_stream_ps(p, x); }  // p 32-byte aligned
   GEARSAM_VEC_OP V add(V a, V b) { return _mm256_add_ps(a, b); }
+  GEARSAM_VEC_OP V sub(V a, V b) { return _mm256_sub_ps(a, b); }
   GEARSAM_VEC_OP V mul(V a, V b) { return _mm256_mul_ps(a, b); }
   GEARSAM_VEC_OP V div(V a, V b) { return _mm256_div_ps(a, b); }
   GEARSAM_VEC_OP V sqrt(V a) { return _mm256_sqrt_ps(a); }
   GEARSAM_VEC_OP V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
   GEARSAM_VEC_OP V neg(V a) { return _mm256_xor_ps(a, _mm256_set1_ps(-0.0f)); }
   GEARSAM_VEC_OP V abs(V a) { return _mm256_andnot_ps(_mm256_set1_ps(-0.0f), a); }
+  // (a < b || isnan(b)) ? b : a, as nan_max in base_step.cpp: max(b, a) is b > a ? b : a, a where either is NaN
+  GEARSAM_VEC_OP V nan_max(V a, V b) {
+    return _mm256_blendv_ps(_mm256_max_ps(b, a), b, _mm256_cmp_ps(b, b, _CMP_UNORD_Q));
+  }
 };
 
 template <>
@@ -75,12 +80,16 @@ struct Vec<double> {
   GEARSAM_VEC_OP void store(double* p, V x) { _mm256_storeu_pd(p, x); }
   GEARSAM_VEC_OP void stream(double* p, V x) { _mm256_stream_pd(p, x); }  // p 32-byte aligned
   GEARSAM_VEC_OP V add(V a, V b) { return _mm256_add_pd(a, b); }
+  GEARSAM_VEC_OP V sub(V a, V b) { return _mm256_sub_pd(a, b); }
   GEARSAM_VEC_OP V mul(V a, V b) { return _mm256_mul_pd(a, b); }
   GEARSAM_VEC_OP V div(V a, V b) { return _mm256_div_pd(a, b); }
   GEARSAM_VEC_OP V sqrt(V a) { return _mm256_sqrt_pd(a); }
   GEARSAM_VEC_OP V fma(V a, V b, V c) { return _mm256_fmadd_pd(a, b, c); }
   GEARSAM_VEC_OP V neg(V a) { return _mm256_xor_pd(a, _mm256_set1_pd(-0.0)); }
   GEARSAM_VEC_OP V abs(V a) { return _mm256_andnot_pd(_mm256_set1_pd(-0.0), a); }
+  GEARSAM_VEC_OP V nan_max(V a, V b) {
+    return _mm256_blendv_pd(_mm256_max_pd(b, a), b, _mm256_cmp_pd(b, b, _CMP_UNORD_Q));
+  }
 };
 
 // Whether n elements at out can go through a vector loop that streams: whole vectors, out aligned for stream().
