@@ -417,7 +417,7 @@ def test_a_row_above_the_floor_of_its_own_rounds_fails_where_no_cache_holds_it(m
     for _ in range(3):
         assert measure() is None  # pedantic's setup: nothing to pass on
     assert len(floor.samples) == 3
-    after = iter([12.0, 12.0, 12.0])  # the measurement after a row's last round, one per row below
+    after = iter([12.0] * 4)  # the measurement after a row's last round, one per row below
     monkeypatch.setattr(floor, "_sample", lambda: next(after))
     # 3 rounds of 1e9 bytes at 10, 12 and 11 GB/s; the floor around them 10.5, 11 and 11.5
     floor.samples = [10.0, 11.0, 11.0]
@@ -431,6 +431,9 @@ def test_a_row_above_the_floor_of_its_own_rounds_fails_where_no_cache_holds_it(m
     floor.samples = [10.0, 12.0, 11.0]
     with pytest.raises(AssertionError, match="above the memory floor"):
         floor.fields(10**9, [1 / 12.5] * 3, 60_000_000, "row")
+    floor.samples = [10.0, 10.0, 12.0]  # below the best measurement, above the floor around most of its rounds
+    with pytest.raises(AssertionError, match=r"104\.5% of the floor around its rounds"):
+        floor.fields(10**9, [1 / 11.5] * 3, 60_000_000, "row")
     floor.samples = [10.0, 12.0, 11.0]
     assert floor.fields(10**9, [1 / 12.5] * 3, 1_000_000, "row")["gbps"] == pytest.approx(12.5)
     floor.samples = [10.0, 12.0]
