@@ -105,6 +105,7 @@ class MemoryFloor:
                                           line not in the cache reads the line) -- 8 on CUDA, which does not
     triad          ``c = a + s * b``      16: a and b read, c written and read first -- 12 on CUDA
     update         ``a += s * b``         12: a and b read, a written; nothing hidden, as a is read anyway
+    read           ``a.sum()``            4: a read (the energy pass's kind of traffic: only reads)
     streamed copy  ``restore_(b, a)``     8: a read, b written with non-temporal stores, which write whole lines
                                           without reading them (CPU, with the C++ extension built: the ``cpp``
                                           backend's copy, csrc/cpu/stream.h)
@@ -137,6 +138,7 @@ class MemoryFloor:
             "copy": (lambda: self.b.copy_(self.a), 8 + hidden),
             "triad": (lambda: torch.add(self.a, self.b, alpha=1e-3, out=self.c), 12 + hidden),
             "update": (lambda: self.a.add_(self.b, alpha=1e-9), 12),
+            "read": (lambda: self.a.sum(), 4),
         }
         threshold = cpp_stream_threshold_bytes() if DEVICE == "cpu" else None
         if threshold is not None and 0 <= threshold < self.b.nbytes:

@@ -470,8 +470,17 @@ def _train_step_table_from_medians(steps: list[dict]) -> list[str]:
     return lines
 
 
+def floor_start_line(rows: list[dict]) -> list[str]:
+    """The floor's kinds as measured at the run's start (best of 10 interleaved rounds each), where the run kept them."""
+    start = next((r["floor_start_gbps"] for r in rows if r.get("floor_start_gbps")), None)
+    if start is None:
+        return []
+    kinds = ", ".join(f"{kind} {gbps:.1f}" for kind, gbps in sorted(start.items(), key=lambda item: -item[1]))
+    return [f"The memory floor's kinds at the start of the run, GB/s by the bytes each moves: {kinds}.", ""]
+
+
 def render(rows: list[dict], source: str) -> str:
-    lines = [f"Measured on {_where(rows[0])}. Source: `{source}`.", ""]
+    lines = [f"Measured on {_where(rows[0])}. Source: `{source}`.", "", *floor_start_line(rows)]
     return "\n".join(
         lines
         + sam_step_tables(rows)

@@ -410,9 +410,11 @@ def test_a_row_above_the_floor_of_its_own_rounds_fails_where_no_cache_holds_it(m
     round's rate over the mean of the floor measured just before and just after it; a row of 50M parameters or more
     above the best of those measurements is a benchmark bug, a smaller one may be in the caches."""
     floor = _load("conftest").MemoryFloor(2**16)
-    # buffers this small stay in the caches, where our kernels do not stream: only STREAM's three kinds
-    assert floor.kind == "fastest of copy, triad, update"
-    assert set(floor.start_gbps) == {"copy", "triad", "update"} and all(v > 0 for v in floor.start_gbps.values())
+    # buffers this small stay in the caches, where our kernels do not stream: only STREAM's three kinds and the read
+    assert floor.kind == "fastest of copy, triad, update, read"
+    assert set(floor.start_gbps) == {"copy", "triad", "update", "read"} and all(
+        v > 0 for v in floor.start_gbps.values()
+    )
     measure = floor.interleaved()
     for _ in range(3):
         assert measure() is None  # pedantic's setup: nothing to pass on
@@ -450,3 +452,12 @@ def test_a_paired_row_keeps_its_rounds_ratio_to_the_floor():
     assert report.pct_floor({**paired, "contender": "bare base step"}) == pytest.approx(45.0)
     unpaired = {key: value for key, value in paired.items() if key != "floor_paired"}
     assert report.pct_floor({**unpaired, "contender": "cpp"}) == pytest.approx(80.0)
+
+
+def test_a_report_gives_the_floor_kinds_measured_at_the_start_fastest_first():
+    rows = [{"contender": "cpp"}, {"contender": "torch", "floor_start_gbps": {"read": 30.0, "update": 50.25}}]
+    assert report.floor_start_line(rows) == [
+        "The memory floor's kinds at the start of the run, GB/s by the bytes each moves: update 50.2, read 30.0.",
+        "",
+    ]
+    assert report.floor_start_line([{"contender": "cpp"}]) == []
