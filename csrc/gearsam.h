@@ -1,6 +1,7 @@
 // The fused SAM step as four operations over one flat bucket (see gearsam_fused/flat.py for the layout):
 //
-//   block_energy  e_b = sum_{i in block b} (T_i g_i)^2          per-tile partials, then a fixed-order sum per block
+//   block_energy  e_b = sum_{i in block b} (T_i g_i)^2          per-tile partials, then a fixed-order sum per block;
+//                 with other: sum_{i in block b} g_i other_i   the same reduction (the SAM family's <g, h>)
 //   allocate      EMA update, radii and per-block scales        GEAR or SAM rule, float64, on the buffers' device
 //   perturb_      backup = w;  w <- w + scale[block] * T^2 g    T = |w| + eta (ASAM) or 1
 //   restore_      w <- backup                                   a copy of the stored bits
@@ -51,7 +52,8 @@
 namespace gearsam {
 
 at::Tensor block_energy(const at::Tensor& grad, const at::Tensor& param, const at::Tensor& first_tile_of_block,
-                        const at::Tensor& partials, int64_t tile, bool adaptive, double eta);
+                        const at::Tensor& partials, int64_t tile, bool adaptive, double eta,
+                        const c10::optional<at::Tensor>& other = {});
 std::tuple<at::Tensor, at::Tensor> allocate(const at::Tensor& energy, const at::Tensor& ema, bool gear, double rho,
                                             double beta, double delta, const c10::optional<at::Tensor>& scalars = {},
                                             const c10::optional<at::Tensor>& found_inf = {});
@@ -186,7 +188,8 @@ struct AdamConstants {
 // where the public operation was given none (so a skipped step, found_inf nonzero, then writes nothing at all).
 #define GEARSAM_DEVICE_IMPLEMENTATIONS                                                                              \
   void block_energy(const at::Tensor& grad, const at::Tensor& param, const at::Tensor& first_tile_of_block,         \
-                    const at::Tensor& partials, const at::Tensor& energy, int64_t tile, bool adaptive, double eta); \
+                    const at::Tensor& partials, const at::Tensor& energy, int64_t tile, bool adaptive, double eta,  \
+                    const at::Tensor& other);                                                                       \
   void allocate(const at::Tensor& energy, const at::Tensor& ema, const at::Tensor& scale, const at::Tensor& radius, \
                 bool gear, double rho, double beta, double delta, const DeviceStep& device_step);                   \
   void perturb(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& backup, const at::Tensor& scale,  \

@@ -57,11 +57,11 @@ TORCH_LIBRARY(gearsam_fused, m) {
   // registered from Python.
   m.set_python_module("gearsam_fused.backends.cpp_library");
 
-  // float64 [B]: e_b = sum over block b of (T g)^2, T = |w| + eta if adaptive else 1; per-tile partials are written
-  // to `partials`, then summed per block in tile order.
+  // float64 [B]: e_b = sum over block b of (T g)^2, T = |w| + eta if adaptive else 1, or with other (adaptive
+  // False) the sum of g * other; per-tile partials are written to `partials`, then summed per block in tile order.
   m.def(
       "block_energy(Tensor grad, Tensor param, Tensor first_tile_of_block, Tensor(a!) partials, *, int tile, "
-      "bool adaptive, float eta) -> Tensor");
+      "bool adaptive, float eta, Tensor? other=None) -> Tensor");
   // (scale, radius), float64 [B], by the GEAR rule (gear=True, which updates ema in place) or the SAM rule (ema
   // untouched; declared written all the same, as a schema cannot make that depend on gear). Capturable (gearsam.h):
   // scalars, float64 [1], holds rho (then rho=0.0); found_inf, float32 with one element, nonzero gives scale = radius

@@ -201,11 +201,17 @@ bool on_cuda(const at::Tensor& t) {
 #endif
 
 at::Tensor block_energy(const at::Tensor& grad, const at::Tensor& param, const at::Tensor& first_tile_of_block,
-                        const at::Tensor& partials, int64_t tile, bool adaptive, double eta) {
+                        const at::Tensor& partials, int64_t tile, bool adaptive, double eta,
+                        const c10::optional<at::Tensor>& other) {
   check_tile(tile);
   check_flat("grad", grad, tile);
   check_floating("grad", grad);
   check_same("param", param, "grad", grad);
+  if (other.has_value()) {
+    check_same("other", *other, "grad", grad);
+    TORCH_CHECK_VALUE(!adaptive, "block_energy with other is the inner product of the two, which has no adaptive "
+                      "form; pass adaptive=False");
+  }
   check_flat("first_tile_of_block", first_tile_of_block, 0, at::kLong, &grad);
   check_flat("partials", partials, 0, at::kDouble, &grad);
   const int64_t n_tiles = grad.numel() / tile;
@@ -213,7 +219,8 @@ at::Tensor block_energy(const at::Tensor& grad, const at::Tensor& param, const a
   TORCH_CHECK_VALUE(first_tile_of_block.numel() >= 1,
                     "first_tile_of_block needs at least one entry (B + 1 for B blocks)");
   at::Tensor energy = at::empty({first_tile_of_block.numel() - 1}, grad.options().dtype(at::kDouble));
-  GEARSAM_ON_DEVICE_OF(grad, block_energy, grad, param, first_tile_of_block, partials, energy, tile, adaptive, eta);
+  GEARSAM_ON_DEVICE_OF(grad, block_energy, grad, param, first_tile_of_block, partials, energy, tile, adaptive, eta,
+                       other.value_or(at::Tensor()));
   return energy;
 }
 

@@ -21,7 +21,10 @@ composes with any of them (``GEARSAM(model, SGD, descent=SurrogateGap(0.1))``).
 
 The parts run as backend operations over the flat buffers (:class:`~gearsam_fused.backends.base.Backend`:
 ``keep_gradient_``, ``block_dot``, ``kept_energy``, ``mix_gradient_``, ``exchange_sharpness_``, ``add_kept_``,
-``friendly_ascent_``), each a pass of its own beside the step's kernels.
+``friendly_ascent_``), each a pass of its own beside the step's kernels. On the kernel backends (``cpp``,
+``triton``) the inner product and the norms are the energy kernel's deterministic per-tile reduction
+(``block_energy``, with ``other`` for ``<g, h>``); the element-wise parts are torch operations over the flat
+buffers.
 """
 
 from __future__ import annotations

@@ -25,19 +25,20 @@ FLOATS = {"fp32": tl.float32, "bf16": tl.float32, "fp16": tl.float32, "fp64": tl
 def variants():
     """(name, kernel, signature of runtime arguments, constexprs)."""
     for storage, compute in FLOATS.items():
-        for adaptive in (False, True):
+        for adaptive, product in ((False, False), (True, False), (False, True)):
             yield (
-                f"tile_energy[{storage},adaptive={adaptive}]",
+                f"tile_energy[{storage},adaptive={adaptive},product={product}]",
                 energy._tile_energy_kernel,
                 {
                     "grad_ptr": f"*{storage}",
-                    "param_ptr": f"*{storage}",
+                    "second_ptr": f"*{storage}",
                     "partial_ptr": "*fp64",
                     "eta32": "fp32",
                     "eta64": "fp64",
                 },
-                {"ADAPTIVE": adaptive, "TILE": TILE, "ACC": compute},
+                {"ADAPTIVE": adaptive, "PRODUCT": product, "TILE": TILE, "ACC": compute},
             )
+        for adaptive in (False, True):
             yield (
                 f"perturb[{storage},adaptive={adaptive}]",
                 perturb._perturb_kernel,

@@ -131,6 +131,9 @@ def opcheck(name: str, args, kwargs) -> None:
 def test_opcheck_energy_and_perturb(dtype, adaptive, device):
     opcheck("block_energy", *energy_args(dtype, device, adaptive))
     opcheck("perturb_", *perturb_args(dtype, device, adaptive))
+    if not adaptive:  # the inner product with another buffer
+        (grad, param, *tables_), kw = energy_args(dtype, device, adaptive)
+        opcheck("block_energy", (grad, param, *tables_), {**kw, "other": randn(1, dtype, device)[0]})
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -184,6 +187,22 @@ def test_energy_is_the_sum_of_squares(dtype, adaptive, device):
     assert torch.equal(partials, per_tile)
     lengths = torch.tensor(TILES_PER_BLOCK, device=device)
     assert torch.equal(energy, torch.segment_reduce(per_tile, "sum", lengths=lengths))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+def test_energy_with_other_is_the_inner_product(dtype, device):
+    """The SAM family's <g, h> per block, on values whose sums are exact: bit for bit; param is not read."""
+    grad, other = dyadic(2, dtype, device)
+    first_tile_of_block = tables(device)[0]
+    partials = torch.full((N_TILES,), float("nan"), dtype=torch.float64, device=device)
+    unread = torch.full_like(grad, float("nan"))
+    dot = ops().block_energy(grad, unread, first_tile_of_block, partials, tile=TILE, adaptive=False, eta=0.5,
+                             other=other)  # fmt: skip
+    per_tile = (grad.double() * other.double()).view(N_TILES, TILE).sum(1)
+    assert torch.equal(partials, per_tile)
+    lengths = torch.tensor(TILES_PER_BLOCK, device=device)
+    assert torch.equal(dot, torch.segment_reduce(per_tile, "sum", lengths=lengths))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -348,6 +367,8 @@ def _wrong_calls():
         "first_tile_of_block-dtype": lambda: energy(first_tile_of_block=tables("cpu")[0].int()),
         "partials-count": lambda: energy(partials=torch.zeros(N_TILES + 1, dtype=f64)),
         "no-blocks": lambda: energy(first_tile_of_block=torch.zeros(0, dtype=torch.int64)),
+        "other-shape": lambda: energy(adaptive=False, other=torch.zeros(N + TILE)),
+        "other-adaptive": lambda: energy(other=torch.zeros(N)),
         "strided-grad": lambda: perturb(grad=torch.zeros(2 * N)[::2]),
         "backup-shape": lambda: perturb(backup=torch.zeros(N + TILE)),
         "scale-dtype": lambda: perturb(scale=torch.zeros(3)),

@@ -90,6 +90,30 @@ def test_opcheck_block_energy(ops, backend, device, dtype, adaptive):
     partials = torch.full((len(TILE_BLOCK),), float("nan"), dtype=torch.float64, device=device)
     args = (randn(dtype, device, 0), randn(dtype, device, 1), first_tile_of_block, partials)
     torch.library.opcheck(ops[0].block_energy.default, args, dict(tile=TILE, adaptive=adaptive, eta=0.01))
+    if not adaptive:  # the inner product with another buffer
+        other = randn(dtype, device, 2)
+        torch.library.opcheck(ops[0].block_energy.default, args, dict(tile=TILE, adaptive=False, eta=0.0, other=other))
+
+
+@pytest.mark.parametrize("dtype", STORED, ids=str)
+@pytest.mark.parametrize("backend,device", DEVICES)
+def test_block_energy_with_other_is_the_inner_product(ops, backend, device, dtype):
+    """The SAM family's <g, h> per block, on multiples of 1/4 (every product and sum exact): bit for bit, param not
+    read; and refused with adaptive=True."""
+    _, first_tile_of_block, _ = tables(device)
+    g = torch.Generator().manual_seed(3)
+    grad, other = ((torch.randint(-8, 9, (N,), generator=g) / 4).to(device, dtype) for _ in range(2))
+    partials = torch.full((len(TILE_BLOCK),), float("nan"), dtype=torch.float64, device=device)
+    unread = torch.full_like(grad, float("nan"))
+    dot = ops[1].block_energy(grad, unread, first_tile_of_block, partials, tile=TILE, adaptive=False, eta=0.0,
+                              other=other)  # fmt: skip
+    per_tile = (grad.double() * other.double()).view(-1, TILE).sum(1)
+    assert torch.equal(partials, per_tile)
+    bounds = first_tile_of_block.tolist()
+    assert torch.equal(dot, torch.stack([per_tile[a:b].sum() for a, b in zip(bounds, bounds[1:])]))
+    with pytest.raises(ValueError, match="no adaptive form"):
+        ops[1].block_energy(grad, unread, first_tile_of_block, partials, tile=TILE, adaptive=True, eta=0.0,
+                            other=other)  # fmt: skip
 
 
 @pytest.mark.parametrize("gear", [False, True], ids=["sam", "gear-sam"])
@@ -191,7 +215,8 @@ def test_ops_give_the_bits_of_a_direct_launch(ops, backend, device, dtype, adapt
     partials = torch.empty(n_tiles, dtype=torch.float64, device=device)
     got = kernels.block_energy(grad, w, first_tile_of_block, partials, tile=TILE, adaptive=adaptive, eta=eta)
     partials_expected, energy_expected = torch.empty_like(partials), torch.empty(3, dtype=torch.float64, device=device)
-    energy._tile_energy_kernel[(n_tiles,)](grad, w, partials_expected, eta, eta, ACC=compute_type(dtype), **consts)
+    energy._tile_energy_kernel[(n_tiles,)](grad, w, partials_expected, eta, eta, PRODUCT=False,
+                                           ACC=compute_type(dtype), **consts)  # fmt: skip
     energy._block_sum_kernel[(3,)](partials_expected, first_tile_of_block, energy_expected, CHUNK=energy._BLOCK_CHUNK)
     assert bitwise_equal(partials, partials_expected) and bitwise_equal(got, energy_expected)
 

@@ -2,7 +2,8 @@
 //
 //   partial_t = sum_{i in tile t} (T_i g_i)^2     T_i = |w_i| + eta (ASAM) or 1; squares in float32 (float64 for
 //                                                 float64 buffers), summed 8 at a time in 8 lanes, each lane's short
-//                                                 sums added in float64, the lanes combined pairwise
+//                                                 sums added in float64, the lanes combined pairwise; with other, the
+//                                                 products g_i other_i in their place (T = 1)
 //   e_b       = sum_{t = first_tile_of_block[b]}^{first_tile_of_block[b+1]-1} partial_t     float64, in tile order
 //
 // Threads split the tiles (then the blocks) between them, but every sum runs over a fixed range in a fixed order, so
@@ -26,12 +27,19 @@ namespace {
 constexpr int64_t kLanes = 8;
 constexpr int64_t kChunk = 64;
 
-template <bool Adaptive, typename scalar_t, typename compute_t = at::opmath_type<scalar_t>>
-GEARSAM_INLINE double sum_of_squares_loop(const scalar_t* grad, const scalar_t* param, int64_t n, compute_t eta) {
+// What a tile sums per element: (T g)^2, or g * other.
+enum class Term { kSquare, kAdaptiveSquare, kProduct };
+
+template <Term kTerm, typename scalar_t, typename compute_t = at::opmath_type<scalar_t>>
+GEARSAM_INLINE double tile_sum_loop(const scalar_t* grad, const scalar_t* second, int64_t n, compute_t eta) {
   double total[kLanes] = {};
   auto term = [&](int64_t i) {
-    compute_t v = static_cast<compute_t>(grad[i]);
-    if constexpr (Adaptive) v = (std::abs(static_cast<compute_t>(param[i])) + eta) * v;
+    const compute_t v = static_cast<compute_t>(grad[i]);
+    if constexpr (kTerm == Term::kProduct) return v * static_cast<compute_t>(second[i]);
+    if constexpr (kTerm == Term::kAdaptiveSquare) {
+      const compute_t a = (std::abs(static_cast<compute_t>(second[i])) + eta) * v;
+      return a * a;
+    }
     return v * v;
   };
   int64_t i = 0;
@@ -47,42 +55,45 @@ GEARSAM_INLINE double sum_of_squares_loop(const scalar_t* grad, const scalar_t* 
   return total[0];
 }
 
-template <bool Adaptive, typename scalar_t, typename compute_t = at::opmath_type<scalar_t>>
-double tile_sum_of_squares(const scalar_t* grad, const scalar_t* param, int64_t n, compute_t eta) {
-  return sum_of_squares_loop<Adaptive>(grad, param, n, eta);
+template <Term kTerm, typename scalar_t, typename compute_t = at::opmath_type<scalar_t>>
+double tile_sum(const scalar_t* grad, const scalar_t* second, int64_t n, compute_t eta) {
+  return tile_sum_loop<kTerm>(grad, second, n, eta);
 }
 
 // The same loop compiled for AVX2 (vec.h): the eight lanes become one register, the same sums in the same order.
-template <bool Adaptive, typename scalar_t, typename compute_t = at::opmath_type<scalar_t>>
-GEARSAM_FMA_CLONE double tile_sum_of_squares_avx2(const scalar_t* grad, const scalar_t* param, int64_t n,
-                                                  compute_t eta) {
-  return sum_of_squares_loop<Adaptive>(grad, param, n, eta);
+template <Term kTerm, typename scalar_t, typename compute_t = at::opmath_type<scalar_t>>
+GEARSAM_FMA_CLONE double tile_sum_avx2(const scalar_t* grad, const scalar_t* second, int64_t n, compute_t eta) {
+  return tile_sum_loop<kTerm>(grad, second, n, eta);
 }
 
-template <bool Adaptive, typename scalar_t>
-void tile_energies(const at::Tensor& grad, const at::Tensor& param, const at::Tensor& partials, int64_t tile,
-                   double eta) {
+// second is param for the adaptive square, other for the product, unread for the plain square.
+template <Term kTerm, typename scalar_t>
+void tile_sums(const at::Tensor& grad, const at::Tensor& second, const at::Tensor& partials, int64_t tile,
+               double eta) {
   using compute_t = at::opmath_type<scalar_t>;
   const scalar_t* g = grad.const_data_ptr<scalar_t>();
-  const scalar_t* w = param.const_data_ptr<scalar_t>();
+  const scalar_t* s = second.const_data_ptr<scalar_t>();
   double* out = partials.mutable_data_ptr<double>();
   const compute_t eta_c = static_cast<compute_t>(eta);
   const bool avx2 = cpu_has_fma();
   for_each_tile(partials.numel(), tile, [&](int64_t t) {
-    out[t] = avx2 ? tile_sum_of_squares_avx2<Adaptive>(g + t * tile, w + t * tile, tile, eta_c)
-                  : tile_sum_of_squares<Adaptive>(g + t * tile, w + t * tile, tile, eta_c);
+    out[t] = avx2 ? tile_sum_avx2<kTerm>(g + t * tile, s + t * tile, tile, eta_c)
+                  : tile_sum<kTerm>(g + t * tile, s + t * tile, tile, eta_c);
   });
 }
 
 }  // namespace
 
 void block_energy(const at::Tensor& grad, const at::Tensor& param, const at::Tensor& first_tile_of_block,
-                  const at::Tensor& partials, const at::Tensor& energy, int64_t tile, bool adaptive, double eta) {
+                  const at::Tensor& partials, const at::Tensor& energy, int64_t tile, bool adaptive, double eta,
+                  const at::Tensor& other) {
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad.scalar_type(), "gearsam_block_energy_cpu", [&] {
-    if (adaptive)
-      tile_energies<true, scalar_t>(grad, param, partials, tile, eta);
+    if (other.defined())
+      tile_sums<Term::kProduct, scalar_t>(grad, other, partials, tile, eta);
+    else if (adaptive)
+      tile_sums<Term::kAdaptiveSquare, scalar_t>(grad, param, partials, tile, eta);
     else
-      tile_energies<false, scalar_t>(grad, param, partials, tile, eta);
+      tile_sums<Term::kSquare, scalar_t>(grad, param, partials, tile, eta);
   });
   const double* part = partials.const_data_ptr<double>();
   const int64_t* range = first_tile_of_block.const_data_ptr<int64_t>();

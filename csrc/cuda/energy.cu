@@ -3,7 +3,8 @@
 //   stage 1 (one thread block per tile, grid-stride over tiles):
 //     partial_t = sum_{i in tile t} (T_i g_i)^2    T_i = |w_i| + eta (ASAM) or 1; each thread sums its elements in
 //                                                  float32 (float64 for float64), the block adds the threads' sums
-//                                                  in float64 along a fixed tree
+//                                                  in float64 along a fixed tree; with other, the products
+//                                                  g_i other_i in their place (T = 1)
 //   stage 2 (one thread block per block, grid-stride over blocks):
 //     e_b = sum_{t = first_tile_of_block[b]}^{first_tile_of_block[b+1]-1} partial_t
 //     float64, fixed thread assignment and tree
@@ -12,14 +13,20 @@
 
 #include <ATen/Dispatch.h>
 
+#include <type_traits>
+
 #include "../gearsam.h"
 #include "common.cuh"
 
 namespace gearsam::cuda {
 namespace {
 
-template <typename scalar_t, int Vec, bool Adaptive>
-__global__ void tile_energy_kernel(const scalar_t* __restrict__ grad, const scalar_t* __restrict__ param,
+// What a tile sums per element: (T g)^2, or g * other.
+enum class Term { kSquare, kAdaptiveSquare, kProduct };
+
+// second is param for the adaptive square, other for the product, unread for the plain square.
+template <typename scalar_t, int Vec, Term kTerm>
+__global__ void tile_energy_kernel(const scalar_t* __restrict__ grad, const scalar_t* __restrict__ second,
                                    double* __restrict__ partials, int64_t n_tiles, int64_t tile,
                                    at::opmath_type<scalar_t> eta) {
   using compute_t = at::opmath_type<scalar_t>;
@@ -31,12 +38,16 @@ __global__ void tile_energy_kernel(const scalar_t* __restrict__ grad, const scal
     for (int64_t i = int64_t(threadIdx.x) * Vec; i < tile; i += int64_t(kThreads) * Vec) {
       const pack_t g = *reinterpret_cast<const pack_t*>(grad + first + i);
       pack_t w;
-      if constexpr (Adaptive) w = *reinterpret_cast<const pack_t*>(param + first + i);
+      if constexpr (kTerm != Term::kSquare) w = *reinterpret_cast<const pack_t*>(second + first + i);
 #pragma unroll
       for (int k = 0; k < Vec; ++k) {
         compute_t v = static_cast<compute_t>(g.v[k]);
-        if constexpr (Adaptive) v = (fabs(static_cast<compute_t>(w.v[k])) + eta) * v;
-        sum += v * v;
+        if constexpr (kTerm == Term::kProduct) {
+          sum += v * static_cast<compute_t>(w.v[k]);
+        } else {
+          if constexpr (kTerm == Term::kAdaptiveSquare) v = (fabs(static_cast<compute_t>(w.v[k])) + eta) * v;
+          sum += v * v;
+        }
       }
     }
     const double total = block_sum(static_cast<double>(sum), scratch);
@@ -56,12 +67,12 @@ __global__ void block_sum_kernel(const double* __restrict__ partials, const int6
   }
 }
 
-template <typename scalar_t, int Vec, bool Adaptive>
-void launch_tile_energy(const at::Tensor& grad, const at::Tensor& param, const at::Tensor& partials, int64_t tile,
+template <typename scalar_t, int Vec, Term kTerm>
+void launch_tile_energy(const at::Tensor& grad, const at::Tensor& second, const at::Tensor& partials, int64_t tile,
                         double eta, cudaStream_t stream) {
   const int64_t n_tiles = partials.numel();
-  tile_energy_kernel<scalar_t, Vec, Adaptive><<<grid_for(n_tiles, grad.get_device()), kThreads, 0, stream>>>(
-      grad.const_data_ptr<scalar_t>(), param.const_data_ptr<scalar_t>(), partials.mutable_data_ptr<double>(), n_tiles,
+  tile_energy_kernel<scalar_t, Vec, kTerm><<<grid_for(n_tiles, grad.get_device()), kThreads, 0, stream>>>(
+      grad.const_data_ptr<scalar_t>(), second.const_data_ptr<scalar_t>(), partials.mutable_data_ptr<double>(), n_tiles,
       tile, static_cast<at::opmath_type<scalar_t>>(eta));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -69,19 +80,26 @@ void launch_tile_energy(const at::Tensor& grad, const at::Tensor& param, const a
 }  // namespace
 
 void block_energy(const at::Tensor& grad, const at::Tensor& param, const at::Tensor& first_tile_of_block,
-                  const at::Tensor& partials, const at::Tensor& energy, int64_t tile, bool adaptive, double eta) {
+                  const at::Tensor& partials, const at::Tensor& energy, int64_t tile, bool adaptive, double eta,
+                  const at::Tensor& other) {
   const c10::cuda::CUDAGuard guard(grad.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   if (partials.numel() > 0) {
+    const at::Tensor& second = other.defined() ? other : param;
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad.scalar_type(), "gearsam_block_energy_cuda", [&] {
       constexpr int vec = kVec<scalar_t>;
-      const bool wide = vectorizable<vec>(tile, {grad.const_data_ptr(), param.const_data_ptr()});
-      if (adaptive)
-        wide ? launch_tile_energy<scalar_t, vec, true>(grad, param, partials, tile, eta, stream)
-             : launch_tile_energy<scalar_t, 1, true>(grad, param, partials, tile, eta, stream);
+      const bool wide = vectorizable<vec>(tile, {grad.const_data_ptr(), second.const_data_ptr()});
+      auto launch = [&](auto term) {
+        constexpr Term kTerm = decltype(term)::value;
+        wide ? launch_tile_energy<scalar_t, vec, kTerm>(grad, second, partials, tile, eta, stream)
+             : launch_tile_energy<scalar_t, 1, kTerm>(grad, second, partials, tile, eta, stream);
+      };
+      if (other.defined())
+        launch(std::integral_constant<Term, Term::kProduct>{});
+      else if (adaptive)
+        launch(std::integral_constant<Term, Term::kAdaptiveSquare>{});
       else
-        wide ? launch_tile_energy<scalar_t, vec, false>(grad, param, partials, tile, eta, stream)
-             : launch_tile_energy<scalar_t, 1, false>(grad, param, partials, tile, eta, stream);
+        launch(std::integral_constant<Term, Term::kSquare>{});
     });
   }
   const int64_t n_blocks = energy.numel();

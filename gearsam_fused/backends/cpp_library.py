@@ -83,11 +83,18 @@ def _check_correction(param: torch.Tensor, tile: int, correction, correction_sca
 
 # ------------------------------------------------------------------------------------------- the fakes
 @torch.library.register_fake("gearsam_fused::block_energy")
-def _block_energy(grad, param, first_tile_of_block, partials, *, tile, adaptive, eta):
+def _block_energy(grad, param, first_tile_of_block, partials, *, tile, adaptive, eta, other=None):
     _check_tile(tile)
     _check_flat("grad", grad, tile)
     _check_floating("grad", grad)
     check_same("param", param, "grad", grad)
+    if other is not None:
+        check_same("other", other, "grad", grad)
+        if adaptive:
+            raise ValueError(
+                "block_energy with other is the inner product of the two, which has no adaptive form; pass "
+                "adaptive=False"
+            )
     _check_flat("first_tile_of_block", first_tile_of_block, 0, torch.int64, grad)
     _check_flat("partials", partials, 0, torch.float64, grad)
     n_tiles = grad.numel() // tile

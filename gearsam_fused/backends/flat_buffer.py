@@ -250,9 +250,10 @@ class KernelModule(Protocol):
     ``gearsam_fused.triton_kernels`` (``torch.ops.gearsam_fused_triton``). The formulas are those of
     :class:`~gearsam_fused.backends.base.Backend`'s methods of the same names."""
 
+    # with other (adaptive False), the inner product of grad and other per block, by the same reduction
     def block_energy(
         self, grad: torch.Tensor, param: torch.Tensor, first_tile_of_block: torch.Tensor, partials: torch.Tensor, *,
-        tile: int, adaptive: bool, eta: float,
+        tile: int, adaptive: bool, eta: float, other: torch.Tensor | None = None,
     ) -> torch.Tensor: ...  # fmt: skip
 
     # scalars (float64, on the device) holds values the kernel reads there instead of the host arguments that name
@@ -310,6 +311,19 @@ class KernelBackend(FlatBufferBackend):
                 tile=bucket.tile,
                 adaptive=adaptive,
                 eta=eta,
+            )
+
+    def _bucket_dot(self, bucket: Bucket) -> torch.Tensor:
+        with _launching_on(bucket.device):
+            return self.kernels.block_energy(
+                self._flat_correction(bucket),
+                bucket.param,
+                bucket.first_tile_of_block,
+                bucket.partials,
+                tile=bucket.tile,
+                adaptive=False,
+                eta=0.0,
+                other=bucket.grad,
             )
 
     def allocate(self, rule, energy, ema, rho, beta, delta, found_inf=None):
