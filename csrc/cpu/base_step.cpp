@@ -141,18 +141,6 @@ GEARSAM_FMA_CLONE void sgd_run_fma(scalar_t* out, const TileGrad<scalar_t> g_in,
   sgd_loop<scalar_t, kMomentum, kFirst, kCorrected>(out, g_in, w_in, buf, n, c);
 }
 
-// Whether a run of n elements at out goes through a vector loop that streams its parameter straight to memory (on an
-// AVX2 + FMA CPU, whole aligned vectors), rather than through scratch and stream_copy: the stores then leave while
-// the loop still loads, which keeps the memory busier than a burst of stores after each run.
-template <typename scalar_t>
-bool streams_directly(bool fma, const scalar_t* out, int64_t n) {
-#if defined(GEARSAM_VEC)
-  return fma && vec_streams(out, n);
-#else
-  return false;
-#endif
-}
-
 #if defined(GEARSAM_VEC)
 // sgd_loop in vectors (vec.h), operation for operation, the parameter streamed out.
 template <typename scalar_t, bool kMomentum, bool kFirst, bool kCorrected>
@@ -180,7 +168,8 @@ GEARSAM_FMA_CLONE void sgd_stream(scalar_t* out, const TileGrad<scalar_t> g_in, 
 #endif
 
 // Each tile in runs of at most kScratch elements; a run's parameter is written in place, or, when `stream`, by the
-// vector loop (where streams_directly) or into scratch and streamed out.
+// vector loop (where vec_streams: the stores then leave while the loop still loads, which keeps the memory busier
+// than a burst of stores after each run) or into scratch and streamed out.
 template <typename scalar_t, bool kMomentum, bool kFirst, bool kCorrected>
 void sgd_tiles(scalar_t* out, const scalar_t* g_in, const CorrectionData<scalar_t>& correction, const scalar_t* w_in,
                scalar_t* buf, int64_t n_tiles, int64_t tile, bool stream, const SgdConstants<scalar_t>& c) {
@@ -188,7 +177,7 @@ void sgd_tiles(scalar_t* out, const scalar_t* g_in, const CorrectionData<scalar_
   for_each_run(n_tiles, tile, correction, g_in, [&](const TileGrad<scalar_t>& g, int64_t start, int64_t n,
                                                      scalar_t* scratch) {
 #if defined(GEARSAM_VEC)
-    if (stream && streams_directly(fma, out + start, n))
+    if (stream && vec_streams(out + start, n))
       return sgd_stream<scalar_t, kMomentum, kFirst, kCorrected>(out + start, g, w_in + start, offset(buf, start), n,
                                                                   c);
 #endif
@@ -329,7 +318,7 @@ void adam_tiles(scalar_t* out, const scalar_t* g_in, const CorrectionData<scalar
                                                      scalar_t* scratch) {
     scalar_t* vmax_at = offset(vmax, start);
 #if defined(GEARSAM_VEC)
-    if (stream && streams_directly(fma, out + start, n))
+    if (stream && vec_streams(out + start, n))
       return adam_stream<scalar_t, kAmsgrad, kCorrected>(out + start, g, w_in + start, m + start, v + start, vmax_at,
                                                          n, c);
 #endif

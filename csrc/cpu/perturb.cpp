@@ -61,7 +61,7 @@ void perturb_tiles(const at::Tensor& param, const at::Tensor& grad, const at::Te
     const compute_t s = static_cast<compute_t>(block_scale[block_of[t]]);
 #if defined(GEARSAM_VEC)
     if constexpr (std::is_same_v<scalar_t, compute_t>) {  // float32, float64
-      if (stream && s != 0 && cpu_has_fma() && vec_streams(saved + t * tile, tile))
+      if (stream && s != 0 && vec_streams(saved + t * tile, tile))
         return perturb_stream<Adaptive>(w + t * tile, g + t * tile, saved + t * tile, tile, s, eta_c);
     }
 #endif

@@ -92,10 +92,11 @@ struct Vec<double> {
   }
 };
 
-// Whether n elements at out can go through a vector loop that streams: whole vectors, out aligned for stream().
+// Whether n elements at out can go through a vector loop that streams: a CPU with AVX2 and FMA, whole vectors, out
+// aligned for stream().
 template <typename T>
 bool vec_streams(const T* out, int64_t n) {
-  return n % Vec<T>::kWidth == 0 && reinterpret_cast<uintptr_t>(out) % 32 == 0;
+  return cpu_has_fma() && n % Vec<T>::kWidth == 0 && reinterpret_cast<uintptr_t>(out) % 32 == 0;
 }
 
 }  // namespace gearsam::cpu

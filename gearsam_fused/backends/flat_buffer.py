@@ -313,6 +313,13 @@ class KernelBackend(FlatBufferBackend):
                 eta=eta,
             )
 
+    def keep_gradient_(self) -> None:
+        # restore_ is the kernels' copy of stored bits: past the last-level cache its stores bypass the caches, so
+        # the kept gradient is written without being read first
+        for bucket in self._live_buckets():
+            with _launching_on(bucket.device):
+                self.kernels.restore_(self._flat_correction(bucket), bucket.grad, tile=bucket.tile)
+
     def _bucket_dot(self, bucket: Bucket) -> torch.Tensor:
         with _launching_on(bucket.device):
             return self.kernels.block_energy(
