@@ -211,8 +211,8 @@ class MemoryFloor:
                 f"{parameters / 1e6:.0f}M parameters: the count or the floor is wrong"
             )
         return {"gbps": gbps, "floor_gbps": median, "floor_best_gbps": best, "floor_kind": self.kind,
-                "pct_floor": 100 * paired, "pct_floor_q1": 100 * q1, "pct_floor_q3": 100 * q3, "floor_paired": "each round with the floor around it",
-                "floor_start_gbps": dict(self.start_gbps)}  # fmt: skip
+                "pct_floor": 100 * paired, "pct_floor_q1": 100 * q1, "pct_floor_q3": 100 * q3,
+                "floor_paired": "each round with the floor around it", "floor_start_gbps": dict(self.start_gbps)}  # fmt: skip
 
 
 @pytest.fixture(scope="session")

@@ -209,8 +209,9 @@ at::Tensor block_energy(const at::Tensor& grad, const at::Tensor& param, const a
   check_same("param", param, "grad", grad);
   if (other.has_value()) {
     check_same("other", *other, "grad", grad);
-    TORCH_CHECK_VALUE(!adaptive, "block_energy with other is the inner product of the two, which has no adaptive "
-                      "form; pass adaptive=False");
+    TORCH_CHECK_VALUE(!adaptive,
+                      "block_energy with other is the inner product of the two, which has no adaptive form; pass "
+                      "adaptive=False");
   }
   check_flat("first_tile_of_block", first_tile_of_block, 0, at::kLong, &grad);
   check_flat("partials", partials, 0, at::kDouble, &grad);

@@ -88,6 +88,18 @@ def check_same(name: str, t: torch.Tensor, like_name: str, like: torch.Tensor) -
         )
 
 
+def check_other(other: torch.Tensor | None, grad: torch.Tensor, adaptive: bool) -> None:
+    """``block_energy``'s second buffer, whose inner product with ``grad`` it takes instead of the energy: like
+    ``grad``, and without ASAM's scaling, which that product does not have."""
+    if other is None:
+        return
+    check_same("other", other, "grad", grad)
+    if adaptive:
+        raise ValueError(
+            "block_energy with other is the inner product of the two, which has no adaptive form; pass adaptive=False"
+        )
+
+
 #: What each kernel operator of a capturable step reads from its ``scalars``, in order (gearsam_fused.capturable).
 DEVICE_SCALARS = {"allocate": ("rho",), "sgd_step_": ("lr", "step"), "adam_step_": ("lr", "step")}
 

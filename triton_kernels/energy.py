@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
-from ._common import NAMESPACE, check_flat, check_same, compute_type, kept_whole, launches
+from ._common import NAMESPACE, check_flat, check_other, check_same, compute_type, kept_whole, launches
 
 #: Tiles summed per loop iteration of the per-block reduction.
 _BLOCK_CHUNK = 256
@@ -66,13 +66,7 @@ def block_energy(grad: torch.Tensor, param: torch.Tensor, first_tile_of_block: t
     """
     check_flat("grad", grad, tile)
     check_same("param", param, "grad", grad)
-    if other is not None:
-        check_same("other", other, "grad", grad)
-        if adaptive:
-            raise ValueError(
-                "block_energy with other is the inner product of the two, which has no adaptive form; pass "
-                "adaptive=False"
-            )
+    check_other(other, grad, adaptive)
     check_flat("first_tile_of_block", first_tile_of_block, dtype=torch.int64, device=grad.device)
     n_tiles = grad.numel() // tile
     check_flat("partials", partials, dtype=torch.float64, device=grad.device)

@@ -1,8 +1,8 @@
 // AVX2 vectors of float and double behind one interface, for the loops that store their results straight to memory
 // (non-temporal stores, stream.h): GCC writes no such store from a plain loop, so those loops are written in
 // intrinsics, once for both types. Every operation is the IEEE one of its scalar counterpart (fma rounds once, like
-// std::fma; neg and abs set the sign bit, like unary minus and std::abs; nan_max is torch.maximum's rule), so a vector loop gives the bits of the
-// scalar loop it mirrors.
+// std::fma; neg and abs set the sign bit, like unary minus and std::abs; nan_max is torch.maximum's rule), so a
+// vector loop gives the bits of the scalar loop it mirrors.
 //
 // Only where GCC targets x86-64 (GEARSAM_VEC is then defined); the functions compile for AVX2 + FMA, so they may only
 // be called from code compiled for it (GEARSAM_FMA_CLONE) on a CPU that has both (cpu_has_fma).

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from .. import _C  # noqa: F401  (defines the operators this module extends)
-from ..checks import check_device_step, check_flat, check_same
+from ..checks import check_device_step, check_flat, check_other, check_same
 
 _FLOATING = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
@@ -88,13 +88,7 @@ def _block_energy(grad, param, first_tile_of_block, partials, *, tile, adaptive,
     _check_flat("grad", grad, tile)
     _check_floating("grad", grad)
     check_same("param", param, "grad", grad)
-    if other is not None:
-        check_same("other", other, "grad", grad)
-        if adaptive:
-            raise ValueError(
-                "block_energy with other is the inner product of the two, which has no adaptive form; pass "
-                "adaptive=False"
-            )
+    check_other(other, grad, adaptive)
     _check_flat("first_tile_of_block", first_tile_of_block, 0, torch.int64, grad)
     _check_flat("partials", partials, 0, torch.float64, grad)
     n_tiles = grad.numel() // tile
