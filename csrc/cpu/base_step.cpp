@@ -142,19 +142,30 @@ GEARSAM_FMA_CLONE void sgd_run_fma(scalar_t* out, const TileGrad<scalar_t> g_in,
 }
 
 #if defined(GEARSAM_VEC)
+// The step's gradient for vector i of a run, as in the scalar loops: step_grad, negated for maximize, plus L2 weight
+// decay of w where the optimizer couples it (SgdConstants and AdamConstants name these fields alike).
+template <bool kCorrected, typename scalar_t, typename Constants>
+GEARSAM_INLINE GEARSAM_FMA_CLONE typename Vec<scalar_t>::V vec_step_grad(const TileGrad<scalar_t>& g_in, int64_t i,
+                                                                        typename Vec<scalar_t>::V w,
+                                                                        const Constants& c) {
+  using V = Vec<scalar_t>;
+  auto g = V::load(g_in.grad + i);
+  if constexpr (kCorrected) g = V::fma(V::set1(g_in.scale), V::load(g_in.correction + i), g);
+  if (c.maximize) g = V::neg(g);
+  if (c.l2) g = V::fma(V::set1(c.weight_decay), w, g);
+  return g;
+}
+
 // sgd_loop in vectors (vec.h), operation for operation, the parameter streamed out.
 template <typename scalar_t, bool kMomentum, bool kFirst, bool kCorrected>
 GEARSAM_FMA_CLONE void sgd_stream(scalar_t* out, const TileGrad<scalar_t> g_in, const scalar_t* w_in, scalar_t* buf,
                                   int64_t n, const SgdConstants<scalar_t>& c) {
   using V = Vec<scalar_t>;
-  const auto weight_decay = V::set1(c.weight_decay), momentum = V::set1(c.momentum);
+  const auto momentum = V::set1(c.momentum);
   const auto one_minus_dampening = V::set1(c.one_minus_dampening), neg_lr = V::set1(c.neg_lr);
   for (int64_t i = 0; i < n; i += V::kWidth) {
     const auto w = V::load(w_in + i);
-    auto g = V::load(g_in.grad + i);
-    if constexpr (kCorrected) g = V::fma(V::set1(g_in.scale), V::load(g_in.correction + i), g);
-    if (c.maximize) g = V::neg(g);
-    if (c.l2) g = V::fma(weight_decay, w, g);
+    const auto g = vec_step_grad<kCorrected>(g_in, i, w, c);
     auto d = g;
     if constexpr (kMomentum) {
       auto b = g;
@@ -281,16 +292,13 @@ GEARSAM_FMA_CLONE void adam_stream(scalar_t* out, const TileGrad<scalar_t> g_in,
                                    scalar_t* m_io, scalar_t* v_io, scalar_t* vmax_io, int64_t n,
                                    const AdamConstants<scalar_t>& c) {
   using V = Vec<scalar_t>;
-  const auto weight_decay = V::set1(c.weight_decay), lerp_weight = V::set1(c.lerp_weight);
-  const auto one_minus_beta2 = V::set1(c.one_minus_beta2), beta2 = V::set1(c.beta2), decay = V::set1(c.decay);
+  const auto lerp_weight = V::set1(c.lerp_weight), one_minus_beta2 = V::set1(c.one_minus_beta2);
+  const auto beta2 = V::set1(c.beta2), decay = V::set1(c.decay);
   const auto bias_correction2_sqrt = V::set1(c.bias_correction2_sqrt), eps = V::set1(c.eps);
   const auto neg_step_size = V::set1(c.neg_step_size);
   for (int64_t i = 0; i < n; i += V::kWidth) {
     const auto w_old = V::load(w_in + i);
-    auto g = V::load(g_in.grad + i);
-    if constexpr (kCorrected) g = V::fma(V::set1(g_in.scale), V::load(g_in.correction + i), g);
-    if (c.maximize) g = V::neg(g);
-    if (c.l2) g = V::fma(weight_decay, w_old, g);
+    const auto g = vec_step_grad<kCorrected>(g_in, i, w_old, c);
     const auto m_old = V::load(m_io + i);
     const auto m = V::fma(lerp_weight, V::sub(g, m_old), c.lerp_small ? m_old : g);
     V::store(m_io + i, m);
