@@ -301,7 +301,9 @@ class KernelBackend(FlatBufferBackend):
         self.kernels = kernels
         super().__init__(blocks, device, param_group)
 
-    def _bucket_energy(self, bucket: Bucket, adaptive: bool, eta: float, grad: torch.Tensor | None = None):
+    def _bucket_energy(self, bucket: Bucket, adaptive: bool, eta: float, grad: torch.Tensor | None = None,
+                       other: torch.Tensor | None = None):  # fmt: skip
+        """As the base class's; with ``other``, the inner product of ``grad`` and ``other`` per block instead."""
         with _launching_on(bucket.device):
             return self.kernels.block_energy(
                 bucket.grad if grad is None else grad,
@@ -311,6 +313,7 @@ class KernelBackend(FlatBufferBackend):
                 tile=bucket.tile,
                 adaptive=adaptive,
                 eta=eta,
+                other=other,
             )
 
     def keep_gradient_(self) -> None:
@@ -321,17 +324,7 @@ class KernelBackend(FlatBufferBackend):
                 self.kernels.restore_(self._flat_correction(bucket), bucket.grad, tile=bucket.tile)
 
     def _bucket_dot(self, bucket: Bucket) -> torch.Tensor:
-        with _launching_on(bucket.device):
-            return self.kernels.block_energy(
-                self._flat_correction(bucket),
-                bucket.param,
-                bucket.first_tile_of_block,
-                bucket.partials,
-                tile=bucket.tile,
-                adaptive=False,
-                eta=0.0,
-                other=bucket.grad,
-            )
+        return self._bucket_energy(bucket, False, 0.0, self._flat_correction(bucket), other=bucket.grad)
 
     def allocate(self, rule, energy, ema, rho, beta, delta, found_inf=None):
         on_device = _on_device(found_inf=found_inf, scalars=rho.reshape(1) if isinstance(rho, torch.Tensor) else None)
