@@ -172,7 +172,8 @@ class SharpnessAware(torch.optim.Optimizer):
         if capturable:
             self._check_capturable()
         self._flat_step, self._flat_step_why_not = self._make_flat_step()
-        self._key = _register(self)  # how compiled code finds this optimizer again (check_second_gradient_)
+        # how compiled code finds this optimizer again (check_second_gradient_, _mark_stepped_when_traced)
+        self._key = _register(self)
         #: capturable=True: rho, the lrs and what a skipped step restores, on the device (None otherwise)
         self._device = DeviceScalars(self.param_groups, device, len(self.blocks)) if capturable else None
         zeros = torch.zeros(len(self.blocks), dtype=torch.float64, device=device)
@@ -500,7 +501,7 @@ class SharpnessAware(torch.optim.Optimizer):
         self._run.record(energy, torch.zeros_like(energy), rho, sam=False)
         self._run.undo = None
         self._run.steps_done += 1
-        mark_stepped(self)  # tells torch LR schedulers that an optimizer step happened
+        self._mark_stepped(base=False)  # tells torch LR schedulers that an optimizer step happened
 
     def _correction_scale(self, energy: torch.Tensor) -> torch.Tensor:
         """LookSAM's ``alpha * ||g|| / ||g_v||`` per block: over all blocks for SAM, per block for GEAR-SAM (0 where
@@ -575,7 +576,7 @@ class SharpnessAware(torch.optim.Optimizer):
         self._run.last_base_step = PER_TENSOR if updates is None else FUSED
         self._run.undo = None
         self._run.steps_done += 1
-        mark_stepped(self)  # tells torch LR schedulers that an optimizer step happened
+        self._mark_stepped(base=False)  # tells torch LR schedulers that an optimizer step happened
         if zero_grad:
             self.zero_grad()
 
@@ -617,7 +618,7 @@ class SharpnessAware(torch.optim.Optimizer):
         else:
             self._backend.update_(updates, correction)
         self._flat_step.finish(updates, found_inf)
-        mark_stepped(self.base_optimizer)  # as its step() would have: a scheduler may be attached to it
+        self._mark_stepped(base=True)  # as the base optimizer's step() would have: a scheduler may be attached to it
         run_post_hooks(self.base_optimizer, args, kwargs)
 
     def _grad_marks(self) -> list[tuple[torch.Tensor, int]]:
@@ -639,6 +640,16 @@ class SharpnessAware(torch.optim.Optimizer):
             torch.ops.gearsam_fused.check_second_gradient_(grads, self._key)
         elif self._no_second_gradient():
             self._refuse_without_second_gradient()
+
+    def _mark_stepped(self, base: bool) -> None:
+        """Tell torch's LR schedulers that this optimizer (``base``: its base optimizer) stepped. Compiled code marks
+        it when it is traced, at its first call (:func:`_mark_stepped_when_traced`): the mark is never cleared, so
+        once is all it takes, and a compiled setattr on an optimizer is what dynamo could not trace in torch 2.11
+        ("Attempted setattr on a user-defined object that does not have an AttributeMutation mutation_type")."""
+        if torch.compiler.is_compiling():
+            _mark_stepped_when_traced(self._key, base)
+        else:
+            mark_stepped(self.base_optimizer if base else self)
 
     def _refuse_without_second_gradient(self):
         kept = self._abandon_step()
@@ -1016,6 +1027,16 @@ def _register(optimizer: SharpnessAware) -> int:
     """A key under which compiled code finds ``optimizer`` when it runs (its id, held weakly)."""
     _OPTIMIZERS[id(optimizer)] = optimizer
     return id(optimizer)
+
+
+@torch._dynamo.assume_constant_result
+def _mark_stepped_when_traced(optimizer: int, base: bool) -> bool:
+    """:meth:`SharpnessAware._mark_stepped` for compiled code: run for real while dynamo traces the step, not by the
+    compiled code, which so never sets an attribute of an optimizer (``base``: the base optimizer of the optimizer
+    registered under ``optimizer``)."""
+    opt = _OPTIMIZERS[optimizer]
+    mark_stepped(opt.base_optimizer if base else opt)
+    return True
 
 
 # Declared as writing the gradient buffers, though it only reads them: so that it stays in the graph, before the

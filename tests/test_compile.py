@@ -10,6 +10,7 @@ there the compiled step agrees within ``FP32_STEP_RTOL`` per step (measured: up 
 """
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -226,3 +227,24 @@ def test_a_loaded_state_continues_under_the_compiled_step():
     run(resumed_model, resumed, batches[2:], *compiled_steps(resumed))
     for a, b in zip(model.parameters(), resumed_model.parameters()):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("backend, device", CPU_BACKENDS)
+def test_the_compiled_step_tells_lr_schedulers_it_stepped_without_setting_attributes_of_optimizers(backend, device):
+    """Both optimizers are marked as stepped (``_opt_called``, what torch's LR schedulers read) when the compiled
+    step is traced; the compiled code itself sets no attribute of an optimizer, which dynamo could not trace in some
+    torch versions: a mark removed between compiled steps stays removed."""
+    model, opt = build("sam", "sgd", backend)
+    scheduler = torch.optim.lr_scheduler.StepLR(opt.base_optimizer, step_size=1)
+    first, second = compiled_steps(opt)
+    run(model, opt, mlp_data(1), first, second)
+    assert opt._opt_called and opt.base_optimizer._opt_called
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # torch warns of a scheduler step before any optimizer step
+        scheduler.step()
+    run(model, opt, mlp_data(2)[1:], first, second)  # the graphs of the steps after the first
+    compiled = graphs()
+    del opt._opt_called, opt.base_optimizer._opt_called
+    run(model, opt, mlp_data(3)[2:], first, second)
+    assert graphs() == compiled, "the mark's removal recompiled the step"
+    assert not hasattr(opt, "_opt_called") and not hasattr(opt.base_optimizer, "_opt_called")

@@ -142,6 +142,31 @@ def test_any_number_of_threads_gives_bitwise_identical_kernels():
         torch.set_num_threads(previous)
 
 
+def _last_level_cache_bytes() -> int | None:
+    """The highest cache level's size under cpu0 in Linux's sysfs (e.g. ``32768K``), None where none is given."""
+    best = None
+    for index in sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*")):
+        try:
+            level, size = int((index / "level").read_text()), (index / "size").read_text().strip()
+        except (OSError, ValueError):
+            continue
+        value = int(size.rstrip("KMG")) << {"K": 10, "M": 20, "G": 30}.get(size[-1], 0)
+        if value > 0 and (best is None or level > best[0]):
+            best = (level, value)
+    return None if best is None else best[1]
+
+
+@needs_cpp
+@pytest.mark.skipif(os.uname().machine != "x86_64", reason="non-temporal stores are the x86-64 kernels' only")
+def test_the_stream_threshold_is_the_last_level_cache_from_sysfs():
+    """The CPU kernels stream their outputs past the last-level cache, read from sysfs with C stdio (32 MiB where
+    sysfs gives none): the same size as read here."""
+    from gearsam_fused import _C
+
+    expected = _last_level_cache_bytes()
+    assert _C.cpu_stream_threshold_bytes() == (32 << 20 if expected is None else expected)
+
+
 def _stream_threshold_elements(dtype: torch.dtype) -> int:
     """Elements of ``dtype`` past which the CPU kernels stream their outputs (skips where they never do, or where a
     buffer past it is too large for a test)."""

@@ -3,9 +3,9 @@
 #include "stream.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <fstream>
 #include <string>
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -16,6 +16,17 @@
 namespace gearsam::cpu {
 namespace {
 
+// One line of a sysfs file, or "" where it cannot be read. C stdio, not <fstream>: built with the C++ standard library
+// linked into the extension statically (seen with GCC 13.3), the extension crashed in std::ifstream's operator>>.
+std::string read_line(const std::string& path) {
+  std::FILE* file = std::fopen(path.c_str(), "r");
+  if (file == nullptr) return "";
+  char buffer[64] = {};
+  const bool read = std::fgets(buffer, sizeof buffer, file) != nullptr;
+  std::fclose(file);
+  return read ? std::string(buffer) : "";
+}
+
 // The size of the last-level cache as Linux's sysfs gives it (the highest level under cpu0), else 32 MiB. Not
 // sysconf's: glibc derives that from CPUID, which virtual machines may misreport (320 MiB for a 32 MiB L3 seen).
 int64_t last_level_cache_bytes() {
@@ -24,13 +35,12 @@ int64_t last_level_cache_bytes() {
   int best_level = 0;
   for (int index = 0; index < 8; ++index) {
     const std::string dir = "/sys/devices/system/cpu/cpu0/cache/index" + std::to_string(index) + "/";
-    std::ifstream level_file(dir + "level"), size_file(dir + "size");
-    int level = 0;
-    std::string size;  // e.g. "32768K"
-    if (!(level_file >> level) || !(size_file >> size) || level <= best_level) continue;
-    const int64_t value = std::atoll(size.c_str());
-    const char unit = size.back();
-    bytes = value << (unit == 'K' ? 10 : unit == 'M' ? 20 : unit == 'G' ? 30 : 0);
+    const int level = std::atoi(read_line(dir + "level").c_str());
+    char* unit = nullptr;
+    const std::string size = read_line(dir + "size");  // e.g. "32768K\n"
+    const int64_t value = std::strtoll(size.c_str(), &unit, 10);
+    if (level <= best_level || value <= 0) continue;
+    bytes = value << (*unit == 'K' ? 10 : *unit == 'M' ? 20 : *unit == 'G' ? 30 : 0);
     best_level = level;
   }
 #endif

@@ -81,13 +81,6 @@ class CppBackend(KernelBackend):
                 "and a CUDA build of torch (GEARSAM_BUILD_CUDA=1 turns a skipped CUDA build into an error), or use "
                 "backend='triton' or 'torch'"
             )
-        if {d.type for d in devices} == {"cpu", "cuda"}:
-            # the first GPU run of the base step's build (H200, torch 2.11) crashed in this backend's perturbation
-            # of a model split over both, a case its CUDA tests had passed before: refused until it is found
-            raise ValueError(
-                "backend 'cpp' does not take a model split over the CPU and CUDA: its perturbation crashed on one in "
-                "a GPU test and the cause is not found yet; use backend='torch' (what backend='auto' picks for it)"
-            )
 
     def __init__(self, blocks, device: torch.device, param_group=None):
         self.check_usable({p.device for block in blocks for p in block.params})
