@@ -5,12 +5,13 @@
 
 For the ``triton`` and ``cpp`` backends, every dtype (float32, bfloat16, float16, float64), plain and adaptive, GEAR
 and SAM allocation, it runs one whole step through the backend: block energy (tile partials, then block sums),
-allocation, perturb, restore; and the fused base steps (SGD, Adam(W)) against torch's own. The blocks hold parameters of 1, 7 and 4097 elements, an empty block, a block whose
-gradient is all zeros, a parameter without a gradient and one exactly a tile long. The C++ kernels also have a
-scalar variant for buffers that do not allow 16-byte access; it runs on a tile of 7 elements and on buffers that
-start one element past an aligned address. A parameter of 3000 tiles makes every C++ thread block loop over several
-tiles. ``--big`` adds a bfloat16 parameter of 2**31 + 6149 elements, so that
-64-bit offsets are exercised (about 13 GiB of GPU memory).
+allocation, perturb, restore; the inner products of the SAM family (``block_dot``); and the fused base steps (SGD,
+Adam(W)) against torch's own. The blocks hold parameters of 1, 7 and 4097 elements, an empty block, a block whose
+gradient is all zeros, a parameter without a gradient and one exactly a tile long. The C++ kernels also have a scalar
+variant for buffers that do not allow 16-byte access; it runs on a tile of 7 elements and on buffers that start one
+element past an aligned address. A parameter of 3000 tiles makes every C++ thread block loop over several tiles.
+``--big`` adds a bfloat16 parameter of 2**31 + 6149 elements, so that 64-bit offsets are exercised (about 13 GiB of
+GPU memory).
 
 Each step is checked against the reference backend (energies, radii, the perturbed weights, the exact restore), so
 the script also fails when a kernel computes garbage without touching memory it should not. It prints the CUDA
@@ -82,6 +83,34 @@ def check_backend(name: str, dtype: torch.dtype, rule: str, adaptive: bool) -> N
         torch.testing.assert_close(p, q, rtol=eps, atol=eps, msg=lambda m: f"{where}: perturbed weights: {m}")
     fused.restore_()
     assert all(torch.equal(p, w) for p, w in zip((p for b in ours for p in b.params), before)), f"{where}: restore"
+
+
+def check_inner_products(name: str, dtype: torch.dtype) -> None:
+    """The energy kernel's inner-product variant (``block_energy`` with ``other``), reached through the backend's
+    ``block_dot`` as the SAM family reaches it: per block, the sum of the kept gradient times a new gradient, against
+    the same products in float64, within what the kernels' short sums in the compute dtype (8 terms, float32 for
+    every dtype but float64) may lose: 1e-6 of the sum of the products' magnitudes."""
+    blocks = make_blocks(dtype, seed=3)
+    backend = BACKENDS[name](blocks, torch.device("cuda"))
+    backend.keep_gradient_()
+    kept = [torch.zeros_like(p) if p.grad is None else p.grad.clone() for b in blocks for p in b.params]
+    g = torch.Generator().manual_seed(4)
+    for p in (p for b in blocks for p in b.params if p.grad is not None):
+        p.grad = torch.randn(p.shape, generator=g).to("cuda", dtype)
+    products, i = [], 0
+    for block in blocks:
+        terms = []
+        for p in block.params:
+            if p.grad is not None:
+                terms.append(kept[i].double() * p.grad.double())
+            i += 1
+        products.append(torch.cat(terms) if terms else torch.zeros(0, dtype=torch.float64, device="cuda"))
+    expected = torch.stack([t.sum() for t in products])
+    bound = 1e-6 * torch.stack([t.abs().sum() for t in products])
+    error = (backend.block_dot() - expected).abs()
+    assert bool((error <= bound).all()), (
+        f"{name} {dtype}: inner products off by {error.tolist()}, bounds {bound.tolist()}"
+    )
 
 
 def check_scalar_cpp_kernels(dtype: torch.dtype, adaptive: bool) -> None:
@@ -218,6 +247,7 @@ def main() -> int:
                         check_backend(name, dtype, rule, adaptive)
                     if name == "cpp":
                         check_scalar_cpp_kernels(dtype, adaptive)
+                check_inner_products(name, dtype)
             check_many_tiles(name)
             check_base_steps(name)
             if args.big:

@@ -66,8 +66,9 @@ def resolve_backend_name(name: str, devices: set[torch.device], sharded: bool = 
             f"(or one of {list(IN_PLACE_BACKENDS)})"
         )
     if name == "auto":
-        # cpp first on CUDA too: its eager step took 0.4x to 0.9x of triton's on an H200 (torch.library's Python
-        # dispatch and Triton's launcher cost more host time per launch; benchmarks/results/gpu-h200-2026-11-26.md)
+        # cpp first on CUDA too: its eager step took 0.4x to 0.9x of triton's on an H200 up to 86.6M parameters
+        # (torch.library's Python dispatch and Triton's launcher cost more host time per launch), and 1.08x to 1.11x
+        # at 354.8M (benchmarks/results/gpu-h200-2026-11-26.md and -26b.md)
         if _usable("cpp", devices):
             return "cpp"
         if all(d.type == "cuda" for d in devices) and TritonBackend.installed():
