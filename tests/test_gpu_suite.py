@@ -106,7 +106,8 @@ def test_the_dry_run_lists_every_phase_in_order_with_its_commands(tmp_path):
         "GEARSAM_BUILD_CUDA=1",
         "pip install --no-build-isolation --no-deps --no-index --use-pep517 -e .",
         "_C.built_with_cuda()",
-        "-m pytest -m cuda tests",
+        "-m pytest -m 'not cuda' tests/test_library_ops.py tests/test_cpp.py -k 'not hopper'",
+        "-m pytest -m cuda tests -v",
         "--timeout=300",
         f"--junitxml={out}/cuda-tests.xml",
         "--tool memcheck --error-exitcode 99",
@@ -120,6 +121,7 @@ def test_the_dry_run_lists_every_phase_in_order_with_its_commands(tmp_path):
     ]:
         assert fragment in text, fragment
     assert text.index("--tool memcheck") < text.index("--tool racecheck")
+    assert text.index("tests/test_library_ops.py") < text.index("-m pytest -m cuda")  # the quick CPU side first
     assert text.index("benchmarks/bench_models.py --results") < text.index(f"bench_models.py {out}/models-runs.jsonl")
     assert not out.exists()  # nothing ran
 
