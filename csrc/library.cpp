@@ -46,6 +46,7 @@ void register_kernels(torch::Library& m) {
   m.impl("allocate", &gearsam::allocate);
   m.impl("perturb_", &gearsam::perturb_);
   m.impl("restore_", &gearsam::restore_);
+  m.impl("mix_gradient_", &gearsam::mix_gradient_);
   m.impl("sgd_step_", &sgd_step);
   m.impl("adam_step_", &adam_step);
 }
@@ -75,6 +76,11 @@ TORCH_LIBRARY(gearsam_fused, m) {
       "bool adaptive, float eta) -> ()");
   // param = backup, bit for bit.
   m.def("restore_(Tensor(a!) param, Tensor backup, *, int tile) -> ()");
+  // grad = fma(correction_scale[block], correction, grad_scale[block] * grad) in place, block = block_of_tile[tile],
+  // in float32 (float64 for float64) with the product rounded on its own: the SAM family's descent gradient.
+  m.def(
+      "mix_gradient_(Tensor(a!) grad, Tensor correction, Tensor grad_scale, Tensor correction_scale, "
+      "Tensor block_of_tile, *, int tile) -> ()");
   // param = backup (param's own values where backup is None) after one step of torch.optim.SGD on grad, bit for bit;
   // momentum_buffer (given iff momentum != 0) is updated in place, or set to the step's gradient when first. With
   // correction, correction_scale and block_of_tile (all or none) the step's gradient is

@@ -264,6 +264,24 @@ void restore_(const at::Tensor& param, const at::Tensor& backup, int64_t tile) {
   GEARSAM_ON_DEVICE_OF(param, restore, param, backup);
 }
 
+void mix_gradient_(const at::Tensor& grad, const at::Tensor& correction, const at::Tensor& grad_scale,
+                   const at::Tensor& correction_scale, const at::Tensor& block_of_tile, int64_t tile) {
+  check_tile(tile);
+  check_flat("grad", grad, tile);
+  check_floating("grad", grad);
+  check_same("correction", correction, "grad", grad);
+  check_flat("grad_scale", grad_scale, 0, at::kDouble, &grad);
+  check_flat("correction_scale", correction_scale, 0, at::kDouble, &grad);
+  TORCH_CHECK_VALUE(correction_scale.numel() == grad_scale.numel(), "correction_scale has ", correction_scale.numel(),
+                    " entries, grad_scale ", grad_scale.numel(), ": one per block each");
+  check_flat("block_of_tile", block_of_tile, 0, at::kInt, &grad);
+  const int64_t n_tiles = grad.numel() / tile;
+  TORCH_CHECK_VALUE(block_of_tile.numel() == n_tiles, "block_of_tile has ", block_of_tile.numel(), " entries for ",
+                    n_tiles, " tiles");
+  if (n_tiles == 0) return;
+  GEARSAM_ON_DEVICE_OF(grad, mix_gradient, grad, correction, grad_scale, correction_scale, block_of_tile, tile);
+}
+
 void sgd_step_(const at::Tensor& param, const at::Tensor& grad, const c10::optional<at::Tensor>& backup,
                const c10::optional<at::Tensor>& momentum_buffer, int64_t tile, const SgdOptions& options,
                const CorrectionArgs& correction, const DeviceStepArgs& device_step) {

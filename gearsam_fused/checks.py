@@ -100,6 +100,17 @@ def check_other(other: torch.Tensor | None, grad: torch.Tensor, adaptive: bool) 
         )
 
 
+def check_scales(grad_scale: torch.Tensor, correction_scale: torch.Tensor, grad: torch.Tensor) -> None:
+    """``mix_gradient_``'s per-block coefficients: float64, flat, on ``grad``'s device, one per block each."""
+    check_flat("grad_scale", grad_scale, dtype=torch.float64, device=grad.device)
+    check_flat("correction_scale", correction_scale, dtype=torch.float64, device=grad.device)
+    if correction_scale.numel() != grad_scale.numel():
+        raise ValueError(
+            f"correction_scale has {correction_scale.numel()} entries, grad_scale {grad_scale.numel()}: one per block "
+            "each"
+        )
+
+
 #: What each kernel operator of a capturable step reads from its ``scalars``, in order (gearsam_fused.capturable).
 DEVICE_SCALARS = {"allocate": ("rho",), "sgd_step_": ("lr", "step"), "adam_step_": ("lr", "step")}
 

@@ -23,7 +23,8 @@ The parts run as backend operations over the flat buffers (:class:`~gearsam_fuse
 ``keep_gradient_``, ``block_dot``, ``kept_energy``, ``mix_gradient_``, ``exchange_sharpness_``, ``add_kept_``,
 ``friendly_ascent_``), each a pass of its own beside the step's kernels. On the kernel backends (``cpp``,
 ``triton``) the inner product and the norms are the energy kernel's deterministic per-tile reduction
-(``block_energy``, with ``other`` for ``<g, h>``); the element-wise parts are torch operations over the flat
+(``block_energy``, with ``other`` for ``<g, h>``), and GSAM's and WSAM's mix is a kernel of its own
+(``mix_gradient_``); WSAM's decoupled exchange and step and F-SAM's ascent are torch operations over the flat
 buffers.
 """
 
@@ -46,6 +47,9 @@ class FriendlyAscent:
     the parameters' ``.grad``. A ``first_step(cancellable=True)`` (``SAMScaler``, ``distributed.sam_step``) keeps a
     copy of ``m`` until the step completes, so that ``cancel_step()`` puts it back."""
 
+    #: the backend operations it runs (:attr:`~gearsam_fused.backends.base.Backend.family_operators`)
+    operations = ("friendly_ascent_",)
+
     def __init__(self, sigma: float = 1.0, lmbda: float = 0.9):
         self.sigma = check_real("sigma", sigma, low=0.0)
         self.lmbda = check_real("lmbda", lmbda, low=0.0, high=1.0, high_inclusive=True)
@@ -62,6 +66,10 @@ class Descent:
     """A descent gradient other than ``h``: the first gradient is kept from ``first_step`` (the backend's
     correction buffer), :meth:`before_update` rewrites the gradients before the base optimizer's update and
     :meth:`after_update` may change the weights after it."""
+
+    #: the backend operations it runs, the first gradient's keeping among them
+    #: (:attr:`~gearsam_fused.backends.base.Backend.family_operators`)
+    operations: tuple[str, ...] = ("keep_gradient_",)
 
     def before_update(self, backend, reduce: Reduce, per_block: bool) -> None:
         raise NotImplementedError
@@ -82,6 +90,8 @@ class SurrogateGap(Descent):
     """GSAM's descent (Zhuang et al., "Surrogate Gap Guided Sharpness-Aware Minimization", ICLR 2022): ``h`` minus
     ``alpha`` times the part of ``g`` orthogonal to ``h``, which decreases the surrogate gap ``L(w + eps) - L(w)``
     without changing the descent along ``h``. ``eps`` stabilises the two divisions (GSAM's ``perturb_eps``)."""
+
+    operations = ("keep_gradient_", "block_dot", "block_energy", "kept_energy", "mix_gradient_")
 
     def __init__(self, alpha: float = 0.4, eps: float = 1e-12):
         self.alpha = check_real("alpha", alpha, low=0.0, high=1.0, high_inclusive=True)
@@ -114,6 +124,12 @@ class WeightedSharpness(Descent):
 
     def __repr__(self) -> str:
         return f"WeightedSharpness(gamma={self.gamma!r}, decouple={self.decouple!r})"
+
+    @property
+    def operations(self) -> tuple[str, ...]:
+        if self.decouple:
+            return ("keep_gradient_", "exchange_sharpness_", "add_kept_")
+        return ("keep_gradient_", "mix_gradient_")
 
     def before_update(self, backend, reduce: Reduce, per_block: bool) -> None:
         if self.decouple:

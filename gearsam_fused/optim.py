@@ -27,6 +27,7 @@ from torch import nn
 from .allocation import GEAR_RULE, SAM_RULE
 from .backends import make_backend, resolve_backend_name
 from .backends.base import CORRECTION, MOMENTUM, Backend
+from .backends.flat_buffer import KernelBackend
 from .base_step import BASE_STEPS, FUSED, PER_TENSOR, FlatBaseStep, run_post_hooks, run_pre_hooks, step_closure
 from .capturable import DeviceScalars
 from .checks import PARAM_DTYPES, check_found_inf, check_param_dtype, check_real
@@ -461,11 +462,21 @@ class SharpnessAware(torch.optim.Optimizer):
         return sam
 
     def _refuse_family_compiled(self) -> None:
-        if (self.ascent is not None or self.descent is not None) and torch.compiler.is_compiling():
-            raise RuntimeError(
-                f"the SAM family's parts ({self.ascent or self.descent!r}) write the flat gradient buffers with torch "
-                "operations that torch.compile would copy (they are not registered operators yet); run the step eagerly"
-            )
+        """Under torch.compile, refuse a SAM family part that writes the flat gradient buffers with torch operations:
+        the compiled step would write copies of them (only registered operators are called on the buffers
+        themselves)."""
+        if not torch.compiler.is_compiling():
+            return
+        for part in (self.ascent, self.descent):
+            unregistered = [op for op in part.operations if op not in self._backend.family_operators] if part else []
+            if unregistered:
+                kernels = set(part.operations) <= KernelBackend.family_operators
+                raise RuntimeError(
+                    f"the SAM family's part {part!r} runs {', '.join(unregistered)} on backend {self.backend_name!r} "
+                    "as torch operations, which torch.compile would apply to copies of the flat gradient buffers; "
+                    + ("use backend='cpp' or 'triton', where it is registered operators, or " if kernels else "")
+                    + "run the step eagerly"
+                )
 
     def _family_first_step(self) -> None:
         """The SAM family's parts of a first step (:mod:`gearsam_fused.family`): keep ``g`` for the descent, and

@@ -17,7 +17,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from gearsam_fused.flat import TILE
-from gearsam_fused.triton_kernels import allocation, base_step, energy, perturb
+from gearsam_fused.triton_kernels import allocation, base_step, energy, mix, perturb
 
 FLOATS = {"fp32": tl.float32, "bf16": tl.float32, "fp16": tl.float32, "fp64": tl.float64}  # storage -> compute
 
@@ -52,6 +52,13 @@ def variants():
             {"param_ptr": f"*{storage}", "backup_ptr": f"*{storage}"},
             {"TILE": TILE},
         )
+        yield (
+            f"mix_gradient[{storage}]",
+            mix._mix_kernel,
+            {"grad_ptr": f"*{storage}", "correction_ptr": f"*{storage}", "grad_scale_ptr": "*fp64",
+             "correction_scale_ptr": "*fp64", "block_of_tile_ptr": "*i32"},
+            {"TILE": TILE, "COMPUTE": compute},
+        )  # fmt: skip
     yield (
         "block_sum",
         energy._block_sum_kernel,

@@ -1,6 +1,7 @@
 """The fused base steps' two extensions, on every kernel module: LookSAM's gradient correction
 ``g = fma(C(correction_scale[block]), correction, grad)`` (C rounding once to the buffers' type, the fma once), and a
-step with no ``backup`` (``None``: w is read from ``param`` itself).
+step with no ``backup`` (``None``: w is read from ``param`` itself); and the SAM family's mix of the gradient with the
+kept one, ``mix_gradient_``: ``g = fma(C(correction_scale[block]), correction, C(grad_scale[block]) * g)``.
 
 The oracle of the correction is exact: each element's ``scale * correction + grad`` is computed in rational arithmetic
 and rounded once to the dtype, so nothing depends on how the host rounds (a float64 sum rounded again to float32 could
@@ -136,6 +137,48 @@ def assert_bitwise(got, expected):
         assert (a is None) == (b is None), i
         if a is not None:
             assert torch.equal(a, b), f"output {i}: {(a != b).sum().item()} of {a.numel()} elements differ"
+
+
+# ------------------------------------------------------------------------------------------- the family's mix
+MIX_FLOATS = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
+GRAD_SCALES = [1.37, 1.0, -0.5, 2.0**-3]  # per block, beside SCALES as the correction's
+
+
+def _exact_mixed(dtype: torch.dtype) -> torch.Tensor:
+    """mix_gradient_'s result from rational arithmetic: in the compute type C (float64 for float64, else float32),
+    the product C(a) * g rounded once, the fma with C(c) * correction rounded once, then once to the stored dtype."""
+    compute = torch.float64 if dtype == torch.float64 else torch.float32
+    _, grad, correction = buffers(dtype)
+    a, c = (torch.tensor(v, dtype=torch.float64).to(compute).tolist() for v in (GRAD_SCALES, SCALES))
+    values = []
+    for i, (g, k) in enumerate(zip(grad.to(compute).tolist(), correction.to(compute).tolist())):
+        b = TILE_BLOCK[i // TILE]
+        product = _round_once(Fraction(a[b]) * Fraction(g), compute)
+        values.append(_round_once(Fraction(c[b]) * Fraction(k) + Fraction(product), compute))
+    return torch.tensor(values, dtype=compute).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", MIX_FLOATS, ids=str)
+@pytest.mark.parametrize("backend,device", KERNELS)
+def test_mixed_gradient_is_the_rounded_product_then_one_fma(backend, device, dtype):
+    _, grad, correction = buffers(dtype)
+    grad, correction = grad.to(device), correction.to(device)
+    scales = (torch.tensor(v, dtype=torch.float64, device=device) for v in (GRAD_SCALES, SCALES))
+    block_of_tile = torch.tensor(TILE_BLOCK, dtype=torch.int32, device=device)
+    kernel_module(backend).mix_gradient_(grad, correction, *scales, block_of_tile, tile=TILE)
+    assert torch.equal(grad.cpu(), _exact_mixed(dtype))
+
+
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+def test_the_mix_oracle_fuses_the_add(dtype):
+    """The oracle differs from rounding the second product and the sum separately on some elements: the comparison
+    above tells the kernels' fma from a multiply then an add (in float32 and float64; rounded on to bfloat16 or
+    float16, the two agree on these values)."""
+    compute = torch.float64 if dtype == torch.float64 else torch.float32
+    _, grad, correction = buffers(dtype)
+    per_element = torch.tensor(TILE_BLOCK).repeat_interleave(TILE)
+    a, c = (torch.tensor(v, dtype=torch.float64).to(compute)[per_element] for v in (GRAD_SCALES, SCALES))
+    assert (_exact_mixed(dtype) != (a * grad.to(compute) + c * correction.to(compute)).to(dtype)).any()
 
 
 # ------------------------------------------------------------------------------------------- the correction

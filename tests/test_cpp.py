@@ -365,7 +365,7 @@ def test_every_cuda_source_compiles_for_hopper_without_atomics(tmp_path):
     (shim / "c10/cuda/impl").mkdir(parents=True)
     (shim / "c10/cuda/impl/cuda_cmake_macros.h").write_text("#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n")
     sources = sorted((CSRC / "cuda").glob("*.cu"))
-    assert [s.stem for s in sources] == ["allocation", "base_step", "energy", "perturb"]
+    assert [s.stem for s in sources] == ["allocation", "base_step", "energy", "mix", "perturb"]
     with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
         done = list(pool.map(lambda s: _nvcc_compile(s, tmp_path, shim), sources))
     for source, result in zip(sources, done):
@@ -373,8 +373,9 @@ def test_every_cuda_source_compiles_for_hopper_without_atomics(tmp_path):
     ptx = {s.stem: (tmp_path / f"{s.stem}.ptx").read_text() for s in sources}
     kernels = {name: re.findall(r"\.entry (\w+)", text) for name, text in ptx.items()}
     # 4 dtypes x adaptive x vectorised-or-not; 4 dtypes x {square, adaptive square, product} x vectorised-or-not
-    # + block sum; 2 rules; {sgd, adam} x {float32, float64} x vectorised-or-not
-    assert [len(kernels[n]) for n in ("perturb", "energy", "allocation", "base_step")] == [16, 25, 2, 8], kernels
+    # + block sum; 2 rules; {sgd, adam} x {float32, float64} x vectorised-or-not; 4 dtypes x vectorised-or-not
+    counts = [len(kernels[n]) for n in ("perturb", "energy", "allocation", "base_step", "mix")]
+    assert counts == [16, 25, 2, 8, 8], kernels
     for name, text in ptx.items():
         assert not re.search(r"^\s*(atom|red)\.", text, re.MULTILINE), f"{name}.cu uses atomics"
     assert not re.search(r"^\s*fma\.", ptx["perturb"], re.MULTILINE)

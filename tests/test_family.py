@@ -26,6 +26,7 @@ from conftest import (
     ALL,
     FP32_STEP_RTOL,
     FP64_STEP_RTOL,
+    FUSED,
     SGD_KW,
     NoStep,
     batches,
@@ -425,14 +426,68 @@ def test_bad_input_is_refused_naming_it(make, match):
         make()
 
 
+COMPILED_PARTS = {
+    "gsam": lambda model, backend: GSAM(model, torch.optim.SGD, lr=0.1, momentum=0.9, backend=backend),
+    "gear-gsam-adamw": lambda model, backend: GEARSAM(model, torch.optim.AdamW, lr=1e-2, partition="fine",
+                                                      descent=SurrogateGap(0.3), backend=backend),
+    "wsam-coupled": lambda model, backend: WSAM(model, torch.optim.SGD, lr=0.1, decouple=False, backend=backend),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "backend, device, name",
+    [
+        pytest.param(*case.values, name, marks=case.marks)
+        for case in FUSED
+        if case.values[0] != "torch" and case.values[1] == "cpu"
+        for name in (COMPILED_PARTS if case.values[0] == "cpp" else ["gsam"])
+    ],
+)
+def test_descents_of_registered_operators_compile_to_the_eager_bits(backend, device, name):
+    """GSAM's descent and WSAM's coupled one run only registered operators on the kernel backends (the inner
+    products, norms and the mix): first_step and second_step compile with fullgraph=True and give the eager bits."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    models = [mlp()]
+    models.append(copy.deepcopy(models[0]))
+    eager, opt = (COMPILED_PARTS[name](model, backend) for model in models)
+    first, second = torch.compile(opt.first_step, fullgraph=True), torch.compile(opt.second_step, fullgraph=True)
+    for model, steps in ((models[0], (eager.first_step, eager.second_step)), (models[1], (first, second))):
+        for xy in mlp_data(3):
+            mse(model, xy).backward()
+            steps[0](zero_grad=True)
+            mse(model, xy).backward()
+            steps[1](zero_grad=True)
+    assert all(torch.equal(a, b) for a, b in zip(*(model.parameters() for model in models)))
+
+
+@pytest.mark.parametrize(
+    "make, backend, match",
+    [
+        (lambda m, b: GSAM(m, torch.optim.SGD, lr=0.1, backend=b), "torch",
+         r"part SurrogateGap\(alpha=0.4, eps=1e-12\) runs keep_gradient_, block_dot, block_energy, kept_energy, "
+         r"mix_gradient_ on backend 'torch' .* use backend='cpp' or 'triton'"),
+        (lambda m, b: WSAM(m, torch.optim.SGD, lr=0.1, backend=b), "cpp",
+         r"part WeightedSharpness\(gamma=0.9, decouple=True\) runs exchange_sharpness_, add_kept_ on backend 'cpp' "
+         r".* copies of the flat gradient buffers; run the step eagerly"),
+        (lambda m, b: FriendlySAM(m, torch.optim.SGD, lr=0.1, backend=b), "cpp",
+         r"part FriendlyAscent\(sigma=1.0, lmbda=0.9\) runs friendly_ascent_ on backend 'cpp'"),
+    ],
+    ids=["gsam-torch", "wsam-decoupled-cpp", "friendly-sam-cpp"],
+)  # fmt: skip
 @pytest.mark.parametrize("which", ["first", "second"])
-def test_a_compiled_step_is_refused_naming_the_part(which):
+def test_a_compiled_step_is_refused_naming_the_part(make, backend, match, which):
+    """A part that would write the flat gradient buffers with torch operations under torch.compile: refused, naming
+    the part, those operations and the backend (and the backends where it compiles, if any)."""
+    if backend == "cpp":
+        pytest.importorskip("gearsam_fused._C")
+    torch._dynamo.reset()
     model = mlp()
-    opt = GSAM(model, torch.optim.SGD, lr=0.1)
+    opt = make(model, backend)
     xy = mlp_data(1)[0]
     mse(model, xy).backward()
     first = torch.compile(opt.first_step, fullgraph=True) if which == "first" else opt.first_step
-    with pytest.raises(Exception, match=r"SAM family's parts \(SurrogateGap\(alpha=0.4, eps=1e-12\)\)"):
+    with pytest.raises(Exception, match=match):
         first()
         mse(model, xy).backward()
         torch.compile(opt.second_step, fullgraph=True)()

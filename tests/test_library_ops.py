@@ -91,6 +91,13 @@ def restore_args(dtype, device):
     return tuple(randn(2, dtype, device)), dict(tile=TILE)
 
 
+def mix_args(dtype, device):
+    """mix_gradient_ with per-block coefficients: a negative one, a zero one, and 1 and 0 (g kept as it is)."""
+    grad, kept = randn(2, dtype, device)
+    scales = per_block([1.5, 1.0, -0.25], device), per_block([-0.4, 0.0, 2.0], device)
+    return (grad, kept, *scales, tables(device)[1]), dict(tile=TILE)
+
+
 def correction(dtype, device) -> dict:
     """LookSAM's three keywords, with a negative and a zero block scale."""
     return dict(correction=randn(1, dtype, device, seed=1)[0], correction_scale=per_block([0.37, 0.0, -1.25], device),
@@ -140,6 +147,12 @@ def test_opcheck_energy_and_perturb(dtype, adaptive, device):
 @pytest.mark.parametrize("dtype", FLOATS, ids=str)
 def test_opcheck_restore(dtype, device):
     opcheck("restore_", *restore_args(dtype, device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+def test_opcheck_mix_gradient(dtype, device):
+    opcheck("mix_gradient_", *mix_args(dtype, device))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -324,7 +337,7 @@ def test_fakes_give_the_shapes_of_the_outputs():
 
 def _wrong_calls():
     """(operator, a function of the operators giving its call with one wrong argument), one for each kind of check."""
-    f32, f64 = torch.float32, torch.float64
+    f32, f64, i32 = torch.float32, torch.float64, torch.int32
 
     def energy(**change):
         (grad, param, first_tile_of_block, partials), kw = energy_args(f32, "cpu", True)
@@ -342,6 +355,11 @@ def _wrong_calls():
         (param, grad, backup, scale, block_of_tile), kw = perturb_args(f32, "cpu", False)
         args = {"param": param, "grad": grad, "backup": backup, "scale": scale, "block_of_tile": block_of_tile, **kw}
         return "perturb_", {**args, **change}
+
+    def mix(**change):
+        (grad, kept, grad_scale, kept_scale, block_of_tile), kw = mix_args(f32, "cpu")
+        args = {"grad": grad, "correction": kept, "grad_scale": grad_scale, "correction_scale": kept_scale}
+        return "mix_gradient_", {**args, "block_of_tile": block_of_tile, **kw, **change}
 
     def sgd(**change):
         (param, grad, backup, buffer), kw = sgd_args(f32, "cpu", "momentum", True, corrected=True)
@@ -374,6 +392,11 @@ def _wrong_calls():
         "scale-dtype": lambda: perturb(scale=torch.zeros(3)),
         "block_of_tile-count": lambda: perturb(block_of_tile=tables("cpu")[1][:-1]),
         "2-d-param": lambda: perturb(param=torch.zeros(N_TILES, TILE)),
+        "mix-int-grad": lambda: mix(grad=torch.zeros(N, dtype=torch.int32), correction=torch.zeros(N, dtype=i32)),
+        "mix-correction-shape": lambda: mix(correction=torch.zeros(N + TILE)),
+        "grad_scale-dtype": lambda: mix(grad_scale=torch.zeros(3, dtype=f32)),
+        "correction_scale-count": lambda: mix(correction_scale=per_block([1.0, 2.0], "cpu")),
+        "mix-block_of_tile-count": lambda: mix(block_of_tile=tables("cpu")[1][:-1]),
         "base-step-dtype": lambda: sgd(**bf16),
         "momentum-missing": lambda: sgd(momentum_buffer=None),
         "momentum-unneeded": lambda: sgd(momentum=0.0),

@@ -12,6 +12,7 @@ block_energy      e_b = sum_{i in b} (T_i g_i)^2, deterministic               2 
 allocate          EMA update, radii and per-block scales (GEAR or SAM rule)   1 (one program)
 perturb\\_         backup = w;  w += scale[block] * T^2 g                      1
 restore\\_         w = backup, bit for bit                                     1
+mix_gradient\\_    g = fma(c[block], correction, a[block] * g)                 1
 sgd_step\\_        w = backup, then torch's SGD step on w and its momentum     1
 adam_step\\_       w = backup, then torch's Adam(W) step on w and its moments  1
 ================  ==========================================================  =====================
@@ -30,6 +31,7 @@ block_energy      partials
 allocate          ema
 perturb\\_         param, backup
 restore\\_         param
+mix_gradient\\_    grad
 sgd_step\\_        param, momentum_buffer
 adam_step\\_       param, exp_avg, exp_avg_sq, max_exp_avg_sq
 ================  ==============================================
@@ -58,6 +60,7 @@ through Triton's interpreter.
 from .allocation import allocate
 from .base_step import adam_step_, sgd_step_
 from .energy import block_energy
+from .mix import mix_gradient_
 from .perturb import perturb_, restore_
 
-__all__ = ["adam_step_", "allocate", "block_energy", "perturb_", "restore_", "sgd_step_"]
+__all__ = ["adam_step_", "allocate", "block_energy", "mix_gradient_", "perturb_", "restore_", "sgd_step_"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ..checks import check_device_step, check_flat, check_other, check_same  # noqa: F401  (the launchers' checks, worded once)
+from ..checks import check_device_step, check_flat, check_other, check_same, check_scales  # noqa: F401  (the launchers' checks, worded once)
 
 
 def compute_type(dtype: torch.dtype):

@@ -48,6 +48,9 @@ class Backend:
     #: Whether the kernels read rho, lr and the step count from the device and skip an overflowing step there
     #: (``capturable=True``; :mod:`gearsam_fused.capturable`).
     capturable = False
+    #: The SAM family's operations (:mod:`gearsam_fused.family`) that run as registered operators (``torch.library``),
+    #: which a compiled step calls as they are: a part that needs any other one cannot be compiled on this backend.
+    family_operators: frozenset[str] = frozenset()
 
     def __init__(self, blocks: list[Block], device: torch.device, param_group: Mapping[int, int] | None = None):
         self.blocks = blocks

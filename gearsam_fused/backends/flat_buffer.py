@@ -244,7 +244,7 @@ def _launching_on(device: torch.device):
 
 
 class KernelModule(Protocol):
-    """What :class:`KernelBackend` needs of a kernel module: six launchers over one bucket's flat buffers, with
+    """What :class:`KernelBackend` needs of a kernel module: seven launchers over one bucket's flat buffers, with
     these keyword signatures. Both kernel modules are namespaces of registered operators (``torch.library``), so that
     ``torch.compile`` and fake tensors see them: ``torch.ops.gearsam_fused`` (the compiled extension, ``csrc/``) and
     ``gearsam_fused.triton_kernels`` (``torch.ops.gearsam_fused_triton``). The formulas are those of
@@ -271,6 +271,12 @@ class KernelModule(Protocol):
 
     def restore_(self, param: torch.Tensor, backup: torch.Tensor, *, tile: int) -> None: ...
 
+    # the SAM family's descent gradient: grad <- fma(correction_scale[b], correction, grad_scale[b] * grad)
+    def mix_gradient_(
+        self, grad: torch.Tensor, correction: torch.Tensor, grad_scale: torch.Tensor, correction_scale: torch.Tensor,
+        block_of_tile: torch.Tensor, *, tile: int,
+    ) -> None: ...  # fmt: skip
+
     # The base optimizer's update folded into the restore (formulas in gearsam_fused.triton_kernels.base_step); backup
     # None reads w from param (no perturbation to undo), and correction/correction_scale/block_of_tile add LookSAM's term
     # to grad.
@@ -296,6 +302,7 @@ class KernelBackend(FlatBufferBackend):
     """A fused backend whose tensor work is done by a :class:`KernelModule`."""
 
     capturable = True
+    family_operators = frozenset({"keep_gradient_", "block_dot", "block_energy", "kept_energy", "mix_gradient_"})
 
     def __init__(self, blocks, device: torch.device, kernels: KernelModule, param_group=None):
         self.kernels = kernels
@@ -325,6 +332,20 @@ class KernelBackend(FlatBufferBackend):
 
     def _bucket_dot(self, bucket: Bucket) -> torch.Tensor:
         return self._bucket_energy(bucket, False, 0.0, self._flat_correction(bucket), other=bucket.grad)
+
+    @torch.no_grad()
+    def mix_gradient_(self, grad_scale: torch.Tensor, kept_scale: torch.Tensor) -> None:
+        for bucket in self._live_buckets():
+            with _launching_on(bucket.device):
+                self.kernels.mix_gradient_(
+                    bucket.grad,
+                    self._flat_correction(bucket),
+                    grad_scale.to(bucket.device),
+                    kept_scale.to(bucket.device),
+                    bucket.block_of_tile,
+                    tile=bucket.tile,
+                )
+            self._touched(bucket)
 
     def allocate(self, rule, energy, ema, rho, beta, delta, found_inf=None):
         on_device = _on_device(found_inf=found_inf, scalars=rho.reshape(1) if isinstance(rho, torch.Tensor) else None)

@@ -1,0 +1,67 @@
+// The SAM family's descent gradient on the CPU, in place on the second gradient (gearsam.h):
+//
+//   g_i <- fma(c, correction_i, a * g_i)    a = grad_scale[block], c = correction_scale[block] of tile(i), both
+//                                           rounded to the compute type: float32 (float64 for float64 buffers);
+//                                           the product a * g_i rounded on its own, one rounding to the stored dtype
+//
+// as torch's `g.mul_(a).addcmul_(correction, c)` computes it on the CPU, whose addcmul is an fma. Each tile's loop is
+// compiled twice, with and without the FMA instruction (vec.h): std::fma is exact either way, a libm call without it.
+
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
+
+#include <cmath>
+
+#include "../gearsam.h"
+#include "tiles.h"
+#include "vec.h"
+
+namespace gearsam::cpu {
+namespace {
+
+template <typename scalar_t, typename compute_t = at::opmath_type<scalar_t>>
+GEARSAM_INLINE void mix_loop(scalar_t* g, const scalar_t* kept, int64_t n, compute_t a, compute_t c) {
+  for (int64_t i = 0; i < n; ++i)
+    g[i] = static_cast<scalar_t>(std::fma(c, static_cast<compute_t>(kept[i]), a * static_cast<compute_t>(g[i])));
+}
+
+template <typename scalar_t, typename compute_t = at::opmath_type<scalar_t>>
+void mix_run(scalar_t* g, const scalar_t* kept, int64_t n, compute_t a, compute_t c) {
+  mix_loop(g, kept, n, a, c);
+}
+
+template <typename scalar_t, typename compute_t = at::opmath_type<scalar_t>>
+GEARSAM_FMA_CLONE void mix_run_fma(scalar_t* g, const scalar_t* kept, int64_t n, compute_t a, compute_t c) {
+  mix_loop(g, kept, n, a, c);
+}
+
+template <typename scalar_t>
+void mix_tiles(const at::Tensor& grad, const at::Tensor& correction, const at::Tensor& grad_scale,
+               const at::Tensor& correction_scale, const at::Tensor& block_of_tile, int64_t tile) {
+  using compute_t = at::opmath_type<scalar_t>;
+  scalar_t* g = grad.mutable_data_ptr<scalar_t>();
+  const scalar_t* kept = correction.const_data_ptr<scalar_t>();
+  const double* a_of = grad_scale.const_data_ptr<double>();
+  const double* c_of = correction_scale.const_data_ptr<double>();
+  const int32_t* block_of = block_of_tile.const_data_ptr<int32_t>();
+  const bool fma = cpu_has_fma();
+  for_each_tile(block_of_tile.numel(), tile, [&](int64_t t) {
+    const int32_t b = block_of[t];
+    const auto a = static_cast<compute_t>(a_of[b]), c = static_cast<compute_t>(c_of[b]);
+    if (fma)
+      mix_run_fma(g + t * tile, kept + t * tile, tile, a, c);
+    else
+      mix_run(g + t * tile, kept + t * tile, tile, a, c);
+  });
+}
+
+}  // namespace
+
+void mix_gradient(const at::Tensor& grad, const at::Tensor& correction, const at::Tensor& grad_scale,
+                  const at::Tensor& correction_scale, const at::Tensor& block_of_tile, int64_t tile) {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad.scalar_type(), "gearsam_mix_gradient_cpu", [&] {
+    mix_tiles<scalar_t>(grad, correction, grad_scale, correction_scale, block_of_tile, tile);
+  });
+}
+
+}  // namespace gearsam::cpu

@@ -1,0 +1,66 @@
+// The SAM family's descent gradient on CUDA, in place on the second gradient (gearsam.h):
+//
+//   g_i <- fma(c, correction_i, a * g_i)    a = grad_scale[block], c = correction_scale[block] of tile(i), both
+//                                           rounded to the compute type: float32 (float64 for float64 buffers);
+//                                           the product rounded on its own (mul_rn), one rounding to the stored dtype
+//
+// Grid-stride over 16-byte vectors with 64-bit indices; a vector never straddles two tiles, so it has one block.
+
+#include <ATen/Dispatch.h>
+
+#include "../gearsam.h"
+#include "common.cuh"
+
+namespace gearsam::cuda {
+namespace {
+
+template <typename scalar_t, int Vec>
+__global__ void mix_kernel(scalar_t* __restrict__ grad, const scalar_t* __restrict__ correction,
+                           const double* __restrict__ grad_scale, const double* __restrict__ correction_scale,
+                           const int32_t* __restrict__ block_of_tile, int64_t n_vectors, int64_t tile) {
+  using compute_t = at::opmath_type<scalar_t>;
+  using pack_t = Pack<scalar_t, Vec>;
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t v = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; v < n_vectors; v += stride) {
+    const int64_t i = v * Vec;
+    const int32_t b = block_of_tile[i / tile];
+    const auto a = static_cast<compute_t>(grad_scale[b]), c = static_cast<compute_t>(correction_scale[b]);
+    const pack_t g = *reinterpret_cast<const pack_t*>(grad + i);
+    const pack_t kept = *reinterpret_cast<const pack_t*>(correction + i);
+    pack_t out;
+#pragma unroll
+    for (int k = 0; k < Vec; ++k)
+      out.v[k] = static_cast<scalar_t>(
+          fma_rn(c, static_cast<compute_t>(kept.v[k]), mul_rn(a, static_cast<compute_t>(g.v[k]))));
+    *reinterpret_cast<pack_t*>(grad + i) = out;
+  }
+}
+
+template <typename scalar_t, int Vec>
+void launch_mix(const at::Tensor& grad, const at::Tensor& correction, const at::Tensor& grad_scale,
+                const at::Tensor& correction_scale, const at::Tensor& block_of_tile, int64_t tile,
+                cudaStream_t stream) {
+  const int64_t n_vectors = grad.numel() / Vec;
+  const int blocks = grid_for((n_vectors + kThreads - 1) / kThreads, grad.get_device());
+  mix_kernel<scalar_t, Vec><<<blocks, kThreads, 0, stream>>>(
+      grad.mutable_data_ptr<scalar_t>(), correction.const_data_ptr<scalar_t>(), grad_scale.const_data_ptr<double>(),
+      correction_scale.const_data_ptr<double>(), block_of_tile.const_data_ptr<int32_t>(), n_vectors, tile);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+}  // namespace
+
+void mix_gradient(const at::Tensor& grad, const at::Tensor& correction, const at::Tensor& grad_scale,
+                  const at::Tensor& correction_scale, const at::Tensor& block_of_tile, int64_t tile) {
+  const c10::cuda::CUDAGuard guard(grad.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad.scalar_type(), "gearsam_mix_gradient_cuda", [&] {
+    constexpr int vec = kVec<scalar_t>;
+    if (vectorizable<vec>(tile, {grad.const_data_ptr(), correction.const_data_ptr()}))
+      launch_mix<scalar_t, vec>(grad, correction, grad_scale, correction_scale, block_of_tile, tile, stream);
+    else
+      launch_mix<scalar_t, 1>(grad, correction, grad_scale, correction_scale, block_of_tile, tile, stream);
+  });
+}
+
+}  // namespace gearsam::cuda
