@@ -5,13 +5,13 @@
 
 For the ``triton`` and ``cpp`` backends, every dtype (float32, bfloat16, float16, float64), plain and adaptive, GEAR
 and SAM allocation, it runs one whole step through the backend: block energy (tile partials, then block sums),
-allocation, perturb, restore; the inner products of the SAM family (``block_dot``); and the fused base steps (SGD,
-Adam(W)) against torch's own. The blocks hold parameters of 1, 7 and 4097 elements, an empty block, a block whose
-gradient is all zeros, a parameter without a gradient and one exactly a tile long. The C++ kernels also have a scalar
-variant for buffers that do not allow 16-byte access; it runs on a tile of 7 elements and on buffers that start one
-element past an aligned address. A parameter of 3000 tiles makes every C++ thread block loop over several tiles.
-``--big`` adds a bfloat16 parameter of 2**31 + 6149 elements, so that 64-bit offsets are exercised (about 13 GiB of
-GPU memory).
+allocation, perturb, restore; the inner products and the mix of the SAM family (``block_dot``, ``mix_gradient_``); and
+the fused base steps (SGD, Adam(W)) against torch's own. The blocks hold parameters of 1, 7 and 4097 elements, an
+empty block, a block whose gradient is all zeros, a parameter without a gradient and one exactly a tile long. The C++
+kernels also have a scalar variant for buffers that do not allow 16-byte access; it runs on a tile of 7 elements and
+on buffers that start one element past an aligned address. A parameter of 3000 tiles makes every C++ thread block loop
+over several tiles. ``--big`` adds a bfloat16 parameter of 2**31 + 6149 elements, so that 64-bit offsets are exercised
+(about 13 GiB of GPU memory).
 
 Each step is checked against the reference backend (energies, radii, the perturbed weights, the exact restore), so
 the script also fails when a kernel computes garbage without touching memory it should not. It prints the CUDA
@@ -111,6 +111,29 @@ def check_inner_products(name: str, dtype: torch.dtype) -> None:
     assert bool((error <= bound).all()), (
         f"{name} {dtype}: inner products off by {error.tolist()}, bounds {bound.tolist()}"
     )
+
+
+def check_mix(name: str, dtype: torch.dtype) -> None:
+    """The SAM family's mix (``mix_gradient_``), reached through the backend as GSAM reaches it: per block,
+    ``g <- a * g + c * kept``, against the same sum in float64: within two units in the last place of the dtype,
+    and 8 of them absolutely (the terms reach 8 while their sum may cancel)."""
+    blocks = make_blocks(dtype, seed=5)
+    backend = BACKENDS[name](blocks, torch.device("cuda"))
+    backend.keep_gradient_()
+    kept = [p.grad.clone() for b in blocks for p in b.params if p.grad is not None]
+    g = torch.Generator().manual_seed(6)
+    for p in (p for b in blocks for p in b.params if p.grad is not None):
+        p.grad = torch.randn(p.shape, generator=g).to("cuda", dtype)
+    before = [p.grad.clone() for b in blocks for p in b.params if p.grad is not None]
+    a = torch.linspace(-1.5, 2.0, len(blocks), dtype=torch.float64, device="cuda")
+    c = torch.linspace(0.75, -0.5, len(blocks), dtype=torch.float64, device="cuda")
+    backend.mix_gradient_(a, c)
+    block_of = [b for b, block in enumerate(blocks) for p in block.params if p.grad is not None]
+    after = [p.grad for b in blocks for p in b.params if p.grad is not None]
+    eps = torch.finfo(dtype).eps
+    for b, h, k, out in zip(block_of, before, kept, after):
+        expected = (a[b] * h.double() + c[b] * k.double()).to(dtype)
+        torch.testing.assert_close(out, expected, rtol=2 * eps, atol=8 * eps, msg=lambda m: f"{name} {dtype} mix: {m}")
 
 
 def check_scalar_cpp_kernels(dtype: torch.dtype, adaptive: bool) -> None:
@@ -248,6 +271,7 @@ def main() -> int:
                     if name == "cpp":
                         check_scalar_cpp_kernels(dtype, adaptive)
                 check_inner_products(name, dtype)
+                check_mix(name, dtype)
             check_many_tiles(name)
             check_base_steps(name)
             if args.big:
