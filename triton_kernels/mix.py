@@ -15,7 +15,7 @@ import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
 from ._common import NAMESPACE, check_flat, check_same, check_scales, compute_type, kept_whole, launches
-from .perturb import _round_to
+from .perturb import round_to
 
 
 @triton.jit
@@ -29,7 +29,7 @@ def _mix_kernel(grad_ptr, correction_ptr, grad_scale_ptr, correction_scale_ptr, 
     c = tl.load(correction_scale_ptr + block).to(COMPUTE)
     stored = tl.load(grad_ptr + offsets)
     kept = tl.load(correction_ptr + offsets).to(COMPUTE)
-    tl.store(grad_ptr + offsets, _round_to(tl.fma(c, kept, a * stored.to(COMPUTE)), stored.dtype))
+    tl.store(grad_ptr + offsets, round_to(tl.fma(c, kept, a * stored.to(COMPUTE)), stored.dtype))
 
 
 @kept_whole

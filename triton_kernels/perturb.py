@@ -18,8 +18,8 @@ from ._common import NAMESPACE, check_flat, check_same, compute_type, kept_whole
 
 
 @triton.jit
-def _round_to(x, DTYPE: tl.constexpr):
-    """x (float32 or float64) rounded to nearest-even in DTYPE.
+def round_to(x, DTYPE: tl.constexpr):
+    """x (float32 or float64) rounded to nearest-even in DTYPE (here and in mix.py).
 
     float32 -> bfloat16 is done with integer arithmetic: Triton's interpreter truncates that cast, and this way CPU test
     runs round exactly like the GPU (and like torch)."""
@@ -48,7 +48,7 @@ def _perturb_kernel(param_ptr, grad_ptr, backup_ptr, scale_ptr, block_of_tile_pt
         t = tl.abs(w) + (eta64 if COMPUTE == tl.float64 else eta32)
         direction = t * t * direction
     # a block skipped this step (scale 0) keeps its bits, even where its gradient is inf or NaN
-    tl.store(param_ptr + offsets, tl.where(scale == 0, stored, _round_to(w + direction * scale, stored.dtype)))
+    tl.store(param_ptr + offsets, tl.where(scale == 0, stored, round_to(w + direction * scale, stored.dtype)))
 
 
 @triton.jit
