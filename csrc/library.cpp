@@ -47,6 +47,7 @@ void register_kernels(torch::Library& m) {
   m.impl("perturb_", &gearsam::perturb_);
   m.impl("restore_", &gearsam::restore_);
   m.impl("mix_gradient_", &gearsam::mix_gradient_);
+  m.impl("exchange_sharpness_", &gearsam::exchange_sharpness_);
   m.impl("sgd_step_", &sgd_step);
   m.impl("adam_step_", &adam_step);
 }
@@ -81,6 +82,9 @@ TORCH_LIBRARY(gearsam_fused, m) {
   m.def(
       "mix_gradient_(Tensor(a!) grad, Tensor correction, Tensor grad_scale, Tensor correction_scale, "
       "Tensor block_of_tile, *, int tile) -> ()");
+  // (grad, correction) = (correction, grad - correction) in place, the difference in float32 (float64 for float64):
+  // WSAM's decoupled step takes the base step with the first gradient, then the sharpness h - g.
+  m.def("exchange_sharpness_(Tensor(a!) grad, Tensor(b!) correction, *, int tile) -> ()");
   // param = backup (param's own values where backup is None) after one step of torch.optim.SGD on grad, bit for bit;
   // momentum_buffer (given iff momentum != 0) is updated in place, or set to the step's gradient when first. With
   // correction, correction_scale and block_of_tile (all or none) the step's gradient is

@@ -282,6 +282,15 @@ void mix_gradient_(const at::Tensor& grad, const at::Tensor& correction, const a
   GEARSAM_ON_DEVICE_OF(grad, mix_gradient, grad, correction, grad_scale, correction_scale, block_of_tile, tile);
 }
 
+void exchange_sharpness_(const at::Tensor& grad, const at::Tensor& correction, int64_t tile) {
+  check_tile(tile);
+  check_flat("grad", grad, tile);
+  check_floating("grad", grad);
+  check_same("correction", correction, "grad", grad);
+  if (grad.numel() == 0) return;
+  GEARSAM_ON_DEVICE_OF(grad, exchange_sharpness, grad, correction);
+}
+
 void sgd_step_(const at::Tensor& param, const at::Tensor& grad, const c10::optional<at::Tensor>& backup,
                const c10::optional<at::Tensor>& momentum_buffer, int64_t tile, const SgdOptions& options,
                const CorrectionArgs& correction, const DeviceStepArgs& device_step) {

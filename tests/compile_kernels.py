@@ -59,6 +59,12 @@ def variants():
              "correction_scale_ptr": "*fp64", "block_of_tile_ptr": "*i32"},
             {"TILE": TILE, "COMPUTE": compute},
         )  # fmt: skip
+        yield (
+            f"exchange_sharpness[{storage}]",
+            mix._exchange_kernel,
+            {"grad_ptr": f"*{storage}", "correction_ptr": f"*{storage}"},
+            {"TILE": TILE, "COMPUTE": compute},
+        )
     yield (
         "block_sum",
         energy._block_sum_kernel,

@@ -181,6 +181,19 @@ def test_the_mix_oracle_fuses_the_add(dtype):
     assert (_exact_mixed(dtype) != (a * grad.to(compute) + c * correction.to(compute)).to(dtype)).any()
 
 
+@pytest.mark.parametrize("dtype", MIX_FLOATS, ids=str)
+@pytest.mark.parametrize("backend,device", KERNELS)
+def test_exchanged_sharpness_is_the_difference_rounded_once(backend, device, dtype):
+    """WSAM's exchange: the gradient takes the kept one's bits, the kept one the difference in the compute type
+    rounded once to the dtype (zero where both are, as in the padding)."""
+    compute = torch.float64 if dtype == torch.float64 else torch.float32
+    _, grad, correction = buffers(dtype)
+    expected = ((grad.to(compute) - correction.to(compute)).to(dtype), correction.clone())
+    grad, correction = grad.to(device), correction.to(device)
+    kernel_module(backend).exchange_sharpness_(grad, correction, tile=TILE)
+    assert torch.equal(correction.cpu(), expected[0]) and torch.equal(grad.cpu(), expected[1])
+
+
 # ------------------------------------------------------------------------------------------- the correction
 @pytest.mark.parametrize("dtype", FLOATS, ids=str)
 def test_the_oracle_is_a_fused_multiply_add(dtype):

@@ -156,6 +156,12 @@ def test_opcheck_mix_gradient(dtype, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+def test_opcheck_exchange_sharpness(dtype, device):
+    opcheck("exchange_sharpness_", tuple(randn(2, dtype, device)), dict(tile=TILE))
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("gear", [False, True], ids=["sam-rule", "gear-rule"])
 def test_opcheck_allocate(gear, device):
     opcheck("allocate", *allocate_args(device, gear))
@@ -361,6 +367,10 @@ def _wrong_calls():
         args = {"grad": grad, "correction": kept, "grad_scale": grad_scale, "correction_scale": kept_scale}
         return "mix_gradient_", {**args, "block_of_tile": block_of_tile, **kw, **change}
 
+    def exchange(**change):
+        grad, kept = randn(2, f32, "cpu")
+        return "exchange_sharpness_", {"grad": grad, "correction": kept, "tile": TILE, **change}
+
     def sgd(**change):
         (param, grad, backup, buffer), kw = sgd_args(f32, "cpu", "momentum", True, corrected=True)
         return "sgd_step_", {"param": param, "grad": grad, "backup": backup, "momentum_buffer": buffer, **kw, **change}
@@ -397,6 +407,8 @@ def _wrong_calls():
         "grad_scale-dtype": lambda: mix(grad_scale=torch.zeros(3, dtype=f32)),
         "correction_scale-count": lambda: mix(correction_scale=per_block([1.0, 2.0], "cpu")),
         "mix-block_of_tile-count": lambda: mix(block_of_tile=tables("cpu")[1][:-1]),
+        "exchange-tile": lambda: exchange(tile=7),
+        "exchange-correction-dtype": lambda: exchange(correction=torch.zeros(N, dtype=f64)),
         "base-step-dtype": lambda: sgd(**bf16),
         "momentum-missing": lambda: sgd(momentum_buffer=None),
         "momentum-unneeded": lambda: sgd(momentum=0.0),

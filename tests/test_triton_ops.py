@@ -72,6 +72,7 @@ def test_every_launcher_is_its_op(ops):
         "perturb_": {"param", "backup"},
         "restore_": {"param"},
         "mix_gradient_": {"grad"},
+        "exchange_sharpness_": {"grad", "correction"},
         "sgd_step_": {"param", "momentum_buffer"},
         "adam_step_": {"param", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"},
     }
@@ -138,11 +139,12 @@ def test_opcheck_perturb_and_restore(ops, backend, device, dtype, adaptive):
 
 @pytest.mark.parametrize("dtype", STORED, ids=str)
 @pytest.mark.parametrize("backend,device", DEVICES)
-def test_opcheck_mix_gradient(ops, backend, device, dtype):
+def test_opcheck_mix_gradient_and_exchange_sharpness(ops, backend, device, dtype):
     block_of_tile, _, scale = tables(device)
     grad_scale = torch.linspace(-1.0, 2.0, scale.numel(), dtype=torch.float64, device=device)
     args = (randn(dtype, device, 0), randn(dtype, device, 1), grad_scale, scale, block_of_tile)
     torch.library.opcheck(ops[0].mix_gradient_.default, args, dict(tile=TILE))
+    torch.library.opcheck(ops[0].exchange_sharpness_.default, args[:2], dict(tile=TILE))
 
 
 def base_step_args(dtype, device, backup: bool, corrected: bool) -> dict:

@@ -5,17 +5,18 @@ picks the grid. All of them work on the flat buffers of :mod:`gearsam_fused.flat
 ``tile``-element tiles, each tile belongs to one block, ``block_of_tile[t]`` names it and
 ``first_tile_of_block[b]:first_tile_of_block[b+1]`` is block ``b``'s tile range.
 
-================  ==========================================================  =====================
-launcher          computes                                                    launches
-================  ==========================================================  =====================
-block_energy      e_b = sum_{i in b} (T_i g_i)^2, deterministic               2 (tiles, then blocks)
-allocate          EMA update, radii and per-block scales (GEAR or SAM rule)   1 (one program)
-perturb\\_         backup = w;  w += scale[block] * T^2 g                      1
-restore\\_         w = backup, bit for bit                                     1
-mix_gradient\\_    g = fma(c[block], correction, a[block] * g)                 1
-sgd_step\\_        w = backup, then torch's SGD step on w and its momentum     1
-adam_step\\_       w = backup, then torch's Adam(W) step on w and its moments  1
-================  ==========================================================  =====================
+======================  ==========================================================  =====================
+launcher                computes                                                    launches
+======================  ==========================================================  =====================
+block_energy            e_b = sum_{i in b} (T_i g_i)^2, deterministic               2 (tiles, then blocks)
+allocate                EMA update, radii and per-block scales (GEAR or SAM rule)   1 (one program)
+perturb\\_               backup = w;  w += scale[block] * T^2 g                      1
+restore\\_               w = backup, bit for bit                                     1
+mix_gradient\\_          g = fma(c[block], correction, a[block] * g)                 1
+exchange_sharpness\\_    (g, correction) = (correction, g - correction)              1
+sgd_step\\_              w = backup, then torch's SGD step on w and its momentum     1
+adam_step\\_             w = backup, then torch's Adam(W) step on w and its moments  1
+======================  ==========================================================  =====================
 
 Kernels that do arithmetic are launched with ``enable_fp_fusion=False``: no multiply-add is contracted into an FMA,
 so ``w + scale * g`` rounds exactly like the unfused formula of the reference backend, on every Triton version.
@@ -24,17 +25,18 @@ Each launcher is a ``torch.library.triton_op`` of the same name in the ``gearsam
 (``torch.ops.gearsam_fused_triton.perturb_``), called as the function it replaces, so that torch.compile, fake tensors
 and functionalisation see it as one operator with its mutations declared:
 
-================  ==============================================
-op                mutates
-================  ==============================================
-block_energy      partials
-allocate          ema
-perturb\\_         param, backup
-restore\\_         param
-mix_gradient\\_    grad
-sgd_step\\_        param, momentum_buffer
-adam_step\\_       param, exp_avg, exp_avg_sq, max_exp_avg_sq
-================  ==============================================
+======================  ==============================================
+op                      mutates
+======================  ==============================================
+block_energy            partials
+allocate                ema
+perturb\\_               param, backup
+restore\\_               param
+mix_gradient\\_          grad
+exchange_sharpness\\_    grad, correction
+sgd_step\\_              param, momentum_buffer
+adam_step\\_             param, exp_avg, exp_avg_sq, max_exp_avg_sq
+======================  ==============================================
 
 Its kernels are launched through ``torch.library.wrap_triton``. Functionalisation keeps each op whole
 (``_common.kept_whole``) instead of tracing into its kernels, because of the launch option above: eagerly, and in
@@ -60,7 +62,16 @@ through Triton's interpreter.
 from .allocation import allocate
 from .base_step import adam_step_, sgd_step_
 from .energy import block_energy
-from .mix import mix_gradient_
+from .mix import exchange_sharpness_, mix_gradient_
 from .perturb import perturb_, restore_
 
-__all__ = ["adam_step_", "allocate", "block_energy", "mix_gradient_", "perturb_", "restore_", "sgd_step_"]
+__all__ = [
+    "adam_step_",
+    "allocate",
+    "block_energy",
+    "exchange_sharpness_",
+    "mix_gradient_",
+    "perturb_",
+    "restore_",
+    "sgd_step_",
+]

@@ -1,10 +1,12 @@
-"""The SAM family's descent gradient (GSAM, WSAM), in place on a flat bucket's second gradient.
+"""The SAM family's element-wise work (GSAM, WSAM), in place on a flat bucket's second gradient and kept first one.
 
-    mix_gradient_:  g_i <- fma(c, correction_i, a * g_i),  a = grad_scale[block], c = correction_scale[block]
-                    of tile(i); arithmetic in float32 (float64 for float64 buffers), the product rounded on its own,
-                    rounded once to the stored dtype
+    mix_gradient_:        g_i <- fma(c, correction_i, a * g_i),  a = grad_scale[block], c = correction_scale[block]
+                          of tile(i); arithmetic in float32 (float64 for float64 buffers), the product rounded on its
+                          own, rounded once to the stored dtype
+    exchange_sharpness_:  (g_i, correction_i) <- (correction_i, g_i - correction_i), the difference in float32
+                          (float64 for float64 buffers), rounded once to the stored dtype
 
-One program per tile; a tile lies inside one block, so it loads its block's two coefficients once.
+One program per tile; a tile lies inside one block, so the mix loads its block's two coefficients once.
 """
 
 from __future__ import annotations
@@ -32,6 +34,16 @@ def _mix_kernel(grad_ptr, correction_ptr, grad_scale_ptr, correction_scale_ptr, 
     tl.store(grad_ptr + offsets, round_to(tl.fma(c, kept, a * stored.to(COMPUTE)), stored.dtype))
 
 
+@triton.jit
+def _exchange_kernel(grad_ptr, correction_ptr, TILE: tl.constexpr, COMPUTE: tl.constexpr):
+    """(g, correction) <- (correction, g - correction), the difference in COMPUTE precision."""
+    offsets = tl.program_id(0).to(tl.int64) * TILE + tl.arange(0, TILE)
+    g = tl.load(grad_ptr + offsets)
+    kept = tl.load(correction_ptr + offsets)
+    tl.store(correction_ptr + offsets, round_to(g.to(COMPUTE) - kept.to(COMPUTE), g.dtype))
+    tl.store(grad_ptr + offsets, kept)
+
+
 @kept_whole
 @triton_op(f"{NAMESPACE}::mix_gradient_", mutates_args=("grad",))
 def mix_gradient_(grad: torch.Tensor, correction: torch.Tensor, grad_scale: torch.Tensor, correction_scale: torch.Tensor,
@@ -55,4 +67,17 @@ def mix_gradient_(grad: torch.Tensor, correction: torch.Tensor, grad_scale: torc
             TILE=tile,
             COMPUTE=compute_type(grad.dtype),
             enable_fp_fusion=False,
+        )
+
+
+@kept_whole
+@triton_op(f"{NAMESPACE}::exchange_sharpness_", mutates_args=("grad", "correction"))
+def exchange_sharpness_(grad: torch.Tensor, correction: torch.Tensor, *, tile: int) -> None:
+    """In place on both: ``grad`` takes ``correction``, ``correction`` takes their difference."""
+    check_flat("grad", grad, tile)
+    check_same("correction", correction, "grad", grad)
+    n_tiles = grad.numel() // tile
+    if n_tiles and launches(_exchange_kernel, grad):
+        wrap_triton(_exchange_kernel)[(n_tiles,)](
+            grad, correction, TILE=tile, COMPUTE=compute_type(grad.dtype), enable_fp_fusion=False
         )

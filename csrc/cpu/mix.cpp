@@ -1,14 +1,19 @@
-// The SAM family's descent gradient on the CPU, in place on the second gradient (gearsam.h):
+// The SAM family's element-wise work on the CPU, in place on the second gradient and the kept first one (gearsam.h):
 //
-//   g_i <- fma(c, correction_i, a * g_i)    a = grad_scale[block], c = correction_scale[block] of tile(i), both
-//                                           rounded to the compute type: float32 (float64 for float64 buffers);
-//                                           the product a * g_i rounded on its own, one rounding to the stored dtype
+//   mix:       g_i <- fma(c, correction_i, a * g_i)    a = grad_scale[block], c = correction_scale[block] of tile(i),
+//                                                      both rounded to the compute type: float32 (float64 for
+//                                                      float64 buffers); the product a * g_i rounded on its own, one
+//                                                      rounding to the stored dtype
+//   exchange:  (g_i, correction_i) <- (correction_i, g_i - correction_i)    the difference in the compute type,
+//                                                                           rounded once to the stored dtype
 //
-// as torch's `g.mul_(a).addcmul_(correction, c)` computes it on the CPU, whose addcmul is an fma. Each tile's loop is
-// compiled twice, with and without the FMA instruction (vec.h): std::fma is exact either way, a libm call without it.
+// as torch's `g.mul_(a).addcmul_(correction, c)` and `g - correction` compute them on the CPU (its addcmul is an fma).
+// The mix's loop is compiled twice, with and without the FMA instruction (vec.h): std::fma is exact either way, a
+// libm call without it.
 
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
 
 #include <cmath>
 
@@ -55,7 +60,26 @@ void mix_tiles(const at::Tensor& grad, const at::Tensor& correction, const at::T
   });
 }
 
+template <typename scalar_t>
+void exchange_tiles(const at::Tensor& grad, const at::Tensor& correction) {
+  using compute_t = at::opmath_type<scalar_t>;
+  scalar_t* g = grad.mutable_data_ptr<scalar_t>();
+  scalar_t* kept = correction.mutable_data_ptr<scalar_t>();
+  at::parallel_for(0, grad.numel(), kGrainElements, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const scalar_t first = kept[i];
+      kept[i] = static_cast<scalar_t>(static_cast<compute_t>(g[i]) - static_cast<compute_t>(first));
+      g[i] = first;
+    }
+  });
+}
+
 }  // namespace
+
+void exchange_sharpness(const at::Tensor& grad, const at::Tensor& correction) {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad.scalar_type(), "gearsam_exchange_sharpness_cpu",
+                                  [&] { exchange_tiles<scalar_t>(grad, correction); });
+}
 
 void mix_gradient(const at::Tensor& grad, const at::Tensor& correction, const at::Tensor& grad_scale,
                   const at::Tensor& correction_scale, const at::Tensor& block_of_tile, int64_t tile) {

@@ -4,7 +4,7 @@
 Each one applies the argument checks of ``csrc/ops.cpp`` that need no data, in the same order and with the same
 messages, then gives outputs of the right shape, dtype and device without computing anything: the energy is float64
 ``[first_tile_of_block.numel() - 1]`` on ``grad``'s device, ``allocate``'s scale and radius are shaped like the energy, the
-other five operators return nothing. ``register_fake`` also makes them the operators' Meta kernels.
+other six operators return nothing. ``register_fake`` also makes them the operators' Meta kernels.
 
 ``_C`` names this module as where its fakes live (``m.set_python_module``), so torch checks that they are registered
 from here; ``cpp_ops`` imports it with the extension.
@@ -133,6 +133,14 @@ def _mix_gradient(grad, correction, grad_scale, correction_scale, block_of_tile,
     check_same("correction", correction, "grad", grad)
     check_scales(grad_scale, correction_scale, grad)
     _check_block_of_tile(block_of_tile, grad, tile)
+
+
+@torch.library.register_fake("gearsam_fused::exchange_sharpness_")
+def _exchange_sharpness(grad, correction, *, tile):
+    _check_tile(tile)
+    _check_flat("grad", grad, tile)
+    _check_floating("grad", grad)
+    check_same("correction", correction, "grad", grad)
 
 
 @torch.library.register_fake("gearsam_fused::sgd_step_")

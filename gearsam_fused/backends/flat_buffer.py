@@ -244,7 +244,7 @@ def _launching_on(device: torch.device):
 
 
 class KernelModule(Protocol):
-    """What :class:`KernelBackend` needs of a kernel module: seven launchers over one bucket's flat buffers, with
+    """What :class:`KernelBackend` needs of a kernel module: eight launchers over one bucket's flat buffers, with
     these keyword signatures. Both kernel modules are namespaces of registered operators (``torch.library``), so that
     ``torch.compile`` and fake tensors see them: ``torch.ops.gearsam_fused`` (the compiled extension, ``csrc/``) and
     ``gearsam_fused.triton_kernels`` (``torch.ops.gearsam_fused_triton``). The formulas are those of
@@ -277,6 +277,9 @@ class KernelModule(Protocol):
         block_of_tile: torch.Tensor, *, tile: int,
     ) -> None: ...  # fmt: skip
 
+    # WSAM's decoupled step: (grad, correction) <- (correction, grad - correction)
+    def exchange_sharpness_(self, grad: torch.Tensor, correction: torch.Tensor, *, tile: int) -> None: ...
+
     # The base optimizer's update folded into the restore (formulas in gearsam_fused.triton_kernels.base_step); backup
     # None reads w from param (no perturbation to undo), and correction/correction_scale/block_of_tile add LookSAM's term
     # to grad.
@@ -302,7 +305,9 @@ class KernelBackend(FlatBufferBackend):
     """A fused backend whose tensor work is done by a :class:`KernelModule`."""
 
     capturable = True
-    family_operators = frozenset({"keep_gradient_", "block_dot", "block_energy", "kept_energy", "mix_gradient_"})
+    family_operators = frozenset(
+        {"keep_gradient_", "block_dot", "block_energy", "kept_energy", "mix_gradient_", "exchange_sharpness_"}
+    )
 
     def __init__(self, blocks, device: torch.device, kernels: KernelModule, param_group=None):
         self.kernels = kernels
@@ -345,6 +350,13 @@ class KernelBackend(FlatBufferBackend):
                     bucket.block_of_tile,
                     tile=bucket.tile,
                 )
+            self._touched(bucket)
+
+    @torch.no_grad()
+    def exchange_sharpness_(self) -> None:
+        for bucket in self._live_buckets():
+            with _launching_on(bucket.device):
+                self.kernels.exchange_sharpness_(bucket.grad, self._flat_correction(bucket), tile=bucket.tile)
             self._touched(bucket)
 
     def allocate(self, rule, energy, ema, rho, beta, delta, found_inf=None):
