@@ -5,13 +5,13 @@
 
 For the ``triton`` and ``cpp`` backends, every dtype (float32, bfloat16, float16, float64), plain and adaptive, GEAR
 and SAM allocation, it runs one whole step through the backend: block energy (tile partials, then block sums),
-allocation, perturb, restore; the inner products and the mix of the SAM family (``block_dot``, ``mix_gradient_``); and
-the fused base steps (SGD, Adam(W)) against torch's own. The blocks hold parameters of 1, 7 and 4097 elements, an
-empty block, a block whose gradient is all zeros, a parameter without a gradient and one exactly a tile long. The C++
-kernels also have a scalar variant for buffers that do not allow 16-byte access; it runs on a tile of 7 elements and
-on buffers that start one element past an aligned address. A parameter of 3000 tiles makes every C++ thread block loop
-over several tiles. ``--big`` adds a bfloat16 parameter of 2**31 + 6149 elements, so that 64-bit offsets are exercised
-(about 13 GiB of GPU memory).
+allocation, perturb, restore; the inner products, the mix and the exchange of the SAM family (``block_dot``,
+``mix_gradient_``, ``exchange_sharpness_``); and the fused base steps (SGD, Adam(W)) against torch's own. The blocks
+hold parameters of 1, 7 and 4097 elements, an empty block, a block whose gradient is all zeros, a parameter without a
+gradient and one exactly a tile long. The C++ kernels also have a scalar variant for buffers that do not allow 16-byte
+access; it runs on a tile of 7 elements and on buffers that start one element past an aligned address. A parameter of
+3000 tiles makes every C++ thread block loop over several tiles. ``--big`` adds a bfloat16 parameter of 2**31 + 6149
+elements, so that 64-bit offsets are exercised (about 13 GiB of GPU memory).
 
 Each step is checked against the reference backend (energies, radii, the perturbed weights, the exact restore), so
 the script also fails when a kernel computes garbage without touching memory it should not. It prints the CUDA
@@ -134,6 +134,15 @@ def check_mix(name: str, dtype: torch.dtype) -> None:
     for b, h, k, out in zip(block_of, before, kept, after):
         expected = (a[b] * h.double() + c[b] * k.double()).to(dtype)
         torch.testing.assert_close(out, expected, rtol=2 * eps, atol=8 * eps, msg=lambda m: f"{name} {dtype} mix: {m}")
+    # WSAM's exchange: the gradients take the kept ones, the kept buffer their difference (in float64 here)
+    mixed = [t.clone() for t in after]
+    backend.exchange_sharpness_()
+    sharpness = [t for t, p in zip(backend.buffer_tensors("correction"), (p for b in blocks for p in b.params))
+                 if p.grad is not None]  # fmt: skip
+    for out, k, diff, h in zip(after, kept, sharpness, mixed):
+        assert torch.equal(out, k), f"{name} {dtype} exchange: the gradient is not the kept one"
+        torch.testing.assert_close(diff, (h.double() - k.double()).to(dtype), rtol=eps, atol=0,
+                                   msg=lambda m: f"{name} {dtype} exchange: {m}")  # fmt: skip
 
 
 def check_scalar_cpp_kernels(dtype: torch.dtype, adaptive: bool) -> None:
