@@ -70,6 +70,14 @@ void check_same(const char* name, const at::Tensor& t, const char* like_name, co
                     describe(t), ") must match ", like_name, " (", describe(like), ")");
 }
 
+// The block of each of `like`'s tiles: int32, flat, on like's device, one entry per tile.
+void check_block_of_tile(const at::Tensor& block_of_tile, const at::Tensor& like, int64_t tile) {
+  check_flat("block_of_tile", block_of_tile, 0, at::kInt, &like);
+  const int64_t n_tiles = like.numel() / tile;
+  TORCH_CHECK_VALUE(block_of_tile.numel() == n_tiles, "block_of_tile has ", block_of_tile.numel(), " entries for ",
+                    n_tiles, " tiles");
+}
+
 void check_tile(int64_t tile) { TORCH_CHECK_VALUE(tile > 0, "tile must be positive, got ", tile); }
 
 void check_floating(const char* name, const at::Tensor& t) {
@@ -124,10 +132,7 @@ Correction check_correction(const CorrectionArgs& args, const at::Tensor& param,
   check_flat("correction", c.values);
   check_same("correction", c.values, "param", param);
   check_flat("correction_scale", c.scale, 0, at::kDouble, &param);
-  check_flat("block_of_tile", c.block_of_tile, 0, at::kInt, &param);
-  const int64_t n_tiles = param.numel() / tile;
-  TORCH_CHECK_VALUE(c.block_of_tile.numel() == n_tiles, "block_of_tile has ", c.block_of_tile.numel(),
-                    " entries for ", n_tiles, " tiles");
+  check_block_of_tile(c.block_of_tile, param, tile);
   return c;
 }
 
@@ -248,11 +253,8 @@ void perturb_(const at::Tensor& param, const at::Tensor& grad, const at::Tensor&
   check_same("grad", grad, "param", param);
   check_same("backup", backup, "param", param);
   check_flat("scale", scale, 0, at::kDouble, &param);
-  check_flat("block_of_tile", block_of_tile, 0, at::kInt, &param);
-  const int64_t n_tiles = param.numel() / tile;
-  TORCH_CHECK_VALUE(block_of_tile.numel() == n_tiles, "block_of_tile has ", block_of_tile.numel(), " entries for ",
-                    n_tiles, " tiles");
-  if (n_tiles == 0) return;
+  check_block_of_tile(block_of_tile, param, tile);
+  if (block_of_tile.numel() == 0) return;
   GEARSAM_ON_DEVICE_OF(param, perturb, param, grad, backup, scale, block_of_tile, tile, adaptive, eta);
 }
 
@@ -274,11 +276,8 @@ void mix_gradient_(const at::Tensor& grad, const at::Tensor& correction, const a
   check_flat("correction_scale", correction_scale, 0, at::kDouble, &grad);
   TORCH_CHECK_VALUE(correction_scale.numel() == grad_scale.numel(), "correction_scale has ", correction_scale.numel(),
                     " entries, grad_scale ", grad_scale.numel(), ": one per block each");
-  check_flat("block_of_tile", block_of_tile, 0, at::kInt, &grad);
-  const int64_t n_tiles = grad.numel() / tile;
-  TORCH_CHECK_VALUE(block_of_tile.numel() == n_tiles, "block_of_tile has ", block_of_tile.numel(), " entries for ",
-                    n_tiles, " tiles");
-  if (n_tiles == 0) return;
+  check_block_of_tile(block_of_tile, grad, tile);
+  if (block_of_tile.numel() == 0) return;
   GEARSAM_ON_DEVICE_OF(grad, mix_gradient, grad, correction, grad_scale, correction_scale, block_of_tile, tile);
 }
 

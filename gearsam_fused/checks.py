@@ -100,6 +100,14 @@ def check_other(other: torch.Tensor | None, grad: torch.Tensor, adaptive: bool) 
         )
 
 
+def check_block_of_tile(block_of_tile: torch.Tensor, like: torch.Tensor, tile: int) -> None:
+    """The block of each of ``like``'s tiles: int32, flat, on ``like``'s device, one entry per tile."""
+    check_flat("block_of_tile", block_of_tile, dtype=torch.int32, device=like.device)
+    n_tiles = like.numel() // tile
+    if block_of_tile.numel() != n_tiles:
+        raise ValueError(f"block_of_tile has {block_of_tile.numel()} entries for {n_tiles} tiles")
+
+
 def check_scales(grad_scale: torch.Tensor, correction_scale: torch.Tensor, grad: torch.Tensor) -> None:
     """``mix_gradient_``'s per-block coefficients: float64, flat, on ``grad``'s device, one per block each."""
     check_flat("grad_scale", grad_scale, dtype=torch.float64, device=grad.device)

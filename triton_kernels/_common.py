@@ -5,7 +5,14 @@ from __future__ import annotations
 
 import torch
 
-from ..checks import check_device_step, check_flat, check_other, check_same, check_scales  # noqa: F401  (the launchers' checks, worded once)
+from ..checks import (  # noqa: F401  (the launchers' checks, worded once)
+    check_block_of_tile,
+    check_device_step,
+    check_flat,
+    check_other,
+    check_same,
+    check_scales,
+)
 
 
 def compute_type(dtype: torch.dtype):

@@ -42,6 +42,7 @@ from triton.language.extra import libdevice
 from ..base_step import adam_scalars
 from ._common import (
     NAMESPACE,
+    check_block_of_tile,
     check_device_step,
     check_flat,
     check_same,
@@ -452,10 +453,7 @@ def _check_correction(param: torch.Tensor, tile: int, correction: torch.Tensor |
     check_flat("correction", correction)
     check_same("correction", correction, "param", param)
     check_flat("correction_scale", correction_scale, dtype=torch.float64, device=param.device)
-    check_flat("block_of_tile", block_of_tile, dtype=torch.int32, device=param.device)
-    n_tiles = param.numel() // tile
-    if block_of_tile.numel() != n_tiles:
-        raise ValueError(f"block_of_tile has {block_of_tile.numel()} entries for {n_tiles} tiles")
+    check_block_of_tile(block_of_tile, param, tile)
     return correction, correction_scale, block_of_tile
 
 

@@ -16,7 +16,16 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
-from ._common import NAMESPACE, check_flat, check_same, check_scales, compute_type, kept_whole, launches
+from ._common import (
+    NAMESPACE,
+    check_block_of_tile,
+    check_flat,
+    check_same,
+    check_scales,
+    compute_type,
+    kept_whole,
+    launches,
+)
 from .perturb import round_to
 
 
@@ -53,10 +62,8 @@ def mix_gradient_(grad: torch.Tensor, correction: torch.Tensor, grad_scale: torc
     check_flat("grad", grad, tile)
     check_same("correction", correction, "grad", grad)
     check_scales(grad_scale, correction_scale, grad)
-    check_flat("block_of_tile", block_of_tile, dtype=torch.int32, device=grad.device)
-    n_tiles = grad.numel() // tile
-    if block_of_tile.numel() != n_tiles:
-        raise ValueError(f"block_of_tile has {block_of_tile.numel()} entries for {n_tiles} tiles")
+    check_block_of_tile(block_of_tile, grad, tile)
+    n_tiles = block_of_tile.numel()
     if n_tiles and launches(_mix_kernel, grad):
         wrap_triton(_mix_kernel)[(n_tiles,)](
             grad,

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
-from ._common import NAMESPACE, check_flat, check_same, compute_type, kept_whole, launches
+from ._common import NAMESPACE, check_block_of_tile, check_flat, check_same, compute_type, kept_whole, launches
 
 
 @triton.jit
@@ -68,10 +68,8 @@ def perturb_(param: torch.Tensor, grad: torch.Tensor, backup: torch.Tensor, scal
     check_same("grad", grad, "param", param)
     check_same("backup", backup, "param", param)
     check_flat("scale", scale, dtype=torch.float64, device=param.device)
-    check_flat("block_of_tile", block_of_tile, dtype=torch.int32, device=param.device)
-    n_tiles = param.numel() // tile
-    if block_of_tile.numel() != n_tiles:
-        raise ValueError(f"block_of_tile has {block_of_tile.numel()} entries for {n_tiles} tiles")
+    check_block_of_tile(block_of_tile, param, tile)
+    n_tiles = block_of_tile.numel()
     if n_tiles and launches(_perturb_kernel, param):
         wrap_triton(_perturb_kernel)[(n_tiles,)](
             param,

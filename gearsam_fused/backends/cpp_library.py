@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from .. import _C  # noqa: F401  (defines the operators this module extends)
-from ..checks import check_device_step, check_flat, check_other, check_same, check_scales
+from ..checks import check_block_of_tile, check_device_step, check_flat, check_other, check_same, check_scales
 
 _FLOATING = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
@@ -58,14 +58,6 @@ def _check_optional_state(name: str, t: torch.Tensor | None, needed: bool, why: 
         check_same(name, t, "param", param)
 
 
-def _check_block_of_tile(block_of_tile: torch.Tensor, param: torch.Tensor, tile: int) -> None:
-    """The int32 block of each of ``param``'s tiles."""
-    _check_flat("block_of_tile", block_of_tile, 0, torch.int32, param)
-    n_tiles = param.numel() // tile
-    if block_of_tile.numel() != n_tiles:
-        raise ValueError(f"block_of_tile has {block_of_tile.numel()} entries for {n_tiles} tiles")
-
-
 def _check_correction(param: torch.Tensor, tile: int, correction, correction_scale, block_of_tile) -> None:
     """LookSAM's correction: all three tensors or none."""
     given = {"correction": correction, "correction_scale": correction_scale, "block_of_tile": block_of_tile}
@@ -78,7 +70,7 @@ def _check_correction(param: torch.Tensor, tile: int, correction, correction_sca
         )
     check_same("correction", correction, "param", param)
     _check_flat("correction_scale", correction_scale, 0, torch.float64, param)
-    _check_block_of_tile(block_of_tile, param, tile)
+    check_block_of_tile(block_of_tile, param, tile)
 
 
 # ------------------------------------------------------------------------------------------- the fakes
@@ -115,7 +107,7 @@ def _perturb(param, grad, backup, scale, block_of_tile, *, tile, adaptive, eta):
     check_same("grad", grad, "param", param)
     check_same("backup", backup, "param", param)
     _check_flat("scale", scale, 0, torch.float64, param)
-    _check_block_of_tile(block_of_tile, param, tile)
+    check_block_of_tile(block_of_tile, param, tile)
 
 
 @torch.library.register_fake("gearsam_fused::restore_")
@@ -132,7 +124,7 @@ def _mix_gradient(grad, correction, grad_scale, correction_scale, block_of_tile,
     _check_floating("grad", grad)
     check_same("correction", correction, "grad", grad)
     check_scales(grad_scale, correction_scale, grad)
-    _check_block_of_tile(block_of_tile, grad, tile)
+    check_block_of_tile(block_of_tile, grad, tile)
 
 
 @torch.library.register_fake("gearsam_fused::exchange_sharpness_")
