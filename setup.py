@@ -25,6 +25,7 @@ import os
 import runpy
 import shutil
 import subprocess
+import sys
 import tempfile
 import warnings
 
@@ -36,6 +37,10 @@ PACKAGES = [
 ]  # fmt: skip
 ABOUT = runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)), "gearsam_fused", "_version.py"))
 DEFAULT_CUDA_ARCHS = "8.0;9.0+PTX"
+# A compiler whose C++ runtime is static (CXX=/opt/gcc/bin/g++ on one CUDA image) links a second libstdc++ into the
+# extension. Exported, its symbols bind to the libstdc++.so that torch loaded first: the streams and locales of two
+# versions mix, and the first error message or file read crashes. Kept private, the copy is whole and harmless.
+LINUX_LINK_FLAGS = ["-Wl,--exclude-libs,ALL"]
 
 
 def _switch(name: str) -> str:
@@ -78,6 +83,12 @@ def _cxx_flags(compiler: str) -> list[str]:
     return flags
 
 
+def _link_flags(cxx_flags: list[str]) -> list[str]:
+    """The link flags: -fopenmp as compiled, and on Linux the symbols of any static library kept private."""
+    flags = [f for f in cxx_flags if f == "-fopenmp"]
+    return flags + LINUX_LINK_FLAGS if sys.platform.startswith("linux") else flags
+
+
 def _extension_build():
     """``(ext_modules, cmdclass)`` for the C++/CUDA extension, or ``([], {})`` when it is skipped."""
     if _switch("GEARSAM_BUILD_CPP") == "0":
@@ -108,7 +119,7 @@ def _extension_build():
 
     cxx_flags = _cxx_flags(compiler)
     sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/cpu/*.cpp"))
-    kwargs = dict(name="gearsam_fused._C", sources=sources, extra_link_args=[f for f in cxx_flags if f == "-fopenmp"])
+    kwargs = dict(name="gearsam_fused._C", sources=sources, extra_link_args=_link_flags(cxx_flags))
     if with_cuda:
         os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_CUDA_ARCHS)
         kwargs["sources"] += sorted(glob.glob("csrc/cuda/*.cu"))

@@ -4,6 +4,7 @@ have no kernel for, and that every CUDA source compiles for Hopper. The operator
 test_library_ops.py; their parity with the reference backend runs with the other backends in test_kernels.py and
 test_engine.py."""
 
+import ast
 import concurrent.futures
 import copy
 import os
@@ -32,6 +33,61 @@ def test_extension_is_built_wherever_a_compiler_is():
     if shutil.which(compiler) is None:
         pytest.skip(f"no C++ compiler ({compiler}) on this machine")
     assert cpp_installed(), f"a C++ compiler is here but gearsam_fused._C is missing: {cpp_ops._load()[1]}"
+
+
+# ------------------------------------------------------------------------------------------- the C++ runtime
+#: libstdc++'s locale and stream classes, mangled: std::locale, basic_istream<char>, basic_ostream<char>, ios_base
+_CPP_RUNTIME = re.compile(r"^_ZNK?(St6locale|Si|So|St8ios_base)")
+needs_elf_tools = pytest.mark.skipif(
+    not os.uname().sysname == "Linux" or shutil.which("nm") is None, reason="reads ELF symbols with nm (Linux)"
+)
+
+
+def _exported_runtime_symbols(library: Path) -> list[str]:
+    """The C++ runtime symbols ``library`` defines and exports: other libraries' references may bind to them."""
+    nm = subprocess.run(["nm", "-D", "--defined-only", str(library)], capture_output=True, text=True, check=True)
+    return [line.split()[-1] for line in nm.stdout.splitlines() if _CPP_RUNTIME.match(line.split()[-1])]
+
+
+def _setup_constant(name: str):
+    """A literal assigned at the top level of setup.py (which cannot be imported: importing it builds)."""
+    for node in ast.parse((CSRC.parent / "setup.py").read_text()).body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == name for t in node.targets):
+            return ast.literal_eval(node.value)
+    raise AssertionError(f"setup.py assigns no {name}")
+
+
+@needs_cpp
+@needs_elf_tools
+def test_the_extension_exports_no_cpp_runtime_of_its_own():
+    """Either the extension uses the libstdc++.so that torch loads, or the copy a static runtime put into it is
+    private. An exported copy binds half to torch's: built so on a CUDA image, every error message crashed."""
+    from gearsam_fused import _C
+
+    assert _exported_runtime_symbols(Path(_C.__file__)) == []
+
+
+@needs_elf_tools
+def test_setups_link_flags_keep_a_static_cpp_runtime_private(tmp_path):
+    """A library with a stream, linked with libstdc++ statically as such a compiler does: it exports the runtime's
+    symbols, and with setup.py's link flags none."""
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        pytest.skip(f"no C++ compiler ({compiler}) on this machine")
+    source = tmp_path / "describe.cpp"
+    source.write_text("#include <sstream>\n#include <string>\n"
+                      "std::string describe(int v) { std::ostringstream s; s << v; return s.str(); }\n")  # fmt: skip
+
+    def build(name: str, flags: list[str]) -> Path:
+        library = tmp_path / f"lib{name}.so"
+        command = [compiler, "-shared", "-fPIC", "-static-libstdc++", str(source), "-o", str(library), *flags]
+        result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+        if result.returncode != 0:
+            pytest.skip(f"{compiler} cannot link libstdc++ statically: {result.stderr[-500:]}")
+        return library
+
+    assert _exported_runtime_symbols(build("exported", [])) != []
+    assert _exported_runtime_symbols(build("private", _setup_constant("LINUX_LINK_FLAGS"))) == []
 
 
 # ------------------------------------------------------------------------------------------- threads

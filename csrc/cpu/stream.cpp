@@ -16,8 +16,7 @@
 namespace gearsam::cpu {
 namespace {
 
-// One line of a sysfs file, or "" where it cannot be read. C stdio, not <fstream>: built with the C++ standard library
-// linked into the extension statically (seen with GCC 13.3), the extension crashed in std::ifstream's operator>>.
+// One line of a sysfs file, or "" where it cannot be read (C stdio: a file holding one number needs no stream).
 std::string read_line(const std::string& path) {
   std::FILE* file = std::fopen(path.c_str(), "r");
   if (file == nullptr) return "";
