@@ -52,7 +52,7 @@ Environment:
                     models 540, train 240); TIMEOUT_<PHASE>, e.g. TIMEOUT_BENCH=300, for one phase
   WORKERS           pytest-xdist processes sharing the GPU in tests (default 8; 0: a single process)
   TEST_TIMEOUT      seconds per test (pytest-timeout; default 300)
-  PYTEST_ARGS       extra pytest arguments for tests, e.g. "-k amp"
+  PYTEST_ARGS       extra pytest arguments for tests, e.g. "-k amp" or "-k 'mix or exchange'" (quotes honoured)
   SANITIZE_TOOLS    compute-sanitizer tools (default "memcheck racecheck"; initcheck and synccheck also work)
   SANITIZE_BIG      1: also the bfloat16 buffer of more than 2**31 elements, about 13 GiB (default 0)
   BENCH_ARGS        extra arguments for benchmarks/run.py, e.g. --quick
@@ -124,6 +124,16 @@ SANITIZE_TOOLS=${SANITIZE_TOOLS:-memcheck racecheck}
 SANITIZE_BIG=${SANITIZE_BIG:-0}
 BENCH_ARGS=${BENCH_ARGS:-}
 MODELS_ARGS=${MODELS_ARGS:-}
+
+split_words() {  # split_words NAME VALUE: array NAME holds VALUE's words, quotes honoured as xargs does them
+  local -n into=$1
+  into=()
+  [ -z "$2" ] || mapfile -t into < <(printf '%s' "$2" | xargs -r printf '%s\n')
+}
+# so that PYTEST_ARGS="-k 'amp or mix'" passes one -k expression, not three words
+split_words PYTEST_WORDS "$PYTEST_ARGS"
+split_words BENCH_WORDS "$BENCH_ARGS"
+split_words MODELS_WORDS "$MODELS_ARGS"
 # compute-sanitizer ships with the toolkit, which is not always on PATH
 SANITIZER=${SANITIZER:-$(command -v compute-sanitizer || echo "${CUDA_HOME:-/usr/local/cuda}/bin/compute-sanitizer")}
 RUN_ID=$(date -u +%Y-%m-%dT%H:%M:%SZ)
@@ -219,10 +229,9 @@ phase_tests() {
   dry || rm -f "$RESULTS_DIR/cuda-tests.xml"
   # xunit1 keeps record_property: the AMP tests write the errors they measured into the XML. -v: each test's name is
   # logged as it finishes, so a phase stopped at its limit still says which tests did not finish (no XML then)
-  # shellcheck disable=SC2086
   step "pytest -m cuda" cuda-tests.log "$PYTHON" -m pytest -m cuda tests -v -rfEs "${parallel[@]}" \
     -p no:cacheprovider --timeout="$TEST_TIMEOUT" --durations=15 -o junit_family=xunit1 \
-    --junitxml="$RESULTS_DIR/cuda-tests.xml" $PYTEST_ARGS
+    --junitxml="$RESULTS_DIR/cuda-tests.xml" "${PYTEST_WORDS[@]}"
 }
 
 phase_sanitize() {
@@ -246,9 +255,8 @@ phase_bench() {
   # the peer contender is optional: without it the suite skips its rows, and the summary says why
   local STEP_NOTE
   STEP_NOTE=$(peer_note)
-  # shellcheck disable=SC2086
   step "run.py" bench.log "$PYTHON" benchmarks/run.py --results "$RESULTS_DIR/bench-runs.jsonl" \
-    --report "$RESULTS_DIR/bench.md" $BENCH_ARGS
+    --report "$RESULTS_DIR/bench.md" "${BENCH_WORDS[@]}"
 }
 
 phase_models() {
@@ -257,10 +265,9 @@ phase_models() {
   local STEP_NOTE
   STEP_NOTE=$(peer_note)
   dry || rm -f "$RESULTS_DIR/models.md"  # the tables of an earlier run are not this run's
-  # shellcheck disable=SC2086
   step "bench_models.py" models.log "$PYTHON" -m pytest -q -rs -p no:cacheprovider benchmarks/bench_models.py \
     --results="$RESULTS_DIR/models-runs.jsonl" --benchmark-quiet --benchmark-disable-gc \
-    --benchmark-storage="file://${TMPDIR:-/tmp}/gearsam-bench-models" -W ignore::DeprecationWarning $MODELS_ARGS
+    --benchmark-storage="file://${TMPDIR:-/tmp}/gearsam-bench-models" -W ignore::DeprecationWarning "${MODELS_WORDS[@]}"
   STEP_NOTE=
   step "tables" models.log "$PYTHON" benchmarks/bench_models.py "$RESULTS_DIR/models-runs.jsonl" \
     "$RESULTS_DIR/models.md"

@@ -149,6 +149,17 @@ def test_the_dry_run_takes_its_knobs_from_the_environment():
     assert "memcheck" not in done.stdout
 
 
+def test_extra_arguments_keep_their_quoted_words_whole():
+    """A -k expression with spaces reaches pytest as one word (it used to split into three: "-k", "resnet50" and
+    "or ..." as paths)."""
+    done = suite("--dry-run", "--only", "tests,bench,models", PYTEST_ARGS="-k 'mix or exchange' -x",
+                 BENCH_ARGS="--quick", MODELS_ARGS='--quick -k "resnet50 or gpt2_small"')  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "--junitxml=" in done.stdout and "cuda-tests.xml -k 'mix or exchange' -x " in done.stdout
+    assert "bench.md --quick " in done.stdout
+    assert "DeprecationWarning --quick -k 'resnet50 or gpt2_small' " in done.stdout
+
+
 def test_the_default_limits_fit_the_split_runs_into_10_minutes_each():
     done = suite("--dry-run")
     limits = {m[1]: int(m[2]) for m in re.finditer(r"^== (\w+) \(limit (\d+) s\)", done.stdout, re.MULTILINE)}
