@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The two device calls of 2026-11-26 (17:11 and 17:23 UTC, one NVIDIA H100), from the repository root, pytorch_optimizer
 # 4.1.0 carried as a wheel in .whl/ and these scripts in gpu/ (gpu/recomp.py is recomp.py beside this file; gpu/setup_orig.py
-# was setup.py as of commit 13ad128). Call 1 wrote into $OUT directly and lost 11 of its 19 files to the limit on
-# files brought back (its models rows, memcheck log, timeline); call 2 packs one tarball.
+# was setup.py as of commit 13ad128). $OUT is the folder copied back from the GPU machine. Of call 1's 19 files, 11
+# did not come back (its models rows, the memcheck log, the timeline): call 2 packs one tarball instead.
 
 # ---- call 1: BUDGET=580 bash gpu/run.sh
 # One device call (repository root; pytorch_optimizer 4.1.0 carried as a wheel in .whl/). Everything goes straight
