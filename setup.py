@@ -37,9 +37,10 @@ PACKAGES = [
 ]  # fmt: skip
 ABOUT = runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)), "gearsam_fused", "_version.py"))
 DEFAULT_CUDA_ARCHS = "8.0;9.0+PTX"
-# A compiler whose C++ runtime is static (CXX=/opt/gcc/bin/g++ on one CUDA image) links a second libstdc++ into the
-# extension. Exported, its symbols bind to the libstdc++.so that torch loaded first: the streams and locales of two
-# versions mix, and the first error message or file read crashes. Kept private, the copy is whole and harmless.
+# A GCC whose -lstdc++ is the static archive (as in some CUDA container images) puts a second C++ runtime into the
+# extension. Exported, that copy's data binds to the libstdc++.so torch loaded first while its functions stay its own:
+# the streams and locales of two versions mix, and the first error message or file read crashes. Kept private, the
+# copy is self-contained; no stream or locale object crosses into torch.
 LINUX_LINK_FLAGS = ["-Wl,--exclude-libs,ALL"]
 
 

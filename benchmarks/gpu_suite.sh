@@ -5,6 +5,8 @@
 # so phases split over several runs into one folder end up in one summary.
 # Exit status: 0 when every phase of this run passed, 1 when one did not, 2 for a usage error.
 set -uo pipefail
+# empty arrays under set -u, and the name references of split_words below
+((BASH_VERSINFO[0] * 100 + BASH_VERSINFO[1] >= 404)) || { echo "gpu_suite.sh needs bash 4.4 or later" >&2; exit 2; }
 
 PHASES=(info build tests sanitize bench models train)
 # seconds per phase (PHASE_TIMEOUT sets them all, TIMEOUT_<PHASE> one of them), small enough that info+build+tests
@@ -127,13 +129,18 @@ MODELS_ARGS=${MODELS_ARGS:-}
 
 split_words() {  # split_words NAME VALUE: array NAME holds VALUE's words, quotes honoured as xargs does them
   local -n into=$1
+  local words
   into=()
-  [ -z "$2" ] || mapfile -t into < <(printf '%s' "$2" | xargs -r printf '%s\n')
+  [ -n "$2" ] || return 0
+  # xargs prints the words it read before a quoting error: the value is refused whole, not cut short
+  words=$(printf '%s' "$2" | xargs -r printf '%s\n' 2>/dev/null) \
+    || usage_error "cannot split ${1%_WORDS} into words (an unmatched quote?): $2"
+  [ -z "$words" ] || mapfile -t into <<<"$words"
 }
 # so that PYTEST_ARGS="-k 'amp or mix'" passes one -k expression, not three words
-split_words PYTEST_WORDS "$PYTEST_ARGS"
-split_words BENCH_WORDS "$BENCH_ARGS"
-split_words MODELS_WORDS "$MODELS_ARGS"
+split_words PYTEST_ARGS_WORDS "$PYTEST_ARGS"
+split_words BENCH_ARGS_WORDS "$BENCH_ARGS"
+split_words MODELS_ARGS_WORDS "$MODELS_ARGS"
 # compute-sanitizer ships with the toolkit, which is not always on PATH
 SANITIZER=${SANITIZER:-$(command -v compute-sanitizer || echo "${CUDA_HOME:-/usr/local/cuda}/bin/compute-sanitizer")}
 RUN_ID=$(date -u +%Y-%m-%dT%H:%M:%SZ)
@@ -231,7 +238,7 @@ phase_tests() {
   # logged as it finishes, so a phase stopped at its limit still says which tests did not finish (no XML then)
   step "pytest -m cuda" cuda-tests.log "$PYTHON" -m pytest -m cuda tests -v -rfEs "${parallel[@]}" \
     -p no:cacheprovider --timeout="$TEST_TIMEOUT" --durations=15 -o junit_family=xunit1 \
-    --junitxml="$RESULTS_DIR/cuda-tests.xml" "${PYTEST_WORDS[@]}"
+    --junitxml="$RESULTS_DIR/cuda-tests.xml" "${PYTEST_ARGS_WORDS[@]}"
 }
 
 phase_sanitize() {
@@ -256,7 +263,7 @@ phase_bench() {
   local STEP_NOTE
   STEP_NOTE=$(peer_note)
   step "run.py" bench.log "$PYTHON" benchmarks/run.py --results "$RESULTS_DIR/bench-runs.jsonl" \
-    --report "$RESULTS_DIR/bench.md" "${BENCH_WORDS[@]}"
+    --report "$RESULTS_DIR/bench.md" "${BENCH_ARGS_WORDS[@]}"
 }
 
 phase_models() {
@@ -267,7 +274,7 @@ phase_models() {
   dry || rm -f "$RESULTS_DIR/models.md"  # the tables of an earlier run are not this run's
   step "bench_models.py" models.log "$PYTHON" -m pytest -q -rs -p no:cacheprovider benchmarks/bench_models.py \
     --results="$RESULTS_DIR/models-runs.jsonl" --benchmark-quiet --benchmark-disable-gc \
-    --benchmark-storage="file://${TMPDIR:-/tmp}/gearsam-bench-models" -W ignore::DeprecationWarning "${MODELS_WORDS[@]}"
+    --benchmark-storage="file://${TMPDIR:-/tmp}/gearsam-bench-models" -W ignore::DeprecationWarning "${MODELS_ARGS_WORDS[@]}"
   STEP_NOTE=
   step "tables" models.log "$PYTHON" benchmarks/bench_models.py "$RESULTS_DIR/models-runs.jsonl" \
     "$RESULTS_DIR/models.md"

@@ -96,7 +96,8 @@ def test_compiled_step_matches_eager(backend, device, rule, base):
 def test_the_compiled_step_stops_recompiling(backend, device, base):
     """The first steps compile a few graphs (SGD's first momentum step; Adam's counts 0, 1, then a symbolic count:
     the kernels take the count, not the floats derived from it, which the compiler would specialise on); after them,
-    none. On CUDA too: a compiled AdamW step on an H100 (torch 2.11) reached dynamo's limit of 8 recompiles."""
+    none. On CUDA too: on an H100 (torch 2.11) a compiled AdamW step's first_step and second_step, which share one
+    dynamo cache, reached its limit of 8 graphs."""
     batches = [(x.to(device), y.to(device)) for x, y in mlp_data(6)]
     model, opt = build("gear-sam", base, backend, device)
     first, second = compiled_steps(opt)

@@ -160,6 +160,12 @@ def test_extra_arguments_keep_their_quoted_words_whole():
     assert "DeprecationWarning --quick -k 'resnet50 or gpt2_small' " in done.stdout
 
 
+def test_an_unmatched_quote_in_extra_arguments_exits_2_naming_the_knob():
+    done = suite("--dry-run", "--only", "tests", PYTEST_ARGS="-k 'mix")
+    assert done.returncode == 2 and "cannot split PYTEST_ARGS into words" in done.stderr, done.stderr
+    assert "pytest -m cuda" not in done.stdout
+
+
 def test_the_default_limits_fit_the_split_runs_into_10_minutes_each():
     done = suite("--dry-run")
     limits = {m[1]: int(m[2]) for m in re.finditer(r"^== (\w+) \(limit (\d+) s\)", done.stdout, re.MULTILINE)}

@@ -1,12 +1,11 @@
 #!/usr/bin/env bash
-# The two device calls of 2026-11-26 (17:11 and 17:23 UTC, one NVIDIA H100), from the repository root, pytorch_optimizer
-# 4.1.0 carried as a wheel in .whl/ and these scripts in gpu/ (gpu/recomp.py is recomp.py beside this file; gpu/setup_orig.py
-# was setup.py as of commit 13ad128). $OUT is the folder copied back from the GPU machine. Of call 1's 19 files, 11
-# did not come back (its models rows, the memcheck log, the timeline): call 2 packs one tarball instead.
+# The two parts of the run of 2026-11-26 (17:11 and 17:23 UTC, one NVIDIA H100), from the repository root, with
+# pytorch_optimizer 4.1.0 installed from a wheel in .whl/ and these scripts in gpu/ (gpu/recomp.py is recomp.py beside
+# this file; gpu/setup_orig.py was setup.py as of commit 13ad128). $OUT is the folder the results were kept from. Of
+# part 1's 19 files, 8 were kept (not its models rows, the memcheck log or the timeline); part 2 packs one tarball.
 
-# ---- call 1: BUDGET=580 bash gpu/run.sh
-# One device call (repository root; pytorch_optimizer 4.1.0 carried as a wheel in .whl/). Everything goes straight
-# into $OUT/gpu-r, so a step stopped at its limit still brings back what it wrote.
+# ---- part 1: BUDGET=580 bash gpu/run.sh
+# Everything goes straight into $OUT/gpu-r, so a step stopped at its limit still leaves what it wrote.
 # build; then side by side: the cpp CPU tests, the cuda tests of the crash fix and the new kernels, memcheck;
 # then alone: the whole step at ResNet-18 shapes with the compiled rows; then alone: bench_models ResNet-50.
 START=$(date +%s); END=$((START + ${BUDGET:-585}))
@@ -37,9 +36,9 @@ tail -3 $R/cpp-cpu-tests.log; tail -4 $R/cuda-tests.log; grep -E "^(FAILED|ERROR
 tail -8 $R/suite-sanitize.txt; grep -c '"name"' $R/bench-runs.jsonl; tail -3 $R/bench-r18.log; tail -5 $R/suite-models.txt
 cat $R/timeline.txt
 
-# ---- call 2: BUDGET=345 bash gpu/run2.sh (its -lstdc++ link flag, a first guess, did not change the build)
-# Second call: why the extension carries its own libstdc++ here (link line, flags), the -lstdc++ fix built and the
-# cpp CPU tests on it; dynamo's recompiles under this torch; bench_models ResNet-50 and GPT-2 small. One tarball back.
+# ---- part 2: BUDGET=345 bash gpu/run2.sh (with -lstdc++ added to setup.py's link flags, which changed nothing)
+# Part 2: why the extension carries its own libstdc++ here (link line, flags), the -lstdc++ fix built and the
+# cpp CPU tests on it; dynamo's recompiles under this torch; bench_models ResNet-50 and GPT-2 small. One tarball.
 START=$(date +%s); END=$((START + ${BUDGET:-360}))
 R=/tmp/gpu-r2; mkdir -p $R
 export PYTHONUNBUFFERED=1
