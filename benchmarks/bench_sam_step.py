@@ -32,6 +32,8 @@ import param_sets
 from conftest import DEVICE, cuda_event_median_ms, cuda_launches, synchronize, warm_up
 
 BYTES_PER_PARAM = 28
+#: of those, the energy pass's: it only reads g (the traffic floor, conftest.MemoryFloor)
+ENERGY_BYTES = 4
 NOT_INSTALLED = contenders.not_installed()  # peers shown as skipped, with the note, instead of left out
 FAMILY_LR = 0.01
 
@@ -98,7 +100,8 @@ def measure(benchmark, record, quick, floor, params, opt, contender: str, extra_
     counted = (BYTES_PER_PARAM + extra_bytes) * params.numel
     fields = dict(
         set=params.name, **fields, contender=contender, parameters=params.numel, tensors=len(params.params),
-        bytes_counted=counted, **floor.fields(counted, benchmark.stats.stats.data, params.numel, contender),
+        bytes_counted=counted,
+        **floor.fields(counted, benchmark.stats.stats.data, params.numel, contender, ENERGY_BYTES * params.numel),
         held_bytes=held, **extra,
     )  # fmt: skip
     benchmark.extra_info.update(fields)

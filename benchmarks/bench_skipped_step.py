@@ -139,9 +139,10 @@ def test_skipped_step(benchmark, record, quick, floor, contender, base):
     per_round = [s / b for s, b in zip(benchmark.stats.stats.data, bare_s)]
     ratio_q1, ratio, ratio_q3 = quartiles(per_round)
     counted = bytes_per_param(contender, base) * params.numel
+    read_only = (0 if contender in (BARE, BARE_FUSED) else ENERGY_BYTES) * params.numel  # the energy pass only reads
     fields = dict(
         set=params.name, base=base, contender=contender, parameters=params.numel, tensors=len(params.params),
-        bytes_counted=counted, **floor.fields(counted, benchmark.stats.stats.data, params.numel, contender),
+        bytes_counted=counted, **floor.fields(counted, benchmark.stats.stats.data, params.numel, contender, read_only),
         paired_bare_ms=1e3 * quartiles(bare_s)[1], over_paired_bare=ratio, over_paired_bare_q1=ratio_q1,
         over_paired_bare_q3=ratio_q3, **extra,
     )  # fmt: skip

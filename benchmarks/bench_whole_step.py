@@ -31,7 +31,8 @@ g and writes the backup and w (16d); restore-and-update reads the backup, g and 
 and the state: SGD with momentum 20d (backup, g, momentum buffer in; w, buffer out), AdamW 28d (backup, g, two
 moments in; w, two moments out). So 40d for SGD and 48d for AdamW, the same yardstick for every SAM contender; the
 bare base step is counted at its own 20d and 28d. GB/s is that count over the median time, ``pct_floor`` compares it with the memory floor
-measured in the same run (``conftest.MemoryFloor``). On CUDA a row also records kernel launches per step (torch profiler) and the median by
+measured in the same run (``conftest.MemoryFloor``), and ``pct_traffic_floor`` (SAM rows) with the floor of its traffic,
+the energy pass's 4d, which only reads, at the read rate measured beside it. On CUDA a row also records kernel launches per step (torch profiler) and the median by
 CUDA events.
 
 The compiled rows record ``compile_s``, the seconds of their calls that compiled (:class:`contenders.CompileTimer`:
@@ -87,7 +88,10 @@ BASES = {
     "SGD": (torch.optim.SGD, {"lr": 0.01, "momentum": 0.9, "weight_decay": 5e-4}),
     "AdamW": (torch.optim.AdamW, {"lr": 1e-3, "weight_decay": 0.01}),
 }
-BYTES_PER_PARAM = {"SGD": 4 + 16 + 20, "AdamW": 4 + 16 + 28}
+#: the energy pass's bytes per parameter: it only reads g, so they count at the read rate in the traffic floor
+#: (conftest.MemoryFloor)
+ENERGY_BYTES = 4
+BYTES_PER_PARAM = {"SGD": ENERGY_BYTES + 16 + 20, "AdamW": ENERGY_BYTES + 16 + 28}
 #: the base optimizer's step alone: w, g and the state in, w and the state out
 BARE_BYTES_PER_PARAM = {"SGD": 20, "AdamW": 28}
 #: the sets of a quick run: a network's shapes and the two sets of many small tensors, where the fusion matters most
@@ -269,8 +273,10 @@ def test_whole_step(benchmark, record, quick, floor, contender, base, set_key):
     timer = opt._timer if contender == COMPILED else getattr(step, "timer", None)  # the compiled rows'
     if contender.endswith(CUDA_GRAPH):
         extra["capture_s"] = step.capture_s
-    bytes_per_param = (BARE_BYTES_PER_PARAM if contender in (BARE, BARE_FUSED) else BYTES_PER_PARAM)[base]
-    measure(benchmark, record, quick, floor, params, opt, step, contender, base, bytes_per_param, timer, **extra)
+    bare = contender in (BARE, BARE_FUSED)
+    bytes_per_param = (BARE_BYTES_PER_PARAM if bare else BYTES_PER_PARAM)[base]
+    measure(benchmark, record, quick, floor, params, opt, step, contender, base, bytes_per_param,
+            0 if bare else ENERGY_BYTES, timer, **extra)  # fmt: skip
 
 
 @pytest.mark.parametrize("base", list(BASES))
@@ -292,13 +298,13 @@ def test_family_whole_step(benchmark, record, quick, floor, variant, contender, 
 
     v = contenders.FAMILY[variant]
     measure(benchmark, record, quick, floor, params, opt, step, contender, base, BYTES_PER_PARAM[base] + v.extra_bytes,
-            variant=variant, rule=v.rule, peer_variant=v.peer, plain_variant=v.plain)  # fmt: skip
+            ENERGY_BYTES, variant=variant, rule=v.rule, peer_variant=v.peer, plain_variant=v.plain)  # fmt: skip
 
 
 def measure(benchmark, record, quick, floor, params, opt, step, contender: str, base: str, bytes_per_param: int,
-            timer=None, **fields):  # fmt: skip
+            read_only_per_param: int, timer=None, **fields):  # fmt: skip
     """Time ``step`` (one whole step of ``opt`` around the base optimizer ``base``, over ``params``) and record the row,
-    counted at ``bytes_per_param``, with ``fields``. ``timer``: a compiled row's :class:`contenders.CompileTimer`,
+    counted at ``bytes_per_param``, ``read_only_per_param`` of them in passes that only read, with ``fields``. ``timer``: a compiled row's :class:`contenders.CompileTimer`,
     whose calls must compile nothing while the row is timed."""
 
     def synchronised_step():
@@ -335,7 +341,8 @@ def measure(benchmark, record, quick, floor, params, opt, step, contender: str, 
     counted = bytes_per_param * params.numel
     fields = dict(
         set=params.name, base=base, contender=contender, parameters=params.numel, tensors=len(params.params),
-        bytes_counted=counted, **floor.fields(counted, benchmark.stats.stats.data, params.numel, contender), **fields, **extra,
+        bytes_counted=counted, **fields, **extra, **floor.fields(
+            counted, benchmark.stats.stats.data, params.numel, contender, read_only_per_param * params.numel),
     )  # fmt: skip
     benchmark.extra_info.update(fields)
     record(**fields)

@@ -12,6 +12,7 @@ import statistics
 import time
 import uuid
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -93,6 +94,13 @@ def cuda_launches(step) -> int:
 FLOOR_CHECKED_FROM = 50_000_000
 
 
+class FloorSample(NamedTuple):
+    """One measurement of the memory floor (:meth:`MemoryFloor._sample`), GB/s by the bytes each kind moves."""
+
+    fastest: float  # the fastest kind's rate
+    read: float  # the read kind's rate: traffic that only reads
+
+
 class MemoryFloor:
     """The machine's streaming bandwidth, the floor every row's counted-bytes rate is compared with: STREAM-like
     kernels over buffers far beyond the caches, run through torch with every thread the benchmarks use, each counted
@@ -129,6 +137,15 @@ class MemoryFloor:
 
     A copy counted at 8 bytes per element, as STREAM counts it, reads two thirds of the machine's bandwidth on a CPU:
     rows of kernels that write mostly what they also read then come out "above the floor".
+
+    Traffic that only reads is slower on some machines than traffic that reads and writes: on this project's 2-core
+    AMD EPYC the read kind moves about 71% of the fastest kind's bytes per second, and so does our energy pass, which
+    only reads. A step with such a pass can then not reach the fastest kind's rate, however good its other passes
+    are. So a row that says how many of its bytes are read-only passes (``read_only``, e.g. SAM's energy pass, 4 per
+    float32 parameter) also gets its **traffic floor**: the rate the machine reaches on that mix, those bytes at the
+    read kind's rate and the rest at the fastest kind's, both measured around each of the row's rounds. The fastest
+    kind's floor stays the one a row is checked against (no row above it); the traffic floor is what a kernel that
+    loses no time of its own reaches.
     """
 
     def __init__(self, elements: int):
@@ -160,12 +177,14 @@ class MemoryFloor:
         rounds = [{kind: self._rate(kind) for kind in self.kinds} for _ in range(10)]
         self.start_gbps = {kind: max(r[kind] for r in rounds) for kind in self.kinds}
         self.kind = "fastest of " + ", ".join(self.kinds)
-        self.samples: list[float] = []  # the floor's rates measured between a row's rounds
+        self.samples: list[FloorSample] = []  # the floor measured between a row's rounds
 
-    def _sample(self) -> float:
-        """One measurement of the floor: every kind once, the fastest rate. Which kind is fastest changes from one
-        moment to the next on a shared machine, by a few percent, and the floor is what the memory can move."""
-        return max(self._rate(kind) for kind in self.kinds)
+    def _sample(self) -> FloorSample:
+        """One measurement of the floor: every kind once, the fastest rate and the read kind's. Which kind is fastest
+        changes from one moment to the next on a shared machine, by a few percent, and the floor is what the memory
+        can move."""
+        rates = {kind: self._rate(kind) for kind in self.kinds}
+        return FloorSample(max(rates.values()), rates["read"])
 
     def _rate(self, kind: str) -> float:
         run, bytes_per_element = self.kinds[kind]
@@ -186,7 +205,7 @@ class MemoryFloor:
 
         return measure_then_setup
 
-    def fields(self, counted: int, round_s: list[float], parameters: int, what: str) -> dict:
+    def fields(self, counted: int, round_s: list[float], parameters: int, what: str, read_only: int = 0) -> dict:
         """A row's rate and floor fields, for ``counted`` bytes moved in each of its timed rounds ``round_s`` (in the
         order they ran, each just after a floor measurement of :meth:`interleaved`). ``gbps`` is the rate of the median
         round; ``floor_gbps`` the median of the floor's measurements; ``pct_floor`` the median over the rounds of each
@@ -194,25 +213,39 @@ class MemoryFloor:
         one more is taken here, after the last round). Pairing each round with its own moment keeps the minutes-long
         swings of a shared machine's bandwidth out of the ratio. Where the row cannot fit in the caches
         (:data:`FLOOR_CHECKED_FROM`) and its rate is above even the best of those measurements, the row is a benchmark
-        bug and ``what`` fails with the numbers, as where that median ratio is above 1."""
+        bug and ``what`` fails with the numbers, as where that median ratio is above 1.
+
+        ``read_only``: how many of the ``counted`` bytes passes that only read move; where it is not 0,
+        ``pct_traffic_floor`` is the median over the rounds of each round's rate over its traffic floor (the class's
+        docstring), measured around it as above."""
         samples, self.samples = self.samples, []
         if len(samples) != len(round_s):
             raise ValueError(f"{what}: {len(round_s)} rounds timed but {len(samples)} floor measurements before them")
+        if not 0 <= read_only <= counted:
+            raise ValueError(f"{what}: {read_only} read-only bytes of {counted} counted")
         samples.append(self._sample())
         gbps = counted / statistics.median(round_s) / 1e9
-        around = [(before + after) / 2 for before, after in zip(samples, samples[1:])]
+        fastest = [sample.fastest for sample in samples]
+        around = [(before + after) / 2 for before, after in zip(fastest, fastest[1:])]
         ratios = [counted / s / 1e9 / floor for s, floor in zip(round_s, around)]
         q1, paired, q3 = statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 else ratios * 3
-        median, best = statistics.median(samples), max(samples)
+        median, best = statistics.median(fastest), max(fastest)
         if parameters >= FLOOR_CHECKED_FROM:
             assert gbps <= best and paired <= 1, (
                 f"{what}: {gbps:.1f} GB/s by counted bytes, {100 * paired:.1f}% of the floor around its rounds, is "
                 f"above the memory floor measured between them (best {best:.1f} GB/s, {self.kind}) at "
                 f"{parameters / 1e6:.0f}M parameters: the count or the floor is wrong"
             )
-        return {"gbps": gbps, "floor_gbps": median, "floor_best_gbps": best, "floor_kind": self.kind,
-                "pct_floor": 100 * paired, "pct_floor_q1": 100 * q1, "pct_floor_q3": 100 * q3,
-                "floor_paired": "each round with the floor around it", "floor_start_gbps": dict(self.start_gbps)}  # fmt: skip
+        fields = {"gbps": gbps, "floor_gbps": median, "floor_best_gbps": best, "floor_kind": self.kind,
+                  "pct_floor": 100 * paired, "pct_floor_q1": 100 * q1, "pct_floor_q3": 100 * q3,
+                  "floor_paired": "each round with the floor around it", "floor_start_gbps": dict(self.start_gbps)}  # fmt: skip
+        if read_only:
+            read = [sample.read for sample in samples]
+            read_around = [(before + after) / 2 for before, after in zip(read, read[1:])]
+            traffic = [counted / (read_only / r + (counted - read_only) / f) for f, r in zip(around, read_around)]
+            fields.update(read_only_bytes=read_only, pct_traffic_floor=100 * statistics.median(
+                counted / s / 1e9 / floor for s, floor in zip(round_s, traffic)))  # fmt: skip
+        return fields
 
 
 @pytest.fixture(scope="session")

@@ -128,6 +128,12 @@ def pct_floor(row: dict) -> float:
     return 100 * counted_gbps(row) / floor_gbps(row)
 
 
+def pct_traffic_floor(row: dict) -> str:
+    """The row's % of its traffic floor (conftest.MemoryFloor: its read-only bytes at the read rate), where the run
+    measured it; '-' otherwise."""
+    return f"{row['pct_traffic_floor']:.0f}" if "pct_traffic_floor" in row else "-"
+
+
 def floor_note(group: list[dict]) -> str:
     """How the floor of a table's rows was measured."""
     first = group[0]
@@ -181,13 +187,13 @@ def sam_step_tables(rows: list[dict]) -> list[str]:
             f"{first['tensors']} tensors; {floor_note(group)}"
             f"{f'; pytorch_optimizer SAM = its faster path here, `{peer_path}`' if len(_peers(sam)) > 1 else ''})",
             "",
-            "| contender | median ms | IQR ms | vs per-tensor loop SAM | vs pytorch_optimizer SAM | GB/s | % of floor | launches | held MB |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "| contender | median ms | IQR ms | vs per-tensor loop SAM | vs pytorch_optimizer SAM | GB/s | % of floor | % of traffic floor | launches | held MB |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for r in group:
             lines.append(
                 f"| {r['contender']} | {r['median_ms']:.3f} | {r['q3_ms'] - r['q1_ms']:.3f} | {_ratio(loop, r['median_ms'])} | "
-                f"{_ratio(peer, r['median_ms'])} | {counted_gbps(r):.1f} | {pct_floor(r):.0f} | {r.get('launches', '-')} | "
+                f"{_ratio(peer, r['median_ms'])} | {counted_gbps(r):.1f} | {pct_floor(r):.0f} | {pct_traffic_floor(r)} | {r.get('launches', '-')} | "
                 f"{r['held_bytes'] / 2**20:.1f} |"
             )
         lines.append("")
@@ -229,8 +235,8 @@ def whole_step_tables(rows: list[dict]) -> list[str]:
             f"{_compiled_note(group)})",
             "",
             "| contender | median ms | IQR ms | vs per-tensor loop | vs pytorch_optimizer | vs compiled foreach SAM | "
-            "/ bare base step | GB/s | % of floor | compile s | launches |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "/ bare base step | GB/s | % of floor | % of traffic floor | compile s | launches |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for r in group:
             over_bare = f"{r['median_ms'] / bare:.2f}x" if bare else "-"
@@ -238,7 +244,7 @@ def whole_step_tables(rows: list[dict]) -> list[str]:
             lines.append(
                 f"| {r['contender']} | {r['median_ms']:.3f} | {r['q3_ms'] - r['q1_ms']:.3f} | {_ratio(loop, r['median_ms'])} | "
                 f"{_ratio(peer, r['median_ms'])} | {_ratio(compiled, r['median_ms'])} | {over_bare} | "
-                f"{counted_gbps(r):.1f} | {pct_floor(r):.0f} | {compile_s} | {r.get('launches', '-')} |"
+                f"{counted_gbps(r):.1f} | {pct_floor(r):.0f} | {pct_traffic_floor(r)} | {compile_s} | {r.get('launches', '-')} |"
             )
         lines.append("")
     if lines:
@@ -246,7 +252,9 @@ def whole_step_tables(rows: list[dict]) -> list[str]:
             "Whole step = `first_step` + `second_step` with the base optimizer's update. \"vs\" columns: the other's median "
             "over this one's (above 1x: this one is faster); \"/ bare base step\": this median over the base optimizer's "
             "step alone (`foreach=True`, no SAM). GB/s from the counted bytes: SGD 40, AdamW 48 per parameter for a SAM "
-            "step, the bare base step its own 20 and 28; % of floor: that rate over the memory floor measured between the row's rounds (median). compile s: "
+            "step, the bare base step its own 20 and 28; % of floor: that rate over the memory floor measured between the row's rounds (median); % of traffic floor: the "
+            "same over the floor of the row's traffic, whose energy pass (4 bytes per parameter) only reads, those bytes at "
+            "the read rate measured beside it (conftest.MemoryFloor). compile s: "
             "the compiled contenders' calls that compiled (the first calls and the first steps' recompiles; not in "
             "their median): the compiled foreach SAM, and our `BACKEND, compiled` (`first_step` and `second_step` under "
             "`torch.compile(fullgraph=True)`); for a `BACKEND, CUDA graph` row (`capturable=True`, the timed step "
@@ -280,8 +288,8 @@ def family_tables(rows: list[dict]) -> list[str]:
             f"{f'; pytorch_optimizer = its faster path here: {faster}' if faster else ''})",
             "",
             "| variant | contender | bytes per parameter | median ms | IQR ms | vs pytorch_optimizer | / own SAM | GB/s | "
-            f"% of floor |{' held MB |' if sam_step else ''}",
-            f"|---|---|---:|---:|---:|---:|---:|---:|---:|{'---:|' if sam_step else ''}",
+            f"% of floor | % of traffic floor |{' held MB |' if sam_step else ''}",
+            f"|---|---|---:|---:|---:|---:|---:|---:|---:|---:|{'---:|' if sam_step else ''}",
         ]
         for r in group:
             peer = peers.get(r["peer_variant"], (None, None))[1]
@@ -291,7 +299,7 @@ def family_tables(rows: list[dict]) -> list[str]:
             lines.append(
                 f"| {r['variant']} | {r['contender']} | {r['bytes_counted'] // r['parameters']} | {r['median_ms']:.3f} | "
                 f"{r['q3_ms'] - r['q1_ms']:.3f} | {_ratio(peer, r['median_ms'])} | {over_plain} | {counted_gbps(r):.1f} | "
-                f"{pct_floor(r):.0f} |{held}"
+                f"{pct_floor(r):.0f} | {pct_traffic_floor(r)} |{held}"
             )
         lines.append("")
     if lines:
@@ -327,8 +335,8 @@ def skipped_step_tables(rows: list[dict]) -> list[str]:
             f"tensors; {floor_note(group)})",
             "",
             "| contender | bytes per parameter | median ms | IQR ms | / bare base step | / bare base step, same round "
-            "[IQR] | GB/s | % of floor | launches |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "[IQR] | GB/s | % of floor | % of traffic floor | launches |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for r in group:
             over_bare = f"{r['median_ms'] / bare:.2f}x" if bare else "-"
@@ -337,7 +345,7 @@ def skipped_step_tables(rows: list[dict]) -> list[str]:
             lines.append(
                 f"| {r['contender']} | {r['bytes_counted'] // r['parameters']} | {r['median_ms']:.3f} | "
                 f"{r['q3_ms'] - r['q1_ms']:.3f} | {over_bare} | {paired} | {counted_gbps(r):.1f} | {pct_floor(r):.0f} | "
-                f"{r.get('launches', '-')} |"
+                f"{pct_traffic_floor(r)} | {r.get('launches', '-')} |"
             )
         lines.append("")
     if lines:
@@ -346,7 +354,9 @@ def skipped_step_tables(rows: list[dict]) -> list[str]:
             'base optimizer\'s update fused over the flat buffers (LookSAM: with its correction). "/ bare base step": '
             'this median over the base optimizer\'s step alone (`foreach=True`); "same round": per round, this step '
             "over a bare base step timed just before it on a copy of the set, median and quartiles over the rounds. "
-            "Bytes per parameter: the row's floor (energy 4, update SGD 20 / AdamW 28, LookSAM's correction 4).",
+            "Bytes per parameter: the row's floor (energy 4, update SGD 20 / AdamW 28, LookSAM's correction 4); % of traffic "
+            "floor: the rate over the floor of that traffic, the energy pass's 4 bytes, which only read, at the read "
+            "rate measured beside it.",
             "",
         ]
     return lines

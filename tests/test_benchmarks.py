@@ -223,7 +223,7 @@ def test_the_whole_step_table_compares_with_the_peers_faster_path():
     text = "\n".join(report.whole_step_tables(rows))
     assert "its faster path here, `pytorch_optimizer`" in text and "memory floor 40 GB/s (update)" in text
     assert (
-        "| cpp | 5.000 | 2.000 | 1.60x | 4.00x | 1.20x | 1.25x | 10.0 | 25 |" in text
+        "| cpp | 5.000 | 2.000 | 1.60x | 4.00x | 1.20x | 1.25x | 10.0 | 25 | - |" in text
     )  # 8/5, 20/5 (not 30/5), 6/5; 5/4
     text = "\n".join(report.whole_step_tables([r for r in rows if r["contender"] != "pytorch_optimizer"]))
     assert "faster path" not in text and "| cpp | 5.000 | 2.000 | 1.60x | 6.00x | 1.20x | 1.25x |" in text
@@ -237,9 +237,9 @@ def test_the_whole_step_table_shows_compile_and_capture_times():
             _row("bench_whole_step", "triton, CUDA graph", 2.4, capture_s=0.31, **common),
             _row("bench_whole_step", "bare base step", 4.0, **common)]  # fmt: skip
     text = "\n".join(report.whole_step_tables(rows))
-    assert "| triton | 5.000 | 2.000 | - | - | - | 1.25x | 10.0 | 25 | - | - |" in text
-    assert "| triton, compiled | 4.000 | 2.000 | - | - | - | 1.00x | 10.0 | 25 | 12 | - |" in text
-    assert "| triton, CUDA graph | 2.400 | 2.000 | - | - | - | 0.60x | 10.0 | 25 | 0.3 | - |" in text
+    assert "| triton | 5.000 | 2.000 | - | - | - | 1.25x | 10.0 | 25 | - | - | - |" in text
+    assert "| triton, compiled | 4.000 | 2.000 | - | - | - | 1.00x | 10.0 | 25 | - | 12 | - |" in text
+    assert "| triton, CUDA graph | 2.400 | 2.000 | - | - | - | 0.60x | 10.0 | 25 | - | 0.3 | - |" in text
     assert "`BACKEND, CUDA graph`" in text and "`BACKEND, compiled`" in text
 
 
@@ -387,7 +387,7 @@ def test_the_family_table_compares_each_variant_with_the_peers_and_its_own_sam()
     assert report.whole_step_tables(rows) == []
     sam_step = [{**r, "benchmark": "bench_sam_step", "held_bytes": 2**21} for r in rows]
     text = "\n".join(report.family_tables(sam_step))
-    assert "| SAM | cpp | 40 | 5.000 | 2.000 | 4.00x | 1.00x | 10.0 | 25 | 2.0 |" in text
+    assert "| SAM | cpp | 40 | 5.000 | 2.000 | 4.00x | 1.00x | 10.0 | 25 | - | 2.0 |" in text
 
 
 def test_the_peers_family_runs_on_the_path_its_name_says():
@@ -409,7 +409,8 @@ def test_a_row_above_the_floor_of_its_own_rounds_fails_where_no_cache_holds_it(m
     """The floor's fields: the rate of the row's median round; its % of the floor the median over its rounds of each
     round's rate over the mean of the floor measured just before and just after it; a row of 50M parameters or more
     above the best of those measurements is a benchmark bug, a smaller one may be in the caches."""
-    floor = _load("conftest").MemoryFloor(2**16)
+    conftest = _load("conftest")
+    floor = conftest.MemoryFloor(2**16)
     # buffers this small stay in the caches, where our kernels do not stream: only STREAM's three kinds and the read
     assert floor.kind == "fastest of copy, triad, update, read"
     assert set(floor.start_gbps) == {"copy", "triad", "update", "read"} and all(
@@ -418,29 +419,88 @@ def test_a_row_above_the_floor_of_its_own_rounds_fails_where_no_cache_holds_it(m
     measure = floor.interleaved()
     for _ in range(3):
         assert measure() is None  # pedantic's setup: nothing to pass on
-    assert len(floor.samples) == 3
-    after = iter([12.0] * 4)  # the measurement after a row's last round, one per row below
+    assert len(floor.samples) == 3 and all(0 < s.read <= s.fastest for s in floor.samples)
+
+    def samples(*fastest):  # the read kind's rate does not enter pct_floor
+        return [conftest.FloorSample(f, 1.0) for f in fastest]
+
+    after = iter(samples(12.0, 12.0, 12.0, 12.0))  # the measurement after a row's last round, one per row below
     monkeypatch.setattr(floor, "_sample", lambda: next(after))
     # 3 rounds of 1e9 bytes at 10, 12 and 11 GB/s; the floor around them 10.5, 11 and 11.5
-    floor.samples = [10.0, 11.0, 11.0]
+    floor.samples = samples(10.0, 11.0, 11.0)
     fields = floor.fields(10**9, [1 / 10, 1 / 12, 1 / 11], 60_000_000, "row")
     assert fields["gbps"] == pytest.approx(11.0) and fields["floor_gbps"] == 11.0 and fields["floor_best_gbps"] == 12.0
     ratios = sorted([10 / 10.5, 12 / 11, 11 / 11.5])
     assert fields["pct_floor"] == pytest.approx(100 * ratios[1])
     quartiles = (50 * (ratios[0] + ratios[1]), 50 * (ratios[1] + ratios[2]))
     assert (fields["pct_floor_q1"], fields["pct_floor_q3"]) == pytest.approx(quartiles)
+    assert "pct_traffic_floor" not in fields  # no read-only bytes said: no traffic floor
     assert floor.samples == []  # each row starts its own measurements
-    floor.samples = [10.0, 12.0, 11.0]
+    floor.samples = samples(10.0, 12.0, 11.0)
     with pytest.raises(AssertionError, match="above the memory floor"):
         floor.fields(10**9, [1 / 12.5] * 3, 60_000_000, "row")
-    floor.samples = [10.0, 10.0, 12.0]  # below the best measurement, above the floor around most of its rounds
+    floor.samples = samples(10.0, 10.0, 12.0)  # below the best measurement, above the floor around most of its rounds
     with pytest.raises(AssertionError, match=r"104\.5% of the floor around its rounds"):
         floor.fields(10**9, [1 / 11.5] * 3, 60_000_000, "row")
-    floor.samples = [10.0, 12.0, 11.0]
+    floor.samples = samples(10.0, 12.0, 11.0)
     assert floor.fields(10**9, [1 / 12.5] * 3, 1_000_000, "row")["gbps"] == pytest.approx(12.5)
-    floor.samples = [10.0, 12.0]
+    floor.samples = samples(10.0, 12.0)
     with pytest.raises(ValueError, match="3 rounds timed but 2 floor measurements"):
         floor.fields(10**9, [1 / 12.5] * 3, 1_000_000, "row")
+
+
+def test_the_traffic_floor_takes_the_read_only_bytes_at_the_read_rate(monkeypatch):
+    """A row with read-only passes: its traffic floor is the rate of its bytes with the read-only ones at the read
+    kind's rate and the rest at the fastest kind's, each the mean of the measurements around the round."""
+    conftest = _load("conftest")
+    floor = conftest.MemoryFloor(2**16)
+    monkeypatch.setattr(floor, "_sample", lambda: conftest.FloorSample(60.0, 60.0))  # after the last round
+    floor.samples = [conftest.FloorSample(60.0, 40.0), conftest.FloorSample(60.0, 20.0)]
+    # 4e9 bytes, 1e9 of them read-only; round 1 around (60, 30): the traffic floor 4 / (1/30 + 3/60) = 48 GB/s;
+    # round 2 around (60, 40): 4 / (1/40 + 3/60) = 53.33 GB/s; both rounds at 40 GB/s, the median their mean
+    fields = floor.fields(4 * 10**9, [0.1, 0.1], 1_000_000, "row", read_only=10**9)
+    assert fields["read_only_bytes"] == 10**9
+    assert fields["pct_traffic_floor"] == pytest.approx(100 * (40 / 48 + 40 / (4 / (1 / 40 + 3 / 60))) / 2)
+    assert fields["pct_floor"] == pytest.approx(100 * 40 / 60)  # the fastest kind's floor: as without read_only
+    for bad in (-1, 4 * 10**9 + 1):
+        floor.samples = [conftest.FloorSample(60.0, 40.0)] * 2
+        with pytest.raises(ValueError, match="read-only bytes"):
+            floor.fields(4 * 10**9, [0.1, 0.1], 1_000_000, "row", read_only=bad)
+
+
+def test_every_table_row_has_as_many_cells_as_its_header():
+    """The rendered tables stay Markdown tables: header, separator and every row with the same number of cells,
+    with the traffic floor's column filled where a row has it and '-' where it does not."""
+    common = {"set": "ResNet-18", "parameters": 10, "tensors": 2, "device": "cpu", "floor_gbps": 40.0,
+              "floor_kind": "update", "gbps": 10.0, "pct_floor": 25.0, "held_bytes": 2**20}  # fmt: skip
+    traffic = {"pct_traffic_floor": 31.0, "read_only_bytes": 40}
+    rows = [
+        _row("bench_sam_step", "cpp", 5.0, rule="sam", bytes_counted=280, **common, **traffic),
+        _row("bench_sam_step", "per-tensor loop", 8.0, rule="sam", bytes_counted=280, **common),
+        _row("bench_whole_step", "cpp", 5.0, base="SGD", bytes_counted=400, **common, **traffic),
+        _row("bench_whole_step", "bare base step", 4.0, base="SGD", bytes_counted=200, **common),
+        _row("bench_skipped_step", "cpp, SAM every-k, skipped step", 5.0, base="SGD", bytes_counted=240, **common,
+             **traffic),
+        _row("bench_whole_step", "cpp", 5.0, base="SGD", bytes_counted=400, variant="GSAM", peer_variant="GSAM",
+             plain_variant="SAM", **common, **traffic),
+        _row("bench_sam_step", "cpp", 5.0, rule="sam", bytes_counted=280, variant="GSAM", peer_variant="GSAM",
+             plain_variant="SAM", **common),
+    ]  # fmt: skip
+    tables = [report.sam_step_tables, report.whole_step_tables, report.skipped_step_tables, report.family_tables]
+    for render in tables:
+        text = "\n".join(render(rows))
+        blocks = [[line for line in block.splitlines() if line.startswith("|")] for block in text.split("\n\n")]
+        tables_here = [lines for lines in blocks if lines]
+        assert tables_here, render.__name__
+        for lines in tables_here:
+            assert len(lines) >= 3 and len({line.count("|") for line in lines}) == 1, (render.__name__, lines)
+        cells = []
+        for lines in tables_here:
+            column = lines[0].split("|").index(" % of traffic floor ")
+            cells += [line.split("|")[column].strip() for line in lines[2:]]
+        assert "31" in cells, (render.__name__, cells)
+    text = "\n".join(report.whole_step_tables(rows))
+    assert "| bare base step | 4.000 | 2.000 | - | - | - | 1.00x | 10.0 | 25 | - | - | - |" in text
 
 
 def test_a_paired_row_keeps_its_rounds_ratio_to_the_floor():
