@@ -5,8 +5,8 @@
 
 For the ``triton`` and ``cpp`` backends, every dtype (float32, bfloat16, float16, float64), plain and adaptive, GEAR
 and SAM allocation, it runs one whole step through the backend: block energy (tile partials, then block sums),
-allocation, perturb, restore; the inner products, the mix and the exchange of the SAM family (``block_dot``,
-``mix_gradient_``, ``exchange_sharpness_``); and the fused base steps (SGD, Adam(W)) against torch's own. The blocks
+allocation, perturb, restore; the inner products, the mix, the exchange and F-SAM's ascent of the SAM family
+(``block_dot``, ``mix_gradient_``, ``exchange_sharpness_``, ``friendly_ascent_``); and the fused base steps (SGD, Adam(W)) against torch's own. The blocks
 hold parameters of 1, 7 and 4097 elements, an empty block, a block whose gradient is all zeros, a parameter without a
 gradient and one exactly a tile long. The C++ kernels also have a scalar variant for buffers that do not allow 16-byte
 access; it runs on a tile of 7 elements and on buffers that start one element past an aligned address. A parameter of
@@ -143,6 +143,39 @@ def check_mix(name: str, dtype: torch.dtype) -> None:
         assert torch.equal(out, k), f"{name} {dtype} exchange: the gradient is not the kept one"
         torch.testing.assert_close(diff, (h.double() - k.double()).to(dtype), rtol=eps, atol=0,
                                    msg=lambda m: f"{name} {dtype} exchange: {m}")  # fmt: skip
+    check_friendly_ascent(name, dtype, backend, blocks)
+
+
+def check_friendly_ascent(name: str, dtype: torch.dtype, backend, blocks) -> None:
+    """F-SAM's ascent (``friendly_ascent_``) through the backend, as FriendlySAM reaches it: its first step copies the
+    gradients into the EMA, a later one gives ``g - sigma * m`` and ``lerp(m, g, 1 - lmbda)`` (against float64, within
+    two units in the last place, 8 absolutely), and a parameter without a gradient keeps its EMA."""
+    params = [p for b in blocks for p in b.params]
+    g = torch.Generator().manual_seed(7)
+    for p, m in zip(params, backend.buffer_tensors("momentum")):
+        if p.grad is None:  # an EMA from the steps where it had one: no step without a gradient may touch it
+            m.copy_(torch.randn(m.shape, generator=g))
+    kept = [m.clone() for m in backend.buffer_tensors("momentum")]
+    backend.friendly_ascent_(0.7, 0.9, first=True)
+    first = [m.clone() for m in backend.buffer_tensors("momentum")]
+    for p, m in zip(params, first):
+        if p.grad is not None:
+            assert torch.equal(m, p.grad), f"{name} {dtype} friendly ascent: the first EMA is not the gradient"
+    for p in (p for p in params if p.grad is not None):
+        p.grad = torch.randn(p.shape, generator=g).to("cuda", dtype)
+    before = [None if p.grad is None else p.grad.clone() for p in params]
+    backend.friendly_ascent_(0.7, 0.9, first=False)
+    eps = torch.finfo(dtype).eps
+    for p, h, m_old, m, m_kept in zip(params, before, first, backend.buffer_tensors("momentum"), kept):
+        if h is None:
+            assert torch.equal(m, m_kept), (
+                f"{name} {dtype} friendly ascent: the EMA of a parameter without a gradient moved"
+            )
+            continue
+        for got, expected, what in ((p.grad, h.double() - 0.7 * m_old.double(), "ascent"),
+                                    (m, 0.9 * m_old.double() + 0.1 * h.double(), "EMA")):  # fmt: skip
+            torch.testing.assert_close(got, expected.to(dtype), rtol=2 * eps, atol=8 * eps,
+                                       msg=lambda msg: f"{name} {dtype} friendly {what}: {msg}")  # fmt: skip
 
 
 def check_scalar_cpp_kernels(dtype: torch.dtype, adaptive: bool) -> None:

@@ -12,6 +12,10 @@
 //                        compute dtype
 //   exchange_sharpness_  (g, correction) <- (correction, g - correction)   WSAM's decoupled step (h - g, then g)
 //
+// and F-SAM's ascent direction, in place on the first gradient g and its EMA m (any contiguous range of a bucket):
+//
+//   friendly_ascent_     (g, m) <- (fma(-sigma, m, g), lerp(m, g, 1 - lmbda)), or m <- g on the first step
+//
 // and, to end the step in one pass, restore_ fused with the base optimizer's update (reads backup, never param, where
 // backup is given; bit for bit what torch's own optimizer gives on the CPU after restore_):
 //
@@ -34,7 +38,7 @@
 //               radius 0 and leaves ema unwritten; a base step writes param = backup (nothing where backup is None)
 //               and nothing else, and does not read grad (it may hold inf or NaN).
 //
-// library.cpp registers these eight as the operators torch.ops.gearsam_fused.<name> (schemas there). ops.cpp checks
+// library.cpp registers these nine as the operators torch.ops.gearsam_fused.<name> (schemas there). ops.cpp checks
 // the arguments and calls the implementation for the tensors' device: namespace cpu (cpu/*.cpp) or namespace cuda
 // (cuda/*.cu, declared and compiled only when WITH_CUDA is defined). Every implementation receives tensors that
 // ops.cpp has already checked, and allocates nothing.
@@ -69,6 +73,7 @@ void restore_(const at::Tensor& param, const at::Tensor& backup, int64_t tile);
 void mix_gradient_(const at::Tensor& grad, const at::Tensor& correction, const at::Tensor& grad_scale,
                    const at::Tensor& correction_scale, const at::Tensor& block_of_tile, int64_t tile);
 void exchange_sharpness_(const at::Tensor& grad, const at::Tensor& correction, int64_t tile);
+void friendly_ascent_(const at::Tensor& grad, const at::Tensor& momentum, double sigma, double lmbda, bool first);
 
 // b - c * d with the product rounded on its own: in device code nvcc would contract a plain `b - c * d` into an fma
 // (the host code is built with -ffp-contract=off).
@@ -207,6 +212,7 @@ struct AdamConstants {
   void mix_gradient(const at::Tensor& grad, const at::Tensor& correction, const at::Tensor& grad_scale,              \
                     const at::Tensor& correction_scale, const at::Tensor& block_of_tile, int64_t tile);              \
   void exchange_sharpness(const at::Tensor& grad, const at::Tensor& correction);                                     \
+  void friendly_ascent(const at::Tensor& grad, const at::Tensor& momentum, double sigma, double lmbda, bool first);   \
   void sgd_step(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& backup,                           \
                 const at::Tensor& momentum_buffer, int64_t tile, const SgdOptions& options,                          \
                 const Correction& correction, const DeviceStep& device_step);                                        \

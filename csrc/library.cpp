@@ -48,6 +48,7 @@ void register_kernels(torch::Library& m) {
   m.impl("restore_", &gearsam::restore_);
   m.impl("mix_gradient_", &gearsam::mix_gradient_);
   m.impl("exchange_sharpness_", &gearsam::exchange_sharpness_);
+  m.impl("friendly_ascent_", &gearsam::friendly_ascent_);
   m.impl("sgd_step_", &sgd_step);
   m.impl("adam_step_", &adam_step);
 }
@@ -85,6 +86,10 @@ TORCH_LIBRARY(gearsam_fused, m) {
   // (grad, correction) = (correction, grad - correction) in place, the difference in float32 (float64 for float64):
   // WSAM's decoupled step takes the base step with the first gradient, then the sharpness h - g.
   m.def("exchange_sharpness_(Tensor(a!) grad, Tensor(b!) correction, *, int tile) -> ()");
+  // (grad, momentum) = (fma(-sigma, momentum, grad), lerp(momentum, grad, 1 - lmbda)) in place, in float32 (float64
+  // for float64), torch's lerp rule; with first, momentum = grad (grad unchanged): F-SAM's ascent direction and its
+  // gradient EMA. Any contiguous range of a bucket (no tiles), so that a parameter without a gradient can be left out.
+  m.def("friendly_ascent_(Tensor(a!) grad, Tensor(b!) momentum, *, float sigma, float lmbda, bool first) -> ()");
   // param = backup (param's own values where backup is None) after one step of torch.optim.SGD on grad, bit for bit;
   // momentum_buffer (given iff momentum != 0) is updated in place, or set to the step's gradient when first. With
   // correction, correction_scale and block_of_tile (all or none) the step's gradient is

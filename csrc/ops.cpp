@@ -290,6 +290,16 @@ void exchange_sharpness_(const at::Tensor& grad, const at::Tensor& correction, i
   GEARSAM_ON_DEVICE_OF(grad, exchange_sharpness, grad, correction);
 }
 
+void friendly_ascent_(const at::Tensor& grad, const at::Tensor& momentum, double sigma, double lmbda, bool first) {
+  check_flat("grad", grad);
+  check_floating("grad", grad);
+  check_same("momentum", momentum, "grad", grad);
+  TORCH_CHECK_VALUE(std::isfinite(sigma), "sigma must be a finite real number, got ", sigma);
+  TORCH_CHECK_VALUE(std::isfinite(lmbda), "lmbda must be a finite real number, got ", lmbda);
+  if (grad.numel() == 0) return;
+  GEARSAM_ON_DEVICE_OF(grad, friendly_ascent, grad, momentum, sigma, lmbda, first);
+}
+
 void sgd_step_(const at::Tensor& param, const at::Tensor& grad, const c10::optional<at::Tensor>& backup,
                const c10::optional<at::Tensor>& momentum_buffer, int64_t tile, const SgdOptions& options,
                const CorrectionArgs& correction, const DeviceStepArgs& device_step) {

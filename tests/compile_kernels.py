@@ -65,6 +65,14 @@ def variants():
             {"grad_ptr": f"*{storage}", "correction_ptr": f"*{storage}"},
             {"TILE": TILE, "COMPUTE": compute},
         )
+        for first, small in ((True, True), (False, True), (False, False)):
+            yield (
+                f"friendly_ascent[{storage},first={first},small={small}]",
+                mix._friendly_kernel,
+                {"grad_ptr": f"*{storage}", "momentum_ptr": f"*{storage}", "n": "i64", "sigma32": "fp32",
+                 "sigma64": "fp64", "weight32": "fp32", "weight64": "fp64"},
+                {"FIRST": first, "SMALL": small, "BLOCK": mix.FRIENDLY_BLOCK, "COMPUTE": compute},
+            )  # fmt: skip
     yield (
         "block_sum",
         energy._block_sum_kernel,

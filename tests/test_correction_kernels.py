@@ -194,6 +194,65 @@ def test_exchanged_sharpness_is_the_difference_rounded_once(backend, device, dty
     assert torch.equal(correction.cpu(), expected[0]) and torch.equal(grad.cpu(), expected[1])
 
 
+# ------------------------------------------------------------------------------------------- F-SAM's ascent
+#: (sigma, lmbda): a small lerp weight 1 - lmbda (torch's lerp anchors at m) and a large one (anchored at g, with
+#: the weight minus 1)
+FRIENDLY = {"small-weight": (1.0, 0.9), "large-weight": (0.7, 0.3)}
+
+
+def _exact_friendly(grad: torch.Tensor, m: torch.Tensor, sigma: float, lmbda: float):
+    """friendly_ascent_'s (grad, m) from rational arithmetic, in the compute type C (float64 for float64, else
+    float32): fma(-C(sigma), m, g) rounded once; the lerp's g - m rounded once, then its fma rounded once (anchored at
+    m with C(1 - lmbda) where that is below 0.5 in size, else at g with C(1 - lmbda) - 1, rounded once); each then
+    rounded once to the stored dtype."""
+    dtype = grad.dtype
+    compute = torch.float64 if dtype == torch.float64 else torch.float32
+    s, w = (torch.tensor(v, dtype=torch.float64).to(compute).item() for v in (sigma, 1.0 - lmbda))
+    small = abs(w) < 0.5
+    coeff = w if small else _round_once(Fraction(w) - 1, compute)
+    ascent, ema = [], []
+    for g, mi in zip(grad.to(compute).tolist(), m.to(compute).tolist()):
+        ascent.append(_round_once(Fraction(g) - Fraction(s) * Fraction(mi), compute))
+        diff = _round_once(Fraction(g) - Fraction(mi), compute)
+        ema.append(_round_once(Fraction(coeff) * Fraction(diff) + Fraction(mi if small else g), compute))
+    return tuple(torch.tensor(v, dtype=compute).to(dtype) for v in (ascent, ema))
+
+
+@pytest.mark.parametrize("flags", list(FRIENDLY))
+@pytest.mark.parametrize("dtype", MIX_FLOATS, ids=str)
+@pytest.mark.parametrize("backend,device", KERNELS)
+def test_friendly_ascent_rounds_each_fma_once(backend, device, dtype, flags):
+    """F-SAM's ascent on a range of a bucket at any offset and length (a whole number of vectors or not, aligned or
+    not): the exact oracle's bits in both buffers, and nothing outside the range touched. The first step copies the
+    gradient into the EMA and leaves the gradient as it is."""
+    sigma, lmbda = FRIENDLY[flags]
+    _, grad, m = buffers(dtype)
+    module = kernel_module(backend)
+    for start, end in [(0, N), (1, N - 3), (5, 6), (64, 64 + 37)]:
+        g_dev, m_dev = grad.to(device, copy=True), m.to(device, copy=True)
+        module.friendly_ascent_(g_dev[start:end], m_dev[start:end], sigma=sigma, lmbda=lmbda, first=False)
+        expected = _exact_friendly(grad[start:end], m[start:end], sigma, lmbda)
+        for got, before, exact in zip((g_dev.cpu(), m_dev.cpu()), (grad, m), expected):
+            assert torch.equal(got[start:end], exact), (start, end)
+            assert torch.equal(got[:start], before[:start]) and torch.equal(got[end:], before[end:]), (start, end)
+    g_dev, m_dev = grad.to(device, copy=True), m.to(device, copy=True)
+    module.friendly_ascent_(g_dev, m_dev, sigma=sigma, lmbda=lmbda, first=True)
+    assert torch.equal(g_dev.cpu(), grad) and torch.equal(m_dev.cpu(), grad)
+
+
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+def test_the_friendly_oracle_fuses_its_products(dtype):
+    """The oracle's ascent and EMA differ on some elements from rounding each product on its own: the comparison above
+    tells the kernels' fmas from a multiply then an add."""
+    _, grad, m = buffers(dtype)
+    for sigma, lmbda in FRIENDLY.values():
+        ascent, ema = _exact_friendly(grad, m, sigma, lmbda)
+        s, w = (torch.tensor(v, dtype=torch.float64).to(dtype) for v in (sigma, 1.0 - lmbda))
+        unfused_ema = m + w * (grad - m) if w < 0.5 else grad + (w - 1) * (grad - m)
+        assert (ema != unfused_ema).any()
+        assert sigma == 1.0 or (ascent != grad - s * m).any()  # a product by 1 is exact: nothing to fuse
+
+
 # ------------------------------------------------------------------------------------------- the correction
 @pytest.mark.parametrize("dtype", FLOATS, ids=str)
 def test_the_oracle_is_a_fused_multiply_add(dtype):

@@ -257,8 +257,9 @@ def test_every_kernel_compiles_for_hopper_without_atomics():
     done = subprocess.run([sys.executable, str(script), "90"], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout)
-    # 4 dtypes x (3 energy: plain, adaptive, product + 2 perturb + 1 restore + 1 mix + 1 exchange) + block sum
-    # + 2 allocation rules + 2 dtypes x (sgd + adam)
-    assert len(report) == 39
+    # 4 dtypes x (3 energy: plain, adaptive, product + 2 perturb + 1 restore + 1 mix + 1 exchange + 3 friendly
+    # ascent: first, later with a small and a large lerp weight) + block sum + 2 allocation rules + 2 dtypes x (sgd
+    # + adam)
+    assert len(report) == 51
     # no atomics (fixed-order reductions), and every division and root correctly rounded, as the reference's
     assert all(v["ptx_lines"] > 10 and v["atomics"] == 0 and v["approx"] == 0 for v in report.values()), report

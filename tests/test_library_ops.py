@@ -162,6 +162,14 @@ def test_opcheck_exchange_sharpness(dtype, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("first", [False, True], ids=["later", "first"])
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+def test_opcheck_friendly_ascent(dtype, device, first):
+    grad, momentum = randn(2, dtype, device)
+    opcheck("friendly_ascent_", (grad[3:-5], momentum[3:-5]), dict(sigma=0.7, lmbda=0.9, first=first))
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("gear", [False, True], ids=["sam-rule", "gear-rule"])
 def test_opcheck_allocate(gear, device):
     opcheck("allocate", *allocate_args(device, gear))
@@ -371,6 +379,11 @@ def _wrong_calls():
         grad, kept = randn(2, f32, "cpu")
         return "exchange_sharpness_", {"grad": grad, "correction": kept, "tile": TILE, **change}
 
+    def friendly(**change):
+        grad, momentum = randn(2, f32, "cpu")
+        return "friendly_ascent_", {"grad": grad, "momentum": momentum, "sigma": 1.0, "lmbda": 0.9, "first": False,
+                                    **change}  # fmt: skip
+
     def sgd(**change):
         (param, grad, backup, buffer), kw = sgd_args(f32, "cpu", "momentum", True, corrected=True)
         return "sgd_step_", {"param": param, "grad": grad, "backup": backup, "momentum_buffer": buffer, **kw, **change}
@@ -409,6 +422,11 @@ def _wrong_calls():
         "mix-block_of_tile-count": lambda: mix(block_of_tile=tables("cpu")[1][:-1]),
         "exchange-tile": lambda: exchange(tile=7),
         "exchange-correction-dtype": lambda: exchange(correction=torch.zeros(N, dtype=f64)),
+        "friendly-int-grad": lambda: friendly(grad=torch.zeros(N, dtype=i32), momentum=torch.zeros(N, dtype=i32)),
+        "friendly-momentum-shape": lambda: friendly(momentum=torch.zeros(N - 1)),
+        "friendly-strided-grad": lambda: friendly(grad=torch.zeros(2 * N)[::2]),
+        "friendly-sigma": lambda: friendly(sigma=float("nan")),
+        "friendly-lmbda": lambda: friendly(lmbda=float("inf")),
         "base-step-dtype": lambda: sgd(**bf16),
         "momentum-missing": lambda: sgd(momentum_buffer=None),
         "momentum-unneeded": lambda: sgd(momentum=0.0),

@@ -73,6 +73,7 @@ def test_every_launcher_is_its_op(ops):
         "restore_": {"param"},
         "mix_gradient_": {"grad"},
         "exchange_sharpness_": {"grad", "correction"},
+        "friendly_ascent_": {"grad", "momentum"},
         "sgd_step_": {"param", "momentum_buffer"},
         "adam_step_": {"param", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"},
     }
@@ -145,6 +146,15 @@ def test_opcheck_mix_gradient_and_exchange_sharpness(ops, backend, device, dtype
     args = (randn(dtype, device, 0), randn(dtype, device, 1), grad_scale, scale, block_of_tile)
     torch.library.opcheck(ops[0].mix_gradient_.default, args, dict(tile=TILE))
     torch.library.opcheck(ops[0].exchange_sharpness_.default, args[:2], dict(tile=TILE))
+
+
+@pytest.mark.parametrize("first", [False, True], ids=["later", "first"])
+@pytest.mark.parametrize("dtype", STORED, ids=str)
+@pytest.mark.parametrize("backend,device", DEVICES)
+def test_opcheck_friendly_ascent(ops, backend, device, dtype, first):
+    """On a range of a bucket that is not a whole number of tiles nor of programs."""
+    args = (randn(dtype, device, 0)[3:-5], randn(dtype, device, 1)[3:-5])
+    torch.library.opcheck(ops[0].friendly_ascent_.default, args, dict(sigma=0.7, lmbda=0.9, first=first))
 
 
 def base_step_args(dtype, device, backup: bool, corrected: bool) -> dict:

@@ -3,7 +3,8 @@
 One file per kernel family, each holding the ``@triton.jit`` kernels and the launcher that checks its tensors and
 picks the grid. All of them work on the flat buffers of :mod:`gearsam_fused.flat`: a bucket is a whole number of
 ``tile``-element tiles, each tile belongs to one block, ``block_of_tile[t]`` names it and
-``first_tile_of_block[b]:first_tile_of_block[b+1]`` is block ``b``'s tile range.
+``first_tile_of_block[b]:first_tile_of_block[b+1]`` is block ``b``'s tile range (``friendly_ascent_`` alone takes any
+contiguous range of a bucket).
 
 ======================  ==========================================================  =====================
 launcher                computes                                                    launches
@@ -14,6 +15,7 @@ perturb\\_               backup = w;  w += scale[block] * T^2 g                 
 restore\\_               w = backup, bit for bit                                     1
 mix_gradient\\_          g = fma(c[block], correction, a[block] * g)                 1
 exchange_sharpness\\_    (g, correction) = (correction, g - correction)              1
+friendly_ascent\\_       (g, m) = (g - sigma * m, lerp(m, g, 1 - lmbda)), F-SAM      1
 sgd_step\\_              w = backup, then torch's SGD step on w and its momentum     1
 adam_step\\_             w = backup, then torch's Adam(W) step on w and its moments  1
 ======================  ==========================================================  =====================
@@ -34,6 +36,7 @@ perturb\\_               param, backup
 restore\\_               param
 mix_gradient\\_          grad
 exchange_sharpness\\_    grad, correction
+friendly_ascent\\_       grad, momentum
 sgd_step\\_              param, momentum_buffer
 adam_step\\_             param, exp_avg, exp_avg_sq, max_exp_avg_sq
 ======================  ==============================================
@@ -62,7 +65,7 @@ through Triton's interpreter.
 from .allocation import allocate
 from .base_step import adam_step_, sgd_step_
 from .energy import block_energy
-from .mix import exchange_sharpness_, mix_gradient_
+from .mix import exchange_sharpness_, friendly_ascent_, mix_gradient_
 from .perturb import perturb_, restore_
 
 __all__ = [
@@ -70,6 +73,7 @@ __all__ = [
     "allocate",
     "block_energy",
     "exchange_sharpness_",
+    "friendly_ascent_",
     "mix_gradient_",
     "perturb_",
     "restore_",

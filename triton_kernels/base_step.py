@@ -53,7 +53,7 @@ from ._common import (
 
 
 @triton.jit
-def _scalar(x32, x64, COMPUTE: tl.constexpr):
+def host_scalar(x32, x64, COMPUTE: tl.constexpr):
     """The host scalar as a COMPUTE value, rounded once: x64 for float64 kernels, x32 otherwise.
 
     Materialised as a typed value rather than left to implicit promotion, so that arithmetic between two scalars
@@ -64,19 +64,19 @@ def _scalar(x32, x64, COMPUTE: tl.constexpr):
 
 @triton.jit
 def _rounded(x, COMPUTE: tl.constexpr):
-    """A float64 value loaded or derived on the device, rounded once to COMPUTE: _scalar's twin for the scalars a
+    """A float64 value loaded or derived on the device, rounded once to COMPUTE: host_scalar's twin for the scalars a
     kernel reads from memory (the float32 cast of a double rounds to nearest-even, as the host's does)."""
     return x.to(COMPUTE)
 
 
 @triton.jit
 def _host_or_device(x32, x64, on_device, HAS_SCALARS: tl.constexpr, COMPUTE: tl.constexpr):
-    """``on_device`` (a COMPUTE value derived from scalars) if HAS_SCALARS, else the host's pair as _scalar gives it:
-    called where today's kernels call _scalar, so that a kernel without scalars is today's to the instruction."""
+    """``on_device`` (a COMPUTE value derived from scalars) if HAS_SCALARS, else the host's pair as host_scalar gives it:
+    called where today's kernels call host_scalar, so that a kernel without scalars is today's to the instruction."""
     if HAS_SCALARS:
         value = on_device
     else:
-        value = _scalar(x32, x64, COMPUTE)
+        value = host_scalar(x32, x64, COMPUTE)
     return value
 
 
@@ -153,9 +153,9 @@ def _sgd_update(param_ptr, grad_ptr, backup_ptr, buf_ptr, corr_ptr, cscale_ptr, 
     if MAXIMIZE:
         g = -g  # a sign flip, as torch's neg: +0 becomes -0
     if HAS_WEIGHT_DECAY:
-        g = tl.fma(_scalar(weight_decay32, weight_decay64, COMPUTE), w, g)
+        g = tl.fma(host_scalar(weight_decay32, weight_decay64, COMPUTE), w, g)
     if HAS_MOMENTUM:
-        momentum = _scalar(momentum32, momentum64, COMPUTE)
+        momentum = host_scalar(momentum32, momentum64, COMPUTE)
         if FIRST:
             buf = g  # torch's first step clones the gradient: no dampening
         elif HAS_SCALARS:
@@ -164,13 +164,15 @@ def _sgd_update(param_ptr, grad_ptr, backup_ptr, buf_ptr, corr_ptr, cscale_ptr, 
                 buf = g
             else:
                 buf = tl.fma(
-                    _scalar(one_minus_dampening32, one_minus_dampening64, COMPUTE),
+                    host_scalar(one_minus_dampening32, one_minus_dampening64, COMPUTE),
                     g,
                     tl.load(buf_ptr + offsets) * momentum,
                 )
         else:
             buf = tl.fma(
-                _scalar(one_minus_dampening32, one_minus_dampening64, COMPUTE), g, tl.load(buf_ptr + offsets) * momentum
+                host_scalar(one_minus_dampening32, one_minus_dampening64, COMPUTE),
+                g,
+                tl.load(buf_ptr + offsets) * momentum,
             )
         tl.store(buf_ptr + offsets, buf)
         if NESTEROV:
@@ -297,17 +299,17 @@ def _adam_update(param_ptr, grad_ptr, backup_ptr, exp_avg_ptr, exp_avg_sq_ptr, m
         if DECOUPLED:
             w = w * _host_or_device(decay32, decay64, decay, HAS_SCALARS, COMPUTE)
         else:
-            g = tl.fma(_scalar(weight_decay32, weight_decay64, COMPUTE), w, g)
+            g = tl.fma(host_scalar(weight_decay32, weight_decay64, COMPUTE), w, g)
     # ATen's lerp: anchored at m for a small weight, at g for a large one (the weight rounded to C decides)
     m = tl.load(exp_avg_ptr + offsets)
-    lerp_weight = _scalar(lerp_weight32, lerp_weight64, COMPUTE)
+    lerp_weight = host_scalar(lerp_weight32, lerp_weight64, COMPUTE)
     diff = g - m
     if LERP_SMALL:
         m = tl.fma(lerp_weight, diff, m)
     else:
         m = tl.fma(lerp_weight - 1.0, diff, g)
-    v = tl.load(exp_avg_sq_ptr + offsets) * _scalar(beta2_32, beta2_64, COMPUTE)
-    v = tl.fma(_scalar(one_minus_beta2_32, one_minus_beta2_64, COMPUTE) * g, g, v)
+    v = tl.load(exp_avg_sq_ptr + offsets) * host_scalar(beta2_32, beta2_64, COMPUTE)
+    v = tl.fma(host_scalar(one_minus_beta2_32, one_minus_beta2_64, COMPUTE) * g, g, v)
     tl.store(exp_avg_ptr + offsets, m)
     tl.store(exp_avg_sq_ptr + offsets, v)
     second = v
@@ -320,7 +322,7 @@ def _adam_update(param_ptr, grad_ptr, backup_ptr, exp_avg_ptr, exp_avg_sq_ptr, m
         _host_or_device(bias_correction2_sqrt32, bias_correction2_sqrt64, bias_correction2_sqrt, HAS_SCALARS, COMPUTE),
         COMPUTE,
     )
-    denom = denom + _scalar(eps32, eps64, COMPUTE)
+    denom = denom + host_scalar(eps32, eps64, COMPUTE)
     update = _div(
         _host_or_device(neg_step_size32, neg_step_size64, neg_step_size, HAS_SCALARS, COMPUTE) * m, denom, COMPUTE
     )
@@ -457,7 +459,7 @@ def _check_correction(param: torch.Tensor, tile: int, correction: torch.Tensor |
     return correction, correction_scale, block_of_tile
 
 
-def _in_compute(x: float, dtype: torch.dtype) -> float:
+def in_compute(x: float, dtype: torch.dtype) -> float:
     """x rounded to ``dtype`` (float32 or float64), back as a Python float. Host arithmetic, no tensor: the launcher
     also runs as the op's fake implementation."""
     if dtype == torch.float64:
@@ -475,8 +477,8 @@ def _pick(plain, with_correction, with_device_args, corrected: tuple, scalars, f
     return (with_device_args if device_args else with_correction if corrected else plain), device_args
 
 
-def _pairs(*values: float) -> tuple[float, ...]:
-    """Each host scalar twice, as the kernels take it: its float32 and its float64 argument (see _scalar)."""
+def pairs(*values: float) -> tuple[float, ...]:
+    """Each host scalar twice, as the kernels take it: its float32 and its float64 argument (see host_scalar)."""
     return tuple(v for value in values for v in (value, value))
 
 
@@ -538,7 +540,7 @@ def sgd_step_(param: torch.Tensor, grad: torch.Tensor, backup: torch.Tensor | No
     device_flags = _device_flags(corrected, scalars, found_inf, backup) if device_args else {}
     wrap_triton(kernel)[(n_tiles,)](
         *pointers,
-        *_pairs(neg_lr, weight_decay, momentum, one_minus_dampening),
+        *pairs(neg_lr, weight_decay, momentum, one_minus_dampening),
         HAS_WEIGHT_DECAY=weight_decay != 0,
         HAS_MOMENTUM=momentum != 0,
         NESTEROV=bool(nesterov),
@@ -598,13 +600,13 @@ def adam_step_(param: torch.Tensor, grad: torch.Tensor, backup: torch.Tensor | N
     wrap_triton(kernel)[(n_tiles,)](
         *pointers,
         *((beta1,) if device_args else ()),
-        *_pairs(lerp_weight, beta2, one_minus_beta2, eps, weight_decay, decay, neg_step_size, bias_correction2_sqrt),
+        *pairs(lerp_weight, beta2, one_minus_beta2, eps, weight_decay, decay, neg_step_size, bias_correction2_sqrt),
         HAS_WEIGHT_DECAY=weight_decay != 0,
         DECOUPLED=bool(decoupled),
         AMSGRAD=bool(amsgrad),
         MAXIMIZE=bool(maximize),
         # ATen picks the lerp's anchor from the weight as rounded to C, so decide on that value
-        LERP_SMALL=abs(_in_compute(lerp_weight, param.dtype)) < 0.5,
+        LERP_SMALL=abs(in_compute(lerp_weight, param.dtype)) < 0.5,
         **device_flags,
         TILE=tile,
         COMPUTE=compute_type(param.dtype),

@@ -5,11 +5,18 @@
                           own, rounded once to the stored dtype
     exchange_sharpness_:  (g_i, correction_i) <- (correction_i, g_i - correction_i), the difference in float32
                           (float64 for float64 buffers), rounded once to the stored dtype
+    friendly_ascent_:     F-SAM's ascent, (g_i, m_i) <- (fma(-sigma, m_i, g_i), lerp(m_i, g_i, 1 - lmbda)), or
+                          m_i <- g_i on the first step; formula and roundings in csrc/cpu/mix.cpp (torch's sub with
+                          alpha and lerp on the CPU)
 
-One program per tile; a tile lies inside one block, so the mix loads its block's two coefficients once.
+One program per tile; a tile lies inside one block, so the mix loads its block's two coefficients once. The ascent
+works on any contiguous range of a bucket (a parameter without a gradient is left out), in masked programs of
+:data:`FRIENDLY_BLOCK` elements.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import triton
@@ -20,13 +27,18 @@ from ._common import (
     NAMESPACE,
     check_block_of_tile,
     check_flat,
+    check_real,
     check_same,
     check_scales,
     compute_type,
     kept_whole,
     launches,
 )
+from .base_step import host_scalar, in_compute, pairs
 from .perturb import round_to
+
+#: elements per program of the ascent, which has no tiles
+FRIENDLY_BLOCK = 1024
 
 
 @triton.jit
@@ -51,6 +63,30 @@ def _exchange_kernel(grad_ptr, correction_ptr, TILE: tl.constexpr, COMPUTE: tl.c
     kept = tl.load(correction_ptr + offsets)
     tl.store(correction_ptr + offsets, round_to(g.to(COMPUTE) - kept.to(COMPUTE), g.dtype))
     tl.store(grad_ptr + offsets, kept)
+
+
+@triton.jit
+def _friendly_kernel(grad_ptr, momentum_ptr, n, sigma32: tl.float32, sigma64: tl.float64, weight32: tl.float32,
+                     weight64: tl.float64, FIRST: tl.constexpr, SMALL: tl.constexpr, BLOCK: tl.constexpr,
+                     COMPUTE: tl.constexpr):  # fmt: skip
+    """(g, m) <- (fma(-sigma, m, g), lerp(m, g, weight)), or m <- g when FIRST; each host scalar as a pair
+    (base_step.host_scalar), SMALL is |weight| < 0.5 in COMPUTE (torch's lerp rule)."""
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < n
+    stored = tl.load(grad_ptr + offsets, mask=mask)
+    if FIRST:
+        tl.store(momentum_ptr + offsets, stored, mask=mask)
+    else:
+        g = stored.to(COMPUTE)
+        m = tl.load(momentum_ptr + offsets, mask=mask).to(COMPUTE)
+        s = host_scalar(sigma32, sigma64, COMPUTE)
+        w = host_scalar(weight32, weight64, COMPUTE)
+        if SMALL:
+            m_new = tl.fma(w, g - m, m)
+        else:
+            m_new = tl.fma(w - 1.0, g - m, g)
+        tl.store(grad_ptr + offsets, round_to(tl.fma(-s, m, g), stored.dtype), mask=mask)
+        tl.store(momentum_ptr + offsets, round_to(m_new, stored.dtype), mask=mask)
 
 
 @kept_whole
@@ -87,4 +123,28 @@ def exchange_sharpness_(grad: torch.Tensor, correction: torch.Tensor, *, tile: i
     if n_tiles and launches(_exchange_kernel, grad):
         wrap_triton(_exchange_kernel)[(n_tiles,)](
             grad, correction, TILE=tile, COMPUTE=compute_type(grad.dtype), enable_fp_fusion=False
+        )
+
+
+@kept_whole
+@triton_op(f"{NAMESPACE}::friendly_ascent_", mutates_args=("grad", "momentum"))
+def friendly_ascent_(grad: torch.Tensor, momentum: torch.Tensor, *, sigma: float, lmbda: float, first: bool) -> None:
+    """In place on both: ``grad`` takes F-SAM's ascent direction, ``momentum`` its EMA update (``first``: ``grad``)."""
+    check_flat("grad", grad)
+    check_same("momentum", momentum, "grad", grad)
+    check_real("sigma", sigma, low=-math.inf)
+    check_real("lmbda", lmbda, low=-math.inf)
+    n = grad.numel()
+    weight = 1.0 - lmbda
+    if n and launches(_friendly_kernel, grad):
+        wrap_triton(_friendly_kernel)[(triton.cdiv(n, FRIENDLY_BLOCK),)](
+            grad,
+            momentum,
+            n,
+            *pairs(sigma, weight),
+            FIRST=first,
+            SMALL=abs(in_compute(weight, grad.dtype)) < 0.5,  # ATen decides on the weight rounded to its compute type
+            BLOCK=FRIENDLY_BLOCK,
+            COMPUTE=compute_type(grad.dtype),
+            enable_fp_fusion=False,
         )

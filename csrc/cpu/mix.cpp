@@ -6,15 +6,20 @@
 //                                                      rounding to the stored dtype
 //   exchange:  (g_i, correction_i) <- (correction_i, g_i - correction_i)    the difference in the compute type,
 //                                                                           rounded once to the stored dtype
+//   friendly:  (g_i, m_i) <- (fma(-s, m_i, g_i), lerp(m_i, g_i, w))    F-SAM's ascent; s = sigma, w = 1 - lmbda
+//                                                                     (in float64, then) in the compute type;
+//              lerp(m, g, w) = |w| < 0.5 ? fma(w, g - m, m) : fma(w - 1, g - m, g), g - m rounded on its own;
+//              on the first step m_i <- g_i instead (g unchanged)
 //
-// as torch's `g.mul_(a).addcmul_(correction, c)` and `g - correction` compute them on the CPU (its addcmul is an fma).
-// The mix's loop is compiled twice, with and without the FMA instruction (vec.h): std::fma is exact either way, a
-// libm call without it.
+// as torch's `g.mul_(a).addcmul_(correction, c)`, `g - correction`, `g.sub_(m, alpha=s)` and `m.lerp_(g, w)` compute
+// them on the CPU (its addcmul, its add with alpha and its lerp are fmas). The mix's and the ascent's loops are
+// compiled twice, with and without the FMA instruction (vec.h): std::fma is exact either way, a libm call without it.
 
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 
 #include "../gearsam.h"
@@ -74,7 +79,52 @@ void exchange_tiles(const at::Tensor& grad, const at::Tensor& correction) {
   });
 }
 
+template <typename scalar_t, typename compute_t = at::opmath_type<scalar_t>>
+GEARSAM_INLINE void friendly_loop(scalar_t* g, scalar_t* m, int64_t n, compute_t s, compute_t w) {
+  const bool small = std::abs(w) < compute_t(0.5);  // torch's lerp: the formula exact at its nearer end
+  const compute_t coeff = small ? w : w - compute_t(1);
+  for (int64_t i = 0; i < n; ++i) {
+    const auto gi = static_cast<compute_t>(g[i]), mi = static_cast<compute_t>(m[i]);
+    const compute_t diff = gi - mi;
+    g[i] = static_cast<scalar_t>(std::fma(-s, mi, gi));
+    m[i] = static_cast<scalar_t>(std::fma(coeff, diff, small ? mi : gi));
+  }
+}
+
+template <typename scalar_t, typename compute_t = at::opmath_type<scalar_t>>
+void friendly_run(scalar_t* g, scalar_t* m, int64_t n, compute_t s, compute_t w) {
+  friendly_loop(g, m, n, s, w);
+}
+
+template <typename scalar_t, typename compute_t = at::opmath_type<scalar_t>>
+GEARSAM_FMA_CLONE void friendly_run_fma(scalar_t* g, scalar_t* m, int64_t n, compute_t s, compute_t w) {
+  friendly_loop(g, m, n, s, w);
+}
+
+template <typename scalar_t>
+void friendly_elements(const at::Tensor& grad, const at::Tensor& momentum, double sigma, double lmbda, bool first) {
+  using compute_t = at::opmath_type<scalar_t>;
+  scalar_t* g = grad.mutable_data_ptr<scalar_t>();
+  scalar_t* m = momentum.mutable_data_ptr<scalar_t>();
+  const auto s = static_cast<compute_t>(sigma), w = static_cast<compute_t>(1.0 - lmbda);
+  const bool fma = cpu_has_fma();
+  at::parallel_for(0, grad.numel(), kGrainElements, [&](int64_t begin, int64_t end) {
+    if (first)
+      std::copy(g + begin, g + end, m + begin);
+    else if (fma)
+      friendly_run_fma(g + begin, m + begin, end - begin, s, w);
+    else
+      friendly_run(g + begin, m + begin, end - begin, s, w);
+  });
+}
+
 }  // namespace
+
+void friendly_ascent(const at::Tensor& grad, const at::Tensor& momentum, double sigma, double lmbda, bool first) {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad.scalar_type(), "gearsam_friendly_ascent_cpu", [&] {
+    friendly_elements<scalar_t>(grad, momentum, sigma, lmbda, first);
+  });
+}
 
 void exchange_sharpness(const at::Tensor& grad, const at::Tensor& correction) {
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad.scalar_type(), "gearsam_exchange_sharpness_cpu",

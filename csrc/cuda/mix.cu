@@ -6,6 +6,8 @@
 //                                                      one rounding to the stored dtype
 //   exchange:  (g_i, correction_i) <- (correction_i, g_i - correction_i)    the difference in the compute type
 //                                                                           (sub_rn), rounded once to the stored dtype
+//   friendly:  (g_i, m_i) <- (fma(-s, m_i, g_i), lerp(m_i, g_i, w)), or m_i <- g_i on the first step: F-SAM's ascent,
+//              formula and roundings in cpu/mix.cpp (fma_rn, sub_rn)
 //
 // Grid-stride over 16-byte vectors with 64-bit indices; a vector never straddles two tiles, so it has one block.
 
@@ -58,6 +60,44 @@ __global__ void exchange_kernel(scalar_t* __restrict__ grad, scalar_t* __restric
 }
 
 template <typename scalar_t, int Vec>
+__global__ void friendly_kernel(scalar_t* __restrict__ grad, scalar_t* __restrict__ momentum, int64_t n_vectors,
+                                double sigma, double lmbda, bool first) {
+  using compute_t = at::opmath_type<scalar_t>;
+  using pack_t = Pack<scalar_t, Vec>;
+  const auto s = static_cast<compute_t>(sigma), w = static_cast<compute_t>(1.0 - lmbda);
+  const bool small = w < compute_t(0.5) && w > compute_t(-0.5);  // torch's lerp rule, as cpu/mix.cpp
+  const compute_t coeff = small ? w : sub_rn(w, compute_t(1));
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t v = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; v < n_vectors; v += stride) {
+    const int64_t i = v * Vec;
+    pack_t g = *reinterpret_cast<const pack_t*>(grad + i);
+    if (first) {
+      *reinterpret_cast<pack_t*>(momentum + i) = g;
+      continue;
+    }
+    pack_t m = *reinterpret_cast<const pack_t*>(momentum + i);
+#pragma unroll
+    for (int k = 0; k < Vec; ++k) {
+      const auto gk = static_cast<compute_t>(g.v[k]), mk = static_cast<compute_t>(m.v[k]);
+      g.v[k] = static_cast<scalar_t>(fma_rn(-s, mk, gk));
+      m.v[k] = static_cast<scalar_t>(fma_rn(coeff, sub_rn(gk, mk), small ? mk : gk));
+    }
+    *reinterpret_cast<pack_t*>(grad + i) = g;
+    *reinterpret_cast<pack_t*>(momentum + i) = m;
+  }
+}
+
+template <typename scalar_t, int Vec>
+void launch_friendly(const at::Tensor& grad, const at::Tensor& momentum, double sigma, double lmbda, bool first,
+                     cudaStream_t stream) {
+  const int64_t n_vectors = grad.numel() / Vec;
+  const int blocks = grid_for((n_vectors + kThreads - 1) / kThreads, grad.get_device());
+  friendly_kernel<scalar_t, Vec><<<blocks, kThreads, 0, stream>>>(
+      grad.mutable_data_ptr<scalar_t>(), momentum.mutable_data_ptr<scalar_t>(), n_vectors, sigma, lmbda, first);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <typename scalar_t, int Vec>
 void launch_exchange(const at::Tensor& grad, const at::Tensor& correction, cudaStream_t stream) {
   const int64_t n_vectors = grad.numel() / Vec;
   const int blocks = grid_for((n_vectors + kThreads - 1) / kThreads, grad.get_device());
@@ -103,6 +143,19 @@ void exchange_sharpness(const at::Tensor& grad, const at::Tensor& correction) {
       launch_exchange<scalar_t, vec>(grad, correction, stream);
     else
       launch_exchange<scalar_t, 1>(grad, correction, stream);
+  });
+}
+
+void friendly_ascent(const at::Tensor& grad, const at::Tensor& momentum, double sigma, double lmbda, bool first) {
+  const c10::cuda::CUDAGuard guard(grad.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad.scalar_type(), "gearsam_friendly_ascent_cuda", [&] {
+    constexpr int vec = kVec<scalar_t>;
+    // a range of a bucket: vectors only where it is a whole number of them and both starts are aligned
+    if (grad.numel() % vec == 0 && vectorizable<vec>(vec, {grad.const_data_ptr(), momentum.const_data_ptr()}))
+      launch_friendly<scalar_t, vec>(grad, momentum, sigma, lmbda, first, stream);
+    else
+      launch_friendly<scalar_t, 1>(grad, momentum, sigma, lmbda, first, stream);
   });
 }
 

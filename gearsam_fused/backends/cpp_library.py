@@ -4,7 +4,7 @@
 Each one applies the argument checks of ``csrc/ops.cpp`` that need no data, in the same order and with the same
 messages, then gives outputs of the right shape, dtype and device without computing anything: the energy is float64
 ``[first_tile_of_block.numel() - 1]`` on ``grad``'s device, ``allocate``'s scale and radius are shaped like the energy, the
-other six operators return nothing. ``register_fake`` also makes them the operators' Meta kernels.
+other seven operators return nothing. ``register_fake`` also makes them the operators' Meta kernels.
 
 ``_C`` names this module as where its fakes live (``m.set_python_module``), so torch checks that they are registered
 from here; ``cpp_ops`` imports it with the extension.
@@ -12,10 +12,20 @@ from here; ``cpp_ops`` imports it with the extension.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .. import _C  # noqa: F401  (defines the operators this module extends)
-from ..checks import check_block_of_tile, check_device_step, check_flat, check_other, check_same, check_scales
+from ..checks import (
+    check_block_of_tile,
+    check_device_step,
+    check_flat,
+    check_other,
+    check_real,
+    check_same,
+    check_scales,
+)
 
 _FLOATING = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
@@ -133,6 +143,15 @@ def _exchange_sharpness(grad, correction, *, tile):
     _check_flat("grad", grad, tile)
     _check_floating("grad", grad)
     check_same("correction", correction, "grad", grad)
+
+
+@torch.library.register_fake("gearsam_fused::friendly_ascent_")
+def _friendly_ascent(grad, momentum, *, sigma, lmbda, first):
+    _check_flat("grad", grad)
+    _check_floating("grad", grad)
+    check_same("momentum", momentum, "grad", grad)
+    check_real("sigma", sigma, low=-math.inf)
+    check_real("lmbda", lmbda, low=-math.inf)
 
 
 @torch.library.register_fake("gearsam_fused::sgd_step_")

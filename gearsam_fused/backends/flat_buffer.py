@@ -204,13 +204,9 @@ class FlatBufferBackend(Backend):
     def friendly_ascent_(self, sigma: float, lmbda: float, first: bool) -> None:
         for bucket in self._live_buckets():
             m = self._flat_buffer(MOMENTUM, bucket)
-            if all(slot.param.grad is not None for slot in bucket.slots):  # the whole bucket, a piece at a time
-                pieces = zip(bucket.grad.split(_CHUNK), m.split(_CHUNK))
-            else:  # a parameter without a gradient keeps its EMA and its zero gradient region, as per tensor
-                pieces = ((_slot_view(bucket.grad, slot), _slot_view(m, slot)) for slot in bucket.slots
-                          if slot.param.grad is not None)  # fmt: skip
-            for g_part, m_part in pieces:
-                friendly_ascent(g_part, m_part, sigma, lmbda, first)
+            for start, end in _ranges_with_gradients(bucket):
+                for g_part, m_part in zip(bucket.grad[start:end].split(_CHUNK), m[start:end].split(_CHUNK)):
+                    friendly_ascent(g_part, m_part, sigma, lmbda, first)
 
     def buffer_tensors(self, name: str) -> list[torch.Tensor]:
         views = {}
@@ -219,6 +215,26 @@ class FlatBufferBackend(Backend):
             for slot in bucket.slots:
                 views[id(slot.param)] = _slot_view(flat, slot)
         return [views[id(p)] for block in self.blocks for p in block.params]
+
+
+def _ranges_with_gradients(bucket: Bucket) -> list[tuple[int, int]]:
+    """The element ranges ``[start, end)`` of the bucket's flat buffers that a pass over the parameters with a
+    gradient covers: the whole bucket when every parameter has one, else each run of consecutive parameters that
+    have one (with the zero padding between them, which F-SAM's ascent leaves zero), so that a parameter without a
+    gradient keeps its F-SAM EMA and its zero gradient region, as per tensor."""
+    if all(slot.param.grad is not None for slot in bucket.slots):
+        return [(0, bucket.grad.numel())]
+    ranges: list[tuple[int, int]] = []
+    previous_has_one = False
+    for slot in bucket.slots:  # in the order of their offsets
+        has_one = slot.param.grad is not None
+        end = slot.offset + slot.view.numel()
+        if has_one and previous_has_one:
+            ranges[-1] = (ranges[-1][0], end)
+        elif has_one:
+            ranges.append((slot.offset, end))
+        previous_has_one = has_one
+    return ranges
 
 
 def _slot_view(flat: torch.Tensor, slot) -> torch.Tensor:
@@ -244,7 +260,7 @@ def _launching_on(device: torch.device):
 
 
 class KernelModule(Protocol):
-    """What :class:`KernelBackend` needs of a kernel module: eight launchers over one bucket's flat buffers, with
+    """What :class:`KernelBackend` needs of a kernel module: nine launchers over one bucket's flat buffers, with
     these keyword signatures. Both kernel modules are namespaces of registered operators (``torch.library``), so that
     ``torch.compile`` and fake tensors see them: ``torch.ops.gearsam_fused`` (the compiled extension, ``csrc/``) and
     ``gearsam_fused.triton_kernels`` (``torch.ops.gearsam_fused_triton``). The formulas are those of
@@ -280,6 +296,12 @@ class KernelModule(Protocol):
     # WSAM's decoupled step: (grad, correction) <- (correction, grad - correction)
     def exchange_sharpness_(self, grad: torch.Tensor, correction: torch.Tensor, *, tile: int) -> None: ...
 
+    # F-SAM's ascent on a contiguous range of a bucket: (grad, momentum) <- (grad - sigma * momentum,
+    # lerp(momentum, grad, 1 - lmbda)), or momentum <- grad when first
+    def friendly_ascent_(
+        self, grad: torch.Tensor, momentum: torch.Tensor, *, sigma: float, lmbda: float, first: bool
+    ) -> None: ...  # fmt: skip
+
     # The base optimizer's update folded into the restore (formulas in gearsam_fused.triton_kernels.base_step); backup
     # None reads w from param (no perturbation to undo), and correction/correction_scale/block_of_tile add LookSAM's term
     # to grad.
@@ -306,8 +328,9 @@ class KernelBackend(FlatBufferBackend):
 
     capturable = True
     family_operators = frozenset(
-        {"keep_gradient_", "block_dot", "block_energy", "kept_energy", "mix_gradient_", "exchange_sharpness_"}
-    )
+        {"keep_gradient_", "block_dot", "block_energy", "kept_energy", "mix_gradient_", "exchange_sharpness_",
+         "friendly_ascent_"}
+    )  # fmt: skip
 
     def __init__(self, blocks, device: torch.device, kernels: KernelModule, param_group=None):
         self.kernels = kernels
@@ -337,6 +360,16 @@ class KernelBackend(FlatBufferBackend):
 
     def _bucket_dot(self, bucket: Bucket) -> torch.Tensor:
         return self._bucket_energy(bucket, False, 0.0, self._flat_correction(bucket), other=bucket.grad)
+
+    @torch.no_grad()
+    def friendly_ascent_(self, sigma: float, lmbda: float, first: bool) -> None:
+        for bucket in self._live_buckets():
+            m = self._flat_buffer(MOMENTUM, bucket)
+            for start, end in _ranges_with_gradients(bucket):
+                with _launching_on(bucket.device):
+                    self.kernels.friendly_ascent_(
+                        bucket.grad[start:end], m[start:end], sigma=sigma, lmbda=lmbda, first=first
+                    )
 
     @torch.no_grad()
     def mix_gradient_(self, grad_scale: torch.Tensor, kept_scale: torch.Tensor) -> None:
