@@ -23,9 +23,9 @@ The parts run as backend operations over the flat buffers (:class:`~gearsam_fuse
 ``keep_gradient_``, ``block_dot``, ``kept_energy``, ``mix_gradient_``, ``exchange_sharpness_``, ``add_kept_``,
 ``friendly_ascent_``), each a pass of its own beside the step's kernels. On the kernel backends (``cpp``,
 ``triton``) the inner product and the norms are the energy kernel's deterministic per-tile reduction
-(``block_energy``, with ``other`` for ``<g, h>``), and GSAM's and WSAM's mix and WSAM's exchange of ``h`` and ``g``
-are kernels of their own (``mix_gradient_``, ``exchange_sharpness_``); WSAM's decoupled sharpness step and F-SAM's
-ascent are torch operations over the flat buffers.
+(``block_energy``, with ``other`` for ``<g, h>``), and GSAM's and WSAM's mix, WSAM's exchange of ``h`` and ``g`` and
+F-SAM's ascent are kernels of their own (``mix_gradient_``, ``exchange_sharpness_``, ``friendly_ascent_``); WSAM's
+decoupled sharpness step is torch operations over the parameters.
 """
 
 from __future__ import annotations
