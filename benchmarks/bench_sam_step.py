@@ -29,11 +29,9 @@ from gearsam_fused.allocation import RULES, SAM_RULE
 
 import contenders
 import param_sets
-from conftest import DEVICE, cuda_event_median_ms, cuda_launches, synchronize, warm_up
+from conftest import DEVICE, ENERGY_BYTES, cuda_event_median_ms, cuda_launches, synchronize, warm_up
 
 BYTES_PER_PARAM = 28
-#: of those, the energy pass's: it only reads g (the traffic floor, conftest.MemoryFloor)
-ENERGY_BYTES = 4
 NOT_INSTALLED = contenders.not_installed()  # peers shown as skipped, with the note, instead of left out
 FAMILY_LR = 0.01
 
@@ -63,13 +61,16 @@ def test_family_sam_step(benchmark, record, quick, floor, variant, contender):
     # lr: WSAM's decoupled step reads it from the param groups, after the base optimizer's (here empty) update
     opt = contenders.make_variant(variant, contender, params.model, params.partition, lr=FAMILY_LR)
     v = contenders.FAMILY[variant]
-    measure(benchmark, record, quick, floor, params, opt, contender, extra_bytes=v.extra_bytes, rule=v.rule,
+    measure(benchmark, record, quick, floor, params, opt, contender, extra_bytes=v.extra_bytes,
+            read_only_bytes=v.read_only_bytes, rule=v.rule,
             variant=variant, peer_variant=v.peer, plain_variant=v.plain)  # fmt: skip
 
 
-def measure(benchmark, record, quick, floor, params, opt, contender: str, extra_bytes: int = 0, **fields):
+def measure(benchmark, record, quick, floor, params, opt, contender: str, extra_bytes: int = 0,
+            read_only_bytes: int = 0, **fields):  # fmt: skip
     """Time ``opt``'s ``first_step`` + ``second_step`` over ``params`` and record the row, with ``fields``; its
-    counted bytes are SAM's plus ``extra_bytes`` per parameter."""
+    counted bytes are SAM's plus ``extra_bytes`` per parameter, ``read_only_bytes`` of those in passes that only read
+    (as SAM's energy pass)."""
 
     def step():
         opt.first_step()
@@ -101,7 +102,8 @@ def measure(benchmark, record, quick, floor, params, opt, contender: str, extra_
     fields = dict(
         set=params.name, **fields, contender=contender, parameters=params.numel, tensors=len(params.params),
         bytes_counted=counted,
-        **floor.fields(counted, benchmark.stats.stats.data, params.numel, contender, ENERGY_BYTES * params.numel),
+        **floor.fields(counted, benchmark.stats.stats.data, params.numel, contender,
+                       (ENERGY_BYTES + read_only_bytes) * params.numel),
         held_bytes=held, **extra,
     )  # fmt: skip
     benchmark.extra_info.update(fields)

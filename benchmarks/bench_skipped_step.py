@@ -45,13 +45,13 @@ from gearsam_fused import GEARSAM, SAM, Every, LookSAM
 
 import contenders
 import param_sets
-from conftest import DEVICE, cuda_event_median_ms, cuda_launches, synchronize, warm_up
+from conftest import DEVICE, ENERGY_BYTES, cuda_event_median_ms, cuda_launches, synchronize, warm_up
 from report import quartiles
 
 SET_KEY = "resnet18"  # CIFAR ResNet-18's shapes: 11.2M parameters in 62 tensors (quick mode: about a million)
 NEVER = 10**9  # k of the schedules: after step 0 every step is skipped
 UPDATE_BYTES = {"SGD": 20, "AdamW": 28}  # the fused update: w, g, state in; w, state out
-ENERGY_BYTES, CORRECTION_BYTES = 4, 4
+CORRECTION_BYTES = 4
 SCHEDULES = {"every-k": Every(NEVER), "LookSAM": LookSAM(NEVER)}
 RULES = {"SAM": SAM, "GEAR-SAM": GEARSAM}
 SKIPPED = ", skipped step"

@@ -30,10 +30,10 @@ Counted bytes per step for d float32 parameters, the floor of a fused step: ener
 g and writes the backup and w (16d); restore-and-update reads the backup, g and the optimizer's state and writes w
 and the state: SGD with momentum 20d (backup, g, momentum buffer in; w, buffer out), AdamW 28d (backup, g, two
 moments in; w, two moments out). So 40d for SGD and 48d for AdamW, the same yardstick for every SAM contender; the
-bare base step is counted at its own 20d and 28d. GB/s is that count over the median time, ``pct_floor`` compares it with the memory floor
-measured in the same run (``conftest.MemoryFloor``), and ``pct_traffic_floor`` (SAM rows) with the floor of its traffic,
-the energy pass's 4d, which only reads, at the read rate measured beside it. On CUDA a row also records kernel launches per step (torch profiler) and the median by
-CUDA events.
+bare base step is counted at its own 20d and 28d. GB/s is that count over the median time, ``pct_floor`` compares it
+with the memory floor measured in the same run (``conftest.MemoryFloor``), and ``pct_traffic_floor`` (SAM rows) with
+the floor of its traffic, the energy pass's 4d, which only reads, at the read rate measured beside it. On CUDA a row
+also records kernel launches per step (torch profiler) and the median by CUDA events.
 
 The compiled rows record ``compile_s``, the seconds of their calls that compiled (:class:`contenders.CompileTimer`:
 the first calls, and the recompiles of the first steps -- SGD's first momentum step, Adam's step counts 0, 1 and then
@@ -80,7 +80,7 @@ from gearsam_fused import SAM, SharpnessAware
 
 import contenders
 import param_sets
-from conftest import DEVICE, cuda_event_median_ms, cuda_launches, synchronize, warm_up
+from conftest import DEVICE, ENERGY_BYTES, cuda_event_median_ms, cuda_launches, synchronize, warm_up
 
 RHO = 0.05
 #: base optimizer name -> (class, hyperparameters) and the bytes counted per parameter for a step with it
@@ -88,9 +88,6 @@ BASES = {
     "SGD": (torch.optim.SGD, {"lr": 0.01, "momentum": 0.9, "weight_decay": 5e-4}),
     "AdamW": (torch.optim.AdamW, {"lr": 1e-3, "weight_decay": 0.01}),
 }
-#: the energy pass's bytes per parameter: it only reads g, so they count at the read rate in the traffic floor
-#: (conftest.MemoryFloor)
-ENERGY_BYTES = 4
 BYTES_PER_PARAM = {"SGD": ENERGY_BYTES + 16 + 20, "AdamW": ENERGY_BYTES + 16 + 28}
 #: the base optimizer's step alone: w, g and the state in, w and the state out
 BARE_BYTES_PER_PARAM = {"SGD": 20, "AdamW": 28}
@@ -298,14 +295,16 @@ def test_family_whole_step(benchmark, record, quick, floor, variant, contender, 
 
     v = contenders.FAMILY[variant]
     measure(benchmark, record, quick, floor, params, opt, step, contender, base, BYTES_PER_PARAM[base] + v.extra_bytes,
-            ENERGY_BYTES, variant=variant, rule=v.rule, peer_variant=v.peer, plain_variant=v.plain)  # fmt: skip
+            ENERGY_BYTES + v.read_only_bytes, variant=variant, rule=v.rule, peer_variant=v.peer,
+            plain_variant=v.plain)  # fmt: skip
 
 
 def measure(benchmark, record, quick, floor, params, opt, step, contender: str, base: str, bytes_per_param: int,
             read_only_per_param: int, timer=None, **fields):  # fmt: skip
     """Time ``step`` (one whole step of ``opt`` around the base optimizer ``base``, over ``params``) and record the row,
-    counted at ``bytes_per_param``, ``read_only_per_param`` of them in passes that only read, with ``fields``. ``timer``: a compiled row's :class:`contenders.CompileTimer`,
-    whose calls must compile nothing while the row is timed."""
+    counted at ``bytes_per_param``, ``read_only_per_param`` of them in passes that only read, with ``fields``.
+    ``timer``: a compiled row's :class:`contenders.CompileTimer`, whose calls must compile nothing while the row is
+    timed."""
 
     def synchronised_step():
         step()

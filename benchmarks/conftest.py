@@ -92,6 +92,9 @@ def cuda_launches(step) -> int:
 #: Parameters from which a row's counted bytes cannot fit in any cache: there, a rate above the floor is a bug in the
 #: benchmark (a wrong count or a wrong floor), and the benchmark fails instead of recording it.
 FLOOR_CHECKED_FROM = 50_000_000
+#: bytes per float32 parameter of a SAM step's energy pass: it only reads g, so the traffic floor (MemoryFloor)
+#: counts them at the read rate
+ENERGY_BYTES = 4
 
 
 class FloorSample(NamedTuple):
@@ -139,9 +142,9 @@ class MemoryFloor:
     rows of kernels that write mostly what they also read then come out "above the floor".
 
     Traffic that only reads is slower on some machines than traffic that reads and writes: on this project's 2-core
-    AMD EPYC the read kind moves about 71% of the fastest kind's bytes per second, and so does our energy pass, which
-    only reads. A step with such a pass can then not reach the fastest kind's rate, however good its other passes
-    are. So a row that says how many of its bytes are read-only passes (``read_only``, e.g. SAM's energy pass, 4 per
+    AMD EPYC the read kind moved 67% of the fastest kind's bytes per second at the start of run ``dd31bf25fe5c``. A
+    step with a pass that only reads can then not reach the fastest kind's rate, however good its other passes are.
+    So a row that says how many of its bytes are read-only passes (``read_only``, e.g. SAM's energy pass, 4 per
     float32 parameter) also gets its **traffic floor**: the rate the machine reaches on that mix, those bytes at the
     read kind's rate and the rest at the fastest kind's, both measured around each of the row's rounds. The fastest
     kind's floor stays the one a row is checked against (no row above it); the traffic floor is what a kernel that
@@ -240,12 +243,19 @@ class MemoryFloor:
                   "pct_floor": 100 * paired, "pct_floor_q1": 100 * q1, "pct_floor_q3": 100 * q3,
                   "floor_paired": "each round with the floor around it", "floor_start_gbps": dict(self.start_gbps)}  # fmt: skip
         if read_only:
-            read = [sample.read for sample in samples]
-            read_around = [(before + after) / 2 for before, after in zip(read, read[1:])]
-            traffic = [counted / (read_only / r + (counted - read_only) / f) for f, r in zip(around, read_around)]
-            fields.update(read_only_bytes=read_only, pct_traffic_floor=100 * statistics.median(
-                counted / s / 1e9 / floor for s, floor in zip(round_s, traffic)))  # fmt: skip
+            fields.update(read_only_bytes=read_only, pct_traffic_floor=_pct_traffic_floor(
+                counted, read_only, round_s, around, [sample.read for sample in samples]))  # fmt: skip
         return fields
+
+
+def _pct_traffic_floor(counted: int, read_only: int, round_s: list[float], fastest_around: list[float],
+                       read: list[float]) -> float:  # fmt: skip
+    """The median over the rounds of each round's rate over its traffic floor (:class:`MemoryFloor`): ``read_only``
+    of the ``counted`` bytes at the read kind's rate around the round (the mean of ``read`` before and after it), the
+    rest at the fastest kind's (``fastest_around``)."""
+    read_around = [(before + after) / 2 for before, after in zip(read, read[1:])]
+    traffic = [counted / (read_only / r + (counted - read_only) / f) for f, r in zip(fastest_around, read_around)]
+    return 100 * statistics.median(counted / s / 1e9 / floor for s, floor in zip(round_s, traffic))
 
 
 @pytest.fixture(scope="session")

@@ -6,8 +6,8 @@
 For the ``triton`` and ``cpp`` backends, every dtype (float32, bfloat16, float16, float64), plain and adaptive, GEAR
 and SAM allocation, it runs one whole step through the backend: block energy (tile partials, then block sums),
 allocation, perturb, restore; the inner products, the mix, the exchange and F-SAM's ascent of the SAM family
-(``block_dot``, ``mix_gradient_``, ``exchange_sharpness_``, ``friendly_ascent_``); and the fused base steps (SGD, Adam(W)) against torch's own. The blocks
-hold parameters of 1, 7 and 4097 elements, an empty block, a block whose gradient is all zeros, a parameter without a
+(``block_dot``, ``mix_gradient_``, ``exchange_sharpness_``, ``friendly_ascent_``); and the fused base steps (SGD,
+Adam(W)) against torch's own. The blocks hold parameters of 1, 7 and 4097 elements, an empty block, a block whose gradient is all zeros, a parameter without a
 gradient and one exactly a tile long. The C++ kernels also have a scalar variant for buffers that do not allow 16-byte
 access; it runs on a tile of 7 elements and on buffers that start one element past an aligned address. A parameter of
 3000 tiles makes every C++ thread block loop over several tiles. ``--big`` adds a bfloat16 parameter of 2**31 + 6149
@@ -116,7 +116,8 @@ def check_inner_products(name: str, dtype: torch.dtype) -> None:
 def check_mix(name: str, dtype: torch.dtype) -> None:
     """The SAM family's mix (``mix_gradient_``), reached through the backend as GSAM reaches it: per block,
     ``g <- a * g + c * kept``, against the same sum in float64: within two units in the last place of the dtype,
-    and 8 of them absolutely (the terms reach 8 while their sum may cancel)."""
+    and 8 of them absolutely (the terms reach 8 while their sum may cancel); then WSAM's exchange and F-SAM's ascent
+    on the same backend (:func:`check_friendly_ascent`)."""
     blocks = make_blocks(dtype, seed=5)
     backend = BACKENDS[name](blocks, torch.device("cuda"))
     backend.keep_gradient_()

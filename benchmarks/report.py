@@ -197,6 +197,14 @@ def sam_step_tables(rows: list[dict]) -> list[str]:
                 f"{r['held_bytes'] / 2**20:.1f} |"
             )
         lines.append("")
+    if lines:
+        lines += [
+            "SAM step = `first_step` + `second_step` with a base optimizer that does nothing: energy, perturbation and "
+            "restore, 28 bytes counted per parameter; % of floor: that rate over the memory floor measured between the "
+            "row's rounds (median); % of traffic floor: the same over the floor of the row's traffic, whose energy pass "
+            "(4 bytes per parameter) only reads, those bytes at the read rate measured beside it.",
+            "",
+        ]
     return lines
 
 
@@ -312,8 +320,11 @@ def family_tables(rows: list[dict]) -> list[str]:
             "SAM's radius); \"/ own SAM\": this median over the same contender's SAM (a GEAR-SAM variant: its GEAR-SAM) "
             "in the same run, the cost of the variant's part. Bytes per parameter: SAM's count (SAM step 28, whole step "
             "SGD 40, AdamW 48) plus what the variant's passes over the flat buffers read and write, each pass counted "
-            "once: GSAM 36 (keeping g 8; <g, h>, ||h||^2, ||g||^2 16; the mix 12), WSAM 36 (keeping g 8; the exchange "
-            "of g and h - g 16; adding h - g after the update 12), F-SAM 16 (the EMA pass: g and m in and out).",
+            "once: GSAM 32 (keeping g 8; <g, h> and ||h||^2 12, read only; the mix 12; ||g||^2 is the first step's "
+            "energy, where runs up to `0441ecd2a291` counted a pass of 4 for it, 36 in all), WSAM 36 (keeping g 8; "
+            "the exchange of g and h - g 16; adding h - g after the update 12), F-SAM 16 (the EMA pass: g and m in and "
+            "out). % of traffic floor: the rate over the floor of that traffic, the passes that only read (SAM's "
+            "energy 4, GSAM's 12 more) at the read rate measured beside it.",
             "",
         ]
     return lines

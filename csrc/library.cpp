@@ -1,4 +1,4 @@
-// The six kernels as operators of torch.library: torch.ops.gearsam_fused.<name>, with the names and keyword arguments
+// The nine kernels as operators of torch.library: torch.ops.gearsam_fused.<name>, with the names and keyword arguments
 // of the Triton launchers (gearsam_fused.triton_kernels), so one backend class drives both. As operators they pass
 // through the dispatcher, so torch.compile, fake tensors and functionalisation see them: each schema declares the
 // inputs it writes (Tensor(a!)), and gearsam_fused/backends/cpp_library.py registers their fake implementations

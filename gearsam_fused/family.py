@@ -25,7 +25,7 @@ The parts run as backend operations over the flat buffers (:class:`~gearsam_fuse
 ``triton``) the inner product and the norms are the energy kernel's deterministic per-tile reduction
 (``block_energy``, with ``other`` for ``<g, h>``), and GSAM's and WSAM's mix, WSAM's exchange of ``h`` and ``g`` and
 F-SAM's ascent are kernels of their own (``mix_gradient_``, ``exchange_sharpness_``, ``friendly_ascent_``); WSAM's
-decoupled sharpness step is torch operations over the parameters.
+decoupled sharpness step is a pass of torch operations over the parameters.
 """
 
 from __future__ import annotations
@@ -71,7 +71,10 @@ class Descent:
     #: (:attr:`~gearsam_fused.backends.base.Backend.family_operators`)
     operations: tuple[str, ...] = ("keep_gradient_",)
 
-    def before_update(self, backend, reduce: Reduce, per_block: bool) -> None:
+    def before_update(self, backend, reduce: Reduce, per_block: bool, first_energy: torch.Tensor | None = None) -> None:
+        """Rewrite the gradients into the descent gradient. ``first_energy``: the first gradient's block energies,
+        summed over the ranks, where the step already took them (its energy pass over ``g`` itself: no ascent, no
+        ASAM scaling), so that they need not be taken again from the kept gradient; None otherwise."""
         raise NotImplementedError
 
     def after_update(self, backend, param_groups: list[dict]) -> None:
@@ -100,10 +103,11 @@ class SurrogateGap(Descent):
     def __repr__(self) -> str:
         return f"SurrogateGap(alpha={self.alpha!r}, eps={self.eps!r})"
 
-    def before_update(self, backend, reduce: Reduce, per_block: bool) -> None:
+    def before_update(self, backend, reduce: Reduce, per_block: bool, first_energy: torch.Tensor | None = None) -> None:
         dot = _over_rule(reduce(backend.block_dot()), per_block)  # <g, h>
         h_norm = _over_rule(reduce(backend.block_energy(False, 0.0)), per_block).sqrt()
-        g_norm = _over_rule(reduce(backend.kept_energy()), per_block).sqrt()
+        g_energy = reduce(backend.kept_energy()) if first_energy is None else first_energy  # the same kernel, g's bits
+        g_norm = _over_rule(g_energy, per_block).sqrt()
         cosine = dot / (h_norm * g_norm + self.eps)
         c = cosine * g_norm / (h_norm + self.eps)
         backend.mix_gradient_(1.0 + self.alpha * c, torch.full_like(c, -self.alpha))
@@ -131,7 +135,7 @@ class WeightedSharpness(Descent):
             return ("keep_gradient_", "exchange_sharpness_", "add_kept_")
         return ("keep_gradient_", "mix_gradient_")
 
-    def before_update(self, backend, reduce: Reduce, per_block: bool) -> None:
+    def before_update(self, backend, reduce: Reduce, per_block: bool, first_energy: torch.Tensor | None = None) -> None:
         if self.decouple:
             backend.exchange_sharpness_()  # the gradients hold g, the kept buffer h - g
             return

@@ -574,7 +574,11 @@ class SharpnessAware(torch.optim.Optimizer):
         if self.schedule is not None and self.schedule.corrects:
             self._orthogonalize()
         if self.descent is not None:
-            self.descent.before_update(self._backend, self._reduce, per_block=self.rule == GEAR_RULE)
+            # the first step's energies are g's own where neither an ascent nor ASAM's scaling came between
+            first_energy = self._run.energy if self.ascent is None and not self.adaptive else None
+            self.descent.before_update(
+                self._backend, self._reduce, per_block=self.rule == GEAR_RULE, first_energy=first_energy
+            )
         if updates is None:
             self._backend.restore_()
             self._per_tensor_base_step()

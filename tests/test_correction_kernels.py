@@ -195,9 +195,10 @@ def test_exchanged_sharpness_is_the_difference_rounded_once(backend, device, dty
 
 
 # ------------------------------------------------------------------------------------------- F-SAM's ascent
-#: (sigma, lmbda): a small lerp weight 1 - lmbda (torch's lerp anchors at m) and a large one (anchored at g, with
-#: the weight minus 1)
-FRIENDLY = {"small-weight": (1.0, 0.9), "large-weight": (0.7, 0.3)}
+#: (sigma, lmbda): a small lerp weight 1 - lmbda (torch's lerp anchors at m), a large one (anchored at g, with the
+#: weight minus 1), and one just below 0.5 in float64 that rounds to 0.5 in float32 (large there, small in float64:
+#: the anchor is decided on the weight in the compute type)
+FRIENDLY = {"small-weight": (1.0, 0.9), "large-weight": (0.7, 0.3), "weight-at-half": (0.3, 0.5 + 2.0**-30)}
 
 
 def _exact_friendly(grad: torch.Tensor, m: torch.Tensor, sigma: float, lmbda: float):
@@ -226,18 +227,21 @@ def test_friendly_ascent_rounds_each_fma_once(backend, device, dtype, flags):
     not): the exact oracle's bits in both buffers, and nothing outside the range touched. The first step copies the
     gradient into the EMA and leaves the gradient as it is."""
     sigma, lmbda = FRIENDLY[flags]
-    _, grad, m = buffers(dtype)
+    # three buffers' worth: ranges longer than two of the Triton kernel's programs
+    grad, m = (torch.cat([t, 1e-3 * t.flip(0), 8.0 * t]) for t in buffers(dtype)[1:])
     module = kernel_module(backend)
-    for start, end in [(0, N), (1, N - 3), (5, 6), (64, 64 + 37)]:
+    for start, end in [(0, 3 * N), (1, 3 * N - 3), (5, 6), (64, 64 + 37)]:
         g_dev, m_dev = grad.to(device, copy=True), m.to(device, copy=True)
         module.friendly_ascent_(g_dev[start:end], m_dev[start:end], sigma=sigma, lmbda=lmbda, first=False)
         expected = _exact_friendly(grad[start:end], m[start:end], sigma, lmbda)
         for got, before, exact in zip((g_dev.cpu(), m_dev.cpu()), (grad, m), expected):
             assert torch.equal(got[start:end], exact), (start, end)
             assert torch.equal(got[:start], before[:start]) and torch.equal(got[end:], before[end:]), (start, end)
+    start, end = 3, N + 5
     g_dev, m_dev = grad.to(device, copy=True), m.to(device, copy=True)
-    module.friendly_ascent_(g_dev, m_dev, sigma=sigma, lmbda=lmbda, first=True)
-    assert torch.equal(g_dev.cpu(), grad) and torch.equal(m_dev.cpu(), grad)
+    module.friendly_ascent_(g_dev[start:end], m_dev[start:end], sigma=sigma, lmbda=lmbda, first=True)
+    assert torch.equal(g_dev.cpu(), grad)
+    assert torch.equal(m_dev.cpu(), torch.cat([m[:start], grad[start:end], m[end:]]))
 
 
 @pytest.mark.parametrize("dtype", FLOATS, ids=str)
@@ -245,12 +249,25 @@ def test_the_friendly_oracle_fuses_its_products(dtype):
     """The oracle's ascent and EMA differ on some elements from rounding each product on its own: the comparison above
     tells the kernels' fmas from a multiply then an add."""
     _, grad, m = buffers(dtype)
-    for sigma, lmbda in FRIENDLY.values():
+    for sigma, lmbda in (FRIENDLY["small-weight"], FRIENDLY["large-weight"]):  # 0.5's products are exact
         ascent, ema = _exact_friendly(grad, m, sigma, lmbda)
         s, w = (torch.tensor(v, dtype=torch.float64).to(dtype) for v in (sigma, 1.0 - lmbda))
         unfused_ema = m + w * (grad - m) if w < 0.5 else grad + (w - 1) * (grad - m)
         assert (ema != unfused_ema).any()
         assert sigma == 1.0 or (ascent != grad - s * m).any()  # a product by 1 is exact: nothing to fuse
+
+
+def test_the_friendly_oracle_anchors_the_lerp_by_the_weight_in_the_compute_type():
+    """At a weight just below 0.5 that rounds to 0.5 in float32, the float32 oracle anchors at g and differs, on some
+    elements, from anchoring at m: the kernels' choice is checked, not just their arithmetic."""
+    _, grad, m = buffers(torch.float32)
+    sigma, lmbda = FRIENDLY["weight-at-half"]
+    w = torch.tensor(1.0 - lmbda, dtype=torch.float64).to(torch.float32)
+    assert w.item() == 0.5 and 1.0 - lmbda < 0.5
+    _, ema = _exact_friendly(grad, m, sigma, lmbda)
+    anchored_at_m = [_round_once(Fraction(w.item()) * Fraction(_round_once(Fraction(g) - Fraction(mi), torch.float32))
+                                 + Fraction(mi), torch.float32) for g, mi in zip(grad.tolist(), m.tolist())]  # fmt: skip
+    assert (ema != torch.tensor(anchored_at_m)).any()
 
 
 # ------------------------------------------------------------------------------------------- the correction

@@ -205,6 +205,37 @@ def test_variant_equals_float64_computation(name, backend, device):
         assert rel_err(flat(model).cpu(), w) <= FP64_STEP_RTOL
 
 
+@pytest.mark.parametrize("backend", ["reference", "torch", "cpp"])
+@pytest.mark.parametrize("name, adaptive, ascent", [("gsam", False, False), ("gear-gsam", False, False),
+                                                    ("gsam-asam", True, False), ("gsam-friendly", False, True)])  # fmt: skip
+def test_gsam_takes_the_first_gradients_energies_from_its_first_step(name, adaptive, ascent, backend, monkeypatch):
+    """Where the first step's energy pass ran over g itself (no ascent, no ASAM scaling), GSAM's ||g|| comes from it:
+    no pass over the kept gradient, and the same bits as with that pass. Otherwise it takes the pass."""
+    if backend == "cpp":
+        pytest.importorskip("gearsam_fused._C")
+    cls = GEARSAM if name.startswith("gear") else SAM
+    parts = dict(descent=SurrogateGap(0.3), ascent=FriendlyAscent(0.5, 0.8) if ascent else None)
+    runs, calls = [], []
+    for reuse in (True, False):
+        if not reuse:  # as if the first step had no energies of g: the kept gradient's pass, every time
+            before_update = SurrogateGap.before_update
+            monkeypatch.setattr(SurrogateGap, "before_update",
+                                lambda self, *args, first_energy=None, **kw: before_update(self, *args, **kw))  # fmt: skip
+        model = tiny_resnet()
+        opt = cls(model, torch.optim.SGD, rho=RHO, backend=backend, adaptive=adaptive, **parts, **SGD_KW)
+        kept_energy = type(opt.backend).kept_energy
+        count = [0]
+        monkeypatch.setattr(type(opt.backend), "kept_energy", lambda self: (count.__setitem__(0, count[0] + 1),
+                                                                            kept_energy(self))[1])  # fmt: skip
+        for xy in batches(3):
+            sam_step(opt, model, xy)
+        runs.append(flat(model))
+        calls.append(count[0])
+        monkeypatch.undo()
+    assert torch.equal(*runs)
+    assert calls == ([3, 3] if adaptive or ascent else [0, 3])
+
+
 @pytest.mark.parametrize("name", ["gsam", "gear-friendly-gsam", "wsam"])
 @pytest.mark.parametrize("base", ["adamw", "sgd-per-tensor"])
 def test_fused_and_per_tensor_base_steps_agree(name, base):

@@ -152,7 +152,7 @@ def test_opcheck_mix_gradient_and_exchange_sharpness(ops, backend, device, dtype
 @pytest.mark.parametrize("dtype", STORED, ids=str)
 @pytest.mark.parametrize("backend,device", DEVICES)
 def test_opcheck_friendly_ascent(ops, backend, device, dtype, first):
-    """On a range of a bucket that is not a whole number of tiles nor of programs."""
+    """On a range of a bucket that is not a whole number of tiles (its exact values: test_correction_kernels.py)."""
     args = (randn(dtype, device, 0)[3:-5], randn(dtype, device, 1)[3:-5])
     torch.library.opcheck(ops[0].friendly_ascent_.default, args, dict(sigma=0.7, lmbda=0.9, first=first))
 

@@ -15,7 +15,7 @@ perturb\\_               backup = w;  w += scale[block] * T^2 g                 
 restore\\_               w = backup, bit for bit                                     1
 mix_gradient\\_          g = fma(c[block], correction, a[block] * g)                 1
 exchange_sharpness\\_    (g, correction) = (correction, g - correction)              1
-friendly_ascent\\_       (g, m) = (g - sigma * m, lerp(m, g, 1 - lmbda)), F-SAM      1
+friendly_ascent\\_       (g, m) = (fma(-sigma, m, g), lerp(m, g, 1 - lmbda))         1
 sgd_step\\_              w = backup, then torch's SGD step on w and its momentum     1
 adam_step\\_             w = backup, then torch's Adam(W) step on w and its moments  1
 ======================  ==========================================================  =====================

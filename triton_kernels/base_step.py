@@ -31,7 +31,6 @@ either device argument runs the ``_device`` kernel (correction or not); all shar
 from __future__ import annotations
 
 import math
-import struct
 
 import torch
 import triton
@@ -47,19 +46,12 @@ from ._common import (
     check_flat,
     check_same,
     compute_type,
+    host_scalar,
+    in_compute,
     kept_whole,
     launches,
+    pairs,
 )
-
-
-@triton.jit
-def host_scalar(x32, x64, COMPUTE: tl.constexpr):
-    """The host scalar as a COMPUTE value, rounded once: x64 for float64 kernels, x32 otherwise.
-
-    Materialised as a typed value rather than left to implicit promotion, so that arithmetic between two scalars
-    (``lerp_weight - 1``) runs in COMPUTE under the interpreter too, where scalar arguments arrive as Python doubles
-    whatever their annotation."""
-    return tl.full([], x64 if COMPUTE == tl.float64 else x32, COMPUTE)
 
 
 @triton.jit
@@ -459,27 +451,11 @@ def _check_correction(param: torch.Tensor, tile: int, correction: torch.Tensor |
     return correction, correction_scale, block_of_tile
 
 
-def in_compute(x: float, dtype: torch.dtype) -> float:
-    """x rounded to ``dtype`` (float32 or float64), back as a Python float. Host arithmetic, no tensor: the launcher
-    also runs as the op's fake implementation."""
-    if dtype == torch.float64:
-        return float(x)
-    try:
-        return struct.unpack("f", struct.pack("f", x))[0]  # the C cast: round to nearest-even
-    except OverflowError:  # rounds past float32's largest value
-        return math.copysign(math.inf, x)
-
-
 def _pick(plain, with_correction, with_device_args, corrected: tuple, scalars, found_inf) -> tuple:
     """``(kernel, whether it takes device arguments)``: the ``_device`` kernel where ``scalars`` or ``found_inf`` is
     given, else the ``_corrected`` twin where a correction is, else the plain kernel."""
     device_args = scalars is not None or found_inf is not None
     return (with_device_args if device_args else with_correction if corrected else plain), device_args
-
-
-def pairs(*values: float) -> tuple[float, ...]:
-    """Each host scalar twice, as the kernels take it: its float32 and its float64 argument (see host_scalar)."""
-    return tuple(v for value in values for v in (value, value))
 
 
 def _device_flags(corrected: tuple, scalars: torch.Tensor | None, found_inf: torch.Tensor | None,

@@ -31,10 +31,12 @@ from ._common import (
     check_same,
     check_scales,
     compute_type,
+    host_scalar,
+    in_compute,
     kept_whole,
     launches,
+    pairs,
 )
-from .base_step import host_scalar, in_compute, pairs
 from .perturb import round_to
 
 #: elements per program of the ascent, which has no tiles
@@ -70,7 +72,7 @@ def _friendly_kernel(grad_ptr, momentum_ptr, n, sigma32: tl.float32, sigma64: tl
                      weight64: tl.float64, FIRST: tl.constexpr, SMALL: tl.constexpr, BLOCK: tl.constexpr,
                      COMPUTE: tl.constexpr):  # fmt: skip
     """(g, m) <- (fma(-sigma, m, g), lerp(m, g, weight)), or m <- g when FIRST; each host scalar as a pair
-    (base_step.host_scalar), SMALL is |weight| < 0.5 in COMPUTE (torch's lerp rule)."""
+    (_common.host_scalar), SMALL is |weight| < 0.5 in COMPUTE (torch's lerp rule)."""
     offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < n
     stored = tl.load(grad_ptr + offsets, mask=mask)

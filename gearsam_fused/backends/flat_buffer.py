@@ -14,7 +14,7 @@ import torch
 
 from ..allocation import GEAR_RULE, check_rule
 from ..base_step import BucketUpdate
-from ..flat import Bucket, FlatLayout
+from ..flat import ALIGN, Bucket, FlatLayout
 from .base import CORRECTION, MOMENTUM, Backend, compute_dtype, friendly_ascent
 
 
@@ -220,15 +220,17 @@ class FlatBufferBackend(Backend):
 def _ranges_with_gradients(bucket: Bucket) -> list[tuple[int, int]]:
     """The element ranges ``[start, end)`` of the bucket's flat buffers that a pass over the parameters with a
     gradient covers: the whole bucket when every parameter has one, else each run of consecutive parameters that
-    have one (with the zero padding between them, which F-SAM's ascent leaves zero), so that a parameter without a
-    gradient keeps its F-SAM EMA and its zero gradient region, as per tensor."""
+    have one (with the zero padding between and after them, which F-SAM's ascent leaves zero), so that a parameter
+    without a gradient keeps its F-SAM EMA and its zero gradient region, as per tensor. Every range starts and ends on
+    a multiple of ``ALIGN`` (or the bucket's end): whole vectors for the kernels."""
     if all(slot.param.grad is not None for slot in bucket.slots):
         return [(0, bucket.grad.numel())]
     ranges: list[tuple[int, int]] = []
     previous_has_one = False
-    for slot in bucket.slots:  # in the order of their offsets
+    for slot in bucket.slots:  # in the order of their offsets, each on a multiple of ALIGN
         has_one = slot.param.grad is not None
         end = slot.offset + slot.view.numel()
+        end = min(end + (-end) % ALIGN, bucket.grad.numel())  # on to the next multiple of ALIGN: zero padding
         if has_one and previous_has_one:
             ranges[-1] = (ranges[-1][0], end)
         elif has_one:
@@ -296,7 +298,7 @@ class KernelModule(Protocol):
     # WSAM's decoupled step: (grad, correction) <- (correction, grad - correction)
     def exchange_sharpness_(self, grad: torch.Tensor, correction: torch.Tensor, *, tile: int) -> None: ...
 
-    # F-SAM's ascent on a contiguous range of a bucket: (grad, momentum) <- (grad - sigma * momentum,
+    # F-SAM's ascent on a contiguous range of a bucket: (grad, momentum) <- (fma(-sigma, momentum, grad),
     # lerp(momentum, grad, 1 - lmbda)), or momentum <- grad when first
     def friendly_ascent_(
         self, grad: torch.Tensor, momentum: torch.Tensor, *, sigma: float, lmbda: float, first: bool
