@@ -17,10 +17,15 @@ step it records:
 The SAM family (``test_family_sam_step``): each variant of :data:`contenders.FAMILY` (GSAM, WSAM, F-SAM, GEAR-SAM with
 GSAM's descent, and SAM and GEAR-SAM as their yardsticks), ours on each backend and pytorch_optimizer's where it has
 it, on :data:`contenders.FAMILY_SET_KEY`, counted at 28d plus the bytes the variant's parts move
-(``Variant.extra_bytes``). Quick mode runs it on one of our backends and the peer's ``foreach`` path only.
+(``Variant.extra_bytes``). Quick mode runs it on one of our backends and the peer's ``foreach`` path only. Each round
+of one of our variants also times, just before it, one step of our plain SAM (GEAR-SAM for a GEAR-SAM variant) on a
+second copy of the set: ``over_paired_plain`` (median, quartiles over the rounds) is the variant's cost over SAM's at
+the same moment, which the ratio of two rows' medians, minutes apart on a shared machine, is not.
 """
 
 from __future__ import annotations
+
+import time
 
 import pytest
 import torch
@@ -30,6 +35,7 @@ from gearsam_fused.allocation import RULES, SAM_RULE
 import contenders
 import param_sets
 from conftest import DEVICE, ENERGY_BYTES, cuda_event_median_ms, cuda_launches, synchronize, warm_up
+from report import quartiles
 
 BYTES_PER_PARAM = 28
 NOT_INSTALLED = contenders.not_installed()  # peers shown as skipped, with the note, instead of left out
@@ -61,16 +67,32 @@ def test_family_sam_step(benchmark, record, quick, floor, variant, contender):
     # lr: WSAM's decoupled step reads it from the param groups, after the base optimizer's (here empty) update
     opt = contenders.make_variant(variant, contender, params.model, params.partition, lr=FAMILY_LR)
     v = contenders.FAMILY[variant]
+    plain = None
+    if contender not in contenders.PEER_PATHS and variant != v.plain:  # ours: paired with our plain SAM, on a copy
+        twin = param_sets.build(contenders.FAMILY_SET_KEY, DEVICE, quick, seed=1)
+        plain = contenders.make_variant(v.plain, contender, twin.model, twin.partition, lr=FAMILY_LR)
     measure(benchmark, record, quick, floor, params, opt, contender, extra_bytes=v.extra_bytes,
-            read_only_bytes=v.read_only_bytes, rule=v.rule,
+            read_only_bytes=v.read_only_bytes, paired=plain, rule=v.rule,
             variant=variant, peer_variant=v.peer, plain_variant=v.plain)  # fmt: skip
 
 
+def sam_step_of(opt):
+    """One synchronised ``first_step`` + ``second_step`` of ``opt``."""
+
+    def step():
+        opt.first_step()
+        opt.second_step()
+        synchronize()
+
+    return step
+
+
 def measure(benchmark, record, quick, floor, params, opt, contender: str, extra_bytes: int = 0,
-            read_only_bytes: int = 0, **fields):  # fmt: skip
+            read_only_bytes: int = 0, paired=None, **fields):  # fmt: skip
     """Time ``opt``'s ``first_step`` + ``second_step`` over ``params`` and record the row, with ``fields``; its
     counted bytes are SAM's plus ``extra_bytes`` per parameter, ``read_only_bytes`` of those in passes that only read
-    (as SAM's energy pass)."""
+    (as SAM's energy pass). ``paired``: an optimizer over a copy of the set whose step is timed just before each
+    round (not in the row's time), recorded as ``paired_plain_ms`` and ``over_paired_plain`` (with its quartiles)."""
 
     def step():
         opt.first_step()
@@ -81,6 +103,18 @@ def measure(benchmark, record, quick, floor, params, opt, contender: str, extra_
         synchronize()
 
     warm_up(synchronised_step)  # kernel compilation, allocator, re-homing of the gradients
+    paired_s: list[float] = []
+    setup = None
+    if paired is not None:
+        paired_step = sam_step_of(paired)
+        warm_up(paired_step)
+
+        def setup():  # not timed by the benchmark: this round's paired step, just before the row's
+            start = time.perf_counter()
+            paired_step()
+            paired_s.append(time.perf_counter() - start)
+            return (), {}
+
     opt.first_step()
     held = contenders.held_bytes(contender, opt)
     opt.second_step()
@@ -97,7 +131,11 @@ def measure(benchmark, record, quick, floor, params, opt, contender: str, extra_
         }
     benchmark.group = f"{fields.get('variant', fields['rule'])} step, {params.name}, {DEVICE}"
     rounds = 3 if quick else max(5, min(30, int(3e8 / params.numel)))
-    benchmark.pedantic(synchronised_step, setup=floor.interleaved(), rounds=rounds, iterations=1)
+    benchmark.pedantic(synchronised_step, setup=floor.interleaved(setup), rounds=rounds, iterations=1)
+    if paired is not None:
+        q1, ratio, q3 = quartiles([s / p for s, p in zip(benchmark.stats.stats.data, paired_s)])
+        extra.update(paired_plain_ms=1e3 * quartiles(paired_s)[1], over_paired_plain=ratio, over_paired_plain_q1=q1,
+                     over_paired_plain_q3=q3)  # fmt: skip
     counted = (BYTES_PER_PARAM + extra_bytes) * params.numel
     fields = dict(
         set=params.name, **fields, contender=contender, parameters=params.numel, tensors=len(params.params),

@@ -275,6 +275,13 @@ def whole_step_tables(rows: list[dict]) -> list[str]:
 FAMILY_STEPS = {"bench_sam_step": "SAM step", "bench_whole_step": "whole step"}
 
 
+def _same_round(row: dict) -> str:
+    """A family row's cost over its plain SAM timed in the same rounds (bench_sam_step), median [quartiles]."""
+    if "over_paired_plain" not in row:
+        return "-"
+    return f"{row['over_paired_plain']:.2f}x [{row['over_paired_plain_q1']:.2f}, {row['over_paired_plain_q3']:.2f}]"
+
+
 def family_tables(rows: list[dict]) -> list[str]:
     """Per benchmark (SAM step, whole step), set and base optimizer: each variant of the SAM family, ours and
     pytorch_optimizer's, against the peer's faster path for the same variant and against the same contender's plain
@@ -295,9 +302,10 @@ def family_tables(rows: list[dict]) -> list[str]:
             f"({first['parameters'] / 1e6:.1f}M parameters in {first['tensors']} tensors; {floor_note(group)}"
             f"{f'; pytorch_optimizer = its faster path here: {faster}' if faster else ''})",
             "",
-            "| variant | contender | bytes per parameter | median ms | IQR ms | vs pytorch_optimizer | / own SAM | GB/s | "
-            f"% of floor | % of traffic floor |{' held MB |' if sam_step else ''}",
-            f"|---|---|---:|---:|---:|---:|---:|---:|---:|---:|{'---:|' if sam_step else ''}",
+            "| variant | contender | bytes per parameter | median ms | IQR ms | vs pytorch_optimizer | / own SAM | "
+            f"{'/ own SAM, same round [IQR] | ' if sam_step else ''}GB/s | % of floor | % of traffic floor |"
+            f"{' held MB |' if sam_step else ''}",
+            f"|---|---|---:|---:|---:|---:|---:|---:|---:|---:|{'---:|---:|' if sam_step else ''}",
         ]
         for r in group:
             peer = peers.get(r["peer_variant"], (None, None))[1]
@@ -306,7 +314,8 @@ def family_tables(rows: list[dict]) -> list[str]:
             held = f" {r['held_bytes'] / 2**20:.1f} |" if sam_step else ""
             lines.append(
                 f"| {r['variant']} | {r['contender']} | {r['bytes_counted'] // r['parameters']} | {r['median_ms']:.3f} | "
-                f"{r['q3_ms'] - r['q1_ms']:.3f} | {_ratio(peer, r['median_ms'])} | {over_plain} | {counted_gbps(r):.1f} | "
+                f"{r['q3_ms'] - r['q1_ms']:.3f} | {_ratio(peer, r['median_ms'])} | {over_plain} | "
+                f"{_same_round(r) + ' | ' if sam_step else ''}{counted_gbps(r):.1f} | "
                 f"{pct_floor(r):.0f} | {pct_traffic_floor(r)} |{held}"
             )
         lines.append("")
@@ -318,7 +327,8 @@ def family_tables(rows: list[dict]) -> list[str]:
             '`gradient_decompose`, `un_perturb`, the base step). "vs pytorch_optimizer": the peer\'s faster path for '
             "the same variant over this median (a GEAR-SAM variant, which the peer does not have: its variant under "
             "SAM's radius); \"/ own SAM\": this median over the same contender's SAM (a GEAR-SAM variant: its GEAR-SAM) "
-            "in the same run, the cost of the variant's part. Bytes per parameter: SAM's count (SAM step 28, whole step "
+            'in the same run, the cost of the variant\'s part; "same round" (SAM step): per round, this step over our '
+            "plain SAM's timed just before it on a copy of the set, median [quartiles]. Bytes per parameter: SAM's count (SAM step 28, whole step "
             "SGD 40, AdamW 48) plus what the variant's passes over the flat buffers read and write, each pass counted "
             "once: GSAM 32 (keeping g 8; <g, h> and ||h||^2 12, read only; the mix 12; ||g||^2 is the first step's "
             "energy, where runs up to `0441ecd2a291` counted a pass of 4 for it, 36 in all), WSAM 36 (keeping g 8; "

@@ -164,6 +164,13 @@ def test_quick_run_appends_rows_and_prints_the_report(tmp_path):
             for row in these:
                 assert row["set"].startswith("ResNet-18") and row["median_ms"] > 0
                 assert row["bytes_counted"] == (floor + extra[row["variant"]]) * row["parameters"]
+                # ours, on the SAM step, timed round by round against our plain SAM (GEAR-SAM) on a copy of the set
+                paired = benchmark == "bench_sam_step" and row["contender"] == ours_backend
+                paired = paired and row["variant"] not in ("SAM", "GEAR-SAM")
+                assert ("over_paired_plain" in row) == paired, (benchmark, row["variant"], row["contender"])
+                assert (
+                    not paired or row["over_paired_plain_q1"] <= row["over_paired_plain"] <= row["over_paired_plain_q3"]
+                )
                 if benchmark == "bench_whole_step" and row["contender"] == ours_backend:
                     assert row["base_step_mode"] == "fused"
     assert {r.get("base") for r in family} == {None, "SGD"}
@@ -386,8 +393,10 @@ def test_the_family_table_compares_each_variant_with_the_peers_and_its_own_sam()
     # the family's rows stay out of the whole-step table, and a SAM-step family table shows the memory held
     assert report.whole_step_tables(rows) == []
     sam_step = [{**r, "benchmark": "bench_sam_step", "held_bytes": 2**21} for r in rows]
+    sam_step[3].update(over_paired_plain=1.25, over_paired_plain_q1=1.125, over_paired_plain_q3=1.5)  # GSAM, cpp
     text = "\n".join(report.family_tables(sam_step))
-    assert "| SAM | cpp | 40 | 5.000 | 2.000 | 4.00x | 1.00x | 10.0 | 25 | - | 2.0 |" in text
+    assert "| SAM | cpp | 40 | 5.000 | 2.000 | 4.00x | 1.00x | - | 10.0 | 25 | - | 2.0 |" in text
+    assert "| GSAM | cpp | 76 | 6.000 | 2.000 | 4.00x | 1.20x | 1.25x [1.12, 1.50] | 10.0 |" in text
 
 
 def test_the_peers_family_runs_on_the_path_its_name_says():
