@@ -309,12 +309,16 @@ class Variant(NamedTuple):
     variant under SAM's radius), ``plain`` the variant without the family's part, the yardstick of its machinery;
     ``extra_bytes`` the bytes per float32 parameter its parts move beyond SAM's step, counted from the backend's passes
     over the flat buffers (each pass's reads and writes, no temporaries), ``read_only_bytes`` those of its passes that
-    only read (the traffic floor's, benchmarks/conftest.py):
+    only read (the traffic floor's, benchmarks/conftest.py), and ``folded_bytes`` those that a whole step saves where
+    the fused base step takes the descent's mix as it reads the gradients (the kernel backends; the whole step's
+    yardstick for every contender, as the fused step's traffic is):
 
-    * GSAM: ``keep_gradient_`` copies g (8); ``block_dot`` reads g and h (8), ``block_energy`` h (4) (g's energies are
-      the first step's); ``mix_gradient_`` reads h and g and writes the mix (12): 32, 12 of them read-only
-    * WSAM, decoupled: ``keep_gradient_`` (8); ``exchange_sharpness_`` reads and writes g and h (16); ``add_kept_``
-      after the update reads w and h - g and writes w (12): 36
+    * GSAM: the perturbation writes g to the kept buffer as it reads it (4; ``keep_gradient_``'s copy, 8, where the
+      backend does not fold it); ``block_dot`` reads g and h (8), ``block_energy`` h (4) (g's energies are the first
+      step's); ``mix_gradient_`` reads h and g and writes the mix (12): 28, 12 of them read-only; folded into the
+      base step, the mix is one more read of g (4): 8 fewer
+    * WSAM, decoupled: g kept by the perturbation (4); ``exchange_sharpness_`` reads and writes g and h (16);
+      ``add_kept_`` after the update reads w and h - g and writes w (12): 32
     * F-SAM: ``friendly_ascent_`` reads and writes g and the EMA m (16; its first step copies g into m, 8, once)
     """
 
@@ -324,6 +328,7 @@ class Variant(NamedTuple):
     plain: str
     extra_bytes: int = 0
     read_only_bytes: int = 0
+    folded_bytes: int = 0
 
 
 def _gear_sam(params, base_optimizer, rho, **kwargs):
@@ -351,12 +356,12 @@ def _friendly_sam(params, base_optimizer, rho, **kwargs):
 #: name -> the variant; SAM and GEAR-SAM are the yardsticks
 FAMILY = {
     "SAM": Variant(SAM_RULE, SAM, peer="SAM", plain="SAM"),
-    "GSAM": Variant(SAM_RULE, _gsam, peer="GSAM", plain="SAM", extra_bytes=32, read_only_bytes=12),
-    "WSAM": Variant(SAM_RULE, _wsam, peer="WSAM", plain="SAM", extra_bytes=36),
+    "GSAM": Variant(SAM_RULE, _gsam, peer="GSAM", plain="SAM", extra_bytes=28, read_only_bytes=12, folded_bytes=8),
+    "WSAM": Variant(SAM_RULE, _wsam, peer="WSAM", plain="SAM", extra_bytes=32),
     "F-SAM": Variant(SAM_RULE, _friendly_sam, peer="F-SAM", plain="SAM", extra_bytes=16),
     "GEAR-SAM": Variant(GEAR_RULE, _gear_sam, peer="SAM", plain="GEAR-SAM"),
     "GEAR-SAM + GSAM": Variant(
-        GEAR_RULE, _gear_gsam, peer="GSAM", plain="GEAR-SAM", extra_bytes=32, read_only_bytes=12
+        GEAR_RULE, _gear_gsam, peer="GSAM", plain="GEAR-SAM", extra_bytes=28, read_only_bytes=12, folded_bytes=8
     ),
 }
 #: our backends a variant runs on (those usable here: triton on CUDA only)

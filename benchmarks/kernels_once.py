@@ -221,7 +221,8 @@ def check_many_tiles(name: str) -> None:
 def check_base_steps(name: str) -> None:
     """The fused base steps (``sgd_step_``, ``adam_step_``) with every optional buffer in use, float32 and float64, on
     one tile, on 3000 tiles (every thread loops) and, for the C++ kernels' scalar variant, on a tile of 7 and on
-    buffers one element off alignment; each against torch's CPU optimizer on the same values."""
+    buffers one element off alignment; each against torch's CPU optimizer on the same values, and SGD's with the SAM
+    family's mix folded in against the mix's own kernel (:func:`check_folded_mix`)."""
     if name == "triton":
         from gearsam_fused import triton_kernels as kernels
     else:
@@ -250,6 +251,7 @@ def check_base_steps(name: str) -> None:
             where = f"{name} sgd_step_ {dtype} tile={tile} x {n_tiles} offset={offset}"
             assert torch.equal(param_d.cpu(), p.detach()), where
             assert torch.equal(buf_d.cpu(), sgd.state[p]["momentum_buffer"]), where
+            check_folded_mix(kernels, where, w_d, grad_d, buf_d, buffers(1)[1][0], tile)
 
             (w, grad, m, v), (w_d, grad_d, m_d, v_d) = buffers(4)
             vmax_d = v_d * 1.5
@@ -271,6 +273,23 @@ def check_base_steps(name: str) -> None:
             eps = torch.finfo(dtype).eps
             torch.testing.assert_close(param_d.cpu(), p.detach(), rtol=2 * eps, atol=4 * eps * lr / (1 - beta1**step),
                                        msg=lambda msg: f"{where}: {msg}")  # fmt: skip
+
+
+def check_folded_mix(kernels, where: str, w, grad, buf, kept, tile: int) -> None:
+    """The SAM family's mix folded into ``sgd_step_`` (``grad_scale`` beside the correction): the bits of
+    ``mix_gradient_`` followed by the plain step, on the same device."""
+    block_of_tile = torch.arange(w.numel() // tile, dtype=torch.int32, device=w.device) % 3
+    a, c = (torch.tensor(v, dtype=torch.float64, device=w.device) for v in ([1.25, -0.5, 1.0], [-0.4, 0.3, 0.0]))
+    hyper = dict(tile=tile, lr=0.1, weight_decay=1e-3, momentum=0.9, dampening=0.0, nesterov=True, maximize=False,
+                 first=False)  # fmt: skip
+    folded, folded_buf = torch.full_like(w, float("nan")), buf.clone()
+    kernels.sgd_step_(folded, grad, w, folded_buf, correction=kept, correction_scale=c, block_of_tile=block_of_tile,
+                      grad_scale=a, **hyper)  # fmt: skip
+    mixed = grad.clone()
+    kernels.mix_gradient_(mixed, kept, a, c, block_of_tile, tile=tile)
+    plain, plain_buf = torch.full_like(w, float("nan")), buf.clone()
+    kernels.sgd_step_(plain, mixed, w, plain_buf, **hyper)
+    assert torch.equal(folded, plain) and torch.equal(folded_buf, plain_buf), f"{where}: the folded mix"
 
 
 def check_big(name: str) -> None:

@@ -3,7 +3,7 @@
 //   block_energy  e_b = sum_{i in block b} (T_i g_i)^2          per-tile partials, then a fixed-order sum per block;
 //                 with other: sum_{i in block b} g_i other_i   the same reduction (the SAM family's <g, h>)
 //   allocate      EMA update, radii and per-block scales        GEAR or SAM rule, float64, on the buffers' device
-//   perturb_      backup = w;  w <- w + scale[block] * T^2 g    T = |w| + eta (ASAM) or 1
+//   perturb_      backup = w;  w <- w + scale[block] * T^2 g    T = |w| + eta (ASAM) or 1; with kept, kept = g too
 //   restore_      w <- backup                                   a copy of the stored bits
 //
 // the SAM family's descent gradient (GSAM, WSAM; gearsam_fused/family.py), in place on the second gradient g:
@@ -68,7 +68,8 @@ std::tuple<at::Tensor, at::Tensor> allocate(const at::Tensor& energy, const at::
                                             double beta, double delta, const c10::optional<at::Tensor>& scalars = {},
                                             const c10::optional<at::Tensor>& found_inf = {});
 void perturb_(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& backup, const at::Tensor& scale,
-              const at::Tensor& block_of_tile, int64_t tile, bool adaptive, double eta);
+              const at::Tensor& block_of_tile, int64_t tile, bool adaptive, double eta,
+              const c10::optional<at::Tensor>& kept = {});
 void restore_(const at::Tensor& param, const at::Tensor& backup, int64_t tile);
 void mix_gradient_(const at::Tensor& grad, const at::Tensor& correction, const at::Tensor& grad_scale,
                    const at::Tensor& correction_scale, const at::Tensor& block_of_tile, int64_t tile);
@@ -119,10 +120,11 @@ struct AdamOptions {
   GEARSAM_HOST_DEVICE double decay() const { return sub_product(1.0, lr, weight_decay); }
 };
 
-// LookSAM's gradient correction as the public operations take it: correction (like grad), correction_scale (float64
-// [B]) and block_of_tile (int32, the block of each tile), all three given or none.
+// The base step's corrected gradient as the public operations take it: correction (like grad), correction_scale
+// (float64 [B]) and block_of_tile (int32, the block of each tile), all three given or none (LookSAM's correction); and
+// grad_scale (float64 [B]), only with them (the SAM family's descent gradient, mix_gradient_'s formula).
 struct CorrectionArgs {
-  c10::optional<at::Tensor> correction, correction_scale, block_of_tile;
+  c10::optional<at::Tensor> correction, correction_scale, block_of_tile, grad_scale;
 };
 
 // A capturable step's device values as the public base steps take them (header comment): either may be absent.
@@ -139,10 +141,11 @@ void adam_step_(const at::Tensor& param, const at::Tensor& grad, const c10::opti
                 const c10::optional<at::Tensor>& max_exp_avg_sq, int64_t tile, const AdamOptions& options,
                 const CorrectionArgs& correction = {}, const DeviceStepArgs& device_step = {});
 
-// The checked correction the implementations receive: g = fma(C(scale[block_of_tile[t]]), values, grad) for the
-// elements of tile t, C rounding once to the buffers' type. All three undefined where the step has none.
+// The checked correction the implementations receive: g = fma(C(scale[block]), values, C(grad_scale[block]) * grad)
+// for the elements of tile t, block = block_of_tile[t], C rounding once to the buffers' type; grad_scale undefined
+// stands for 1 (the product is then grad itself). All undefined where the step has none.
 struct Correction {
-  at::Tensor values, scale, block_of_tile;
+  at::Tensor values, scale, block_of_tile, grad_scale;
   bool given() const { return values.defined(); }
 };
 
@@ -207,7 +210,7 @@ struct AdamConstants {
   void allocate(const at::Tensor& energy, const at::Tensor& ema, const at::Tensor& scale, const at::Tensor& radius, \
                 bool gear, double rho, double beta, double delta, const DeviceStep& device_step);                   \
   void perturb(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& backup, const at::Tensor& scale,  \
-               const at::Tensor& block_of_tile, int64_t tile, bool adaptive, double eta);                              \
+               const at::Tensor& block_of_tile, int64_t tile, bool adaptive, double eta, const at::Tensor& kept);      \
   void restore(const at::Tensor& param, const at::Tensor& backup);                                                   \
   void mix_gradient(const at::Tensor& grad, const at::Tensor& correction, const at::Tensor& grad_scale,              \
                     const at::Tensor& correction_scale, const at::Tensor& block_of_tile, int64_t tile);              \

@@ -114,10 +114,22 @@ void check_optional_state(const char* name, const c10::optional<at::Tensor>& t, 
   if (is_given) check_same(name, *t, "param", param);
 }
 
+// mix_gradient_'s per-block coefficients (and a base step's, with grad_scale): float64, flat, on the device of `like`,
+// one per block each (the messages of gearsam_fused/checks.py's check_scales).
+void check_scales(const at::Tensor& grad_scale, const at::Tensor& correction_scale, const at::Tensor& like) {
+  check_flat("grad_scale", grad_scale, 0, at::kDouble, &like);
+  check_flat("correction_scale", correction_scale, 0, at::kDouble, &like);
+  TORCH_CHECK_VALUE(correction_scale.numel() == grad_scale.numel(), "correction_scale has ", correction_scale.numel(),
+                    " entries, grad_scale ", grad_scale.numel(), ": one per block each");
+}
+
 // LookSAM's correction: all three tensors or none, checked as perturb_ checks its scale and block_of_tile (same
 // messages as triton_kernels/base_step.py). Given in part, the caller's correction state is broken: refused.
 Correction check_correction(const CorrectionArgs& args, const at::Tensor& param, int64_t tile) {
   const bool any = given(args.correction) || given(args.correction_scale) || given(args.block_of_tile);
+  TORCH_CHECK_VALUE(any || !given(args.grad_scale),
+                    "grad_scale scales the gradient beside a correction: give correction, correction_scale and "
+                    "block_of_tile with it");
   if (!any) return {};
   std::string missing;
   const auto note = [&](const char* name, const c10::optional<at::Tensor>& t) {
@@ -128,10 +140,12 @@ Correction check_correction(const CorrectionArgs& args, const at::Tensor& param,
   note("block_of_tile", args.block_of_tile);
   TORCH_CHECK_VALUE(missing.empty(), "correction, correction_scale and block_of_tile must be given together, missing ",
                     missing);
-  const Correction c{*args.correction, *args.correction_scale, *args.block_of_tile};
+  const Correction c{*args.correction, *args.correction_scale, *args.block_of_tile,
+                     args.grad_scale.value_or(at::Tensor())};
   check_flat("correction", c.values);
   check_same("correction", c.values, "param", param);
   check_flat("correction_scale", c.scale, 0, at::kDouble, &param);
+  if (c.grad_scale.defined()) check_scales(c.grad_scale, c.scale, param);
   check_block_of_tile(c.block_of_tile, param, tile);
   return c;
 }
@@ -246,7 +260,8 @@ std::tuple<at::Tensor, at::Tensor> allocate(const at::Tensor& energy, const at::
 }
 
 void perturb_(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& backup, const at::Tensor& scale,
-              const at::Tensor& block_of_tile, int64_t tile, bool adaptive, double eta) {
+              const at::Tensor& block_of_tile, int64_t tile, bool adaptive, double eta,
+              const c10::optional<at::Tensor>& kept) {
   check_tile(tile);
   check_flat("param", param, tile);
   check_floating("param", param);
@@ -254,8 +269,10 @@ void perturb_(const at::Tensor& param, const at::Tensor& grad, const at::Tensor&
   check_same("backup", backup, "param", param);
   check_flat("scale", scale, 0, at::kDouble, &param);
   check_block_of_tile(block_of_tile, param, tile);
+  if (given(kept)) check_same("kept", *kept, "param", param);
   if (block_of_tile.numel() == 0) return;
-  GEARSAM_ON_DEVICE_OF(param, perturb, param, grad, backup, scale, block_of_tile, tile, adaptive, eta);
+  GEARSAM_ON_DEVICE_OF(param, perturb, param, grad, backup, scale, block_of_tile, tile, adaptive, eta,
+                       kept.value_or(at::Tensor()));
 }
 
 void restore_(const at::Tensor& param, const at::Tensor& backup, int64_t tile) {
@@ -272,10 +289,7 @@ void mix_gradient_(const at::Tensor& grad, const at::Tensor& correction, const a
   check_flat("grad", grad, tile);
   check_floating("grad", grad);
   check_same("correction", correction, "grad", grad);
-  check_flat("grad_scale", grad_scale, 0, at::kDouble, &grad);
-  check_flat("correction_scale", correction_scale, 0, at::kDouble, &grad);
-  TORCH_CHECK_VALUE(correction_scale.numel() == grad_scale.numel(), "correction_scale has ", correction_scale.numel(),
-                    " entries, grad_scale ", grad_scale.numel(), ": one per block each");
+  check_scales(grad_scale, correction_scale, grad);
   check_block_of_tile(block_of_tile, grad, tile);
   if (block_of_tile.numel() == 0) return;
   GEARSAM_ON_DEVICE_OF(grad, mix_gradient, grad, correction, grad_scale, correction_scale, block_of_tile, tile);

@@ -20,7 +20,8 @@ The fused update, stated here once for every kernel that runs it (``csrc/cpu/bas
 It reads ``w`` from the backup and writes the parameter and the state; C is the buffers' dtype (float32 or float64),
 ``C(x)`` a host scalar rounded once to C, ``fma`` a single rounding, and every other operation rounds on its own::
 
-    both:  g = fma(C(c[block]), correction, grad) if correction      (LookSAM; c = correction_scale, per tile)
+    both:  g = fma(C(c[block]), correction, C(a[block]) * grad) if correction   (c = correction_scale; a =
+           grad_scale, or no product where it is not given: LookSAM's correction; with it, the SAM family's mix)
     sgd:   g = ±g (- if maximize);  g = fma(C(weight_decay), w, g) if weight_decay != 0
            b = g (first step) or fma(C(1 - dampening), g, buf * C(momentum));  buf = b      if momentum != 0
            d = fma(C(momentum), b, g) if nesterov else b (momentum) or g (no momentum)

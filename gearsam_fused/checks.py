@@ -119,6 +119,34 @@ def check_scales(grad_scale: torch.Tensor, correction_scale: torch.Tensor, grad:
         )
 
 
+def check_correction(param: torch.Tensor, tile: int, correction: torch.Tensor | None,
+                     correction_scale: torch.Tensor | None, block_of_tile: torch.Tensor | None,
+                     grad_scale: torch.Tensor | None) -> int:  # fmt: skip
+    """A base step's corrected gradient: ``correction``, ``correction_scale`` and ``block_of_tile`` all or none
+    (given in part, the caller's state is broken), checked as ``perturb_`` checks its scale and block_of_tile, and
+    ``grad_scale`` only beside them, checked as ``mix_gradient_`` checks its scales. The kernels' level: 0 without a
+    correction, 1 with one (LookSAM's ``fma(c, correction, g)``), 2 with ``grad_scale`` too (``mix_gradient_``'s)."""
+    given = {"correction": correction, "correction_scale": correction_scale, "block_of_tile": block_of_tile}
+    missing = [name for name, t in given.items() if t is None]
+    if len(missing) == len(given):
+        if grad_scale is not None:
+            raise ValueError(
+                "grad_scale scales the gradient beside a correction: give correction, correction_scale and "
+                "block_of_tile with it"
+            )
+        return 0
+    if missing:
+        raise ValueError(
+            f"correction, correction_scale and block_of_tile must be given together, missing {', '.join(missing)}"
+        )
+    check_same("correction", correction, "param", param)
+    check_flat("correction_scale", correction_scale, dtype=torch.float64, device=param.device)
+    if grad_scale is not None:
+        check_scales(grad_scale, correction_scale, param)
+    check_block_of_tile(block_of_tile, param, tile)
+    return 1 if grad_scale is None else 2
+
+
 #: What each kernel operator of a capturable step reads from its ``scalars``, in order (gearsam_fused.capturable).
 DEVICE_SCALARS = {"allocate": ("rho",), "sgd_step_": ("lr", "step"), "adam_step_": ("lr", "step")}
 

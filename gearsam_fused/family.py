@@ -21,11 +21,15 @@ composes with any of them (``GEARSAM(model, SGD, descent=SurrogateGap(0.1))``).
 
 The parts run as backend operations over the flat buffers (:class:`~gearsam_fused.backends.base.Backend`:
 ``keep_gradient_``, ``block_dot``, ``kept_energy``, ``mix_gradient_``, ``exchange_sharpness_``, ``add_kept_``,
-``friendly_ascent_``), each a pass of its own beside the step's kernels. On the kernel backends (``cpp``,
-``triton``) the inner product and the norms are the energy kernel's deterministic per-tile reduction
-(``block_energy``, with ``other`` for ``<g, h>``), and GSAM's and WSAM's mix, WSAM's exchange of ``h`` and ``g`` and
-F-SAM's ascent are kernels of their own (``mix_gradient_``, ``exchange_sharpness_``, ``friendly_ascent_``); WSAM's
-decoupled sharpness step is a pass of torch operations over the parameters.
+``friendly_ascent_``), each a pass of its own beside the step's kernels but two, which the kernel backends (``cpp``,
+``triton``) fold into the step's own passes: the perturbation keeps ``g`` as it reads it (``Backend.perturb_(...,
+keep=True)``, where no ascent has replaced ``g`` before), and GSAM's and coupled WSAM's descent gradient, a
+:data:`Mix` (per-block coefficients of ``h`` and ``g``), is computed by the fused base step as it reads the gradients
+(``Backend.restore_and_update_(..., mix=)``; the gradients then keep ``h``). The other backends, or a base step
+taken per tensor, run ``keep_gradient_`` and ``mix_gradient_`` as passes. On the kernel backends the inner product and the norms are the energy kernel's deterministic
+per-tile reduction (``block_energy``, with ``other`` for ``<g, h>``), and WSAM's exchange of ``h`` and ``g`` and
+F-SAM's ascent are kernels of their own (``exchange_sharpness_``, ``friendly_ascent_``); WSAM's decoupled sharpness
+step is a pass of torch operations over the parameters.
 """
 
 from __future__ import annotations
@@ -62,19 +66,27 @@ class FriendlyAscent:
         backend.friendly_ascent_(self.sigma, self.lmbda, first)
 
 
+#: a descent gradient as per-block coefficients of the gradients and the kept first gradient, float64 ``[B]`` each:
+#: ``grad_scale[b] * h + kept_scale[b] * g`` (:meth:`~gearsam_fused.backends.base.Backend.mix_gradient_`)
+Mix = tuple[torch.Tensor, torch.Tensor]
+
+
 class Descent:
     """A descent gradient other than ``h``: the first gradient is kept from ``first_step`` (the backend's
-    correction buffer), :meth:`before_update` rewrites the gradients before the base optimizer's update and
-    :meth:`after_update` may change the weights after it."""
+    correction buffer), :meth:`before_update` says how the base optimizer's update takes it (or rewrites the
+    gradients itself) and :meth:`after_update` may change the weights after it."""
 
     #: the backend operations it runs, the first gradient's keeping among them
     #: (:attr:`~gearsam_fused.backends.base.Backend.family_operators`)
     operations: tuple[str, ...] = ("keep_gradient_",)
 
-    def before_update(self, backend, reduce: Reduce, per_block: bool, first_energy: torch.Tensor | None = None) -> None:
-        """Rewrite the gradients into the descent gradient. ``first_energy``: the first gradient's block energies,
-        summed over the ranks, where the step already took them (its energy pass over ``g`` itself: no ascent, no
-        ASAM scaling), so that they need not be taken again from the kept gradient; None otherwise."""
+    def before_update(self, backend, reduce: Reduce, per_block: bool,
+                      first_energy: torch.Tensor | None = None) -> Mix | None:  # fmt: skip
+        """The descent gradient as a :data:`Mix` of ``h`` and ``g``, which the base update takes (in its own pass on
+        the kernel backends, whose fused step computes it as it reads the gradients), or None after rewriting the
+        gradients into it here. ``first_energy``: the first gradient's block energies, summed over the ranks, where
+        the step already took them (its energy pass over ``g`` itself: no ascent, no ASAM scaling), so that they need
+        not be taken again from the kept gradient; None otherwise."""
         raise NotImplementedError
 
     def after_update(self, backend, param_groups: list[dict]) -> None:
@@ -103,14 +115,14 @@ class SurrogateGap(Descent):
     def __repr__(self) -> str:
         return f"SurrogateGap(alpha={self.alpha!r}, eps={self.eps!r})"
 
-    def before_update(self, backend, reduce: Reduce, per_block: bool, first_energy: torch.Tensor | None = None) -> None:
+    def before_update(self, backend, reduce: Reduce, per_block: bool, first_energy: torch.Tensor | None = None) -> Mix:
         dot = _over_rule(reduce(backend.block_dot()), per_block)  # <g, h>
         h_norm = _over_rule(reduce(backend.block_energy(False, 0.0)), per_block).sqrt()
         g_energy = reduce(backend.kept_energy()) if first_energy is None else first_energy  # the same kernel, g's bits
         g_norm = _over_rule(g_energy, per_block).sqrt()
         cosine = dot / (h_norm * g_norm + self.eps)
         c = cosine * g_norm / (h_norm + self.eps)
-        backend.mix_gradient_(1.0 + self.alpha * c, torch.full_like(c, -self.alpha))
+        return 1.0 + self.alpha * c, torch.full_like(c, -self.alpha)
 
 
 class WeightedSharpness(Descent):
@@ -135,13 +147,14 @@ class WeightedSharpness(Descent):
             return ("keep_gradient_", "exchange_sharpness_", "add_kept_")
         return ("keep_gradient_", "mix_gradient_")
 
-    def before_update(self, backend, reduce: Reduce, per_block: bool, first_energy: torch.Tensor | None = None) -> None:
+    def before_update(self, backend, reduce: Reduce, per_block: bool,
+                      first_energy: torch.Tensor | None = None) -> Mix | None:  # fmt: skip
         if self.decouple:
             backend.exchange_sharpness_()  # the gradients hold g, the kept buffer h - g
-            return
+            return None
         n = len(backend.blocks)
         full = lambda v: torch.full((n,), v, dtype=torch.float64, device=backend.device)  # noqa: E731
-        backend.mix_gradient_(full(self.weight), full(1.0 - self.weight))
+        return full(self.weight), full(1.0 - self.weight)
 
     def after_update(self, backend, param_groups: list[dict]) -> None:
         if self.decouple:

@@ -169,6 +169,11 @@ class Bucket:
             self._counts = counts, list(counts.unbind())
         return self._counts
 
+    @property
+    def counts(self) -> torch.Tensor | None:
+        """The vector of :meth:`step_counts`, None before it is first asked for."""
+        return None if self._counts is None else self._counts[0]
+
     def check_counted(self) -> None:
         """Refuse step counts changed behind the base step's back: a compiled step takes the count from
         :attr:`counted`, since a trace cannot read the vector."""
@@ -225,7 +230,10 @@ class FlatLayout:
         copy of a buffer that an opaque operation wrote (the backup would hold ``w + eps``).
         """
         if torch.compiler.is_compiling():
-            torch.ops.gearsam_fused.sync_([bucket.grad for bucket in self.buckets], self.key)
+            # the step counts are passed only to be declared read: the step advances them in place later in the same
+            # graph, and nothing else would keep the compiler from writing them before sync_ checks them
+            counts = [bucket.counts for bucket in self.buckets if bucket.counts is not None]
+            torch.ops.gearsam_fused.sync_([bucket.grad for bucket in self.buckets], counts, self.key)
         else:
             self.sync_now()
 
@@ -315,11 +323,12 @@ def _register(layout: FlatLayout) -> int:
 
 
 @torch.library.custom_op("gearsam_fused::sync_", mutates_args=("grads",))
-def sync_(grads: list[torch.Tensor], layout: int) -> None:
+def sync_(grads: list[torch.Tensor], counts: list[torch.Tensor], layout: int) -> None:
     """:meth:`FlatLayout.sync_now` (without re-homing parameters) of the layout registered under ``layout``, whose
-    flat gradient buffers (every bucket's, in order) are ``grads``, then :meth:`Bucket.check_counted`. It writes the
-    buffers through views of its own, so it refuses copies of them (a compiler that handed it copies would lose what
-    it wrote)."""
+    flat gradient buffers (every bucket's, in order) are ``grads``, then :meth:`Bucket.check_counted` of the buckets'
+    step counts, ``counts`` (those that exist, in bucket order: read through the buckets, declared here so that the
+    compiler orders the step's own update of them after this check). It writes the gradient buffers through views of
+    its own, so it refuses copies of them (a compiler that handed it copies would lose what it wrote)."""
     target = _LAYOUTS.get(layout)
     if target is None:
         raise RuntimeError("the optimizer whose flat buffers this compiled step syncs no longer exists")
@@ -332,7 +341,7 @@ def sync_(grads: list[torch.Tensor], layout: int) -> None:
 
 
 @sync_.register_fake
-def _(grads: list[torch.Tensor], layout: int) -> None:
+def _(grads: list[torch.Tensor], counts: list[torch.Tensor], layout: int) -> None:
     return None
 
 

@@ -32,7 +32,7 @@ from .base_step import BASE_STEPS, FUSED, PER_TENSOR, FlatBaseStep, run_post_hoo
 from .capturable import DeviceScalars
 from .checks import PARAM_DTYPES, check_found_inf, check_param_dtype, check_real
 from .compat import graph_break, graph_may_break, mark_stepped
-from .family import Descent, FriendlyAscent, SurrogateGap, WeightedSharpness, check_ascent, check_descent
+from .family import Descent, FriendlyAscent, Mix, SurrogateGap, WeightedSharpness, check_ascent, check_descent
 from .partition import Block, parameter_names
 from .partition import partition as make_partition
 from .schedules import Schedule, check_schedule
@@ -435,11 +435,13 @@ class SharpnessAware(torch.optim.Optimizer):
         undo = None
         if cancellable and sam:
             undo = self._run.checkpoint(self._momentum_copy() if self.ascent is not None else None)
-        self._family_first_step()
+        keep = self._family_first_step()
         energy = sum_over(self._shard_groups, self._backend.block_energy(self.adaptive, self.eta))
         if self.schedule is not None:
             self._decide_next(energy)
         if not sam:
+            if keep:
+                self._backend.keep_gradient_()
             self._skipped_step(energy, rho)
         else:
             allocation = {}
@@ -451,9 +453,9 @@ class SharpnessAware(torch.optim.Optimizer):
             scale, radius = self._backend.allocate(
                 self.rule, energy, self._run.ema, rho, self.beta, self.delta, **allocation
             )
-            if self.schedule is not None and self.schedule.corrects:
-                self._backend.keep_gradient_()  # g, for second_step's decomposition of the SAM gradient
-            self._backend.perturb_(scale, self.adaptive, self.eta)
+            # g, for the descent or for second_step's decomposition of the SAM gradient (LookSAM)
+            keep = keep or (self.schedule is not None and self.schedule.corrects)
+            self._backend.perturb_(scale, self.adaptive, self.eta, keep=keep)
             self._run.record(energy, radius, rho, sam=True)
             self._run.undo = undo
         self._run.cleared = None
@@ -478,14 +480,21 @@ class SharpnessAware(torch.optim.Optimizer):
                     + "run the step eagerly"
                 )
 
-    def _family_first_step(self) -> None:
+    def _family_first_step(self) -> bool:
         """The SAM family's parts of a first step (:mod:`gearsam_fused.family`): keep ``g`` for the descent, and
-        replace the gradients by the ascent direction."""
-        if self.descent is not None:
-            self._backend.keep_gradient_()
+        replace the gradients by the ascent direction. Whether ``g`` is still to be kept: without an ascent, the
+        perturbation keeps it as it reads it (one pass fewer where the backend folds the copy into it)."""
+        if self.descent is None:
+            keep = False
+        elif self.ascent is None:
+            keep = True
+        else:
+            self._backend.keep_gradient_()  # before the ascent replaces g
+            keep = False
         if self.ascent is not None:
             self.ascent.apply_(self._backend, first=not self._run.ascent_started)
             self._run.ascent_started = True
+        return keep
 
     def _decide_next(self, energy: torch.Tensor) -> None:
         """Let the schedule decide the next step from this one's energies; a device decision is copied to the host
@@ -573,17 +582,20 @@ class SharpnessAware(torch.optim.Optimizer):
             raise RuntimeError(f"base_step='fused' cannot be honoured this step: {self._flat_step.reason}")
         if self.schedule is not None and self.schedule.corrects:
             self._orthogonalize()
+        mix = None
         if self.descent is not None:
             # the first step's energies are g's own where neither an ascent nor ASAM's scaling came between
             first_energy = self._run.energy if self.ascent is None and not self.adaptive else None
-            self.descent.before_update(
+            mix = self.descent.before_update(
                 self._backend, self._reduce, per_block=self.rule == GEAR_RULE, first_energy=first_energy
             )
         if updates is None:
+            if mix is not None:
+                self._backend.mix_gradient_(*mix)  # the base optimizer's own step reads the gradients
             self._backend.restore_()
             self._per_tensor_base_step()
         else:
-            self._fused_base_step(updates, found_inf=skip)
+            self._fused_base_step(updates, found_inf=skip, mix=mix)
         if self.descent is not None:
             self.descent.after_update(self._backend, self.param_groups)
         if skip is not None:
@@ -609,10 +621,11 @@ class SharpnessAware(torch.optim.Optimizer):
             self.base_optimizer.step()
 
     def _fused_base_step(self, updates: list, correction: torch.Tensor | None = None, perturbed: bool = True,
-                         found_inf: torch.Tensor | None = None) -> None:  # fmt: skip
+                         found_inf: torch.Tensor | None = None, mix: Mix | None = None) -> None:  # fmt: skip
         """Restore and update (``perturbed``), or update the current weights, over the flat buffers, between the base
         optimizer's step hooks as its ``step()`` would run them (a pre-hook may hand the step a closure, which runs
-        first, as in torch's step). Where ``found_inf`` is set, the update restores ``w`` and nothing else."""
+        first, as in torch's step). Where ``found_inf`` is set, the update restores ``w`` and nothing else; ``mix``:
+        the SAM family's descent gradient (:meth:`~gearsam_fused.backends.base.Backend.restore_and_update_`)."""
         try:
             args, kwargs = run_pre_hooks(self.base_optimizer)
             closure = step_closure(self.base_optimizer, args, kwargs)
@@ -629,7 +642,7 @@ class SharpnessAware(torch.optim.Optimizer):
             raise
         self._flat_step.stage(updates)
         if perturbed:
-            self._backend.restore_and_update_(updates, found_inf)
+            self._backend.restore_and_update_(updates, found_inf, mix)
         else:
             self._backend.update_(updates, correction)
         self._flat_step.finish(updates, found_inf)

@@ -39,13 +39,15 @@ def variants():
                 {"ADAPTIVE": adaptive, "PRODUCT": product, "TILE": TILE, "ACC": compute},
             )
         for adaptive in (False, True):
-            yield (
-                f"perturb[{storage},adaptive={adaptive}]",
-                perturb._perturb_kernel,
-                {"param_ptr": f"*{storage}", "grad_ptr": f"*{storage}", "backup_ptr": f"*{storage}", "scale_ptr": "*fp64",
-                 "block_of_tile_ptr": "*i32", "eta32": "fp32", "eta64": "fp64"},
-                {"ADAPTIVE": adaptive, "TILE": TILE, "COMPUTE": compute},
-            )  # fmt: skip
+            for keep in (False, True):
+                yield (
+                    f"perturb[{storage},adaptive={adaptive},keep={keep}]",
+                    perturb._perturb_kernel,
+                    {"param_ptr": f"*{storage}", "grad_ptr": f"*{storage}", "backup_ptr": f"*{storage}",
+                     "kept_ptr": f"*{storage}", "scale_ptr": "*fp64", "block_of_tile_ptr": "*i32", "eta32": "fp32",
+                     "eta64": "fp64"},
+                    {"ADAPTIVE": adaptive, "KEEP": keep, "TILE": TILE, "COMPUTE": compute},
+                )  # fmt: skip
         yield (
             f"restore[{storage}]",
             perturb._restore_kernel,

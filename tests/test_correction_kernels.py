@@ -313,6 +313,61 @@ def test_corrected_adam_is_adam_on_the_corrected_gradient(backend, device, flags
     assert_bitwise(got, run_adam(module, backup, corrected_grad(dtype), kw, device))
 
 
+# ------------------------------------------------------------------------------------------- the mix in the step
+def mix_args(dtype: torch.dtype, device: str) -> dict:
+    """The correction's arguments with grad_scale beside them: the step's gradient is mix_gradient_'s."""
+    return dict(
+        correction_args(dtype, device), grad_scale=torch.tensor(GRAD_SCALES, dtype=torch.float64, device=device)
+    )
+
+
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+@pytest.mark.parametrize("first", [True, False], ids=["first", "later"])
+@pytest.mark.parametrize("flags", list(SGD_FLAGS), ids=str)
+@pytest.mark.parametrize("backend,device", KERNELS)
+def test_sgd_with_a_grad_scale_is_sgd_on_the_mixed_gradient(backend, device, flags, first, dtype):
+    """The SAM family's descent folded into the step: the bits of mix_gradient_'s exact oracle, then the plain step
+    (on SGD's first momentum step, the buffer stores that gradient itself)."""
+    module = kernel_module(backend)
+    backup, grad, _ = buffers(dtype)
+    kw = sgd_kwargs(flags, first)
+    got = run_sgd(module, backup, grad, kw, device, **mix_args(dtype, device))
+    assert_bitwise(got, run_sgd(module, backup, _exact_mixed(dtype), kw, device))
+    if flags == "momentum" and first:  # no weight decay, no sign: the buffer is the gradient itself
+        assert torch.equal(got[1], _exact_mixed(dtype))
+
+
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+@pytest.mark.parametrize("flags", list(ADAM_FLAGS), ids=str)
+@pytest.mark.parametrize("backend,device", KERNELS)
+def test_adam_with_a_grad_scale_is_adam_on_the_mixed_gradient(backend, device, flags, dtype):
+    module = kernel_module(backend)
+    backup, grad, _ = buffers(dtype)
+    kw = adam_kwargs(flags)
+    got = run_adam(module, backup, grad, kw, device, **mix_args(dtype, device))
+    assert_bitwise(got, run_adam(module, backup, _exact_mixed(dtype), kw, device))
+
+
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+def test_the_mixed_gradient_differs_from_the_corrected_one(dtype):
+    """grad_scale changes the gradient the step takes: the comparisons above cannot pass by ignoring it."""
+    assert (_exact_mixed(dtype) != corrected_grad(dtype)).any()
+
+
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+@pytest.mark.parametrize("backend,device", KERNELS)
+def test_a_skipped_step_with_a_grad_scale_restores_and_writes_nothing_else(backend, device, dtype):
+    """found_inf set: w <- backup, the state keeps its bits, whatever the mix (the device kernels' path)."""
+    module = kernel_module(backend)
+    backup, grad, _ = buffers(dtype)
+    found_inf = torch.ones((), dtype=torch.float32, device=device)
+    kw = sgd_kwargs("momentum", first=False)
+    param, buffer = run_sgd(module, backup, grad, kw, device, found_inf=found_inf, **mix_args(dtype, device))
+    _, untouched = run_sgd(module, backup, grad, sgd_kwargs("plain", True), device)  # no buffer: None
+    assert torch.equal(param, backup) and untouched is None
+    assert torch.equal(buffer, torch.randn(N, generator=torch.Generator().manual_seed(2)).to(dtype))
+
+
 # ------------------------------------------------------------------------------------------- no backup
 @pytest.mark.parametrize("corrected", [False, True], ids=["plain", "corrected"])
 @pytest.mark.parametrize("dtype", FLOATS, ids=str)
@@ -400,12 +455,37 @@ def test_a_wrong_correction_buffer_is_refused_by_name(backend, device, call, wro
         call(kernel_module(backend), **extra)
 
 
+@pytest.mark.parametrize("call", [_sgd_call, _adam_call], ids=["sgd", "adam"])
+@pytest.mark.parametrize("backend,device", CPU_KERNELS)
+def test_a_grad_scale_without_a_correction_is_refused(backend, device, call):
+    grad_scale = torch.tensor(GRAD_SCALES, dtype=torch.float64)
+    with pytest.raises(ValueError, match="^grad_scale scales the gradient beside a correction: give correction, "):
+        call(kernel_module(backend), grad_scale=grad_scale)
+
+
+GRAD_SCALE_WRONG = {  # grad_scale -> message
+    "float32": (torch.ones(4, dtype=torch.float32), "grad_scale must be torch.float64, got torch.float32"),
+    "length": (torch.ones(3, dtype=torch.float64), "correction_scale has 4 entries, grad_scale 3: one per block each"),
+}
+
+
+@pytest.mark.parametrize("call", [_sgd_call, _adam_call], ids=["sgd", "adam"])
+@pytest.mark.parametrize("wrong", list(GRAD_SCALE_WRONG))
+@pytest.mark.parametrize("backend,device", CPU_KERNELS)
+def test_a_wrong_grad_scale_is_refused_by_name(backend, device, call, wrong):
+    bad, message = GRAD_SCALE_WRONG[wrong]
+    with pytest.raises(ValueError, match=message):
+        call(kernel_module(backend), **correction_args(torch.float32, "cpu"), grad_scale=bad)
+
+
 def test_both_modules_refuse_with_the_same_words():
     if not (cpp_installed() and triton_installed()):
         pytest.skip("needs both kernel modules")
     args = correction_args(torch.float32, "cpu")
     cases = [{"correction": args["correction"]}, {**args, "block_of_tile": args["block_of_tile"][:-1]}]
     cases += [{**args, k: v} for k, (v, _) in WRONG.items()]
+    cases += [{"grad_scale": v} for v, _ in GRAD_SCALE_WRONG.values()]
+    cases += [{**args, "grad_scale": v} for v, _ in GRAD_SCALE_WRONG.values()]
     for extra in cases:
         for call in (_sgd_call, _adam_call):
             messages = []
@@ -425,22 +505,27 @@ from triton.compiler import ASTSource
 sys.path.insert(0, {tests!r})
 from compile_kernels import base_step_variants
 from gearsam_fused.triton_kernels import base_step
+compiled = 0
 for name, plain, signature, constexprs in base_step_variants():
     kernel = {{base_step._sgd_kernel: base_step._sgd_corrected_kernel,
               base_step._adam_kernel: base_step._adam_corrected_kernel}}[plain]
-    signature = dict(signature, corr_ptr=signature["param_ptr"], cscale_ptr="*fp64", block_of_tile_ptr="*i32")
-    source = ASTSource(fn=kernel, signature={{**signature, **{{k: "constexpr" for k in constexprs}}}},
-                       constexprs=constexprs)
-    ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={{"enable_fp_fusion": False}}).asm["ptx"]
-    approx = sum(".approx" in line or "div.full" in line for line in ptx.splitlines())
-    assert ptx.count("fma.rn") and not approx, (name, approx)
-print("ok")
+    signature = dict(signature, corr_ptr=signature["param_ptr"], cscale_ptr="*fp64", gscale_ptr="*fp64",
+                     block_of_tile_ptr="*i32")
+    for level in (1, 2):  # LookSAM's correction; the SAM family's mix
+        flags = dict(constexprs, CORRECTED=level)
+        source = ASTSource(fn=kernel, signature={{**signature, **{{k: "constexpr" for k in flags}}}}, constexprs=flags)
+        ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={{"enable_fp_fusion": False}}).asm["ptx"]
+        approx = sum(".approx" in line or "div.full" in line for line in ptx.splitlines())
+        assert ptx.count("fma.rn") and not approx, (name, level, approx)
+        compiled += 1
+print("ok", compiled)
 """
 
 
 def test_corrected_triton_kernels_compile_for_hopper():
-    """The corrected twins compiled for sm_90 (no GPU needed), as tests/compile_kernels.py compiles the others: they
-    lower, and every division and root stays correctly rounded."""
+    """The corrected twins compiled for sm_90 (no GPU needed) at both levels, with and without grad_scale, as
+    tests/compile_kernels.py compiles the others: they lower, and every division and root stays correctly
+    rounded."""
     pytest.importorskip("triton")
     try:
         from triton.backends import backends
@@ -451,4 +536,5 @@ def test_corrected_triton_kernels_compile_for_hopper():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     script = _COMPILE.format(tests=str(Path(__file__).parent))
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+    assert done.returncode == 0 and done.stdout.startswith("ok "), done.stderr[-3000:]
+    assert int(done.stdout.split()[1]) >= 2, done.stdout

@@ -27,6 +27,7 @@ from conftest import (
     FP32_STEP_RTOL,
     FP64_STEP_RTOL,
     FUSED,
+    KERNELS,
     SGD_KW,
     NoStep,
     batches,
@@ -252,6 +253,47 @@ def test_fused_and_per_tensor_base_steps_agree(name, base):
             sam_step(opt, model, xy)
         runs.append(flat(model))
     assert rel_err(*runs) <= 5 * FP32_STEP_RTOL
+
+
+@pytest.mark.parametrize("backend,device", KERNELS)
+@pytest.mark.parametrize("base", ["sgd", "adamw"])
+@pytest.mark.parametrize("name", ["gsam", "gear-gsam", "gear-wsam-coupled", "gear-friendly-gsam"])
+def test_the_kernels_fold_the_descent_into_the_step(name, base, backend, device, monkeypatch):
+    """On the kernel backends the descent's passes ride on the step's: the perturbation keeps g as it reads it (no
+    keep_gradient_ pass, unless an ascent replaces g first), and the fused base step takes GSAM's and the coupled
+    WSAM's mix of h and g as it reads the gradients (no mix_gradient_ pass). The same bits as those passes, and the
+    gradients keep h (where the mix pass leaves the descent gradient in them)."""
+    cls, parts = VARIANTS[name]
+    base_cls, kw = (
+        (torch.optim.AdamW, dict(lr=1e-3, weight_decay=0.01)) if base == "adamw" else (torch.optim.SGD, SGD_KW)
+    )
+    runs, grads, calls = [], [], []
+    for folds in (True, False):
+        model = tiny_resnet().to(device)
+        opt = cls(model, base_cls, rho=RHO, backend=backend, base_step="fused", **parts, **kw)
+        monkeypatch.setattr(opt.backend, "folds_mix", folds)
+        monkeypatch.setattr(opt.backend, "folds_keep", folds)
+        count = {"keep_gradient_": 0, "mix_gradient_": 0}
+        for method in count:
+            original = getattr(type(opt.backend), method)
+            monkeypatch.setattr(type(opt.backend), method, lambda self, *a, _m=method, _f=original: (
+                count.__setitem__(_m, count[_m] + 1), _f(self, *a))[1])  # fmt: skip
+        for xy in batches(3, device=device):
+            loss_fn(model, xy).backward()
+            opt.first_step(zero_grad=True)
+            loss_fn(model, xy).backward()
+            h = torch.cat([p.grad.flatten() for p in model.parameters()])  # a copy
+            opt.second_step()
+            after = torch.cat([p.grad.flatten() for p in model.parameters()])
+            opt.zero_grad()
+        runs.append(flat(model).cpu())
+        grads.append((after.cpu(), h.cpu()))
+        calls.append(count)
+        monkeypatch.undo()
+    assert torch.equal(*runs)
+    kept_by_hand = 3 if "ascent" in parts else 0  # the ascent replaces g before the perturbation reads it
+    assert calls == [{"keep_gradient_": kept_by_hand, "mix_gradient_": 0}, {"keep_gradient_": 3, "mix_gradient_": 3}]
+    assert torch.equal(*grads[0]) and not torch.equal(*grads[1])
 
 
 class SometimesUsed(torch.nn.Module):

@@ -458,9 +458,9 @@ def run_and_compare(case: Case, backend: str, device: str) -> None:
     used_scales = {}
     for o in (opt, ref):  # records the scale each first_step hands to its backend (Backend.perturb_'s contract)
 
-        def perturb_(scale, adaptive, eta, o=o, inner=o.backend.perturb_):
+        def perturb_(scale, adaptive, eta, keep=False, o=o, inner=o.backend.perturb_):
             used_scales[o] = scale.detach().to("cpu", copy=True)
-            return inner(scale, adaptive, eta)
+            return inner(scale, adaptive, eta, keep=keep)
 
         o.backend.perturb_ = perturb_
     assert opt.backend_name == backend and ref.backend_name == "reference"

@@ -120,6 +120,31 @@ def test_perturb_matches_reference_and_restore_is_exact(backend, device, layout,
     assert all(bitwise_equal(p, w) for p, w in zip(params_of(fused_blocks), originals))
 
 
+@pytest.mark.parametrize("backend,device", KERNELS)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("adaptive", [False, True], ids=["sam", "asam"])
+def test_a_perturbation_that_keeps_the_gradients_is_the_two_passes(backend, device, layout, dtype, adaptive):
+    """perturb_(keep=True) on the kernel backends: the perturbation's bits, and the kept buffer keep_gradient_'s (the
+    gradients' bits; zeros where a parameter has none), from one pass."""
+    runs = []
+    for keep in (True, False):
+        blocks = make_blocks(layout, dtype, device)
+        fused = BACKENDS[backend](blocks, torch.device(device))
+        scale = torch.linspace(0.5, 2.0, len(blocks), dtype=torch.float64, device=device)
+        scale[len(blocks) // 2] = 0.0  # a block this step skips still has its gradient kept
+        fused.block_energy(adaptive, 0.01)
+        if not keep:
+            fused.keep_gradient_()
+        fused.perturb_(scale, adaptive, 0.01, keep=keep)
+        runs.append(([p.detach().clone() for p in params_of(blocks)], fused.buffer_tensors("correction")))
+        fused.restore_()
+        grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in params_of(blocks)]
+        assert all(bitwise_equal(k, g) for k, g in zip(runs[-1][1], grads, strict=True))
+    for got, expected in zip(*runs, strict=True):
+        assert all(bitwise_equal(a, b) for a, b in zip(got, expected, strict=True))
+
+
 # ------------------------------------------------------------------------------------------- allocation
 def _allocation_cases():
     g = torch.Generator().manual_seed(3)
@@ -257,9 +282,9 @@ def test_every_kernel_compiles_for_hopper_without_atomics():
     done = subprocess.run([sys.executable, str(script), "90"], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout)
-    # 4 dtypes x (3 energy: plain, adaptive, product + 2 perturb + 1 restore + 1 mix + 1 exchange + 3 friendly
-    # ascent: first, later with a small and a large lerp weight) + block sum + 2 allocation rules + 2 dtypes x (sgd
-    # + adam)
-    assert len(report) == 51
+    # 4 dtypes x (3 energy: plain, adaptive, product + 4 perturb: plain, adaptive, each keeping g or not + 1 restore
+    # + 1 mix + 1 exchange + 3 friendly ascent: first, later with a small and a large lerp weight) + block sum + 2
+    # allocation rules + 2 dtypes x (sgd + adam)
+    assert len(report) == 59
     # no atomics (fixed-order reductions), and every division and root correctly rounded, as the reference's
     assert all(v["ptx_lines"] > 10 and v["atomics"] == 0 and v["approx"] == 0 for v in report.values()), report

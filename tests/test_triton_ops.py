@@ -69,7 +69,7 @@ def test_every_launcher_is_its_op(ops):
     mutated = {
         "block_energy": {"partials"},
         "allocate": {"ema"},
-        "perturb_": {"param", "backup"},
+        "perturb_": {"param", "backup", "kept"},
         "restore_": {"param"},
         "mix_gradient_": {"grad"},
         "exchange_sharpness_": {"grad", "correction"},
@@ -135,6 +135,8 @@ def test_opcheck_perturb_and_restore(ops, backend, device, dtype, adaptive):
     param, grad, backup = randn(dtype, device, 0), randn(dtype, device, 1), torch.zeros(N, dtype=dtype, device=device)
     kwargs = dict(tile=TILE, adaptive=adaptive, eta=0.01)
     torch.library.opcheck(ops[0].perturb_.default, (param, grad, backup, scale, block_of_tile), kwargs)
+    kept = torch.zeros(N, dtype=dtype, device=device)  # g kept in the same pass
+    torch.library.opcheck(ops[0].perturb_.default, (param, grad, backup, scale, block_of_tile, kept), kwargs)
     torch.library.opcheck(ops[0].restore_.default, (param, randn(dtype, device, 2)), dict(tile=TILE))
 
 
@@ -157,10 +159,12 @@ def test_opcheck_friendly_ascent(ops, backend, device, dtype, first):
     torch.library.opcheck(ops[0].friendly_ascent_.default, args, dict(sigma=0.7, lmbda=0.9, first=first))
 
 
-def base_step_args(dtype, device, backup: bool, corrected: bool) -> dict:
-    """param, grad, backup (None: the step reads param itself) and LookSAM's correction (or none)."""
+def base_step_args(dtype, device, backup: bool, corrected: bool | str) -> dict:
+    """param, grad, backup (None: the step reads param itself) and LookSAM's correction (or none; ``"mix"``: with the
+    SAM family's grad_scale beside it)."""
     block_of_tile, _, scale = tables(device)
     correction = dict(correction=randn(dtype, device, 3), correction_scale=scale, block_of_tile=block_of_tile)
+    grad_scale = torch.linspace(1.5, -0.5, scale.numel(), dtype=torch.float64, device=device)
     return dict(
         param=randn(dtype, device, 0),
         grad=randn(dtype, device, 1),
@@ -168,6 +172,7 @@ def base_step_args(dtype, device, backup: bool, corrected: bool) -> dict:
         **(correction if corrected else dict(correction=None, correction_scale=None, block_of_tile=None)),
         scalars=None,
         found_inf=None,
+        grad_scale=grad_scale if corrected == "mix" else None,
     )
 
 
@@ -177,7 +182,7 @@ def opcheck_step(op, args: dict, scalars: dict) -> None:
     torch.library.opcheck(op, tuple(args[name] for name in names), scalars)
 
 
-@pytest.mark.parametrize("corrected", [False, True], ids=["plain", "looksam"])
+@pytest.mark.parametrize("corrected", [False, True, "mix"], ids=["plain", "looksam", "mix"])
 @pytest.mark.parametrize("backup", [True, False], ids=["backup", "no-backup"])
 @pytest.mark.parametrize("flags", list(SGD))
 @pytest.mark.parametrize("dtype", STEPPED, ids=str)
@@ -190,7 +195,7 @@ def test_opcheck_sgd_step(ops, backend, device, dtype, flags, backup, corrected)
     opcheck_step(ops[0].sgd_step_.default, args, scalars)
 
 
-@pytest.mark.parametrize("corrected", [False, True], ids=["plain", "looksam"])
+@pytest.mark.parametrize("corrected", [False, True, "mix"], ids=["plain", "looksam", "mix"])
 @pytest.mark.parametrize("backup", [True, False], ids=["backup", "no-backup"])
 @pytest.mark.parametrize("flags", list(ADAM))
 @pytest.mark.parametrize("dtype", STEPPED, ids=str)
@@ -227,8 +232,8 @@ def test_ops_give_the_bits_of_a_direct_launch(ops, backend, device, dtype, adapt
     param, backup = w.clone(), torch.empty_like(w)
     kernels.perturb_(param, grad, backup, scale, block_of_tile, tile=TILE, adaptive=adaptive, eta=eta)
     expected, expected_backup = w.clone(), torch.empty_like(w)
-    perturb._perturb_kernel[(n_tiles,)](expected, grad, expected_backup, scale, block_of_tile, eta, eta,
-                                        COMPUTE=compute_type(dtype), **consts)  # fmt: skip
+    perturb._perturb_kernel[(n_tiles,)](expected, grad, expected_backup, expected_backup, scale, block_of_tile, eta,
+                                        eta, KEEP=False, COMPUTE=compute_type(dtype), **consts)  # fmt: skip
     assert bitwise_equal(param, expected) and bitwise_equal(backup, expected_backup) and bitwise_equal(backup, w)
     assert not bitwise_equal(param, w)  # the perturbation moved the weights
     kernels.restore_(param, backup, tile=TILE)

@@ -12,6 +12,7 @@ import triton.language as tl
 
 from ..checks import (  # noqa: F401  (the launchers' checks, worded once)
     check_block_of_tile,
+    check_correction,
     check_device_step,
     check_flat,
     check_other,

@@ -24,8 +24,9 @@ Under Triton's interpreter (no libdevice) the kernels' float64 pow is Python's `
 is libdevice's.
 
 One program per tile; the state tensors a configuration does not use are never loaded or stored. A step without a
-correction runs kernels that have no correction arguments at all; one with it runs the ``_corrected`` twins; one with
-either device argument runs the ``_device`` kernel (correction or not); all share the same body.
+correction runs kernels that have no correction arguments at all; one with it (with or without ``grad_scale``: the
+CORRECTED level, see ``_step_grad``) runs the ``_corrected`` twins; one with either device argument runs the
+``_device`` kernel (correction or not); all share the same body.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from triton.language.extra import libdevice
 from ..base_step import adam_scalars
 from ._common import (
     NAMESPACE,
-    check_block_of_tile,
+    check_correction,
     check_device_step,
     check_flat,
     check_same,
@@ -121,27 +122,30 @@ _pow64 = _libdevice_pow if isinstance(_rounded, triton.runtime.JITFunction) else
 
 
 @triton.jit
-def _step_grad(grad_ptr, corr_ptr, cscale_ptr, block_of_tile_ptr, offsets, CORRECTED: tl.constexpr,
+def _step_grad(grad_ptr, corr_ptr, cscale_ptr, gscale_ptr, block_of_tile_ptr, offsets, CORRECTED: tl.constexpr,
                COMPUTE: tl.constexpr):  # fmt: skip
-    """The tile's gradient before maximize's sign: grad, or fma(C(cscale[block]), correction, grad) if CORRECTED, the
-    block's float64 scale rounded once to COMPUTE."""
+    """The tile's gradient before maximize's sign: grad (CORRECTED 0); fma(C(cscale[block]), correction, grad)
+    (CORRECTED 1, LookSAM); fma(C(cscale[block]), correction, C(gscale[block]) * grad) (CORRECTED 2, the SAM family's
+    mix), the block's float64 scales rounded once to COMPUTE."""
     g = tl.load(grad_ptr + offsets)
     if CORRECTED:
-        scale = tl.load(cscale_ptr + tl.load(block_of_tile_ptr + tl.program_id(0))).to(COMPUTE)
-        g = tl.fma(scale, tl.load(corr_ptr + offsets), g)
+        block = tl.load(block_of_tile_ptr + tl.program_id(0))
+        if CORRECTED == 2:
+            g = tl.load(gscale_ptr + block).to(COMPUTE) * g  # rounded on its own: no fp fusion in these kernels
+        g = tl.fma(tl.load(cscale_ptr + block).to(COMPUTE), tl.load(corr_ptr + offsets), g)
     return g
 
 
 @triton.jit
-def _sgd_update(param_ptr, grad_ptr, backup_ptr, buf_ptr, corr_ptr, cscale_ptr, block_of_tile_ptr, scalars_ptr, offsets,
-                neg_lr32, neg_lr64, weight_decay32, weight_decay64, momentum32, momentum64, one_minus_dampening32,
-                one_minus_dampening64, HAS_WEIGHT_DECAY: tl.constexpr, HAS_MOMENTUM: tl.constexpr,
-                NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr, FIRST: tl.constexpr, CORRECTED: tl.constexpr,
-                HAS_SCALARS: tl.constexpr, COMPUTE: tl.constexpr):  # fmt: skip
+def _sgd_update(param_ptr, grad_ptr, backup_ptr, buf_ptr, corr_ptr, cscale_ptr, gscale_ptr, block_of_tile_ptr,
+                scalars_ptr, offsets, neg_lr32, neg_lr64, weight_decay32, weight_decay64, momentum32, momentum64,
+                one_minus_dampening32, one_minus_dampening64, HAS_WEIGHT_DECAY: tl.constexpr,
+                HAS_MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr, FIRST: tl.constexpr,
+                CORRECTED: tl.constexpr, HAS_SCALARS: tl.constexpr, COMPUTE: tl.constexpr):  # fmt: skip
     """The tile's SGD update (see _sgd_tile); with HAS_SCALARS, lr and k are read from scalars_ptr: neg_lr is
     C(-lr) and the first step is k == 1, decided at run time (FIRST is then False)."""
     w = tl.load(backup_ptr + offsets)  # loaded before param is stored: backup_ptr is param_ptr for backup=None
-    g = _step_grad(grad_ptr, corr_ptr, cscale_ptr, block_of_tile_ptr, offsets, CORRECTED, COMPUTE)
+    g = _step_grad(grad_ptr, corr_ptr, cscale_ptr, gscale_ptr, block_of_tile_ptr, offsets, CORRECTED, COMPUTE)
     if MAXIMIZE:
         g = -g  # a sign flip, as torch's neg: +0 becomes -0
     if HAS_WEIGHT_DECAY:
@@ -178,8 +182,8 @@ def _sgd_update(param_ptr, grad_ptr, backup_ptr, buf_ptr, corr_ptr, cscale_ptr, 
 
 
 @triton.jit
-def _sgd_tile(param_ptr, grad_ptr, backup_ptr, buf_ptr, corr_ptr, cscale_ptr, block_of_tile_ptr, scalars_ptr,
-              found_inf_ptr, neg_lr32, neg_lr64, weight_decay32, weight_decay64, momentum32, momentum64,
+def _sgd_tile(param_ptr, grad_ptr, backup_ptr, buf_ptr, corr_ptr, cscale_ptr, gscale_ptr, block_of_tile_ptr,
+              scalars_ptr, found_inf_ptr, neg_lr32, neg_lr64, weight_decay32, weight_decay64, momentum32, momentum64,
               one_minus_dampening32, one_minus_dampening64, HAS_WEIGHT_DECAY: tl.constexpr, HAS_MOMENTUM: tl.constexpr,
               NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr, FIRST: tl.constexpr, CORRECTED: tl.constexpr,
               HAS_SCALARS: tl.constexpr, HAS_FOUND_INF: tl.constexpr, HAS_BACKUP: tl.constexpr, TILE: tl.constexpr,
@@ -198,13 +202,13 @@ def _sgd_tile(param_ptr, grad_ptr, backup_ptr, buf_ptr, corr_ptr, cscale_ptr, bl
             if HAS_BACKUP:
                 tl.store(param_ptr + offsets, tl.load(backup_ptr + offsets))
         else:
-            _sgd_update(param_ptr, grad_ptr, backup_ptr, buf_ptr, corr_ptr, cscale_ptr, block_of_tile_ptr, scalars_ptr,
-                        offsets, neg_lr32, neg_lr64, weight_decay32, weight_decay64, momentum32, momentum64,
-                        one_minus_dampening32, one_minus_dampening64, HAS_WEIGHT_DECAY, HAS_MOMENTUM, NESTEROV,
-                        MAXIMIZE, FIRST, CORRECTED, HAS_SCALARS, COMPUTE)  # fmt: skip
+            _sgd_update(param_ptr, grad_ptr, backup_ptr, buf_ptr, corr_ptr, cscale_ptr, gscale_ptr, block_of_tile_ptr,
+                        scalars_ptr, offsets, neg_lr32, neg_lr64, weight_decay32, weight_decay64, momentum32,
+                        momentum64, one_minus_dampening32, one_minus_dampening64, HAS_WEIGHT_DECAY, HAS_MOMENTUM,
+                        NESTEROV, MAXIMIZE, FIRST, CORRECTED, HAS_SCALARS, COMPUTE)  # fmt: skip
     else:
-        _sgd_update(param_ptr, grad_ptr, backup_ptr, buf_ptr, corr_ptr, cscale_ptr, block_of_tile_ptr, scalars_ptr,
-                    offsets, neg_lr32, neg_lr64, weight_decay32, weight_decay64, momentum32, momentum64,
+        _sgd_update(param_ptr, grad_ptr, backup_ptr, buf_ptr, corr_ptr, cscale_ptr, gscale_ptr, block_of_tile_ptr,
+                    scalars_ptr, offsets, neg_lr32, neg_lr64, weight_decay32, weight_decay64, momentum32, momentum64,
                     one_minus_dampening32, one_minus_dampening64, HAS_WEIGHT_DECAY, HAS_MOMENTUM, NESTEROV, MAXIMIZE,
                     FIRST, CORRECTED, HAS_SCALARS, COMPUTE)  # fmt: skip
 
@@ -217,40 +221,41 @@ def _sgd_kernel(param_ptr, grad_ptr, backup_ptr, buf_ptr, neg_lr32: tl.float32, 
                 TILE: tl.constexpr, COMPUTE: tl.constexpr):  # fmt: skip
     """_sgd_tile without a correction or device arguments (grad_ptr stands in for their pointers, never
     dereferenced)."""
-    _sgd_tile(param_ptr, grad_ptr, backup_ptr, buf_ptr, grad_ptr, grad_ptr, grad_ptr, grad_ptr, grad_ptr, neg_lr32,
+    _sgd_tile(param_ptr, grad_ptr, backup_ptr, buf_ptr, grad_ptr, grad_ptr, grad_ptr, grad_ptr, grad_ptr, grad_ptr,
+              neg_lr32,
               neg_lr64, weight_decay32, weight_decay64, momentum32, momentum64, one_minus_dampening32,
               one_minus_dampening64, HAS_WEIGHT_DECAY, HAS_MOMENTUM, NESTEROV, MAXIMIZE, FIRST, False, False, False,
               False, TILE, COMPUTE)  # fmt: skip
 
 
 @triton.jit
-def _sgd_corrected_kernel(param_ptr, grad_ptr, backup_ptr, buf_ptr, corr_ptr, cscale_ptr, block_of_tile_ptr,
+def _sgd_corrected_kernel(param_ptr, grad_ptr, backup_ptr, buf_ptr, corr_ptr, cscale_ptr, gscale_ptr, block_of_tile_ptr,
                           neg_lr32: tl.float32, neg_lr64: tl.float64, weight_decay32: tl.float32,
                           weight_decay64: tl.float64, momentum32: tl.float32, momentum64: tl.float64,
                           one_minus_dampening32: tl.float32, one_minus_dampening64: tl.float64,
                           HAS_WEIGHT_DECAY: tl.constexpr, HAS_MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr,
-                          MAXIMIZE: tl.constexpr, FIRST: tl.constexpr, TILE: tl.constexpr,
+                          MAXIMIZE: tl.constexpr, FIRST: tl.constexpr, CORRECTED: tl.constexpr, TILE: tl.constexpr,
                           COMPUTE: tl.constexpr):  # fmt: skip
-    """_sgd_tile with LookSAM's correction, without device arguments."""
-    _sgd_tile(param_ptr, grad_ptr, backup_ptr, buf_ptr, corr_ptr, cscale_ptr, block_of_tile_ptr, grad_ptr, grad_ptr,
-              neg_lr32, neg_lr64, weight_decay32, weight_decay64, momentum32, momentum64, one_minus_dampening32,
-              one_minus_dampening64, HAS_WEIGHT_DECAY, HAS_MOMENTUM, NESTEROV, MAXIMIZE, FIRST, True, False, False,
-              False, TILE, COMPUTE)  # fmt: skip
+    """_sgd_tile with a correction (CORRECTED 1 or 2, see _step_grad), without device arguments."""
+    _sgd_tile(param_ptr, grad_ptr, backup_ptr, buf_ptr, corr_ptr, cscale_ptr, gscale_ptr, block_of_tile_ptr, grad_ptr,
+              grad_ptr, neg_lr32, neg_lr64, weight_decay32, weight_decay64, momentum32, momentum64,
+              one_minus_dampening32, one_minus_dampening64, HAS_WEIGHT_DECAY, HAS_MOMENTUM, NESTEROV, MAXIMIZE, FIRST,
+              CORRECTED, False, False, False, TILE, COMPUTE)  # fmt: skip
 
 
 @triton.jit
-def _sgd_device_kernel(param_ptr, grad_ptr, backup_ptr, buf_ptr, corr_ptr, cscale_ptr, block_of_tile_ptr, scalars_ptr,
-                       found_inf_ptr, neg_lr32: tl.float32, neg_lr64: tl.float64, weight_decay32: tl.float32,
-                       weight_decay64: tl.float64, momentum32: tl.float32, momentum64: tl.float64,
-                       one_minus_dampening32: tl.float32, one_minus_dampening64: tl.float64,
+def _sgd_device_kernel(param_ptr, grad_ptr, backup_ptr, buf_ptr, corr_ptr, cscale_ptr, gscale_ptr, block_of_tile_ptr,
+                       scalars_ptr, found_inf_ptr, neg_lr32: tl.float32, neg_lr64: tl.float64,
+                       weight_decay32: tl.float32, weight_decay64: tl.float64, momentum32: tl.float32,
+                       momentum64: tl.float64, one_minus_dampening32: tl.float32, one_minus_dampening64: tl.float64,
                        HAS_WEIGHT_DECAY: tl.constexpr, HAS_MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr,
                        MAXIMIZE: tl.constexpr, FIRST: tl.constexpr, CORRECTED: tl.constexpr, HAS_SCALARS: tl.constexpr,
                        HAS_FOUND_INF: tl.constexpr, HAS_BACKUP: tl.constexpr, TILE: tl.constexpr,
                        COMPUTE: tl.constexpr):  # fmt: skip
     """_sgd_tile with scalars and/or found_inf, with or without a correction (absent pointers stand in as other
     buffers, never dereferenced)."""
-    _sgd_tile(param_ptr, grad_ptr, backup_ptr, buf_ptr, corr_ptr, cscale_ptr, block_of_tile_ptr, scalars_ptr,
-              found_inf_ptr, neg_lr32, neg_lr64, weight_decay32, weight_decay64, momentum32, momentum64,
+    _sgd_tile(param_ptr, grad_ptr, backup_ptr, buf_ptr, corr_ptr, cscale_ptr, gscale_ptr, block_of_tile_ptr,
+              scalars_ptr, found_inf_ptr, neg_lr32, neg_lr64, weight_decay32, weight_decay64, momentum32, momentum64,
               one_minus_dampening32, one_minus_dampening64, HAS_WEIGHT_DECAY, HAS_MOMENTUM, NESTEROV, MAXIMIZE, FIRST,
               CORRECTED, HAS_SCALARS, HAS_FOUND_INF, HAS_BACKUP, TILE, COMPUTE)  # fmt: skip
 
@@ -269,13 +274,13 @@ def _adam_device_scalars(scalars_ptr, beta1_64, beta2_64, weight_decay64, COMPUT
 
 
 @triton.jit
-def _adam_update(param_ptr, grad_ptr, backup_ptr, exp_avg_ptr, exp_avg_sq_ptr, max_exp_avg_sq_ptr, corr_ptr, cscale_ptr,
-                 block_of_tile_ptr, scalars_ptr, offsets, beta1_64, lerp_weight32, lerp_weight64, beta2_32, beta2_64,
-                 one_minus_beta2_32, one_minus_beta2_64, eps32, eps64, weight_decay32, weight_decay64, decay32, decay64,
-                 neg_step_size32, neg_step_size64, bias_correction2_sqrt32, bias_correction2_sqrt64,
-                 HAS_WEIGHT_DECAY: tl.constexpr, DECOUPLED: tl.constexpr, AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr,
-                 LERP_SMALL: tl.constexpr, CORRECTED: tl.constexpr, HAS_SCALARS: tl.constexpr,
-                 COMPUTE: tl.constexpr):  # fmt: skip
+def _adam_update(param_ptr, grad_ptr, backup_ptr, exp_avg_ptr, exp_avg_sq_ptr, max_exp_avg_sq_ptr, corr_ptr,
+                 cscale_ptr, gscale_ptr, block_of_tile_ptr, scalars_ptr, offsets, beta1_64, lerp_weight32,
+                 lerp_weight64, beta2_32, beta2_64, one_minus_beta2_32, one_minus_beta2_64, eps32, eps64,
+                 weight_decay32, weight_decay64, decay32, decay64, neg_step_size32, neg_step_size64,
+                 bias_correction2_sqrt32, bias_correction2_sqrt64, HAS_WEIGHT_DECAY: tl.constexpr,
+                 DECOUPLED: tl.constexpr, AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr, LERP_SMALL: tl.constexpr,
+                 CORRECTED: tl.constexpr, HAS_SCALARS: tl.constexpr, COMPUTE: tl.constexpr):  # fmt: skip
     """The tile's Adam update (see _adam_tile); with HAS_SCALARS, neg_step_size, bias_correction2_sqrt and decay come
     from _adam_device_scalars instead of the host's pairs."""
     neg_step_size, bias_correction2_sqrt, decay = 0.0, 0.0, 0.0  # derived from scalars if HAS_SCALARS
@@ -284,7 +289,7 @@ def _adam_update(param_ptr, grad_ptr, backup_ptr, exp_avg_ptr, exp_avg_sq_ptr, m
             scalars_ptr, beta1_64, beta2_64, weight_decay64, COMPUTE
         )
     w = tl.load(backup_ptr + offsets)  # loaded before param is stored: backup_ptr is param_ptr for backup=None
-    g = _step_grad(grad_ptr, corr_ptr, cscale_ptr, block_of_tile_ptr, offsets, CORRECTED, COMPUTE)
+    g = _step_grad(grad_ptr, corr_ptr, cscale_ptr, gscale_ptr, block_of_tile_ptr, offsets, CORRECTED, COMPUTE)
     if MAXIMIZE:
         g = -g
     if HAS_WEIGHT_DECAY:
@@ -323,12 +328,12 @@ def _adam_update(param_ptr, grad_ptr, backup_ptr, exp_avg_ptr, exp_avg_sq_ptr, m
 
 @triton.jit
 def _adam_tile(param_ptr, grad_ptr, backup_ptr, exp_avg_ptr, exp_avg_sq_ptr, max_exp_avg_sq_ptr, corr_ptr, cscale_ptr,
-               block_of_tile_ptr, scalars_ptr, found_inf_ptr, beta1_64, lerp_weight32, lerp_weight64, beta2_32,
-               beta2_64, one_minus_beta2_32, one_minus_beta2_64, eps32, eps64, weight_decay32, weight_decay64, decay32,
-               decay64, neg_step_size32, neg_step_size64, bias_correction2_sqrt32, bias_correction2_sqrt64,
-               HAS_WEIGHT_DECAY: tl.constexpr, DECOUPLED: tl.constexpr, AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr,
-               LERP_SMALL: tl.constexpr, CORRECTED: tl.constexpr, HAS_SCALARS: tl.constexpr,
-               HAS_FOUND_INF: tl.constexpr, HAS_BACKUP: tl.constexpr, TILE: tl.constexpr,
+               gscale_ptr, block_of_tile_ptr, scalars_ptr, found_inf_ptr, beta1_64, lerp_weight32, lerp_weight64,
+               beta2_32, beta2_64, one_minus_beta2_32, one_minus_beta2_64, eps32, eps64, weight_decay32,
+               weight_decay64, decay32, decay64, neg_step_size32, neg_step_size64, bias_correction2_sqrt32,
+               bias_correction2_sqrt64, HAS_WEIGHT_DECAY: tl.constexpr, DECOUPLED: tl.constexpr,
+               AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr, LERP_SMALL: tl.constexpr, CORRECTED: tl.constexpr,
+               HAS_SCALARS: tl.constexpr, HAS_FOUND_INF: tl.constexpr, HAS_BACKUP: tl.constexpr, TILE: tl.constexpr,
                COMPUTE: tl.constexpr):  # fmt: skip
     """w = backup;  g = grad, corrected if CORRECTED (see _step_grad);  g = -g if MAXIMIZE;  with HAS_WEIGHT_DECAY:
     w = w * decay if DECOUPLED else g = fma(weight_decay, w, g);
@@ -347,18 +352,18 @@ def _adam_tile(param_ptr, grad_ptr, backup_ptr, exp_avg_ptr, exp_avg_sq_ptr, max
                 tl.store(param_ptr + offsets, tl.load(backup_ptr + offsets))
         else:
             _adam_update(param_ptr, grad_ptr, backup_ptr, exp_avg_ptr, exp_avg_sq_ptr, max_exp_avg_sq_ptr, corr_ptr,
-                         cscale_ptr, block_of_tile_ptr, scalars_ptr, offsets, beta1_64, lerp_weight32, lerp_weight64,
-                         beta2_32, beta2_64, one_minus_beta2_32, one_minus_beta2_64, eps32, eps64, weight_decay32,
-                         weight_decay64, decay32, decay64, neg_step_size32, neg_step_size64, bias_correction2_sqrt32,
-                         bias_correction2_sqrt64, HAS_WEIGHT_DECAY, DECOUPLED, AMSGRAD, MAXIMIZE, LERP_SMALL, CORRECTED,
-                         HAS_SCALARS, COMPUTE)  # fmt: skip
+                         cscale_ptr, gscale_ptr, block_of_tile_ptr, scalars_ptr, offsets, beta1_64, lerp_weight32,
+                         lerp_weight64, beta2_32, beta2_64, one_minus_beta2_32, one_minus_beta2_64, eps32, eps64,
+                         weight_decay32, weight_decay64, decay32, decay64, neg_step_size32, neg_step_size64,
+                         bias_correction2_sqrt32, bias_correction2_sqrt64, HAS_WEIGHT_DECAY, DECOUPLED, AMSGRAD,
+                         MAXIMIZE, LERP_SMALL, CORRECTED, HAS_SCALARS, COMPUTE)  # fmt: skip
     else:
         _adam_update(param_ptr, grad_ptr, backup_ptr, exp_avg_ptr, exp_avg_sq_ptr, max_exp_avg_sq_ptr, corr_ptr,
-                     cscale_ptr, block_of_tile_ptr, scalars_ptr, offsets, beta1_64, lerp_weight32, lerp_weight64,
-                     beta2_32, beta2_64, one_minus_beta2_32, one_minus_beta2_64, eps32, eps64, weight_decay32,
-                     weight_decay64, decay32, decay64, neg_step_size32, neg_step_size64, bias_correction2_sqrt32,
-                     bias_correction2_sqrt64, HAS_WEIGHT_DECAY, DECOUPLED, AMSGRAD, MAXIMIZE, LERP_SMALL, CORRECTED,
-                     HAS_SCALARS, COMPUTE)  # fmt: skip
+                     cscale_ptr, gscale_ptr, block_of_tile_ptr, scalars_ptr, offsets, beta1_64, lerp_weight32,
+                     lerp_weight64, beta2_32, beta2_64, one_minus_beta2_32, one_minus_beta2_64, eps32, eps64,
+                     weight_decay32, weight_decay64, decay32, decay64, neg_step_size32, neg_step_size64,
+                     bias_correction2_sqrt32, bias_correction2_sqrt64, HAS_WEIGHT_DECAY, DECOUPLED, AMSGRAD, MAXIMIZE,
+                     LERP_SMALL, CORRECTED, HAS_SCALARS, COMPUTE)  # fmt: skip
 
 
 @triton.jit
@@ -373,7 +378,7 @@ def _adam_kernel(param_ptr, grad_ptr, backup_ptr, exp_avg_ptr, exp_avg_sq_ptr, m
     """_adam_tile without a correction or device arguments (grad_ptr stands in for their pointers, never
     dereferenced; beta1_64 is only read with scalars)."""
     _adam_tile(param_ptr, grad_ptr, backup_ptr, exp_avg_ptr, exp_avg_sq_ptr, max_exp_avg_sq_ptr, grad_ptr, grad_ptr,
-               grad_ptr, grad_ptr, grad_ptr, lerp_weight64, lerp_weight32, lerp_weight64, beta2_32, beta2_64,
+               grad_ptr, grad_ptr, grad_ptr, grad_ptr, lerp_weight64, lerp_weight32, lerp_weight64, beta2_32, beta2_64,
                one_minus_beta2_32, one_minus_beta2_64, eps32, eps64, weight_decay32, weight_decay64, decay32, decay64,
                neg_step_size32, neg_step_size64, bias_correction2_sqrt32, bias_correction2_sqrt64, HAS_WEIGHT_DECAY,
                DECOUPLED, AMSGRAD, MAXIMIZE, LERP_SMALL, False, False, False, False, TILE, COMPUTE)  # fmt: skip
@@ -381,26 +386,28 @@ def _adam_kernel(param_ptr, grad_ptr, backup_ptr, exp_avg_ptr, exp_avg_sq_ptr, m
 
 @triton.jit
 def _adam_corrected_kernel(param_ptr, grad_ptr, backup_ptr, exp_avg_ptr, exp_avg_sq_ptr, max_exp_avg_sq_ptr, corr_ptr,
-                           cscale_ptr, block_of_tile_ptr, lerp_weight32: tl.float32, lerp_weight64: tl.float64,
-                           beta2_32: tl.float32, beta2_64: tl.float64, one_minus_beta2_32: tl.float32,
-                           one_minus_beta2_64: tl.float64, eps32: tl.float32, eps64: tl.float64,
-                           weight_decay32: tl.float32, weight_decay64: tl.float64, decay32: tl.float32,
-                           decay64: tl.float64, neg_step_size32: tl.float32, neg_step_size64: tl.float64,
-                           bias_correction2_sqrt32: tl.float32, bias_correction2_sqrt64: tl.float64,
-                           HAS_WEIGHT_DECAY: tl.constexpr, DECOUPLED: tl.constexpr, AMSGRAD: tl.constexpr,
-                           MAXIMIZE: tl.constexpr, LERP_SMALL: tl.constexpr, TILE: tl.constexpr,
+                           cscale_ptr, gscale_ptr, block_of_tile_ptr, lerp_weight32: tl.float32,
+                           lerp_weight64: tl.float64, beta2_32: tl.float32, beta2_64: tl.float64,
+                           one_minus_beta2_32: tl.float32, one_minus_beta2_64: tl.float64, eps32: tl.float32,
+                           eps64: tl.float64, weight_decay32: tl.float32, weight_decay64: tl.float64,
+                           decay32: tl.float32, decay64: tl.float64, neg_step_size32: tl.float32,
+                           neg_step_size64: tl.float64, bias_correction2_sqrt32: tl.float32,
+                           bias_correction2_sqrt64: tl.float64, HAS_WEIGHT_DECAY: tl.constexpr,
+                           DECOUPLED: tl.constexpr, AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr,
+                           LERP_SMALL: tl.constexpr, CORRECTED: tl.constexpr, TILE: tl.constexpr,
                            COMPUTE: tl.constexpr):  # fmt: skip
-    """_adam_tile with LookSAM's correction, without device arguments."""
+    """_adam_tile with a correction (CORRECTED 1 or 2, see _step_grad), without device arguments."""
     _adam_tile(param_ptr, grad_ptr, backup_ptr, exp_avg_ptr, exp_avg_sq_ptr, max_exp_avg_sq_ptr, corr_ptr, cscale_ptr,
-               block_of_tile_ptr, grad_ptr, grad_ptr, lerp_weight64, lerp_weight32, lerp_weight64, beta2_32, beta2_64,
-               one_minus_beta2_32, one_minus_beta2_64, eps32, eps64, weight_decay32, weight_decay64, decay32, decay64,
-               neg_step_size32, neg_step_size64, bias_correction2_sqrt32, bias_correction2_sqrt64, HAS_WEIGHT_DECAY,
-               DECOUPLED, AMSGRAD, MAXIMIZE, LERP_SMALL, True, False, False, False, TILE, COMPUTE)  # fmt: skip
+               gscale_ptr, block_of_tile_ptr, grad_ptr, grad_ptr, lerp_weight64, lerp_weight32, lerp_weight64,
+               beta2_32, beta2_64, one_minus_beta2_32, one_minus_beta2_64, eps32, eps64, weight_decay32,
+               weight_decay64, decay32, decay64, neg_step_size32, neg_step_size64, bias_correction2_sqrt32,
+               bias_correction2_sqrt64, HAS_WEIGHT_DECAY, DECOUPLED, AMSGRAD, MAXIMIZE, LERP_SMALL, CORRECTED, False,
+               False, False, TILE, COMPUTE)  # fmt: skip
 
 
 @triton.jit
 def _adam_device_kernel(param_ptr, grad_ptr, backup_ptr, exp_avg_ptr, exp_avg_sq_ptr, max_exp_avg_sq_ptr, corr_ptr,
-                        cscale_ptr, block_of_tile_ptr, scalars_ptr, found_inf_ptr, beta1_64: tl.float64,
+                        cscale_ptr, gscale_ptr, block_of_tile_ptr, scalars_ptr, found_inf_ptr, beta1_64: tl.float64,
                         lerp_weight32: tl.float32, lerp_weight64: tl.float64, beta2_32: tl.float32,
                         beta2_64: tl.float64, one_minus_beta2_32: tl.float32, one_minus_beta2_64: tl.float64,
                         eps32: tl.float32, eps64: tl.float64, weight_decay32: tl.float32, weight_decay64: tl.float64,
@@ -413,11 +420,11 @@ def _adam_device_kernel(param_ptr, grad_ptr, backup_ptr, exp_avg_ptr, exp_avg_sq
     """_adam_tile with scalars and/or found_inf, with or without a correction (absent pointers stand in as other
     buffers, never dereferenced)."""
     _adam_tile(param_ptr, grad_ptr, backup_ptr, exp_avg_ptr, exp_avg_sq_ptr, max_exp_avg_sq_ptr, corr_ptr, cscale_ptr,
-               block_of_tile_ptr, scalars_ptr, found_inf_ptr, beta1_64, lerp_weight32, lerp_weight64, beta2_32,
-               beta2_64, one_minus_beta2_32, one_minus_beta2_64, eps32, eps64, weight_decay32, weight_decay64, decay32,
-               decay64, neg_step_size32, neg_step_size64, bias_correction2_sqrt32, bias_correction2_sqrt64,
-               HAS_WEIGHT_DECAY, DECOUPLED, AMSGRAD, MAXIMIZE, LERP_SMALL, CORRECTED, HAS_SCALARS, HAS_FOUND_INF,
-               HAS_BACKUP, TILE, COMPUTE)  # fmt: skip
+               gscale_ptr, block_of_tile_ptr, scalars_ptr, found_inf_ptr, beta1_64, lerp_weight32, lerp_weight64,
+               beta2_32, beta2_64, one_minus_beta2_32, one_minus_beta2_64, eps32, eps64, weight_decay32,
+               weight_decay64, decay32, decay64, neg_step_size32, neg_step_size64, bias_correction2_sqrt32,
+               bias_correction2_sqrt64, HAS_WEIGHT_DECAY, DECOUPLED, AMSGRAD, MAXIMIZE, LERP_SMALL, CORRECTED,
+               HAS_SCALARS, HAS_FOUND_INF, HAS_BACKUP, TILE, COMPUTE)  # fmt: skip
 
 
 def _check_base_buffers(param: torch.Tensor, tile: int, **buffers: torch.Tensor | None) -> None:
@@ -432,23 +439,13 @@ def _check_base_buffers(param: torch.Tensor, tile: int, **buffers: torch.Tensor 
             check_same(name, t, "param", param)
 
 
-def _check_correction(param: torch.Tensor, tile: int, correction: torch.Tensor | None,
-                      correction_scale: torch.Tensor | None, block_of_tile: torch.Tensor | None) -> tuple:  # fmt: skip
-    """LookSAM's correction checked as ``perturb_`` checks its scale and block_of_tile (same messages as ops.cpp): the
-    three buffers, or () where none is given; some without the others means the caller's state is broken."""
-    given = {"correction": correction, "correction_scale": correction_scale, "block_of_tile": block_of_tile}
-    missing = [name for name, t in given.items() if t is None]
-    if len(missing) == len(given):
+def _correction_pointers(correction: torch.Tensor | None, correction_scale: torch.Tensor | None,
+                         block_of_tile: torch.Tensor | None, grad_scale: torch.Tensor | None) -> tuple:  # fmt: skip
+    """The kernels' four correction pointers (correction_scale standing in for an absent grad_scale, never
+    dereferenced), or () without a correction."""
+    if correction is None:
         return ()
-    if missing:
-        raise ValueError(
-            f"correction, correction_scale and block_of_tile must be given together, missing {', '.join(missing)}"
-        )
-    check_flat("correction", correction)
-    check_same("correction", correction, "param", param)
-    check_flat("correction_scale", correction_scale, dtype=torch.float64, device=param.device)
-    check_block_of_tile(block_of_tile, param, tile)
-    return correction, correction_scale, block_of_tile
+    return correction, correction_scale, correction_scale if grad_scale is None else grad_scale, block_of_tile
 
 
 def _pick(plain, with_correction, with_device_args, corrected: tuple, scalars, found_inf) -> tuple:
@@ -458,19 +455,22 @@ def _pick(plain, with_correction, with_device_args, corrected: tuple, scalars, f
     return (with_device_args if device_args else with_correction if corrected else plain), device_args
 
 
-def _device_flags(corrected: tuple, scalars: torch.Tensor | None, found_inf: torch.Tensor | None,
-                  backup: torch.Tensor | None) -> dict:  # fmt: skip
-    """The constexpr flags a ``_device`` kernel takes beyond the plain kernel's."""
-    return dict(CORRECTED=bool(corrected), HAS_SCALARS=scalars is not None, HAS_FOUND_INF=found_inf is not None,
+def _flags(level: int, device_args: bool, scalars: torch.Tensor | None, found_inf: torch.Tensor | None,
+           backup: torch.Tensor | None) -> dict:  # fmt: skip
+    """The constexpr flags the picked kernel takes beyond the plain kernel's: CORRECTED (the ``_corrected`` twins and
+    the ``_device`` kernel), and the ``_device`` kernel's own."""
+    if not device_args:
+        return dict(CORRECTED=level) if level else {}
+    return dict(CORRECTED=level, HAS_SCALARS=scalars is not None, HAS_FOUND_INF=found_inf is not None,
                 HAS_BACKUP=backup is not None)  # fmt: skip
 
 
 def _device_pointers(param: torch.Tensor, corrected: tuple, scalars: torch.Tensor | None,
                      found_inf: torch.Tensor | None) -> tuple:  # fmt: skip
-    """The pointers a ``_device`` kernel takes after the state: the correction's three and scalars and found_inf,
+    """The pointers a ``_device`` kernel takes after the state: the correction's four and scalars and found_inf,
     param standing in for the absent ones (never dereferenced)."""
     return (
-        *(corrected or (param, param, param)),
+        *(corrected or (param, param, param, param)),
         param if scalars is None else scalars,
         param if found_inf is None else found_inf,
     )
@@ -481,15 +481,18 @@ def _device_pointers(param: torch.Tensor, corrected: tuple, scalars: torch.Tenso
 def sgd_step_(param: torch.Tensor, grad: torch.Tensor, backup: torch.Tensor | None,
               momentum_buffer: torch.Tensor | None, correction: torch.Tensor | None = None,
               correction_scale: torch.Tensor | None = None, block_of_tile: torch.Tensor | None = None,
-              scalars: torch.Tensor | None = None, found_inf: torch.Tensor | None = None, *, tile: int, lr: float,
+              scalars: torch.Tensor | None = None, found_inf: torch.Tensor | None = None,
+              grad_scale: torch.Tensor | None = None, *, tile: int, lr: float,
               weight_decay: float, momentum: float, dampening: float, nesterov: bool, maximize: bool,
               first: bool) -> None:  # fmt: skip
     """``param`` <- torch's SGD step taken from ``backup`` (from ``param`` itself if ``backup`` is None);
     ``momentum_buffer`` (given iff ``momentum != 0``) updated in place, and only written, not read, on the ``first``
     step. ``grad`` and ``backup`` are only read. With ``correction``, ``correction_scale`` (float64 ``[B]``) and
     ``block_of_tile`` (int32 per tile), all or none, the step's gradient is ``fma(C(correction_scale[block]),
-    correction, grad)`` (LookSAM). With ``scalars`` (float64 ``[2]``: lr and the step count k, read on the device;
-    then ``lr=0.0`` and ``first=False``) the step is lr's and the first is k == 1. With ``found_inf`` (float32, one
+    correction, grad)`` (LookSAM); with ``grad_scale`` (float64 ``[B]``, only beside them) it is
+    ``fma(C(correction_scale[block]), correction, C(grad_scale[block]) * grad)``, ``mix_gradient_``'s (the SAM
+    family's descent gradient). With ``scalars`` (float64 ``[2]``: lr and the step count k, read on the device; then
+    ``lr=0.0`` and ``first=False``) the step is lr's and the first is k == 1. With ``found_inf`` (float32, one
     element) nonzero, ``param`` <- ``backup`` (untouched without backup) and nothing else is written or ``grad``
     read. Tensors are positional-or-keyword: a registered op takes no keyword-only tensor."""
     _check_base_buffers(param, tile, grad=grad, backup=backup, momentum_buffer=momentum_buffer)
@@ -498,7 +501,8 @@ def sgd_step_(param: torch.Tensor, grad: torch.Tensor, backup: torch.Tensor | No
             f"momentum_buffer must be given exactly when momentum != 0 (momentum={momentum}, "
             f"momentum_buffer {'missing' if momentum_buffer is None else 'given'})"
         )
-    corrected = _check_correction(param, tile, correction, correction_scale, block_of_tile)
+    level = check_correction(param, tile, correction, correction_scale, block_of_tile, grad_scale)
+    corrected = _correction_pointers(correction, correction_scale, block_of_tile, grad_scale)
     check_device_step("sgd_step_", param, scalars, found_inf, lr=lr, first=first)
     kernel, device_args = _pick(_sgd_kernel, _sgd_corrected_kernel, _sgd_device_kernel, corrected, scalars, found_inf)
     n_tiles = param.numel() // tile
@@ -513,7 +517,7 @@ def sgd_step_(param: torch.Tensor, grad: torch.Tensor, backup: torch.Tensor | No
         param if momentum_buffer is None else momentum_buffer,  # a placeholder pointer, never dereferenced
         *(_device_pointers(param, corrected, scalars, found_inf) if device_args else corrected),
     )
-    device_flags = _device_flags(corrected, scalars, found_inf, backup) if device_args else {}
+    device_flags = _flags(level, device_args, scalars, found_inf, backup)
     wrap_triton(kernel)[(n_tiles,)](
         *pointers,
         *pairs(neg_lr, weight_decay, momentum, one_minus_dampening),
@@ -534,7 +538,8 @@ def sgd_step_(param: torch.Tensor, grad: torch.Tensor, backup: torch.Tensor | No
 def adam_step_(param: torch.Tensor, grad: torch.Tensor, backup: torch.Tensor | None, exp_avg: torch.Tensor,
                exp_avg_sq: torch.Tensor, max_exp_avg_sq: torch.Tensor | None, correction: torch.Tensor | None = None,
                correction_scale: torch.Tensor | None = None, block_of_tile: torch.Tensor | None = None,
-               scalars: torch.Tensor | None = None, found_inf: torch.Tensor | None = None, *, tile: int,
+               scalars: torch.Tensor | None = None, found_inf: torch.Tensor | None = None,
+               grad_scale: torch.Tensor | None = None, *, tile: int,
                beta1: float, beta2: float, eps: float, weight_decay: float, decoupled: bool, amsgrad: bool,
                maximize: bool, lr: float, step: int) -> None:  # fmt: skip
     """``param`` <- torch's Adam (AdamW if ``decoupled``) ``step``-th step (1 for the first) taken from ``backup``
@@ -542,7 +547,8 @@ def adam_step_(param: torch.Tensor, grad: torch.Tensor, backup: torch.Tensor | N
     updated in place. ``step_size``, ``bias_correction2_sqrt`` and ``decay`` (AdamW's) are derived from ``lr`` and
     ``step`` as torch does (:func:`gearsam_fused.base_step.adam_scalars`): on the host, or, with ``scalars``
     (float64 ``[2]``: lr and k; then ``lr=0.0`` and ``step=0``), by the same float64 operations on the device.
-    ``correction``, ``correction_scale``, ``block_of_tile`` and ``found_inf`` as for :func:`sgd_step_`."""
+    ``correction``, ``correction_scale``, ``block_of_tile``, ``grad_scale`` and ``found_inf`` as for
+    :func:`sgd_step_`."""
     state = dict(exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, max_exp_avg_sq=max_exp_avg_sq)
     _check_base_buffers(param, tile, grad=grad, backup=backup, **state)
     if (max_exp_avg_sq is None) == bool(amsgrad):
@@ -550,7 +556,8 @@ def adam_step_(param: torch.Tensor, grad: torch.Tensor, backup: torch.Tensor | N
             f"max_exp_avg_sq must be given exactly when amsgrad is set (amsgrad={amsgrad}, "
             f"max_exp_avg_sq {'missing' if max_exp_avg_sq is None else 'given'})"
         )
-    corrected = _check_correction(param, tile, correction, correction_scale, block_of_tile)
+    level = check_correction(param, tile, correction, correction_scale, block_of_tile, grad_scale)
+    corrected = _correction_pointers(correction, correction_scale, block_of_tile, grad_scale)
     check_device_step("adam_step_", param, scalars, found_inf, lr=lr, step=step)
     kernel, device_args = _pick(
         _adam_kernel, _adam_corrected_kernel, _adam_device_kernel, corrected, scalars, found_inf
@@ -572,7 +579,7 @@ def adam_step_(param: torch.Tensor, grad: torch.Tensor, backup: torch.Tensor | N
         exp_avg_sq if max_exp_avg_sq is None else max_exp_avg_sq,  # a placeholder pointer, never dereferenced
         *(_device_pointers(param, corrected, scalars, found_inf) if device_args else corrected),
     )
-    device_flags = _device_flags(corrected, scalars, found_inf, backup) if device_args else {}
+    device_flags = _flags(level, device_args, scalars, found_inf, backup)
     wrap_triton(kernel)[(n_tiles,)](
         *pointers,
         *((beta1,) if device_args else ()),

@@ -1,7 +1,8 @@
 """Perturbation to ``w + eps`` and its exact undoing, over a flat bucket.
 
     perturb_:  backup_i = w_i;   w_i <- w_i + scale[block_of_tile[tile(i)]] * T_i^2 * g_i   (w_i kept where scale is 0)
-               T_i = |w_i| + eta (ASAM) or 1; arithmetic in float32 (float64 for float64 buffers), rounded once
+               T_i = |w_i| + eta (ASAM) or 1; arithmetic in float32 (float64 for float64 buffers), rounded once;
+               with kept, kept_i = g_i as well (a copy of the stored bits, in every block)
     restore_:  w_i <- backup_i   (a copy of the stored bits: exact in every dtype)
 
 One program per tile; a tile lies inside one block, so it loads its block's scale once.
@@ -33,17 +34,21 @@ def round_to(x, DTYPE: tl.constexpr):
 
 
 @triton.jit
-def _perturb_kernel(param_ptr, grad_ptr, backup_ptr, scale_ptr, block_of_tile_ptr, eta32: tl.float32, eta64: tl.float64,
-                    ADAPTIVE: tl.constexpr, TILE: tl.constexpr, COMPUTE: tl.constexpr):  # fmt: skip
+def _perturb_kernel(param_ptr, grad_ptr, backup_ptr, kept_ptr, scale_ptr, block_of_tile_ptr, eta32: tl.float32,
+                    eta64: tl.float64, ADAPTIVE: tl.constexpr, KEEP: tl.constexpr, TILE: tl.constexpr,
+                    COMPUTE: tl.constexpr):  # fmt: skip
     """backup = w;  w <- w + scale[block] * T^2 * g with T = |w| + eta if ADAPTIVE else 1, in COMPUTE precision;
-    w unchanged when scale[block] is 0."""
+    w unchanged when scale[block] is 0. KEEP: kept = g (kept_ptr is backup_ptr otherwise, never written)."""
     tile = tl.program_id(0).to(tl.int64)
     offsets = tile * TILE + tl.arange(0, TILE)
     scale = tl.load(scale_ptr + tl.load(block_of_tile_ptr + tile)).to(COMPUTE)
     stored = tl.load(param_ptr + offsets)
     tl.store(backup_ptr + offsets, stored)
+    grad = tl.load(grad_ptr + offsets)
+    if KEEP:
+        tl.store(kept_ptr + offsets, grad)
     w = stored.to(COMPUTE)
-    direction = tl.load(grad_ptr + offsets).to(COMPUTE)
+    direction = grad.to(COMPUTE)
     if ADAPTIVE:
         t = tl.abs(w) + (eta64 if COMPUTE == tl.float64 else eta32)
         direction = t * t * direction
@@ -59,27 +64,32 @@ def _restore_kernel(param_ptr, backup_ptr, TILE: tl.constexpr):
 
 
 @kept_whole
-@triton_op(f"{NAMESPACE}::perturb_", mutates_args=("param", "backup"))
+@triton_op(f"{NAMESPACE}::perturb_", mutates_args=("param", "backup", "kept"))
 def perturb_(param: torch.Tensor, grad: torch.Tensor, backup: torch.Tensor, scale: torch.Tensor,
-             block_of_tile: torch.Tensor, *, tile: int, adaptive: bool, eta: float) -> None:  # fmt: skip
+             block_of_tile: torch.Tensor, kept: torch.Tensor | None = None, *, tile: int, adaptive: bool,
+             eta: float) -> None:  # fmt: skip
     """In place on ``param`` (saving it to ``backup``); ``scale`` is float64 ``[B]``, ``block_of_tile`` int32 per
-    tile."""
+    tile; ``kept``, where given, receives a copy of ``grad`` in the same pass."""
     check_flat("param", param, tile)
     check_same("grad", grad, "param", param)
     check_same("backup", backup, "param", param)
     check_flat("scale", scale, dtype=torch.float64, device=param.device)
     check_block_of_tile(block_of_tile, param, tile)
+    if kept is not None:
+        check_same("kept", kept, "param", param)
     n_tiles = block_of_tile.numel()
     if n_tiles and launches(_perturb_kernel, param):
         wrap_triton(_perturb_kernel)[(n_tiles,)](
             param,
             grad,
             backup,
+            backup if kept is None else kept,
             scale,
             block_of_tile,
             eta,
             eta,
             ADAPTIVE=adaptive,
+            KEEP=kept is not None,
             TILE=tile,
             COMPUTE=compute_type(param.dtype),
             enable_fp_fusion=False,

@@ -35,25 +35,19 @@ T nan_max(T a, T b) {
   return (a < b || std::isnan(b)) ? b : a;
 }
 
-// Calls fn with std::true_type or std::false_type: a run-time flag turned into a template parameter.
-template <typename Fn>
-void with_flag(bool flag, const Fn& fn) {
-  if (flag)
-    fn(std::true_type{});
-  else
-    fn(std::false_type{});
-}
-
-// Where one tile's gradient comes from: grad, and with LookSAM's correction the tile's values and its block's scale
-// rounded once to scalar_t (C(c[block]) above).
+// Where one tile's gradient comes from: grad, and with a correction the tile's values and its block's scales
+// rounded once to scalar_t (C(c[block]) and C(a[block]) in gearsam_fused/base_step.py; a is 1 where grad_scale is not
+// given, a product that leaves grad as it is).
 template <typename scalar_t>
 struct TileGrad {
   const scalar_t* grad;
   const scalar_t* correction;  // null without a correction
-  scalar_t scale;
+  scalar_t scale, grad_scale;
 
   // The same source from element `offset` on.
-  TileGrad at(int64_t offset) const { return {grad + offset, correction ? correction + offset : nullptr, scale}; }
+  TileGrad at(int64_t offset) const {
+    return {grad + offset, correction ? correction + offset : nullptr, scale, grad_scale};
+  }
 };
 
 // The correction's data (null without one), read per tile by TileGrad.
@@ -61,16 +55,21 @@ template <typename scalar_t>
 struct CorrectionData {
   const scalar_t* values = nullptr;
   const double* scale = nullptr;
+  const double* grad_scale = nullptr;  // null for 1
   const int32_t* block_of_tile = nullptr;
 
   explicit CorrectionData(const Correction& c) {
     if (!c.given()) return;
     values = c.values.const_data_ptr<scalar_t>();
     scale = c.scale.const_data_ptr<double>();
+    if (c.grad_scale.defined()) grad_scale = c.grad_scale.const_data_ptr<double>();
     block_of_tile = c.block_of_tile.const_data_ptr<int32_t>();
   }
   TileGrad<scalar_t> tile(const scalar_t* grad, int64_t t) const {
-    return {grad, values, values ? static_cast<scalar_t>(scale[block_of_tile[t]]) : scalar_t(0)};
+    if (!values) return {grad, nullptr, scalar_t(0), scalar_t(1)};
+    const int32_t block = block_of_tile[t];
+    return {grad, values, static_cast<scalar_t>(scale[block]),
+            grad_scale ? static_cast<scalar_t>(grad_scale[block]) : scalar_t(1)};
   }
 };
 
@@ -79,7 +78,7 @@ struct CorrectionData {
 template <bool kCorrected, typename scalar_t>
 GEARSAM_INLINE scalar_t step_grad(const TileGrad<scalar_t>& g, int64_t i) {
   if constexpr (kCorrected)
-    return std::fma(g.scale, g.correction[i], g.grad[i]);
+    return std::fma(g.scale, g.correction[i], g.grad_scale * g.grad[i]);
   else
     return g.grad[i];
 }
@@ -150,7 +149,8 @@ GEARSAM_INLINE GEARSAM_FMA_CLONE typename Vec<scalar_t>::V vec_step_grad(const T
                                                                         const Constants& c) {
   using V = Vec<scalar_t>;
   auto g = V::load(g_in.grad + i);
-  if constexpr (kCorrected) g = V::fma(V::set1(g_in.scale), V::load(g_in.correction + i), g);
+  if constexpr (kCorrected)
+    g = V::fma(V::set1(g_in.scale), V::load(g_in.correction + i), V::mul(V::set1(g_in.grad_scale), g));
   if (c.maximize) g = V::neg(g);
   if (c.l2) g = V::fma(V::set1(c.weight_decay), w, g);
   return g;

@@ -2,7 +2,8 @@
 //
 //   perturb:  backup_i = w_i;   w_i <- w_i + scale[block_of_tile[tile(i)]] * T_i^2 * g_i   (w_i kept where scale is 0)
 //             T_i = |w_i| + eta (ASAM) or 1; float32 arithmetic (float64 for float64), one rounding to the stored
-//             dtype (round to nearest even), multiply and add rounded separately (built with -ffp-contract=off)
+//             dtype (round to nearest even), multiply and add rounded separately (built with -ffp-contract=off);
+//             with kept, kept_i = g_i as well (a copy of the stored bits, in every block)
 //   restore:  w_i <- backup_i   (memcpy)
 //
 // Each tile is first copied to the backup whole, then updated while it is still in cache: cheaper than writing the
@@ -28,15 +29,16 @@ namespace {
 
 #if defined(GEARSAM_VEC)
 // One tile of perturb_tiles (a float32 or float64 buffer) in vectors, operation for operation: the same bits.
-template <bool Adaptive, typename scalar_t>
-GEARSAM_FMA_CLONE void perturb_stream(scalar_t* w, const scalar_t* g, scalar_t* saved, int64_t n, scalar_t s,
-                                      scalar_t eta) {
+template <bool Adaptive, bool Keep, typename scalar_t>
+GEARSAM_FMA_CLONE void perturb_stream(scalar_t* w, const scalar_t* g, scalar_t* saved, scalar_t* kept, int64_t n,
+                                      scalar_t s, scalar_t eta) {
   using V = Vec<scalar_t>;
   const auto scale = V::set1(s), eta_v = V::set1(eta);
   for (int64_t i = 0; i < n; i += V::kWidth) {
     const auto x = V::load(w + i);
     V::stream(saved + i, x);
     auto direction = V::load(g + i);
+    if constexpr (Keep) V::stream(kept + i, direction);
     if constexpr (Adaptive) {
       const auto T = V::add(V::abs(x), eta_v);
       direction = V::mul(V::mul(T, T), direction);
@@ -46,13 +48,22 @@ GEARSAM_FMA_CLONE void perturb_stream(scalar_t* w, const scalar_t* g, scalar_t* 
 }
 #endif
 
-template <bool Adaptive, typename scalar_t>
+// Writes `bytes` of a tile that the pass does not read again: streamed past the cache where `stream`, else memcpy.
+inline void copy_tile(void* dst, const void* src, int64_t bytes, bool stream) {
+  if (stream)
+    stream_copy(dst, src, bytes);
+  else
+    std::memcpy(dst, src, bytes);
+}
+
+template <bool Adaptive, bool Keep, typename scalar_t>
 void perturb_tiles(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& backup, const at::Tensor& scale,
-                   const at::Tensor& block_of_tile, int64_t tile, double eta) {
+                   const at::Tensor& block_of_tile, int64_t tile, double eta, const at::Tensor& kept) {
   using compute_t = at::opmath_type<scalar_t>;
   scalar_t* w = param.mutable_data_ptr<scalar_t>();
   const scalar_t* g = grad.const_data_ptr<scalar_t>();
   scalar_t* saved = backup.mutable_data_ptr<scalar_t>();
+  scalar_t* keep = Keep ? kept.mutable_data_ptr<scalar_t>() : nullptr;
   const double* block_scale = scale.const_data_ptr<double>();
   const int32_t* block_of = block_of_tile.const_data_ptr<int32_t>();
   const compute_t eta_c = static_cast<compute_t>(eta);
@@ -61,14 +72,13 @@ void perturb_tiles(const at::Tensor& param, const at::Tensor& grad, const at::Te
     const compute_t s = static_cast<compute_t>(block_scale[block_of[t]]);
 #if defined(GEARSAM_VEC)
     if constexpr (std::is_same_v<scalar_t, compute_t>) {  // float32, float64
-      if (stream && s != 0 && vec_streams(saved + t * tile, tile))
-        return perturb_stream<Adaptive>(w + t * tile, g + t * tile, saved + t * tile, tile, s, eta_c);
+      if (stream && s != 0 && vec_streams(saved + t * tile, tile) && (!Keep || vec_streams(keep + t * tile, tile)))
+        return perturb_stream<Adaptive, Keep>(w + t * tile, g + t * tile, saved + t * tile, keep + t * tile, tile, s,
+                                              eta_c);
     }
 #endif
-    if (stream)
-      stream_copy(saved + t * tile, w + t * tile, tile * sizeof(scalar_t));
-    else
-      std::memcpy(saved + t * tile, w + t * tile, tile * sizeof(scalar_t));
+    copy_tile(saved + t * tile, w + t * tile, tile * sizeof(scalar_t), stream);
+    if constexpr (Keep) copy_tile(keep + t * tile, g + t * tile, tile * sizeof(scalar_t), stream);
     if (s == 0) return;  // a block skipped this step keeps its bits, even where its gradient is inf or NaN
     for (int64_t i = t * tile; i < (t + 1) * tile; ++i) {
       const compute_t x = static_cast<compute_t>(w[i]);
@@ -85,12 +95,14 @@ void perturb_tiles(const at::Tensor& param, const at::Tensor& grad, const at::Te
 }  // namespace
 
 void perturb(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& backup, const at::Tensor& scale,
-             const at::Tensor& block_of_tile, int64_t tile, bool adaptive, double eta) {
+             const at::Tensor& block_of_tile, int64_t tile, bool adaptive, double eta, const at::Tensor& kept) {
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, param.scalar_type(), "gearsam_perturb_cpu", [&] {
-    if (adaptive)
-      perturb_tiles<true, scalar_t>(param, grad, backup, scale, block_of_tile, tile, eta);
-    else
-      perturb_tiles<false, scalar_t>(param, grad, backup, scale, block_of_tile, tile, eta);
+    with_flag(adaptive, [&](auto a) {
+      with_flag(kept.defined(), [&](auto k) {
+        perturb_tiles<decltype(a)::value, decltype(k)::value, scalar_t>(param, grad, backup, scale, block_of_tile,
+                                                                       tile, eta, kept);
+      });
+    });
   });
 }
 

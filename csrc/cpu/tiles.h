@@ -1,10 +1,11 @@
-// Splitting a bucket's tiles between CPU threads.
+// Splitting a bucket's tiles between CPU threads, and turning run-time flags into template parameters.
 #pragma once
 
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include "stream.h"
 
@@ -31,6 +32,15 @@ void for_each_tile(int64_t n_tiles, int64_t tile, const Fn& fn) {
   for_each_tile_range(n_tiles, tile, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) fn(t);
   });
+}
+
+// Calls fn with std::true_type or std::false_type: a run-time flag turned into a template parameter.
+template <typename Fn>
+void with_flag(bool flag, const Fn& fn) {
+  if (flag)
+    fn(std::true_type{});
+  else
+    fn(std::false_type{});
 }
 
 }  // namespace gearsam::cpu

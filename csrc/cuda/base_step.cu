@@ -26,34 +26,42 @@ __device__ __forceinline__ T nan_max(T a, T b) {
   return (a < b || isnan(b)) ? b : a;
 }
 
-// LookSAM's correction as the kernels take it: values null without one. A run-time flag, the same for every thread:
-// a step without it loads nothing more, at the cost of one uniform branch, where a template parameter would double the
-// kernels compiled per dtype and vector width.
+// The correction as the kernels take it: values null without one, grad_scale null for 1. Run-time flags, the same for
+// every thread: a step without them loads nothing more, at the cost of a uniform branch, where template parameters
+// would multiply the kernels compiled per dtype and vector width.
 template <typename scalar_t>
 struct CorrectionPtrs {
   const scalar_t* values;
   const double* scale;
+  const double* grad_scale;
   const int32_t* block_of_tile;
   int64_t tile;
 };
 
 template <typename scalar_t>
 CorrectionPtrs<scalar_t> correction_ptrs(const Correction& c, int64_t tile) {
-  if (!c.given()) return {nullptr, nullptr, nullptr, tile};
-  return {c.values.const_data_ptr<scalar_t>(), c.scale.const_data_ptr<double>(),
+  if (!c.given()) return {nullptr, nullptr, nullptr, nullptr, tile};
+  return {c.values.const_data_ptr<scalar_t>(), c.scale.const_data_ptr<double>(), optional_data<double>(c.grad_scale),
           c.block_of_tile.const_data_ptr<int32_t>(), tile};
 }
 
-// The Vec gradients from element i on, corrected where a correction is given: fma(C(scale[block]), correction, grad),
-// the scale rounded once to scalar_t. A vector never spans two tiles (vectorised only where Vec divides the tile).
+// The Vec gradients from element i on, corrected where a correction is given:
+// fma(C(scale[block]), correction, C(grad_scale[block]) * grad), the scales rounded once to scalar_t, no product where
+// grad_scale is not given. A vector never spans two tiles (vectorised only where Vec divides the tile).
 template <typename scalar_t, int Vec>
 __device__ __forceinline__ Pack<scalar_t, Vec> load_grad(const scalar_t* __restrict__ grad,
                                                          const CorrectionPtrs<scalar_t>& corr, int64_t i) {
   using pack_t = Pack<scalar_t, Vec>;
   pack_t g = *reinterpret_cast<const pack_t*>(grad + i);
   if (corr.values != nullptr) {
-    const scalar_t s = static_cast<scalar_t>(corr.scale[corr.block_of_tile[i / corr.tile]]);
+    const int32_t block = corr.block_of_tile[i / corr.tile];
+    const scalar_t s = static_cast<scalar_t>(corr.scale[block]);
     const pack_t x = *reinterpret_cast<const pack_t*>(corr.values + i);
+    if (corr.grad_scale != nullptr) {
+      const scalar_t a = static_cast<scalar_t>(corr.grad_scale[block]);
+#pragma unroll
+      for (int k = 0; k < Vec; ++k) g.v[k] = mul_rn(a, g.v[k]);
+    }
 #pragma unroll
     for (int k = 0; k < Vec; ++k) g.v[k] = fma_rn(s, x.v[k], g.v[k]);
   }

@@ -48,6 +48,12 @@ class Backend:
     #: Whether the kernels read rho, lr and the step count from the device and skip an overflowing step there
     #: (``capturable=True``; :mod:`gearsam_fused.capturable`).
     capturable = False
+    #: Whether :meth:`restore_and_update_` takes ``mix`` in its own pass (the kernels' corrected base step) rather than
+    #: by :meth:`mix_gradient_` before it.
+    folds_mix = False
+    #: Whether :meth:`perturb_` keeps the gradients (``keep=True``) in its own pass rather than by
+    #: :meth:`keep_gradient_` before it.
+    folds_keep = False
     #: The SAM family's operations (:mod:`gearsam_fused.family`) that run as registered operators (``torch.library``),
     #: which a compiled step calls as they are: a part that needs any other one cannot be compiled on this backend.
     family_operators: frozenset[str] = frozenset()
@@ -85,12 +91,18 @@ class Backend:
         is not written."""
         return allocate(rule, energy, ema, rho, beta, delta, found_inf)
 
-    def perturb_(self, scale: torch.Tensor, adaptive: bool, eta: float) -> None:
+    def perturb_(self, scale: torch.Tensor, adaptive: bool, eta: float, keep: bool = False) -> None:
         """Save the parameters, then ``p += scale[b] * T_p**2 * g_p`` in place for every parameter with a gradient
-        (using the gradients as :meth:`block_energy` last read them)."""
+        (using the gradients as :meth:`block_energy` last read them). ``keep``: :meth:`keep_gradient_` as well, in the
+        same pass where the backend :attr:`folds_keep`."""
         if self.perturbed:
             raise RuntimeError("perturb_ called twice without restore_: the parameters already hold w + eps")
-        self._perturb(scale, adaptive, eta)
+        if keep and self.folds_keep:
+            self._perturb(scale, adaptive, eta, keep=True)
+        else:
+            if keep:
+                self.keep_gradient_()
+            self._perturb(scale, adaptive, eta)
         self.perturbed = True
 
     def restore_(self) -> None:
@@ -99,16 +111,25 @@ class Backend:
             self._restore()
         self.perturbed = False
 
-    def restore_and_update_(self, updates: list, found_inf: torch.Tensor | None = None) -> None:
+    def restore_and_update_(self, updates: list, found_inf: torch.Tensor | None = None,
+                            mix: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:  # fmt: skip
         """:meth:`restore_` and the base optimizer's update in one pass per bucket: for each
         :class:`~gearsam_fused.base_step.BucketUpdate`, ``w <- update(backup, grad, state)`` written to the
         parameters and the state (the parameters' perturbed values are never read). Where ``found_inf`` (a float32
-        one-element tensor on the device, :attr:`capturable` backends) is set: ``w <- backup``, the state untouched."""
+        one-element tensor on the device, :attr:`capturable` backends) is set: ``w <- backup``, the state untouched.
+
+        ``mix``, ``(grad_scale, kept_scale)``: the update's gradient is the one :meth:`mix_gradient_` makes of them
+        (the SAM family's descent gradient), bit for bit. Where the backend :attr:`folds_mix`, the update computes it
+        as it reads ``grad`` and the gradients keep ``h``; elsewhere :meth:`mix_gradient_` writes it into the
+        gradients first."""
         if not self.perturbed:
             raise RuntimeError("restore_and_update_ without perturb_: there is no saved w to update from")
         if found_inf is not None and not self.capturable:
             raise NotImplementedError(f"backend {self.name!r} does not skip an overflowing step on the device")
-        self._restore_and_update(updates, found_inf)
+        if mix is not None and not self.folds_mix:
+            self.mix_gradient_(*mix)
+            mix = None
+        self._restore_and_update(updates, found_inf, mix)
         self.perturbed = False
 
     def update_(self, updates: list, correction_scale: torch.Tensor | None = None) -> None:
@@ -248,12 +269,13 @@ class Backend:
         buffers = self.buffer_bytes()
         return {**report, **buffers, "total": report["total"] + sum(buffers.values())}
 
-    def _restore_and_update(self, updates: list, found_inf: torch.Tensor | None) -> None:
-        """:meth:`restore_and_update_`'s tensor work."""
+    def _restore_and_update(self, updates: list, found_inf: torch.Tensor | None,
+                            mix: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:  # fmt: skip
+        """:meth:`restore_and_update_`'s tensor work (``mix`` only where :attr:`folds_mix`)."""
         raise NotImplementedError(f"backend {self.name!r} does not fuse the base optimizer's step")
 
     def _perturb(self, scale: torch.Tensor, adaptive: bool, eta: float) -> None:
-        """:meth:`perturb_`'s tensor work."""
+        """:meth:`perturb_`'s tensor work (a backend that :attr:`folds_keep` also takes ``keep``)."""
         raise NotImplementedError
 
     def _restore(self) -> None:

@@ -19,6 +19,7 @@ import torch
 from .. import _C  # noqa: F401  (defines the operators this module extends)
 from ..checks import (
     check_block_of_tile,
+    check_correction,
     check_device_step,
     check_flat,
     check_other,
@@ -68,21 +69,6 @@ def _check_optional_state(name: str, t: torch.Tensor | None, needed: bool, why: 
         check_same(name, t, "param", param)
 
 
-def _check_correction(param: torch.Tensor, tile: int, correction, correction_scale, block_of_tile) -> None:
-    """LookSAM's correction: all three tensors or none."""
-    given = {"correction": correction, "correction_scale": correction_scale, "block_of_tile": block_of_tile}
-    if all(t is None for t in given.values()):
-        return
-    missing = [name for name, t in given.items() if t is None]
-    if missing:
-        raise ValueError(
-            "correction, correction_scale and block_of_tile must be given together, missing " + ", ".join(missing)
-        )
-    check_same("correction", correction, "param", param)
-    _check_flat("correction_scale", correction_scale, 0, torch.float64, param)
-    check_block_of_tile(block_of_tile, param, tile)
-
-
 # ------------------------------------------------------------------------------------------- the fakes
 @torch.library.register_fake("gearsam_fused::block_energy")
 def _block_energy(grad, param, first_tile_of_block, partials, *, tile, adaptive, eta, other=None):
@@ -110,7 +96,7 @@ def _allocate(energy, ema, *, gear, rho, beta, delta, scalars=None, found_inf=No
 
 
 @torch.library.register_fake("gearsam_fused::perturb_")
-def _perturb(param, grad, backup, scale, block_of_tile, *, tile, adaptive, eta):
+def _perturb(param, grad, backup, scale, block_of_tile, *, tile, adaptive, eta, kept=None):
     _check_tile(tile)
     _check_flat("param", param, tile)
     _check_floating("param", param)
@@ -118,6 +104,8 @@ def _perturb(param, grad, backup, scale, block_of_tile, *, tile, adaptive, eta):
     check_same("backup", backup, "param", param)
     _check_flat("scale", scale, 0, torch.float64, param)
     check_block_of_tile(block_of_tile, param, tile)
+    if kept is not None:
+        check_same("kept", kept, "param", param)
 
 
 @torch.library.register_fake("gearsam_fused::restore_")
@@ -156,21 +144,21 @@ def _friendly_ascent(grad, momentum, *, sigma, lmbda, first):
 
 @torch.library.register_fake("gearsam_fused::sgd_step_")
 def _sgd_step(param, grad, backup, momentum_buffer, *, tile, lr, weight_decay, momentum, dampening, nesterov, maximize,
-              first, correction=None, correction_scale=None, block_of_tile=None, scalars=None,
-              found_inf=None):  # fmt: skip
+              first, correction=None, correction_scale=None, block_of_tile=None, scalars=None, found_inf=None,
+              grad_scale=None):  # fmt: skip
     _check_base_step(param, grad, backup, tile)
     _check_optional_state("momentum_buffer", momentum_buffer, momentum != 0, "momentum != 0", param)
-    _check_correction(param, tile, correction, correction_scale, block_of_tile)
+    check_correction(param, tile, correction, correction_scale, block_of_tile, grad_scale)
     check_device_step("sgd_step_", param, scalars, found_inf, lr=lr, first=first)
 
 
 @torch.library.register_fake("gearsam_fused::adam_step_")
 def _adam_step(param, grad, backup, exp_avg, exp_avg_sq, max_exp_avg_sq, *, tile, beta1, beta2, eps, weight_decay,
                decoupled, amsgrad, maximize, lr, step, correction=None,
-               correction_scale=None, block_of_tile=None, scalars=None, found_inf=None):  # fmt: skip
+               correction_scale=None, block_of_tile=None, scalars=None, found_inf=None, grad_scale=None):  # fmt: skip
     _check_base_step(param, grad, backup, tile)
     check_same("exp_avg", exp_avg, "param", param)
     check_same("exp_avg_sq", exp_avg_sq, "param", param)
     _check_optional_state("max_exp_avg_sq", max_exp_avg_sq, amsgrad, "amsgrad=True", param)
-    _check_correction(param, tile, correction, correction_scale, block_of_tile)
+    check_correction(param, tile, correction, correction_scale, block_of_tile, grad_scale)
     check_device_step("adam_step_", param, scalars, found_inf, lr=lr, step=step)

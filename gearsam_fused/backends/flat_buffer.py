@@ -31,13 +31,18 @@ class FlatBufferBackend(Backend):
         buffer laid out like the bucket's; its gradient when None)."""
         raise NotImplementedError
 
-    def _bucket_perturb(self, bucket: Bucket, scale: torch.Tensor, adaptive: bool, eta: float) -> None:
+    def _bucket_perturb(self, bucket: Bucket, scale: torch.Tensor, adaptive: bool, eta: float,
+                        kept: torch.Tensor | None = None) -> None:  # fmt: skip
+        """The bucket's perturbation; ``kept`` (only where :attr:`folds_keep`) receives its gradient as well."""
         raise NotImplementedError
 
     def _bucket_restore(self, bucket: Bucket) -> None:
         raise NotImplementedError
 
-    def _bucket_restore_and_update(self, update: BucketUpdate, found_inf: torch.Tensor | None) -> None:
+    def _bucket_restore_and_update(self, update: BucketUpdate, found_inf: torch.Tensor | None,
+                                   mix: tuple[torch.Tensor, torch.Tensor] | None) -> None:  # fmt: skip
+        """The restore and update of one bucket; with ``mix`` (only where :attr:`folds_mix`), from the gradient
+        :meth:`mix_gradient_` would make, in the same pass."""
         raise NotImplementedError
 
     def _bucket_update(self, update: BucketUpdate, correction: torch.Tensor | None, scale: torch.Tensor | None):
@@ -58,19 +63,22 @@ class FlatBufferBackend(Backend):
             energy = torch.zeros(self.layout.n_blocks, dtype=torch.float64, device=self.device)
         return energy
 
-    def _perturb(self, scale: torch.Tensor, adaptive: bool, eta: float) -> None:
+    def _perturb(self, scale: torch.Tensor, adaptive: bool, eta: float, keep: bool = False) -> None:
         for bucket in self.layout.buckets:
             if bucket.n_tiles:
-                self._bucket_perturb(bucket, scale.to(bucket.device), adaptive, eta)
+                kept = {"kept": self._flat_correction(bucket)} if keep else {}
+                self._bucket_perturb(bucket, scale.to(bucket.device), adaptive, eta, **kept)
 
     def _restore(self) -> None:
         for bucket in self.layout.buckets:
             if bucket.n_tiles:
                 self._bucket_restore(bucket)
 
-    def _restore_and_update(self, updates: list[BucketUpdate], found_inf: torch.Tensor | None) -> None:
+    def _restore_and_update(self, updates: list[BucketUpdate], found_inf: torch.Tensor | None,
+                            mix: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:  # fmt: skip
         for update in updates:
-            self._bucket_restore_and_update(update, found_inf)
+            on_device = None if mix is None else tuple(s.to(update.bucket.device) for s in mix)
+            self._bucket_restore_and_update(update, found_inf, on_device)
 
     def _update(self, updates: list[BucketUpdate], correction_scale: torch.Tensor | None) -> None:
         for update in updates:
@@ -282,9 +290,10 @@ class KernelModule(Protocol):
         scalars: torch.Tensor | None = None, found_inf: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]: ...  # fmt: skip
 
+    # kept, where given, receives a copy of grad in the same pass
     def perturb_(
         self, param: torch.Tensor, grad: torch.Tensor, backup: torch.Tensor, scale: torch.Tensor,
-        block_of_tile: torch.Tensor, *, tile: int, adaptive: bool, eta: float,
+        block_of_tile: torch.Tensor, *, tile: int, adaptive: bool, eta: float, kept: torch.Tensor | None = None,
     ) -> None: ...  # fmt: skip
 
     def restore_(self, param: torch.Tensor, backup: torch.Tensor, *, tile: int) -> None: ...
@@ -304,15 +313,15 @@ class KernelModule(Protocol):
         self, grad: torch.Tensor, momentum: torch.Tensor, *, sigma: float, lmbda: float, first: bool
     ) -> None: ...  # fmt: skip
 
-    # The base optimizer's update folded into the restore (formulas in gearsam_fused.triton_kernels.base_step); backup
-    # None reads w from param (no perturbation to undo), and correction/correction_scale/block_of_tile add LookSAM's term
-    # to grad.
+    # The base optimizer's update folded into the restore (formulas in gearsam_fused.base_step); backup None reads w
+    # from param (no perturbation to undo), correction/correction_scale/block_of_tile add LookSAM's term to grad, and
+    # grad_scale beside them makes the step's gradient mix_gradient_'s.
     def sgd_step_(
         self, param: torch.Tensor, grad: torch.Tensor, backup: torch.Tensor | None, momentum_buffer: torch.Tensor | None, *,
         tile: int, lr: float, weight_decay: float, momentum: float, dampening: float, nesterov: bool, maximize: bool,
         first: bool, correction: torch.Tensor | None = None, correction_scale: torch.Tensor | None = None,
         block_of_tile: torch.Tensor | None = None, scalars: torch.Tensor | None = None,
-        found_inf: torch.Tensor | None = None,
+        found_inf: torch.Tensor | None = None, grad_scale: torch.Tensor | None = None,
     ) -> None: ...  # fmt: skip
 
     def adam_step_(
@@ -322,6 +331,7 @@ class KernelModule(Protocol):
         correction: torch.Tensor | None = None,
         correction_scale: torch.Tensor | None = None, block_of_tile: torch.Tensor | None = None,
         scalars: torch.Tensor | None = None, found_inf: torch.Tensor | None = None,
+        grad_scale: torch.Tensor | None = None,
     ) -> None: ...  # fmt: skip
 
 
@@ -329,6 +339,8 @@ class KernelBackend(FlatBufferBackend):
     """A fused backend whose tensor work is done by a :class:`KernelModule`."""
 
     capturable = True
+    folds_mix = True
+    folds_keep = True
     family_operators = frozenset(
         {"keep_gradient_", "block_dot", "block_energy", "kept_energy", "mix_gradient_", "exchange_sharpness_",
          "friendly_ascent_"}
@@ -401,7 +413,8 @@ class KernelBackend(FlatBufferBackend):
             rho = 0.0 if "scalars" in on_device else rho  # read from scalars
             return self.kernels.allocate(energy, ema, gear=gear, rho=rho, beta=beta, delta=delta, **on_device)
 
-    def _bucket_perturb(self, bucket: Bucket, scale: torch.Tensor, adaptive: bool, eta: float) -> None:
+    def _bucket_perturb(self, bucket: Bucket, scale: torch.Tensor, adaptive: bool, eta: float,
+                        kept: torch.Tensor | None = None) -> None:  # fmt: skip
         with _launching_on(bucket.device):
             self.kernels.perturb_(
                 bucket.param,
@@ -409,6 +422,7 @@ class KernelBackend(FlatBufferBackend):
                 bucket.backup,
                 scale,
                 bucket.block_of_tile,
+                kept=kept,
                 tile=bucket.tile,
                 adaptive=adaptive,
                 eta=eta,
@@ -418,21 +432,26 @@ class KernelBackend(FlatBufferBackend):
         with _launching_on(bucket.device):
             self.kernels.restore_(bucket.param, bucket.backup, tile=bucket.tile)
 
-    def _bucket_restore_and_update(self, update: BucketUpdate, found_inf: torch.Tensor | None) -> None:
+    def _bucket_restore_and_update(self, update: BucketUpdate, found_inf: torch.Tensor | None, mix) -> None:
         bucket = update.bucket
+        corrected = {} if mix is None else self._corrected(bucket, mix[1], grad_scale=mix[0])
         with _launching_on(bucket.device):
             self._launcher(update)(bucket.param, bucket.grad, bucket.backup, *update.state, tile=bucket.tile,
-                                   **update.kernel_arguments(), **_on_device(found_inf=found_inf))  # fmt: skip
+                                   **update.kernel_arguments(), **_on_device(found_inf=found_inf),
+                                   **corrected)  # fmt: skip
 
     def _bucket_update(self, update: BucketUpdate, correction, scale) -> None:
         bucket = update.bucket
-        corrected = {} if correction is None else {
-            "correction": correction, "correction_scale": scale, "block_of_tile": bucket.block_of_tile
-        }  # fmt: skip
+        corrected = {} if correction is None else self._corrected(bucket, scale)
         with _launching_on(bucket.device):
             # no backup: w is read from the parameters themselves, each element before it is written
             self._launcher(update)(bucket.param, bucket.grad, None, *update.state, tile=bucket.tile,
                                    **update.kernel_arguments(), **corrected)  # fmt: skip
+
+    def _corrected(self, bucket: Bucket, correction_scale: torch.Tensor, **grad_scale: torch.Tensor) -> dict:
+        """The base step's correction arguments: the kept gradient scaled per block (and ``grad_scale``, given)."""
+        return dict(correction=self._flat_correction(bucket), correction_scale=correction_scale,
+                    block_of_tile=bucket.block_of_tile, **grad_scale)  # fmt: skip
 
     def _launcher(self, update: BucketUpdate):
         return self.kernels.sgd_step_ if update.kind == "sgd" else self.kernels.adam_step_

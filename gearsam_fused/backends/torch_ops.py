@@ -71,7 +71,7 @@ class TorchBackend(FlatBufferBackend):
         bucket.param.copy_(bucket.backup)
 
     @torch.no_grad()
-    def _bucket_restore_and_update(self, update: BucketUpdate, found_inf: torch.Tensor | None) -> None:
+    def _bucket_restore_and_update(self, update: BucketUpdate, found_inf: torch.Tensor | None, mix) -> None:
         # w is read from the backup; the parameter buffer holds the intermediates until it receives the new w
         bucket = update.bucket
         self._base_update(update, bucket.backup, bucket.grad, scratch=bucket.param, out=bucket.param)
