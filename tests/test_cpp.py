@@ -248,7 +248,8 @@ def _stream_threshold_elements(dtype: torch.dtype) -> int:
 def test_buffers_past_the_last_level_cache_stream_their_outputs_to_the_same_bits():
     """Outputs the CPU kernels write without reading (backup, restored and updated parameter) go out with
     non-temporal stores past ``cpu_stream_threshold_bytes()``: the same bits as torch, on a bucket just past it (float32
-    on 1 and 2 threads, float64), with a length that is no multiple of the kernels' runs. Adam against torch's with the
+    on 1 and 2 threads, float64), with a length that is no multiple of the kernels' runs; the perturbation's kept
+    gradient too. Adam against torch's with the
     correctly rounded root the kernel takes (conftest.correctly_rounded_sqrt)."""
     kernels = torch.ops.gearsam_fused
     tile = 1024
@@ -271,6 +272,14 @@ def test_buffers_past_the_last_level_cache_stream_their_outputs_to_the_same_bits
                              adaptive=True, eta=0.01)  # fmt: skip
             T = w0.abs() + torch.tensor(0.01, dtype=dtype)
             assert torch.equal(backup, w0) and torch.equal(w, w0 + (T * T * grad) * torch.tensor(0.01, dtype=dtype))
+            # the SAM family's first gradient kept in the same pass, streamed too; one block skipped (scale 0)
+            kernels.restore_(w, backup, tile=tile)
+            kept, scales = torch.full_like(w0, float("nan")), torch.tensor([0.01, 0.0], dtype=torch.float64)
+            block_of_tile = (torch.arange(n // tile) % 2).to(torch.int32)
+            kernels.perturb_(w, grad, backup, scales, block_of_tile, tile=tile, adaptive=False, eta=0.0, kept=kept)
+            moved = (block_of_tile == 0).repeat_interleave(tile)
+            assert torch.equal(kept, grad) and torch.equal(backup, w0)
+            assert torch.equal(w, torch.where(moved, w0 + grad * torch.tensor(0.01, dtype=dtype), w0))
 
             p = torch.nn.Parameter(w0.clone())
             p.grad = grad.clone()

@@ -73,8 +73,8 @@ void perturb_tiles(const at::Tensor& param, const at::Tensor& grad, const at::Te
 #if defined(GEARSAM_VEC)
     if constexpr (std::is_same_v<scalar_t, compute_t>) {  // float32, float64
       if (stream && s != 0 && vec_streams(saved + t * tile, tile) && (!Keep || vec_streams(keep + t * tile, tile)))
-        return perturb_stream<Adaptive, Keep>(w + t * tile, g + t * tile, saved + t * tile, keep + t * tile, tile, s,
-                                              eta_c);
+        return perturb_stream<Adaptive, Keep>(w + t * tile, g + t * tile, saved + t * tile,
+                                              Keep ? keep + t * tile : nullptr, tile, s, eta_c);
     }
 #endif
     copy_tile(saved + t * tile, w + t * tile, tile * sizeof(scalar_t), stream);
