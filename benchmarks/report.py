@@ -328,13 +328,15 @@ def family_tables(rows: list[dict]) -> list[str]:
             "the same variant over this median (a GEAR-SAM variant, which the peer does not have: its variant under "
             "SAM's radius); \"/ own SAM\": this median over the same contender's SAM (a GEAR-SAM variant: its GEAR-SAM) "
             'in the same run, the cost of the variant\'s part; "same round" (SAM step): per round, this step over our '
-            "plain SAM's timed just before it on a copy of the set, median [quartiles]. Bytes per parameter: SAM's count (SAM step 28, whole step "
-            "SGD 40, AdamW 48) plus what the variant's passes over the flat buffers read and write, each pass counted "
-            "once: GSAM 32 (keeping g 8; <g, h> and ||h||^2 12, read only; the mix 12; ||g||^2 is the first step's "
-            "energy, where runs up to `0441ecd2a291` counted a pass of 4 for it, 36 in all), WSAM 36 (keeping g 8; "
-            "the exchange of g and h - g 16; adding h - g after the update 12), F-SAM 16 (the EMA pass: g and m in and "
-            "out). % of traffic floor: the rate over the floor of that traffic, the passes that only read (SAM's "
-            "energy 4, GSAM's 12 more) at the read rate measured beside it.",
+            "plain SAM's timed just before it on a copy of the set, median [quartiles]. Bytes per parameter: SAM's "
+            "count (SAM step 28, whole step SGD 40, AdamW 48) plus what the variant's passes over the flat buffers "
+            "read and write, each pass counted once (contenders.Variant): GSAM 28 (keeping g 4, written by the "
+            "perturbation; <g, h> and ||h||^2 12, read only; the mix 12; in a whole step the fused base step takes the "
+            "mix as one more read of g, 4: 20), WSAM 32 (keeping g 4; the exchange of g and h - g 16; adding h - g "
+            "after the update 12), F-SAM 16 (the EMA pass: g and m in and out). Runs up to `da8a41256197` counted "
+            "keeping g as a copy pass of 8 and GSAM's mix as a pass of its own in the whole step too, and runs up to "
+            "`0441ecd2a291` a pass of 4 for ||g||^2 besides. % of traffic floor: the rate over the floor of that "
+            "traffic, the passes that only read (SAM's energy 4, GSAM's 12 more) at the read rate measured beside it.",
             "",
         ]
     return lines

@@ -484,11 +484,8 @@ class SharpnessAware(torch.optim.Optimizer):
         """The SAM family's parts of a first step (:mod:`gearsam_fused.family`): keep ``g`` for the descent, and
         replace the gradients by the ascent direction. Whether ``g`` is still to be kept: without an ascent, the
         perturbation keeps it as it reads it (one pass fewer where the backend folds the copy into it)."""
-        if self.descent is None:
-            keep = False
-        elif self.ascent is None:
-            keep = True
-        else:
+        keep = self.descent is not None
+        if keep and self.ascent is not None:
             self._backend.keep_gradient_()  # before the ascent replaces g
             keep = False
         if self.ascent is not None:

@@ -290,30 +290,6 @@ def test_corrected_gradient_is_one_fma(backend, device, dtype):
     assert torch.equal(buffer, corrected_grad(dtype))
 
 
-@pytest.mark.parametrize("dtype", FLOATS, ids=str)
-@pytest.mark.parametrize("first", [True, False], ids=["first", "later"])
-@pytest.mark.parametrize("flags", list(SGD_FLAGS), ids=str)
-@pytest.mark.parametrize("backend,device", KERNELS)
-def test_corrected_sgd_is_sgd_on_the_corrected_gradient(backend, device, flags, first, dtype):
-    module = kernel_module(backend)
-    backup, grad, _ = buffers(dtype)
-    kw = sgd_kwargs(flags, first)
-    got = run_sgd(module, backup, grad, kw, device, **correction_args(dtype, device))
-    assert_bitwise(got, run_sgd(module, backup, corrected_grad(dtype), kw, device))
-
-
-@pytest.mark.parametrize("dtype", FLOATS, ids=str)
-@pytest.mark.parametrize("flags", list(ADAM_FLAGS), ids=str)
-@pytest.mark.parametrize("backend,device", KERNELS)
-def test_corrected_adam_is_adam_on_the_corrected_gradient(backend, device, flags, dtype):
-    module = kernel_module(backend)
-    backup, grad, _ = buffers(dtype)
-    kw = adam_kwargs(flags)
-    got = run_adam(module, backup, grad, kw, device, **correction_args(dtype, device))
-    assert_bitwise(got, run_adam(module, backup, corrected_grad(dtype), kw, device))
-
-
-# ------------------------------------------------------------------------------------------- the mix in the step
 def mix_args(dtype: torch.dtype, device: str) -> dict:
     """The correction's arguments with grad_scale beside them: the step's gradient is mix_gradient_'s."""
     return dict(
@@ -321,31 +297,40 @@ def mix_args(dtype: torch.dtype, device: str) -> dict:
     )
 
 
+#: the gradient a corrected step takes, by its extra arguments: LookSAM's correction, or with grad_scale the SAM
+#: family's descent folded into the step (mix_gradient_'s formula); (arguments, exact oracle)
+STEP_GRADIENTS = {"looksam": (correction_args, corrected_grad), "mix": (mix_args, _exact_mixed)}
+
+
+@pytest.mark.parametrize("kind", list(STEP_GRADIENTS))
 @pytest.mark.parametrize("dtype", FLOATS, ids=str)
 @pytest.mark.parametrize("first", [True, False], ids=["first", "later"])
 @pytest.mark.parametrize("flags", list(SGD_FLAGS), ids=str)
 @pytest.mark.parametrize("backend,device", KERNELS)
-def test_sgd_with_a_grad_scale_is_sgd_on_the_mixed_gradient(backend, device, flags, first, dtype):
-    """The SAM family's descent folded into the step: the bits of mix_gradient_'s exact oracle, then the plain step
-    (on SGD's first momentum step, the buffer stores that gradient itself)."""
+def test_corrected_sgd_is_sgd_on_the_corrected_gradient(backend, device, flags, first, dtype, kind):
+    """The bits of the exact oracle's gradient, then the plain step (on SGD's first momentum step, the buffer stores
+    that gradient itself)."""
     module = kernel_module(backend)
     backup, grad, _ = buffers(dtype)
     kw = sgd_kwargs(flags, first)
-    got = run_sgd(module, backup, grad, kw, device, **mix_args(dtype, device))
-    assert_bitwise(got, run_sgd(module, backup, _exact_mixed(dtype), kw, device))
+    arguments, oracle = STEP_GRADIENTS[kind]
+    got = run_sgd(module, backup, grad, kw, device, **arguments(dtype, device))
+    assert_bitwise(got, run_sgd(module, backup, oracle(dtype), kw, device))
     if flags == "momentum" and first:  # no weight decay, no sign: the buffer is the gradient itself
-        assert torch.equal(got[1], _exact_mixed(dtype))
+        assert torch.equal(got[1], oracle(dtype))
 
 
+@pytest.mark.parametrize("kind", list(STEP_GRADIENTS))
 @pytest.mark.parametrize("dtype", FLOATS, ids=str)
 @pytest.mark.parametrize("flags", list(ADAM_FLAGS), ids=str)
 @pytest.mark.parametrize("backend,device", KERNELS)
-def test_adam_with_a_grad_scale_is_adam_on_the_mixed_gradient(backend, device, flags, dtype):
+def test_corrected_adam_is_adam_on_the_corrected_gradient(backend, device, flags, dtype, kind):
     module = kernel_module(backend)
     backup, grad, _ = buffers(dtype)
     kw = adam_kwargs(flags)
-    got = run_adam(module, backup, grad, kw, device, **mix_args(dtype, device))
-    assert_bitwise(got, run_adam(module, backup, _exact_mixed(dtype), kw, device))
+    arguments, oracle = STEP_GRADIENTS[kind]
+    got = run_adam(module, backup, grad, kw, device, **arguments(dtype, device))
+    assert_bitwise(got, run_adam(module, backup, oracle(dtype), kw, device))
 
 
 @pytest.mark.parametrize("dtype", FLOATS, ids=str)

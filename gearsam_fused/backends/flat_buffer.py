@@ -45,9 +45,9 @@ class FlatBufferBackend(Backend):
         :meth:`mix_gradient_` would make, in the same pass."""
         raise NotImplementedError
 
-    def _bucket_update(self, update: BucketUpdate, correction: torch.Tensor | None, scale: torch.Tensor | None):
+    def _bucket_update(self, update: BucketUpdate, scale: torch.Tensor | None):
         """The base update of the bucket's current weights with the gradient ``g + scale[b] * correction`` (``g``
-        when ``correction`` is None)."""
+        when ``scale`` is None), ``correction`` the bucket's kept buffer."""
         raise NotImplementedError
 
     # ------------------------------------------------------------------ the Backend contract
@@ -82,9 +82,8 @@ class FlatBufferBackend(Backend):
 
     def _update(self, updates: list[BucketUpdate], correction_scale: torch.Tensor | None) -> None:
         for update in updates:
-            correction = None if correction_scale is None else self._flat_correction(update.bucket)
             scale = None if correction_scale is None else correction_scale.to(update.bucket.device)
-            self._bucket_update(update, correction, scale)
+            self._bucket_update(update, scale)
 
     def zero_grad_(self) -> None:
         self.layout.zero_grads_()
@@ -440,9 +439,9 @@ class KernelBackend(FlatBufferBackend):
                                    **update.kernel_arguments(), **_on_device(found_inf=found_inf),
                                    **corrected)  # fmt: skip
 
-    def _bucket_update(self, update: BucketUpdate, correction, scale) -> None:
+    def _bucket_update(self, update: BucketUpdate, scale) -> None:
         bucket = update.bucket
-        corrected = {} if correction is None else self._corrected(bucket, scale)
+        corrected = {} if scale is None else self._corrected(bucket, scale)
         with _launching_on(bucket.device):
             # no backup: w is read from the parameters themselves, each element before it is written
             self._launcher(update)(bucket.param, bucket.grad, None, *update.state, tile=bucket.tile,

@@ -77,14 +77,15 @@ class TorchBackend(FlatBufferBackend):
         self._base_update(update, bucket.backup, bucket.grad, scratch=bucket.param, out=bucket.param)
 
     @torch.no_grad()
-    def _bucket_update(self, update: BucketUpdate, correction, scale) -> None:
+    def _bucket_update(self, update: BucketUpdate, scale) -> None:
         # w is the parameter buffer itself; the backup, unused on such a step, holds the intermediates
         bucket = update.bucket
         g = bucket.grad
-        if correction is not None:
+        if scale is not None:
             tile_scale = scale[bucket.block_of_tile].to(g.dtype).unsqueeze(1)
             corrected = self._tiles(bucket.backup, bucket)
-            torch.addcmul(self._tiles(g, bucket), self._tiles(correction, bucket), tile_scale, out=corrected)
+            kept = self._tiles(self._flat_correction(bucket), bucket)
+            torch.addcmul(self._tiles(g, bucket), kept, tile_scale, out=corrected)
             g = bucket.backup
         self._base_update(update, bucket.param, g, scratch=bucket.backup, out=bucket.param)
 
