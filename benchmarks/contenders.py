@@ -318,7 +318,8 @@ class Variant(NamedTuple):
       step's); ``mix_gradient_`` reads h and g and writes the mix (12): 28, 12 of them read-only; folded into the
       base step, the mix is one more read of g (4): 8 fewer
     * WSAM, decoupled: g kept by the perturbation (4); ``exchange_sharpness_`` reads and writes g and h (16);
-      ``add_kept_`` after the update reads w and h - g and writes w (12): 32
+      ``add_kept_`` after the update reads w and h - g and writes w (12): 32; folded into the base step, which steps
+      with g and then takes the sharpness step from the h and g it has read, one more read of g (4): 24 fewer
     * F-SAM: ``friendly_ascent_`` reads and writes g and the EMA m (16; its first step copies g into m, 8, once)
     """
 
@@ -357,7 +358,7 @@ def _friendly_sam(params, base_optimizer, rho, **kwargs):
 FAMILY = {
     "SAM": Variant(SAM_RULE, SAM, peer="SAM", plain="SAM"),
     "GSAM": Variant(SAM_RULE, _gsam, peer="GSAM", plain="SAM", extra_bytes=28, read_only_bytes=12, folded_bytes=8),
-    "WSAM": Variant(SAM_RULE, _wsam, peer="WSAM", plain="SAM", extra_bytes=32),
+    "WSAM": Variant(SAM_RULE, _wsam, peer="WSAM", plain="SAM", extra_bytes=32, folded_bytes=24),
     "F-SAM": Variant(SAM_RULE, _friendly_sam, peer="F-SAM", plain="SAM", extra_bytes=16),
     "GEAR-SAM": Variant(GEAR_RULE, _gear_sam, peer="SAM", plain="GEAR-SAM"),
     "GEAR-SAM + GSAM": Variant(

@@ -222,7 +222,7 @@ def check_base_steps(name: str) -> None:
     """The fused base steps (``sgd_step_``, ``adam_step_``) with every optional buffer in use, float32 and float64, on
     one tile, on 3000 tiles (every thread loops) and, for the C++ kernels' scalar variant, on a tile of 7 and on
     buffers one element off alignment; each against torch's CPU optimizer on the same values, and SGD's with the SAM
-    family's mix folded in against the mix's own kernel (:func:`check_folded_mix`)."""
+    family's mix and WSAM's sharpness step folded in (:func:`check_folded_mix`)."""
     if name == "triton":
         from gearsam_fused import triton_kernels as kernels
     else:
@@ -277,7 +277,9 @@ def check_base_steps(name: str) -> None:
 
 def check_folded_mix(kernels, where: str, w, grad, buf, kept, tile: int) -> None:
     """The SAM family's mix folded into ``sgd_step_`` (``grad_scale`` beside the correction): the bits of
-    ``mix_gradient_`` followed by the plain step, on the same device."""
+    ``mix_gradient_`` followed by the plain step, on the same device; and WSAM's decoupled step (the mix ``0 * h +
+    1 * g`` with ``sharpness``): the plain step with ``g``, then ``w + (-lr * a) * (h - g)`` by torch's CPU ``add_``
+    (one fma)."""
     block_of_tile = torch.arange(w.numel() // tile, dtype=torch.int32, device=w.device) % 3
     a, c = (torch.tensor(v, dtype=torch.float64, device=w.device) for v in ([1.25, -0.5, 1.0], [-0.4, 0.3, 0.0]))
     hyper = dict(tile=tile, lr=0.1, weight_decay=1e-3, momentum=0.9, dampening=0.0, nesterov=True, maximize=False,
@@ -290,6 +292,13 @@ def check_folded_mix(kernels, where: str, w, grad, buf, kept, tile: int) -> None
     plain, plain_buf = torch.full_like(w, float("nan")), buf.clone()
     kernels.sgd_step_(plain, mixed, w, plain_buf, **hyper)
     assert torch.equal(folded, plain) and torch.equal(folded_buf, plain_buf), f"{where}: the folded mix"
+    sharpened, sharpened_buf = torch.full_like(w, float("nan")), buf.clone()
+    kernels.sgd_step_(sharpened, grad, w, sharpened_buf, correction=kept, correction_scale=torch.ones_like(c),
+                      block_of_tile=block_of_tile, grad_scale=torch.zeros_like(a), sharpness=2.5, **hyper)  # fmt: skip
+    stepped, stepped_buf = torch.full_like(w, float("nan")), buf.clone()
+    kernels.sgd_step_(stepped, kept, w, stepped_buf, **hyper)
+    expected = stepped.cpu().add_((grad - kept).cpu(), alpha=-hyper["lr"] * 2.5)
+    assert torch.equal(sharpened.cpu(), expected) and torch.equal(sharpened_buf, stepped_buf), f"{where}: sharpness"
 
 
 def check_big(name: str) -> None:

@@ -122,9 +122,11 @@ struct AdamOptions {
 
 // The base step's corrected gradient as the public operations take it: correction (like grad), correction_scale
 // (float64 [B]) and block_of_tile (int32, the block of each tile), all three given or none (LookSAM's correction); and
-// grad_scale (float64 [B]), only with them (the SAM family's descent gradient, mix_gradient_'s formula).
+// grad_scale (float64 [B]), only with them (the SAM family's descent gradient, mix_gradient_'s formula); sharpness, a
+// weight, only with grad_scale (WSAM's decoupled sharpness step, 0 for none).
 struct CorrectionArgs {
   c10::optional<at::Tensor> correction, correction_scale, block_of_tile, grad_scale;
+  double sharpness = 0.0;
 };
 
 // A capturable step's device values as the public base steps take them (header comment): either may be absent.
@@ -143,11 +145,17 @@ void adam_step_(const at::Tensor& param, const at::Tensor& grad, const c10::opti
 
 // The checked correction the implementations receive: g = fma(C(scale[block]), values, C(grad_scale[block]) * grad)
 // for the elements of tile t, block = block_of_tile[t], C rounding once to the buffers' type; grad_scale undefined
-// stands for 1 (the product is then grad itself). All undefined where the step has none.
+// stands for 1 (the product is then grad itself). All undefined where the step has none. A nonzero sharpness (only
+// with grad_scale) adds the decoupled sharpness step after the update: param = fma(C(sharpness_step(lr, sharpness)),
+// grad - values, param), the difference rounded on its own, the parameter as rounded to T.
 struct Correction {
   at::Tensor values, scale, block_of_tile, grad_scale;
+  double sharpness = 0.0;
   bool given() const { return values.defined(); }
 };
+
+// The sharpness step's factor of grad - correction at the step's lr, in double: Python's -lr * weight.
+GEARSAM_HOST_DEVICE inline double sharpness_step(double lr, double sharpness) { return -(lr * sharpness); }
 
 // The checked scalars and found_inf, undefined where not given. The CPU implementations read them on the host (they
 // are CPU tensors there), the CUDA kernels from device memory, without a synchronisation.

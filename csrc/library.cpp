@@ -22,10 +22,11 @@ void sgd_step(const at::Tensor& param, const at::Tensor& grad, const OptionalTen
               const OptionalTensor& momentum_buffer, int64_t tile, double lr, double weight_decay, double momentum,
               double dampening, bool nesterov, bool maximize, bool first, const OptionalTensor& correction,
               const OptionalTensor& correction_scale, const OptionalTensor& block_of_tile,
-              const OptionalTensor& scalars, const OptionalTensor& found_inf, const OptionalTensor& grad_scale) {
+              const OptionalTensor& scalars, const OptionalTensor& found_inf, const OptionalTensor& grad_scale,
+              double sharpness) {
   gearsam::sgd_step_(param, grad, backup, momentum_buffer, tile,
                      {lr, weight_decay, momentum, dampening, nesterov, maximize, first},
-                     {correction, correction_scale, block_of_tile, grad_scale}, {scalars, found_inf});
+                     {correction, correction_scale, block_of_tile, grad_scale, sharpness}, {scalars, found_inf});
 }
 
 // step_size, bias_correction2_sqrt and decay are derived from lr and k = step where the constants are built
@@ -35,10 +36,11 @@ void adam_step(const at::Tensor& param, const at::Tensor& grad, const OptionalTe
                int64_t tile, double beta1, double beta2, double eps, double weight_decay, bool decoupled,
                bool amsgrad, bool maximize, double lr, int64_t step, const OptionalTensor& correction,
                const OptionalTensor& correction_scale, const OptionalTensor& block_of_tile,
-               const OptionalTensor& scalars, const OptionalTensor& found_inf, const OptionalTensor& grad_scale) {
+               const OptionalTensor& scalars, const OptionalTensor& found_inf, const OptionalTensor& grad_scale,
+               double sharpness) {
   gearsam::adam_step_(param, grad, backup, exp_avg, exp_avg_sq, max_exp_avg_sq, tile,
                       {beta1, beta2, eps, weight_decay, decoupled, amsgrad, maximize, lr, static_cast<double>(step)},
-                      {correction, correction_scale, block_of_tile, grad_scale}, {scalars, found_inf});
+                      {correction, correction_scale, block_of_tile, grad_scale, sharpness}, {scalars, found_inf});
 }
 
 void register_kernels(torch::Library& m) {
@@ -95,29 +97,30 @@ TORCH_LIBRARY(gearsam_fused, m) {
   // momentum_buffer (given iff momentum != 0) is updated in place, or set to the step's gradient when first. With
   // correction, correction_scale and block_of_tile (all or none) the step's gradient is
   // fma(correction_scale[block], correction, grad_scale[block] * grad), block = block_of_tile[tile], mix_gradient_'s
-  // formula; grad_scale is only given with the other three, and stands for 1 where it is not. Capturable
-  // (gearsam.h): scalars, float64 [2], holds (lr, k), k the step count (first = k == 1; then lr=0.0 and first=False);
-  // found_inf, float32 with one element, nonzero writes param = backup (nothing without backup) and nothing else,
-  // without reading grad.
+  // formula; grad_scale is only given with the other three, and stands for 1 where it is not. A nonzero sharpness
+  // (only with grad_scale) then steps param = fma(-lr * sharpness, grad - correction, param) after the update, the
+  // difference rounded on its own (WSAM's decoupled sharpness step; lr the step's). Capturable (gearsam.h): scalars,
+  // float64 [2], holds (lr, k), k the step count (first = k == 1; then lr=0.0 and first=False); found_inf, float32
+  // with one element, nonzero writes param = backup (nothing without backup) and nothing else, without reading grad.
   m.def(
       "sgd_step_(Tensor(a!) param, Tensor grad, Tensor? backup, Tensor(b!)? momentum_buffer, *, int tile, float lr, "
       "float weight_decay, float momentum, float dampening, bool nesterov, bool maximize, bool first, "
       "Tensor? correction=None, Tensor? correction_scale=None, Tensor? block_of_tile=None, Tensor? scalars=None, "
-      "Tensor? found_inf=None, Tensor? grad_scale=None) -> ()");
+      "Tensor? found_inf=None, Tensor? grad_scale=None, float sharpness=0.) -> ()");
   // param = backup (or param's own values) after one step of torch.optim.Adam (AdamW when decoupled) on grad, bit for
   // bit with a correctly rounded square root (gearsam_fused/base_step.py); exp_avg, exp_avg_sq and max_exp_avg_sq
   // (given iff amsgrad) are updated in place. step is the step count k of this update (1 for the first), a SymInt so
   // that a compiled step does not specialise on it; step_size = lr / (1 - beta1^k), bias_correction2_sqrt =
   // (1 - beta2^k)^0.5 and decay = 1 - lr * weight_decay are derived from them as torch derives them in Python;
-  // correction, correction_scale, block_of_tile and grad_scale as for sgd_step_. Capturable: scalars, float64 [2],
-  // holds (lr, k) (then lr=0.0 and step=0), from which the same operations derive the three; found_inf as for
-  // sgd_step_ (exp_avg, exp_avg_sq and max_exp_avg_sq keep their bits).
+  // correction, correction_scale, block_of_tile, grad_scale and sharpness as for sgd_step_. Capturable: scalars,
+  // float64 [2], holds (lr, k) (then lr=0.0 and step=0), from which the same operations derive the three; found_inf as
+  // for sgd_step_ (exp_avg, exp_avg_sq and max_exp_avg_sq keep their bits).
   m.def(
       "adam_step_(Tensor(a!) param, Tensor grad, Tensor? backup, Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq, "
       "Tensor(d!)? max_exp_avg_sq, *, int tile, float beta1, float beta2, float eps, float weight_decay, "
       "bool decoupled, bool amsgrad, bool maximize, float lr, SymInt step, "
       "Tensor? correction=None, Tensor? correction_scale=None, Tensor? block_of_tile=None, Tensor? scalars=None, "
-      "Tensor? found_inf=None, Tensor? grad_scale=None) -> ()");
+      "Tensor? found_inf=None, Tensor? grad_scale=None, float sharpness=0.) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(gearsam_fused, CPU, m) { register_kernels(m); }

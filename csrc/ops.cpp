@@ -123,33 +123,6 @@ void check_scales(const at::Tensor& grad_scale, const at::Tensor& correction_sca
                     " entries, grad_scale ", grad_scale.numel(), ": one per block each");
 }
 
-// LookSAM's correction: all three tensors or none, checked as perturb_ checks its scale and block_of_tile (same
-// messages as triton_kernels/base_step.py). Given in part, the caller's correction state is broken: refused.
-Correction check_correction(const CorrectionArgs& args, const at::Tensor& param, int64_t tile) {
-  const bool any = given(args.correction) || given(args.correction_scale) || given(args.block_of_tile);
-  TORCH_CHECK_VALUE(any || !given(args.grad_scale),
-                    "grad_scale scales the gradient beside a correction: give correction, correction_scale and "
-                    "block_of_tile with it");
-  if (!any) return {};
-  std::string missing;
-  const auto note = [&](const char* name, const c10::optional<at::Tensor>& t) {
-    if (!given(t)) missing += (missing.empty() ? "" : ", ") + std::string(name);
-  };
-  note("correction", args.correction);
-  note("correction_scale", args.correction_scale);
-  note("block_of_tile", args.block_of_tile);
-  TORCH_CHECK_VALUE(missing.empty(), "correction, correction_scale and block_of_tile must be given together, missing ",
-                    missing);
-  const Correction c{*args.correction, *args.correction_scale, *args.block_of_tile,
-                     args.grad_scale.value_or(at::Tensor())};
-  check_flat("correction", c.values);
-  check_same("correction", c.values, "param", param);
-  check_flat("correction_scale", c.scale, 0, at::kDouble, &param);
-  if (c.grad_scale.defined()) check_scales(c.grad_scale, c.scale, param);
-  check_block_of_tile(c.block_of_tile, param, tile);
-  return c;
-}
-
 // A double as Python's repr writes it, so that a message quoting one reads the same from the fakes: the shortest
 // digits that round-trip, fixed notation for decimal exponents -4..15 (".0" on whole numbers), else "1.5e-05".
 std::string python_float(double x) {
@@ -171,6 +144,39 @@ std::string python_float(double x) {
     out = digits.substr(0, exp + 1) + "." + digits.substr(exp + 1);
   }
   return (s[0] == '-' ? "-" : "") + out;
+}
+
+// LookSAM's correction: all three tensors or none, checked as perturb_ checks its scale and block_of_tile (same
+// messages as gearsam_fused/checks.py). Given in part, the caller's correction state is broken: refused. grad_scale
+// only beside them, sharpness (finite) only beside grad_scale.
+Correction check_correction(const CorrectionArgs& args, const at::Tensor& param, int64_t tile) {
+  const bool any = given(args.correction) || given(args.correction_scale) || given(args.block_of_tile);
+  TORCH_CHECK_VALUE(std::isfinite(args.sharpness), "sharpness must be a finite real number, got ",
+                    python_float(args.sharpness));
+  TORCH_CHECK_VALUE(args.sharpness == 0.0 || given(args.grad_scale),
+                    "sharpness steps along grad - correction after the update from a mixed gradient: give grad_scale, "
+                    "correction, correction_scale and block_of_tile with it");
+  TORCH_CHECK_VALUE(any || !given(args.grad_scale),
+                    "grad_scale scales the gradient beside a correction: give correction, correction_scale and "
+                    "block_of_tile with it");
+  if (!any) return {};
+  std::string missing;
+  const auto note = [&](const char* name, const c10::optional<at::Tensor>& t) {
+    if (!given(t)) missing += (missing.empty() ? "" : ", ") + std::string(name);
+  };
+  note("correction", args.correction);
+  note("correction_scale", args.correction_scale);
+  note("block_of_tile", args.block_of_tile);
+  TORCH_CHECK_VALUE(missing.empty(), "correction, correction_scale and block_of_tile must be given together, missing ",
+                    missing);
+  const Correction c{*args.correction, *args.correction_scale, *args.block_of_tile,
+                     args.grad_scale.value_or(at::Tensor()), args.sharpness};
+  check_flat("correction", c.values);
+  check_same("correction", c.values, "param", param);
+  check_flat("correction_scale", c.scale, 0, at::kDouble, &param);
+  if (c.grad_scale.defined()) check_scales(c.grad_scale, c.scale, param);
+  check_block_of_tile(c.block_of_tile, param, tile);
+  return c;
 }
 
 // A capturable step's scalars: float64, contiguous 1-D, on the buffers' device, with one entry per `names` (what

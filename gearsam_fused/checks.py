@@ -121,11 +121,20 @@ def check_scales(grad_scale: torch.Tensor, correction_scale: torch.Tensor, grad:
 
 def check_correction(param: torch.Tensor, tile: int, correction: torch.Tensor | None,
                      correction_scale: torch.Tensor | None, block_of_tile: torch.Tensor | None,
-                     grad_scale: torch.Tensor | None) -> int:  # fmt: skip
+                     grad_scale: torch.Tensor | None, sharpness: float = 0.0) -> int:  # fmt: skip
     """A base step's corrected gradient: ``correction``, ``correction_scale`` and ``block_of_tile`` all or none
-    (given in part, the caller's state is broken), checked as ``perturb_`` checks its scale and block_of_tile, and
-    ``grad_scale`` only beside them, checked as ``mix_gradient_`` checks its scales. The kernels' level: 0 without a
-    correction, 1 with one (LookSAM's ``fma(c, correction, g)``), 2 with ``grad_scale`` too (``mix_gradient_``'s)."""
+    (given in part, the caller's state is broken), checked as ``perturb_`` checks its scale and block_of_tile,
+    ``grad_scale`` only beside them, checked as ``mix_gradient_`` checks its scales, and a nonzero ``sharpness``
+    (finite) only beside ``grad_scale``. The kernels' level: 0 without a correction, 1 with one (LookSAM's
+    ``fma(c, correction, g)``), 2 with ``grad_scale`` too (``mix_gradient_``'s), 3 with ``sharpness`` as well (WSAM's
+    decoupled sharpness step after the update). Same words as csrc/ops.cpp."""
+    if not math.isfinite(sharpness):
+        raise ValueError(f"sharpness must be a finite real number, got {sharpness!r}")
+    if sharpness != 0.0 and grad_scale is None:
+        raise ValueError(
+            "sharpness steps along grad - correction after the update from a mixed gradient: give grad_scale, "
+            "correction, correction_scale and block_of_tile with it"
+        )
     given = {"correction": correction, "correction_scale": correction_scale, "block_of_tile": block_of_tile}
     missing = [name for name, t in given.items() if t is None]
     if len(missing) == len(given):
@@ -144,7 +153,7 @@ def check_correction(param: torch.Tensor, tile: int, correction: torch.Tensor | 
     if grad_scale is not None:
         check_scales(grad_scale, correction_scale, param)
     check_block_of_tile(block_of_tile, param, tile)
-    return 1 if grad_scale is None else 2
+    return 1 if grad_scale is None else 2 if sharpness == 0.0 else 3
 
 
 #: What each kernel operator of a capturable step reads from its ``scalars``, in order (gearsam_fused.capturable).

@@ -21,20 +21,22 @@ composes with any of them (``GEARSAM(model, SGD, descent=SurrogateGap(0.1))``).
 
 The parts run as backend operations over the flat buffers (:class:`~gearsam_fused.backends.base.Backend`:
 ``keep_gradient_``, ``block_dot``, ``kept_energy``, ``mix_gradient_``, ``exchange_sharpness_``, ``add_kept_``,
-``friendly_ascent_``), each a pass of its own beside the step's kernels but two, which the kernel backends (``cpp``,
+``friendly_ascent_``), each a pass of its own beside the step's kernels but those the kernel backends (``cpp``,
 ``triton``) fold into the step's own passes: the perturbation keeps ``g`` as it reads it (``Backend.perturb_(...,
-keep=True)``, where no ascent has replaced ``g`` before), and GSAM's and coupled WSAM's descent gradient, a
-:data:`Mix` (per-block coefficients of ``h`` and ``g``), is computed by the fused base step as it reads the gradients
-(``Backend.restore_and_update_(..., mix=)``; the gradients then keep ``h``). The other backends, or a base step
-taken per tensor, run ``keep_gradient_`` and ``mix_gradient_`` as passes. On the kernel backends the inner product and the norms are the energy kernel's deterministic
-per-tile reduction (``block_energy``, with ``other`` for ``<g, h>``), and WSAM's exchange of ``h`` and ``g`` and
-F-SAM's ascent are kernels of their own (``exchange_sharpness_``, ``friendly_ascent_``); WSAM's decoupled sharpness
-step is a pass of torch operations over the parameters.
+keep=True)``, where no ascent has replaced ``g`` before), and the descent, a :class:`Mix` (per-block coefficients of
+``h`` and ``g``, and for the decoupled WSAM the weight of its sharpness step), is taken by the fused base step as it
+reads the gradients (``Backend.restore_and_update_(..., mix=)``; the gradients then keep ``h``). The other backends,
+or a base step taken per tensor, run ``keep_gradient_``, ``mix_gradient_``, and for the decoupled WSAM
+``exchange_sharpness_`` before the base step and ``add_kept_`` (torch operations) after it, as passes. On the kernel
+backends the inner product and the norms are the energy kernel's deterministic per-tile reduction (``block_energy``,
+with ``other`` for ``<g, h>``), and WSAM's exchange and F-SAM's ascent are kernels of their own
+(``exchange_sharpness_``, ``friendly_ascent_``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
@@ -66,9 +68,20 @@ class FriendlyAscent:
         backend.friendly_ascent_(self.sigma, self.lmbda, first)
 
 
-#: a descent gradient as per-block coefficients of the gradients and the kept first gradient, float64 ``[B]`` each:
-#: ``grad_scale[b] * h + kept_scale[b] * g`` (:meth:`~gearsam_fused.backends.base.Backend.mix_gradient_`)
-Mix = tuple[torch.Tensor, torch.Tensor]
+class Mix(NamedTuple):
+    """A descent gradient as per-block coefficients of the gradients ``h`` and the kept first gradient ``g``, float64
+    ``[B]`` each: ``grad_scale[b] * h + kept_scale[b] * g``
+    (:meth:`~gearsam_fused.backends.base.Backend.mix_gradient_`); and ``sharpness``, a weight ``a`` for the step after
+    the update, ``w <- w - lr * a * (h - g)`` (WSAM's decoupled sharpness step), 0 for none, which only the fused base
+    step of the kernel backends takes (:attr:`~gearsam_fused.backends.base.Backend.folds_mix`)."""
+
+    grad_scale: torch.Tensor
+    kept_scale: torch.Tensor
+    sharpness: float = 0.0
+
+    def to(self, device: torch.device) -> Mix:
+        """The same mix with its scales on ``device``."""
+        return self._replace(grad_scale=self.grad_scale.to(device), kept_scale=self.kept_scale.to(device))
 
 
 class Descent:
@@ -80,17 +93,18 @@ class Descent:
     #: (:attr:`~gearsam_fused.backends.base.Backend.family_operators`)
     operations: tuple[str, ...] = ("keep_gradient_",)
 
-    def before_update(self, backend, reduce: Reduce, per_block: bool,
-                      first_energy: torch.Tensor | None = None) -> Mix | None:  # fmt: skip
-        """The descent gradient as a :data:`Mix` of ``h`` and ``g``, which the base update takes (in its own pass on
+    def before_update(self, backend, reduce: Reduce, per_block: bool, first_energy: torch.Tensor | None = None,
+                      folds: bool = False) -> Mix | None:  # fmt: skip
+        """The descent gradient as a :class:`Mix` of ``h`` and ``g``, which the base update takes (in its own pass on
         the kernel backends, whose fused step computes it as it reads the gradients), or None after rewriting the
         gradients into it here. ``first_energy``: the first gradient's block energies, summed over the ranks, where
         the step already took them (its energy pass over ``g`` itself: no ascent, no ASAM scaling), so that they need
-        not be taken again from the kept gradient; None otherwise."""
+        not be taken again from the kept gradient; None otherwise. ``folds``: whether the base update takes the mix
+        in its own pass (a kernel backend's fused step), the only one that takes a ``sharpness``."""
         raise NotImplementedError
 
-    def after_update(self, backend, param_groups: list[dict]) -> None:
-        """Nothing, unless the variant steps after the base optimizer."""
+    def after_update(self, backend, param_groups: list[dict], folds: bool = False) -> None:
+        """Nothing, unless the variant steps after the base optimizer (``folds`` as for :meth:`before_update`)."""
 
     def check_groups(self, param_groups: list[dict], base_name: str) -> None:
         """Raise ``ValueError`` if the base optimizer's ``param_groups`` lack what :meth:`after_update` reads."""
@@ -115,21 +129,25 @@ class SurrogateGap(Descent):
     def __repr__(self) -> str:
         return f"SurrogateGap(alpha={self.alpha!r}, eps={self.eps!r})"
 
-    def before_update(self, backend, reduce: Reduce, per_block: bool, first_energy: torch.Tensor | None = None) -> Mix:
+    def before_update(self, backend, reduce: Reduce, per_block: bool, first_energy: torch.Tensor | None = None,
+                      folds: bool = False) -> Mix:  # fmt: skip
         dot = _over_rule(reduce(backend.block_dot()), per_block)  # <g, h>
         h_norm = _over_rule(reduce(backend.block_energy(False, 0.0)), per_block).sqrt()
         g_energy = reduce(backend.kept_energy()) if first_energy is None else first_energy  # the same kernel, g's bits
         g_norm = _over_rule(g_energy, per_block).sqrt()
         cosine = dot / (h_norm * g_norm + self.eps)
         c = cosine * g_norm / (h_norm + self.eps)
-        return 1.0 + self.alpha * c, torch.full_like(c, -self.alpha)
+        return Mix(1.0 + self.alpha * c, torch.full_like(c, -self.alpha))
 
 
 class WeightedSharpness(Descent):
     """WSAM's descent (Yue et al., "Sharpness-Aware Minimization Revisited: Weighted Sharpness as a Regularization
     Term", KDD 2023): the loss plus ``gamma / (1 - gamma)`` times the sharpness ``L(w + eps) - L(w)``, whose gradient
     is ``a * h + (1 - a) * g``. ``decouple=True`` (the authors' default) steps the base optimizer with ``g`` and
-    then takes the sharpness term as a plain gradient step, ``w <- w - lr * a * (h - g)`` per param group."""
+    then takes the sharpness term as a plain gradient step, ``w <- w - lr * a * (h - g)`` per param group: in the
+    fused base step's own pass on the kernel backends (a :class:`Mix` of ``0 * h + 1 * g`` with ``sharpness=a``:
+    the same bits as the two passes where ``h`` is finite, a zero's sign aside), else by exchanging ``h`` and ``g``
+    before the base step and adding the kept ``h - g`` after it."""
 
     def __init__(self, gamma: float = 0.9, decouple: bool = True):
         self.gamma = check_real("gamma", gamma, low=0.0, high=1.0)
@@ -147,17 +165,19 @@ class WeightedSharpness(Descent):
             return ("keep_gradient_", "exchange_sharpness_", "add_kept_")
         return ("keep_gradient_", "mix_gradient_")
 
-    def before_update(self, backend, reduce: Reduce, per_block: bool,
-                      first_energy: torch.Tensor | None = None) -> Mix | None:  # fmt: skip
-        if self.decouple:
+    def before_update(self, backend, reduce: Reduce, per_block: bool, first_energy: torch.Tensor | None = None,
+                      folds: bool = False) -> Mix | None:  # fmt: skip
+        if self.decouple and not folds:
             backend.exchange_sharpness_()  # the gradients hold g, the kept buffer h - g
             return None
         n = len(backend.blocks)
         full = lambda v: torch.full((n,), v, dtype=torch.float64, device=backend.device)  # noqa: E731
-        return full(self.weight), full(1.0 - self.weight)
-
-    def after_update(self, backend, param_groups: list[dict]) -> None:
         if self.decouple:
+            return Mix(full(0.0), full(1.0), self.weight)
+        return Mix(full(self.weight), full(1.0 - self.weight))
+
+    def after_update(self, backend, param_groups: list[dict], folds: bool = False) -> None:
+        if self.decouple and not folds:
             backend.add_kept_([-group["lr"] * self.weight for group in param_groups])
 
     def check_groups(self, param_groups: list[dict], base_name: str) -> None:

@@ -580,21 +580,22 @@ class SharpnessAware(torch.optim.Optimizer):
         if self.schedule is not None and self.schedule.corrects:
             self._orthogonalize()
         mix = None
+        folds = updates is not None and self._backend.folds_mix  # the fused step takes the mix in its own pass
         if self.descent is not None:
             # the first step's energies are g's own where neither an ascent nor ASAM's scaling came between
             first_energy = self._run.energy if self.ascent is None and not self.adaptive else None
             mix = self.descent.before_update(
-                self._backend, self._reduce, per_block=self.rule == GEAR_RULE, first_energy=first_energy
+                self._backend, self._reduce, per_block=self.rule == GEAR_RULE, first_energy=first_energy, folds=folds
             )
         if updates is None:
             if mix is not None:
-                self._backend.mix_gradient_(*mix)  # the base optimizer's own step reads the gradients
+                self._backend.mix_gradient_(mix.grad_scale, mix.kept_scale)  # the base optimizer's step reads them
             self._backend.restore_()
             self._per_tensor_base_step()
         else:
             self._fused_base_step(updates, found_inf=skip, mix=mix)
         if self.descent is not None:
-            self.descent.after_update(self._backend, self.param_groups)
+            self.descent.after_update(self._backend, self.param_groups, folds=folds)
         if skip is not None:
             self._device.keep_ema(self._run.ema, skip)
         self._run.last_base_step = PER_TENSOR if updates is None else FUSED

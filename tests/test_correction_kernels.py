@@ -353,6 +353,82 @@ def test_a_skipped_step_with_a_grad_scale_restores_and_writes_nothing_else(backe
     assert torch.equal(buffer, torch.randn(N, generator=torch.Generator().manual_seed(2)).to(dtype))
 
 
+# ------------------------------------------------------------------------------------------- the sharpness step
+SHARPNESS = 2.7  # WSAM's weight a = gamma / (1 - gamma) at gamma 0.73
+
+
+def _exact_sharpened(w_new: torch.Tensor, dtype: torch.dtype, lr: float) -> torch.Tensor:
+    """WSAM's decoupled sharpness step after an update to w_new, from rational arithmetic: C(-lr * a) * (grad -
+    correction) + w_new rounded once, the difference rounded once to dtype first (the kept ``h - g`` of the exchange)."""
+    _, grad, correction = buffers(dtype)
+    factor = torch.tensor(-lr * SHARPNESS, dtype=torch.float64).to(dtype).item()
+    differences = (grad - correction).tolist()
+    values = [
+        _round_once(Fraction(factor) * Fraction(d) + Fraction(w), dtype) for d, w in zip(differences, w_new.tolist())
+    ]
+    return torch.tensor(values, dtype=dtype)
+
+
+def sharpness_args(dtype: torch.dtype, device: str) -> dict:
+    """The mix's arguments with a sharpness step after the update."""
+    return dict(mix_args(dtype, device), sharpness=SHARPNESS)
+
+
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+@pytest.mark.parametrize("first", [True, False], ids=["first", "later"])
+@pytest.mark.parametrize("flags", list(SGD_FLAGS), ids=str)
+@pytest.mark.parametrize("backend,device", KERNELS)
+def test_sgd_with_a_sharpness_step_is_the_step_then_one_fma(backend, device, flags, first, dtype):
+    """The state of the plain step on the mixed gradient; the parameter that step writes, then the exact sharpness
+    step rounded once."""
+    module = kernel_module(backend)
+    backup, grad, _ = buffers(dtype)
+    kw = sgd_kwargs(flags, first)
+    param, buffer = run_sgd(module, backup, grad, kw, device, **sharpness_args(dtype, device))
+    stepped, expected_buffer = run_sgd(module, backup, _exact_mixed(dtype), kw, device)
+    assert_bitwise((param, buffer), (_exact_sharpened(stepped, dtype, kw["lr"]), expected_buffer))
+
+
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+@pytest.mark.parametrize("flags", list(ADAM_FLAGS), ids=str)
+@pytest.mark.parametrize("backend,device", KERNELS)
+def test_adam_with_a_sharpness_step_is_the_step_then_one_fma(backend, device, flags, dtype):
+    module = kernel_module(backend)
+    backup, grad, _ = buffers(dtype)
+    kw = adam_kwargs(flags)
+    got = run_adam(module, backup, grad, kw, device, **sharpness_args(dtype, device))
+    stepped, *state = run_adam(module, backup, _exact_mixed(dtype), kw, device)
+    assert_bitwise(got, (_exact_sharpened(stepped, dtype, kw["lr"]), *state))
+
+
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+def test_the_sharpness_oracle_fuses_the_add(dtype):
+    """The exact step differs from rounding the product and the sum separately on some elements, and from the
+    update alone: the comparisons above tell the kernels' fma, and that it happened."""
+    w_new = buffers(dtype, seed=3)[0]
+    _, grad, correction = buffers(dtype)
+    factor = torch.tensor(-0.05 * SHARPNESS, dtype=torch.float64).to(dtype)
+    exact = _exact_sharpened(w_new, dtype, 0.05)
+    assert (exact != w_new + factor * (grad - correction)).any() and (exact != w_new).any()
+
+
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+@pytest.mark.parametrize("backend,device", KERNELS)
+def test_the_sharpness_step_takes_the_lr_of_the_scalars(backend, device, dtype):
+    """With scalars, -lr * a is taken from the device's lr in float64 and rounded once: the host call's bits."""
+    module = kernel_module(backend)
+    backup, grad, _ = buffers(dtype)
+    args = sharpness_args(dtype, device)
+    sgd = sgd_kwargs("nesterov-wd", first=False)
+    scalars = torch.tensor([sgd["lr"], 2.0], dtype=torch.float64, device=device)
+    on_device = run_sgd(module, backup, grad, dict(sgd, lr=0.0), device, scalars=scalars, **args)
+    assert_bitwise(on_device, run_sgd(module, backup, grad, sgd, device, **args))
+    adam = adam_kwargs("adamw-amsgrad")
+    scalars = torch.tensor([adam["lr"], adam["step"]], dtype=torch.float64, device=device)
+    on_device = run_adam(module, backup, grad, dict(adam, lr=0.0, step=0), device, scalars=scalars, **args)
+    assert_bitwise(on_device, run_adam(module, backup, grad, adam, device, **args))
+
+
 # ------------------------------------------------------------------------------------------- no backup
 @pytest.mark.parametrize("corrected", [False, True], ids=["plain", "corrected"])
 @pytest.mark.parametrize("dtype", FLOATS, ids=str)
@@ -448,6 +524,34 @@ def test_a_grad_scale_without_a_correction_is_refused(backend, device, call):
         call(kernel_module(backend), grad_scale=grad_scale)
 
 
+SHARPNESS_WRONG = {  # what the step is given beside sharpness -> (sharpness, message)
+    "without-grad-scale": (
+        "correction",
+        0.5,
+        "^sharpness steps along grad - correction after the update from a mixed ",
+    ),
+    "alone": ("nothing", 0.5, "^sharpness steps along grad - correction after the update from a mixed "),
+    "nan": ("mix", float("nan"), "^sharpness must be a finite real number, got nan$"),
+    "inf": ("mix", float("inf"), "^sharpness must be a finite real number, got inf$"),
+}
+
+
+def _sharpness_case(wrong: str) -> tuple[dict, str]:
+    """The step's extra arguments for a SHARPNESS_WRONG case, and the message it is refused with."""
+    beside, sharpness, message = SHARPNESS_WRONG[wrong]
+    extra = {"correction": correction_args, "mix": mix_args, "nothing": lambda *_: {}}[beside](torch.float32, "cpu")
+    return dict(extra, sharpness=sharpness), message
+
+
+@pytest.mark.parametrize("call", [_sgd_call, _adam_call], ids=["sgd", "adam"])
+@pytest.mark.parametrize("wrong", list(SHARPNESS_WRONG))
+@pytest.mark.parametrize("backend,device", CPU_KERNELS)
+def test_a_sharpness_without_a_mix_or_not_finite_is_refused(backend, device, call, wrong):
+    extra, message = _sharpness_case(wrong)
+    with pytest.raises(ValueError, match=message):
+        call(kernel_module(backend), **extra)
+
+
 GRAD_SCALE_WRONG = {  # grad_scale -> message
     "float32": (torch.ones(4, dtype=torch.float32), "grad_scale must be torch.float64, got torch.float32"),
     "length": (torch.ones(3, dtype=torch.float64), "correction_scale has 4 entries, grad_scale 3: one per block each"),
@@ -471,6 +575,7 @@ def test_both_modules_refuse_with_the_same_words():
     cases += [{**args, k: v} for k, (v, _) in WRONG.items()]
     cases += [{"grad_scale": v} for v, _ in GRAD_SCALE_WRONG.values()]
     cases += [{**args, "grad_scale": v} for v, _ in GRAD_SCALE_WRONG.values()]
+    cases += [_sharpness_case(wrong)[0] for wrong in SHARPNESS_WRONG]
     for extra in cases:
         for call in (_sgd_call, _adam_call):
             messages = []
@@ -495,8 +600,8 @@ for name, plain, signature, constexprs in base_step_variants():
     kernel = {{base_step._sgd_kernel: base_step._sgd_corrected_kernel,
               base_step._adam_kernel: base_step._adam_corrected_kernel}}[plain]
     signature = dict(signature, corr_ptr=signature["param_ptr"], cscale_ptr="*fp64", gscale_ptr="*fp64",
-                     block_of_tile_ptr="*i32")
-    for level in (1, 2):  # LookSAM's correction; the SAM family's mix
+                     block_of_tile_ptr="*i32", sharpness_step32="fp32", sharpness_step64="fp64", sharpness64="fp64")
+    for level in (1, 2, 3):  # LookSAM's correction; the SAM family's mix; and WSAM's sharpness step after it
         flags = dict(constexprs, CORRECTED=level)
         source = ASTSource(fn=kernel, signature={{**signature, **{{k: "constexpr" for k in flags}}}}, constexprs=flags)
         ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={{"enable_fp_fusion": False}}).asm["ptx"]
@@ -508,9 +613,9 @@ print("ok", compiled)
 
 
 def test_corrected_triton_kernels_compile_for_hopper():
-    """The corrected twins compiled for sm_90 (no GPU needed) at both levels, with and without grad_scale, as
-    tests/compile_kernels.py compiles the others: they lower, and every division and root stays correctly
-    rounded."""
+    """The corrected twins compiled for sm_90 (no GPU needed) at their three levels (LookSAM's correction, the mix
+    with grad_scale, the mix with WSAM's sharpness step), as tests/compile_kernels.py compiles the others: they lower,
+    and every division and root stays correctly rounded."""
     pytest.importorskip("triton")
     try:
         from triton.backends import backends
@@ -522,4 +627,4 @@ def test_corrected_triton_kernels_compile_for_hopper():
     script = _COMPILE.format(tests=str(Path(__file__).parent))
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0 and done.stdout.startswith("ok "), done.stderr[-3000:]
-    assert int(done.stdout.split()[1]) >= 2, done.stdout
+    assert int(done.stdout.split()[1]) == 3 * 4, done.stdout  # three levels of SGD and Adam, float32 and float64

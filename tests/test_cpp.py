@@ -331,14 +331,14 @@ def _update(kind: str, kw: dict, out, grad, backup, state, tile: int, correction
 
 
 @needs_cpp
-@pytest.mark.parametrize("corrected", [False, True], ids=["", "corrected"])
+@pytest.mark.parametrize("corrected", ["", "corrected", "sharpened"])
 @pytest.mark.parametrize("name", list(STREAMED_UPDATES))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
 def test_streamed_updates_equal_the_same_update_unstreamed(dtype, name, corrected):
     """The fused base steps past the last-level cache (vector loops that stream the parameter out, vec.h; and, for a
     parameter that is not 32-byte aligned, the scalar loop through scratch) against the same step on the same values
     in two halves, each below the threshold (the scalar loops, no streaming): the same bits for every flag of SGD and
-    Adam, with LookSAM's correction and without."""
+    Adam, without a correction, with LookSAM's, and with the SAM family's mix and WSAM's sharpness step."""
     kind, kw = STREAMED_UPDATES[name]
     tile = 1024
     n = (_stream_threshold_elements(dtype) // tile + 3) * tile
@@ -354,6 +354,8 @@ def test_streamed_updates_equal_the_same_update_unstreamed(dtype, name, correcte
         block_of_tile = torch.arange(n // tile, dtype=torch.int32) % 3
         correction = {"correction": torch.randn(n, generator=g, dtype=dtype), "block_of_tile": block_of_tile,
                       "correction_scale": torch.tensor([0.5, -0.25, 0.125], dtype=torch.float64)}  # fmt: skip
+    if corrected == "sharpened":
+        correction.update(grad_scale=torch.tensor([1.5, 0.0, -2.0], dtype=torch.float64), sharpness=2.3)
 
     def piece(lo, hi):
         part = dict(correction)

@@ -255,14 +255,19 @@ def test_fused_and_per_tensor_base_steps_agree(name, base):
     assert rel_err(*runs) <= 5 * FP32_STEP_RTOL
 
 
+#: the family's own passes over the buffers, which the kernel backends fold into the step's
+FAMILY_PASSES = ("keep_gradient_", "mix_gradient_", "exchange_sharpness_", "add_kept_")
+
+
 @pytest.mark.parametrize("backend,device", KERNELS)
 @pytest.mark.parametrize("base", ["sgd", "adamw"])
-@pytest.mark.parametrize("name", ["gsam", "gear-gsam", "gear-wsam-coupled", "gear-friendly-gsam"])
+@pytest.mark.parametrize("name", ["gsam", "gear-gsam", "gear-wsam-coupled", "wsam", "gear-friendly-gsam"])
 def test_the_kernels_fold_the_descent_into_the_step(name, base, backend, device, monkeypatch):
     """On the kernel backends the descent's passes ride on the step's: the perturbation keeps g as it reads it (no
     keep_gradient_ pass, unless an ascent replaces g first), and the fused base step takes GSAM's and the coupled
-    WSAM's mix of h and g as it reads the gradients (no mix_gradient_ pass). The same bits as those passes, and the
-    gradients keep h (where the mix pass leaves the descent gradient in them)."""
+    WSAM's mix of h and g as it reads the gradients (no mix_gradient_ pass), and the decoupled WSAM's step with g
+    followed by its sharpness step (no exchange_sharpness_ and add_kept_ passes). The same bits as those passes, and
+    the gradients keep h (where the passes leave the descent gradient, or g, in them)."""
     cls, parts = VARIANTS[name]
     base_cls, kw = (
         (torch.optim.AdamW, dict(lr=1e-3, weight_decay=0.01)) if base == "adamw" else (torch.optim.SGD, SGD_KW)
@@ -273,7 +278,7 @@ def test_the_kernels_fold_the_descent_into_the_step(name, base, backend, device,
         opt = cls(model, base_cls, rho=RHO, backend=backend, base_step="fused", **parts, **kw)
         monkeypatch.setattr(opt.backend, "folds_mix", folds)
         monkeypatch.setattr(opt.backend, "folds_keep", folds)
-        count = {"keep_gradient_": 0, "mix_gradient_": 0}
+        count = dict.fromkeys(FAMILY_PASSES, 0)
         for method in count:
             original = getattr(type(opt.backend), method)
             monkeypatch.setattr(type(opt.backend), method, lambda self, *a, _m=method, _f=original: (
@@ -292,7 +297,9 @@ def test_the_kernels_fold_the_descent_into_the_step(name, base, backend, device,
         monkeypatch.undo()
     assert torch.equal(*runs)
     kept_by_hand = 3 if "ascent" in parts else 0  # the ascent replaces g before the perturbation reads it
-    assert calls == [{"keep_gradient_": kept_by_hand, "mix_gradient_": 0}, {"keep_gradient_": 3, "mix_gradient_": 3}]
+    decoupled = getattr(parts["descent"], "decouple", False)
+    unfolded = dict(zip(FAMILY_PASSES, (3, 0, 3, 3) if decoupled else (3, 3, 0, 0), strict=True))
+    assert calls == [{**dict.fromkeys(FAMILY_PASSES, 0), "keep_gradient_": kept_by_hand}, unfolded]
     assert torch.equal(*grads[0]) and not torch.equal(*grads[1])
 
 

@@ -98,10 +98,11 @@ def mix_args(dtype, device):
     return (grad, kept, *scales, tables(device)[1]), dict(tile=TILE)
 
 
-def correction(dtype, device, mix: bool = False) -> dict:
-    """LookSAM's three keywords, with a negative and a zero block scale; with ``mix``, the SAM family's grad_scale
-    beside them."""
-    extra = {"grad_scale": per_block([1.5, -0.25, 1.0], device)} if mix else {}
+def correction(dtype, device, corrected: bool | str) -> dict:
+    """LookSAM's three keywords, with a negative and a zero block scale; with ``"mix"``, the SAM family's grad_scale
+    beside them; with ``"sharpness"``, WSAM's sharpness step as well."""
+    extra = {"grad_scale": per_block([1.5, -0.25, 1.0], device)} if corrected in ("mix", "sharpness") else {}
+    extra.update({"sharpness": 2.5} if corrected == "sharpness" else {})
     return dict(correction=randn(1, dtype, device, seed=1)[0], correction_scale=per_block([0.37, 0.0, -1.25], device),
                 block_of_tile=tables(device)[1], **extra)  # fmt: skip
 
@@ -111,7 +112,7 @@ def sgd_args(dtype, device, flags: str, with_backup: bool, corrected: bool):
     kw = {"tile": TILE, "lr": 0.1, "weight_decay": 1e-3, "momentum": 0.0, "dampening": 0.0, "nesterov": False,
           "maximize": False, "first": False, **SGD_FLAGS[flags]}  # fmt: skip
     param, grad, backup, buffer = randn(4, dtype, device)
-    extra = correction(dtype, device, mix=corrected == "mix") if corrected else {}
+    extra = correction(dtype, device, corrected) if corrected else {}
     return (param, grad, backup if with_backup else None, buffer if kw["momentum"] else None), {**kw, **extra}
 
 
@@ -125,7 +126,7 @@ def adam_args(dtype, device, flags: str, with_backup: bool, corrected: bool):
     kw = dict(tile=TILE, beta1=BETAS[0], beta2=BETAS[1], eps=EPS, weight_decay=WEIGHT_DECAY, decoupled=decoupled,
               amsgrad=amsgrad, maximize=maximize, lr=LR, step=STEP)  # fmt: skip
     state = (exp_avg, exp_avg_sq, max_exp_avg_sq if amsgrad else None)
-    extra = correction(dtype, device, mix=corrected == "mix") if corrected else {}
+    extra = correction(dtype, device, corrected) if corrected else {}
     return (param, grad, backup if with_backup else None, *state), {**kw, **extra}
 
 
@@ -180,7 +181,7 @@ def test_opcheck_allocate(gear, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("corrected", [False, True, "mix"], ids=["plain", "looksam", "mix"])
+@pytest.mark.parametrize("corrected", [False, True, "mix", "sharpness"], ids=["plain", "looksam", "mix", "sharpness"])
 @pytest.mark.parametrize("with_backup", [True, False], ids=["backup", "no-backup"])
 @pytest.mark.parametrize("flags", list(SGD_FLAGS))
 @pytest.mark.parametrize("dtype", BASE_FLOATS, ids=str)
@@ -189,7 +190,7 @@ def test_opcheck_sgd_step(dtype, flags, with_backup, corrected, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("corrected", [False, True, "mix"], ids=["plain", "looksam", "mix"])
+@pytest.mark.parametrize("corrected", [False, True, "mix", "sharpness"], ids=["plain", "looksam", "mix", "sharpness"])
 @pytest.mark.parametrize("with_backup", [True, False], ids=["backup", "no-backup"])
 @pytest.mark.parametrize("flags", list(ADAM_FLAGS))
 @pytest.mark.parametrize("dtype", BASE_FLOATS, ids=str)

@@ -161,7 +161,7 @@ def test_opcheck_friendly_ascent(ops, backend, device, dtype, first):
 
 def base_step_args(dtype, device, backup: bool, corrected: bool | str) -> dict:
     """param, grad, backup (None: the step reads param itself) and LookSAM's correction (or none; ``"mix"``: with the
-    SAM family's grad_scale beside it)."""
+    SAM family's grad_scale beside it; ``"sharpness"`` too, with WSAM's sharpness step, a scalar of its own)."""
     block_of_tile, _, scale = tables(device)
     correction = dict(correction=randn(dtype, device, 3), correction_scale=scale, block_of_tile=block_of_tile)
     grad_scale = torch.linspace(1.5, -0.5, scale.numel(), dtype=torch.float64, device=device)
@@ -172,8 +172,13 @@ def base_step_args(dtype, device, backup: bool, corrected: bool | str) -> dict:
         **(correction if corrected else dict(correction=None, correction_scale=None, block_of_tile=None)),
         scalars=None,
         found_inf=None,
-        grad_scale=grad_scale if corrected == "mix" else None,
+        grad_scale=grad_scale if corrected in ("mix", "sharpness") else None,
     )
+
+
+def sharpness(corrected: bool | str) -> dict:
+    """The step's sharpness keyword where ``corrected`` asks for WSAM's sharpness step."""
+    return {"sharpness": 2.5} if corrected == "sharpness" else {}
 
 
 def opcheck_step(op, args: dict, scalars: dict) -> None:
@@ -182,7 +187,7 @@ def opcheck_step(op, args: dict, scalars: dict) -> None:
     torch.library.opcheck(op, tuple(args[name] for name in names), scalars)
 
 
-@pytest.mark.parametrize("corrected", [False, True, "mix"], ids=["plain", "looksam", "mix"])
+@pytest.mark.parametrize("corrected", [False, True, "mix", "sharpness"], ids=["plain", "looksam", "mix", "sharpness"])
 @pytest.mark.parametrize("backup", [True, False], ids=["backup", "no-backup"])
 @pytest.mark.parametrize("flags", list(SGD))
 @pytest.mark.parametrize("dtype", STEPPED, ids=str)
@@ -192,10 +197,10 @@ def test_opcheck_sgd_step(ops, backend, device, dtype, flags, backup, corrected)
                "maximize": False, "first": False, **SGD[flags]}  # fmt: skip
     args = base_step_args(dtype, device, backup, corrected)
     args["momentum_buffer"] = randn(dtype, device, 4) if scalars["momentum"] else None
-    opcheck_step(ops[0].sgd_step_.default, args, scalars)
+    opcheck_step(ops[0].sgd_step_.default, args, dict(scalars, **sharpness(corrected)))
 
 
-@pytest.mark.parametrize("corrected", [False, True, "mix"], ids=["plain", "looksam", "mix"])
+@pytest.mark.parametrize("corrected", [False, True, "mix", "sharpness"], ids=["plain", "looksam", "mix", "sharpness"])
 @pytest.mark.parametrize("backup", [True, False], ids=["backup", "no-backup"])
 @pytest.mark.parametrize("flags", list(ADAM))
 @pytest.mark.parametrize("dtype", STEPPED, ids=str)
@@ -207,7 +212,7 @@ def test_opcheck_adam_step(ops, backend, device, dtype, flags, backup, corrected
     args["exp_avg"] = 0.1 * randn(dtype, device, 4)
     args["exp_avg_sq"] = 0.01 * randn(dtype, device, 5).square()
     args["max_exp_avg_sq"] = 1.5 * args["exp_avg_sq"] if kw["amsgrad"] else None
-    opcheck_step(ops[0].adam_step_.default, args, scalars)
+    opcheck_step(ops[0].adam_step_.default, args, dict(scalars, **sharpness(corrected)))
 
 
 # ------------------------------------------------------------------------------------------- bits

@@ -126,22 +126,39 @@ def _step_grad(grad_ptr, corr_ptr, cscale_ptr, gscale_ptr, block_of_tile_ptr, of
                COMPUTE: tl.constexpr):  # fmt: skip
     """The tile's gradient before maximize's sign: grad (CORRECTED 0); fma(C(cscale[block]), correction, grad)
     (CORRECTED 1, LookSAM); fma(C(cscale[block]), correction, C(gscale[block]) * grad) (CORRECTED 2, the SAM family's
-    mix), the block's float64 scales rounded once to COMPUTE."""
+    mix; and 3, the mix followed by the sharpness step, see _sharpened), the block's float64 scales rounded once to
+    COMPUTE."""
     g = tl.load(grad_ptr + offsets)
     if CORRECTED:
         block = tl.load(block_of_tile_ptr + tl.program_id(0))
-        if CORRECTED == 2:
+        if CORRECTED >= 2:
             g = tl.load(gscale_ptr + block).to(COMPUTE) * g  # rounded on its own: no fp fusion in these kernels
         g = tl.fma(tl.load(cscale_ptr + block).to(COMPUTE), tl.load(corr_ptr + offsets), g)
     return g
 
 
 @triton.jit
+def _sharpened(w_new, grad_ptr, corr_ptr, scalars_ptr, offsets, sharpness_step32, sharpness_step64, sharpness64,
+               CORRECTED: tl.constexpr, HAS_SCALARS: tl.constexpr, COMPUTE: tl.constexpr):  # fmt: skip
+    """The updated parameter w_new, followed by WSAM's decoupled sharpness step where CORRECTED is 3:
+    fma(C(-lr * sharpness), grad - correction, w_new), the difference rounded on its own. -lr * sharpness is the
+    host's pair, or with HAS_SCALARS, scalars' -lr times sharpness64 in float64, rounded once to COMPUTE."""
+    if CORRECTED == 3:
+        on_device = 0.0  # derived from scalars if HAS_SCALARS
+        if HAS_SCALARS:
+            on_device = _rounded(-tl.load(scalars_ptr) * sharpness64, COMPUTE)
+        factor = _host_or_device(sharpness_step32, sharpness_step64, on_device, HAS_SCALARS, COMPUTE)
+        w_new = tl.fma(factor, tl.load(grad_ptr + offsets) - tl.load(corr_ptr + offsets), w_new)
+    return w_new
+
+
+@triton.jit
 def _sgd_update(param_ptr, grad_ptr, backup_ptr, buf_ptr, corr_ptr, cscale_ptr, gscale_ptr, block_of_tile_ptr,
                 scalars_ptr, offsets, neg_lr32, neg_lr64, weight_decay32, weight_decay64, momentum32, momentum64,
-                one_minus_dampening32, one_minus_dampening64, HAS_WEIGHT_DECAY: tl.constexpr,
-                HAS_MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr, FIRST: tl.constexpr,
-                CORRECTED: tl.constexpr, HAS_SCALARS: tl.constexpr, COMPUTE: tl.constexpr):  # fmt: skip
+                one_minus_dampening32, one_minus_dampening64, sharpness_step32, sharpness_step64, sharpness64,
+                HAS_WEIGHT_DECAY: tl.constexpr, HAS_MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr,
+                MAXIMIZE: tl.constexpr, FIRST: tl.constexpr, CORRECTED: tl.constexpr, HAS_SCALARS: tl.constexpr,
+                COMPUTE: tl.constexpr):  # fmt: skip
     """The tile's SGD update (see _sgd_tile); with HAS_SCALARS, lr and k are read from scalars_ptr: neg_lr is
     C(-lr) and the first step is k == 1, decided at run time (FIRST is then False)."""
     w = tl.load(backup_ptr + offsets)  # loaded before param is stored: backup_ptr is param_ptr for backup=None
@@ -178,20 +195,25 @@ def _sgd_update(param_ptr, grad_ptr, backup_ptr, buf_ptr, corr_ptr, cscale_ptr, 
     neg_lr = 0.0  # read from scalars if HAS_SCALARS
     if HAS_SCALARS:
         neg_lr = _rounded(-tl.load(scalars_ptr), COMPUTE)
-    tl.store(param_ptr + offsets, tl.fma(_host_or_device(neg_lr32, neg_lr64, neg_lr, HAS_SCALARS, COMPUTE), g, w))
+    w = tl.fma(_host_or_device(neg_lr32, neg_lr64, neg_lr, HAS_SCALARS, COMPUTE), g, w)
+    w = _sharpened(w, grad_ptr, corr_ptr, scalars_ptr, offsets, sharpness_step32, sharpness_step64, sharpness64,
+                   CORRECTED, HAS_SCALARS, COMPUTE)  # fmt: skip
+    tl.store(param_ptr + offsets, w)
 
 
 @triton.jit
 def _sgd_tile(param_ptr, grad_ptr, backup_ptr, buf_ptr, corr_ptr, cscale_ptr, gscale_ptr, block_of_tile_ptr,
               scalars_ptr, found_inf_ptr, neg_lr32, neg_lr64, weight_decay32, weight_decay64, momentum32, momentum64,
-              one_minus_dampening32, one_minus_dampening64, HAS_WEIGHT_DECAY: tl.constexpr, HAS_MOMENTUM: tl.constexpr,
-              NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr, FIRST: tl.constexpr, CORRECTED: tl.constexpr,
-              HAS_SCALARS: tl.constexpr, HAS_FOUND_INF: tl.constexpr, HAS_BACKUP: tl.constexpr, TILE: tl.constexpr,
+              one_minus_dampening32, one_minus_dampening64, sharpness_step32, sharpness_step64, sharpness64,
+              HAS_WEIGHT_DECAY: tl.constexpr, HAS_MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr,
+              MAXIMIZE: tl.constexpr, FIRST: tl.constexpr, CORRECTED: tl.constexpr, HAS_SCALARS: tl.constexpr,
+              HAS_FOUND_INF: tl.constexpr, HAS_BACKUP: tl.constexpr, TILE: tl.constexpr,
               COMPUTE: tl.constexpr):  # fmt: skip
     """w = backup;  g = grad, corrected if CORRECTED (see _step_grad);  g = -g if MAXIMIZE;
     g = fma(weight_decay, w, g) if HAS_WEIGHT_DECAY; with HAS_MOMENTUM: buf = g if FIRST else
     fma(one_minus_dampening, g, buf * momentum), d = fma(momentum, buf, g) if NESTEROV else buf;  without: d = g.
-    param = fma(neg_lr, d, w).  one_minus_dampening is 1 - dampening, neg_lr is -lr.
+    param = fma(neg_lr, d, w), then the sharpness step if CORRECTED is 3 (see _sharpened).  one_minus_dampening is
+    1 - dampening, neg_lr is -lr.
     HAS_SCALARS: lr and k from scalars_ptr (see _sgd_update). HAS_FOUND_INF: where found_inf is nonzero, param =
     backup (if HAS_BACKUP; param untouched otherwise) and nothing else is read or written."""
     offsets = tl.program_id(0).to(tl.int64) * TILE + tl.arange(0, TILE)
@@ -204,13 +226,15 @@ def _sgd_tile(param_ptr, grad_ptr, backup_ptr, buf_ptr, corr_ptr, cscale_ptr, gs
         else:
             _sgd_update(param_ptr, grad_ptr, backup_ptr, buf_ptr, corr_ptr, cscale_ptr, gscale_ptr, block_of_tile_ptr,
                         scalars_ptr, offsets, neg_lr32, neg_lr64, weight_decay32, weight_decay64, momentum32,
-                        momentum64, one_minus_dampening32, one_minus_dampening64, HAS_WEIGHT_DECAY, HAS_MOMENTUM,
-                        NESTEROV, MAXIMIZE, FIRST, CORRECTED, HAS_SCALARS, COMPUTE)  # fmt: skip
+                        momentum64, one_minus_dampening32, one_minus_dampening64, sharpness_step32, sharpness_step64,
+                        sharpness64, HAS_WEIGHT_DECAY, HAS_MOMENTUM, NESTEROV, MAXIMIZE, FIRST, CORRECTED, HAS_SCALARS,
+                        COMPUTE)  # fmt: skip
     else:
         _sgd_update(param_ptr, grad_ptr, backup_ptr, buf_ptr, corr_ptr, cscale_ptr, gscale_ptr, block_of_tile_ptr,
                     scalars_ptr, offsets, neg_lr32, neg_lr64, weight_decay32, weight_decay64, momentum32, momentum64,
-                    one_minus_dampening32, one_minus_dampening64, HAS_WEIGHT_DECAY, HAS_MOMENTUM, NESTEROV, MAXIMIZE,
-                    FIRST, CORRECTED, HAS_SCALARS, COMPUTE)  # fmt: skip
+                    one_minus_dampening32, one_minus_dampening64, sharpness_step32, sharpness_step64, sharpness64,
+                    HAS_WEIGHT_DECAY, HAS_MOMENTUM, NESTEROV, MAXIMIZE, FIRST, CORRECTED, HAS_SCALARS,
+                    COMPUTE)  # fmt: skip
 
 
 @triton.jit
@@ -222,10 +246,9 @@ def _sgd_kernel(param_ptr, grad_ptr, backup_ptr, buf_ptr, neg_lr32: tl.float32, 
     """_sgd_tile without a correction or device arguments (grad_ptr stands in for their pointers, never
     dereferenced)."""
     _sgd_tile(param_ptr, grad_ptr, backup_ptr, buf_ptr, grad_ptr, grad_ptr, grad_ptr, grad_ptr, grad_ptr, grad_ptr,
-              neg_lr32,
-              neg_lr64, weight_decay32, weight_decay64, momentum32, momentum64, one_minus_dampening32,
-              one_minus_dampening64, HAS_WEIGHT_DECAY, HAS_MOMENTUM, NESTEROV, MAXIMIZE, FIRST, False, False, False,
-              False, TILE, COMPUTE)  # fmt: skip
+              neg_lr32, neg_lr64, weight_decay32, weight_decay64, momentum32, momentum64, one_minus_dampening32,
+              one_minus_dampening64, neg_lr32, neg_lr64, neg_lr64, HAS_WEIGHT_DECAY, HAS_MOMENTUM, NESTEROV, MAXIMIZE,
+              FIRST, False, False, False, False, TILE, COMPUTE)  # fmt: skip
 
 
 @triton.jit
@@ -233,14 +256,16 @@ def _sgd_corrected_kernel(param_ptr, grad_ptr, backup_ptr, buf_ptr, corr_ptr, cs
                           neg_lr32: tl.float32, neg_lr64: tl.float64, weight_decay32: tl.float32,
                           weight_decay64: tl.float64, momentum32: tl.float32, momentum64: tl.float64,
                           one_minus_dampening32: tl.float32, one_minus_dampening64: tl.float64,
+                          sharpness_step32: tl.float32, sharpness_step64: tl.float64, sharpness64: tl.float64,
                           HAS_WEIGHT_DECAY: tl.constexpr, HAS_MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr,
                           MAXIMIZE: tl.constexpr, FIRST: tl.constexpr, CORRECTED: tl.constexpr, TILE: tl.constexpr,
                           COMPUTE: tl.constexpr):  # fmt: skip
-    """_sgd_tile with a correction (CORRECTED 1 or 2, see _step_grad), without device arguments."""
+    """_sgd_tile with a correction (CORRECTED 1 to 3, see _step_grad), without device arguments."""
     _sgd_tile(param_ptr, grad_ptr, backup_ptr, buf_ptr, corr_ptr, cscale_ptr, gscale_ptr, block_of_tile_ptr, grad_ptr,
               grad_ptr, neg_lr32, neg_lr64, weight_decay32, weight_decay64, momentum32, momentum64,
-              one_minus_dampening32, one_minus_dampening64, HAS_WEIGHT_DECAY, HAS_MOMENTUM, NESTEROV, MAXIMIZE, FIRST,
-              CORRECTED, False, False, False, TILE, COMPUTE)  # fmt: skip
+              one_minus_dampening32, one_minus_dampening64, sharpness_step32, sharpness_step64, sharpness64,
+              HAS_WEIGHT_DECAY, HAS_MOMENTUM, NESTEROV, MAXIMIZE, FIRST, CORRECTED, False, False, False, TILE,
+              COMPUTE)  # fmt: skip
 
 
 @triton.jit
@@ -248,6 +273,7 @@ def _sgd_device_kernel(param_ptr, grad_ptr, backup_ptr, buf_ptr, corr_ptr, cscal
                        scalars_ptr, found_inf_ptr, neg_lr32: tl.float32, neg_lr64: tl.float64,
                        weight_decay32: tl.float32, weight_decay64: tl.float64, momentum32: tl.float32,
                        momentum64: tl.float64, one_minus_dampening32: tl.float32, one_minus_dampening64: tl.float64,
+                       sharpness_step32: tl.float32, sharpness_step64: tl.float64, sharpness64: tl.float64,
                        HAS_WEIGHT_DECAY: tl.constexpr, HAS_MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr,
                        MAXIMIZE: tl.constexpr, FIRST: tl.constexpr, CORRECTED: tl.constexpr, HAS_SCALARS: tl.constexpr,
                        HAS_FOUND_INF: tl.constexpr, HAS_BACKUP: tl.constexpr, TILE: tl.constexpr,
@@ -256,8 +282,9 @@ def _sgd_device_kernel(param_ptr, grad_ptr, backup_ptr, buf_ptr, corr_ptr, cscal
     buffers, never dereferenced)."""
     _sgd_tile(param_ptr, grad_ptr, backup_ptr, buf_ptr, corr_ptr, cscale_ptr, gscale_ptr, block_of_tile_ptr,
               scalars_ptr, found_inf_ptr, neg_lr32, neg_lr64, weight_decay32, weight_decay64, momentum32, momentum64,
-              one_minus_dampening32, one_minus_dampening64, HAS_WEIGHT_DECAY, HAS_MOMENTUM, NESTEROV, MAXIMIZE, FIRST,
-              CORRECTED, HAS_SCALARS, HAS_FOUND_INF, HAS_BACKUP, TILE, COMPUTE)  # fmt: skip
+              one_minus_dampening32, one_minus_dampening64, sharpness_step32, sharpness_step64, sharpness64,
+              HAS_WEIGHT_DECAY, HAS_MOMENTUM, NESTEROV, MAXIMIZE, FIRST, CORRECTED, HAS_SCALARS, HAS_FOUND_INF,
+              HAS_BACKUP, TILE, COMPUTE)  # fmt: skip
 
 
 @triton.jit
@@ -274,11 +301,11 @@ def _adam_device_scalars(scalars_ptr, beta1_64, beta2_64, weight_decay64, COMPUT
 
 
 @triton.jit
-def _adam_update(param_ptr, grad_ptr, backup_ptr, exp_avg_ptr, exp_avg_sq_ptr, max_exp_avg_sq_ptr, corr_ptr,
-                 cscale_ptr, gscale_ptr, block_of_tile_ptr, scalars_ptr, offsets, beta1_64, lerp_weight32,
-                 lerp_weight64, beta2_32, beta2_64, one_minus_beta2_32, one_minus_beta2_64, eps32, eps64,
-                 weight_decay32, weight_decay64, decay32, decay64, neg_step_size32, neg_step_size64,
-                 bias_correction2_sqrt32, bias_correction2_sqrt64, HAS_WEIGHT_DECAY: tl.constexpr,
+def _adam_update(param_ptr, grad_ptr, backup_ptr, exp_avg_ptr, exp_avg_sq_ptr, max_exp_avg_sq_ptr, corr_ptr, cscale_ptr,
+                 gscale_ptr, block_of_tile_ptr, scalars_ptr, offsets, beta1_64, lerp_weight32, lerp_weight64, beta2_32,
+                 beta2_64, one_minus_beta2_32, one_minus_beta2_64, eps32, eps64, weight_decay32, weight_decay64,
+                 decay32, decay64, neg_step_size32, neg_step_size64, bias_correction2_sqrt32, bias_correction2_sqrt64,
+                 sharpness_step32, sharpness_step64, sharpness64, HAS_WEIGHT_DECAY: tl.constexpr,
                  DECOUPLED: tl.constexpr, AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr, LERP_SMALL: tl.constexpr,
                  CORRECTED: tl.constexpr, HAS_SCALARS: tl.constexpr, COMPUTE: tl.constexpr):  # fmt: skip
     """The tile's Adam update (see _adam_tile); with HAS_SCALARS, neg_step_size, bias_correction2_sqrt and decay come
@@ -323,15 +350,17 @@ def _adam_update(param_ptr, grad_ptr, backup_ptr, exp_avg_ptr, exp_avg_sq_ptr, m
     update = _div(
         _host_or_device(neg_step_size32, neg_step_size64, neg_step_size, HAS_SCALARS, COMPUTE) * m, denom, COMPUTE
     )
-    tl.store(param_ptr + offsets, w + update)
+    w = _sharpened(w + update, grad_ptr, corr_ptr, scalars_ptr, offsets, sharpness_step32, sharpness_step64,
+                   sharpness64, CORRECTED, HAS_SCALARS, COMPUTE)  # fmt: skip
+    tl.store(param_ptr + offsets, w)
 
 
 @triton.jit
 def _adam_tile(param_ptr, grad_ptr, backup_ptr, exp_avg_ptr, exp_avg_sq_ptr, max_exp_avg_sq_ptr, corr_ptr, cscale_ptr,
                gscale_ptr, block_of_tile_ptr, scalars_ptr, found_inf_ptr, beta1_64, lerp_weight32, lerp_weight64,
-               beta2_32, beta2_64, one_minus_beta2_32, one_minus_beta2_64, eps32, eps64, weight_decay32,
-               weight_decay64, decay32, decay64, neg_step_size32, neg_step_size64, bias_correction2_sqrt32,
-               bias_correction2_sqrt64, HAS_WEIGHT_DECAY: tl.constexpr, DECOUPLED: tl.constexpr,
+               beta2_32, beta2_64, one_minus_beta2_32, one_minus_beta2_64, eps32, eps64, weight_decay32, weight_decay64,
+               decay32, decay64, neg_step_size32, neg_step_size64, bias_correction2_sqrt32, bias_correction2_sqrt64,
+               sharpness_step32, sharpness_step64, sharpness64, HAS_WEIGHT_DECAY: tl.constexpr, DECOUPLED: tl.constexpr,
                AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr, LERP_SMALL: tl.constexpr, CORRECTED: tl.constexpr,
                HAS_SCALARS: tl.constexpr, HAS_FOUND_INF: tl.constexpr, HAS_BACKUP: tl.constexpr, TILE: tl.constexpr,
                COMPUTE: tl.constexpr):  # fmt: skip
@@ -339,7 +368,8 @@ def _adam_tile(param_ptr, grad_ptr, backup_ptr, exp_avg_ptr, exp_avg_sq_ptr, max
     w = w * decay if DECOUPLED else g = fma(weight_decay, w, g);
     m = fma(lerp_weight, g - m, m) if LERP_SMALL else fma(lerp_weight - 1, g - m, g);
     v = fma(one_minus_beta2 * g, g, v * beta2);  vmax = max(vmax, v) if AMSGRAD;
-    param = w + (neg_step_size * m) / (sqrt(vmax if AMSGRAD else v) / bias_correction2_sqrt + eps).
+    param = w + (neg_step_size * m) / (sqrt(vmax if AMSGRAD else v) / bias_correction2_sqrt + eps), then the sharpness
+    step if CORRECTED is 3 (see _sharpened).
     lerp_weight is 1 - beta1, one_minus_beta2 is 1 - beta2.  HAS_SCALARS: neg_step_size, bias_correction2_sqrt and
     decay derived on the device from scalars (lr, k) and beta1_64, beta2_64, weight_decay64.
     HAS_FOUND_INF: where found_inf is nonzero, param = backup (if HAS_BACKUP; param untouched otherwise) and nothing
@@ -355,15 +385,17 @@ def _adam_tile(param_ptr, grad_ptr, backup_ptr, exp_avg_ptr, exp_avg_sq_ptr, max
                          cscale_ptr, gscale_ptr, block_of_tile_ptr, scalars_ptr, offsets, beta1_64, lerp_weight32,
                          lerp_weight64, beta2_32, beta2_64, one_minus_beta2_32, one_minus_beta2_64, eps32, eps64,
                          weight_decay32, weight_decay64, decay32, decay64, neg_step_size32, neg_step_size64,
-                         bias_correction2_sqrt32, bias_correction2_sqrt64, HAS_WEIGHT_DECAY, DECOUPLED, AMSGRAD,
-                         MAXIMIZE, LERP_SMALL, CORRECTED, HAS_SCALARS, COMPUTE)  # fmt: skip
+                         bias_correction2_sqrt32, bias_correction2_sqrt64, sharpness_step32, sharpness_step64,
+                         sharpness64, HAS_WEIGHT_DECAY, DECOUPLED, AMSGRAD, MAXIMIZE, LERP_SMALL, CORRECTED,
+                         HAS_SCALARS, COMPUTE)  # fmt: skip
     else:
         _adam_update(param_ptr, grad_ptr, backup_ptr, exp_avg_ptr, exp_avg_sq_ptr, max_exp_avg_sq_ptr, corr_ptr,
                      cscale_ptr, gscale_ptr, block_of_tile_ptr, scalars_ptr, offsets, beta1_64, lerp_weight32,
                      lerp_weight64, beta2_32, beta2_64, one_minus_beta2_32, one_minus_beta2_64, eps32, eps64,
                      weight_decay32, weight_decay64, decay32, decay64, neg_step_size32, neg_step_size64,
-                     bias_correction2_sqrt32, bias_correction2_sqrt64, HAS_WEIGHT_DECAY, DECOUPLED, AMSGRAD, MAXIMIZE,
-                     LERP_SMALL, CORRECTED, HAS_SCALARS, COMPUTE)  # fmt: skip
+                     bias_correction2_sqrt32, bias_correction2_sqrt64, sharpness_step32, sharpness_step64, sharpness64,
+                     HAS_WEIGHT_DECAY, DECOUPLED, AMSGRAD, MAXIMIZE, LERP_SMALL, CORRECTED, HAS_SCALARS,
+                     COMPUTE)  # fmt: skip
 
 
 @triton.jit
@@ -380,8 +412,9 @@ def _adam_kernel(param_ptr, grad_ptr, backup_ptr, exp_avg_ptr, exp_avg_sq_ptr, m
     _adam_tile(param_ptr, grad_ptr, backup_ptr, exp_avg_ptr, exp_avg_sq_ptr, max_exp_avg_sq_ptr, grad_ptr, grad_ptr,
                grad_ptr, grad_ptr, grad_ptr, grad_ptr, lerp_weight64, lerp_weight32, lerp_weight64, beta2_32, beta2_64,
                one_minus_beta2_32, one_minus_beta2_64, eps32, eps64, weight_decay32, weight_decay64, decay32, decay64,
-               neg_step_size32, neg_step_size64, bias_correction2_sqrt32, bias_correction2_sqrt64, HAS_WEIGHT_DECAY,
-               DECOUPLED, AMSGRAD, MAXIMIZE, LERP_SMALL, False, False, False, False, TILE, COMPUTE)  # fmt: skip
+               neg_step_size32, neg_step_size64, bias_correction2_sqrt32, bias_correction2_sqrt64, neg_step_size32,
+               neg_step_size64, neg_step_size64, HAS_WEIGHT_DECAY, DECOUPLED, AMSGRAD, MAXIMIZE, LERP_SMALL, False,
+               False, False, False, TILE, COMPUTE)  # fmt: skip
 
 
 @triton.jit
@@ -392,17 +425,18 @@ def _adam_corrected_kernel(param_ptr, grad_ptr, backup_ptr, exp_avg_ptr, exp_avg
                            eps64: tl.float64, weight_decay32: tl.float32, weight_decay64: tl.float64,
                            decay32: tl.float32, decay64: tl.float64, neg_step_size32: tl.float32,
                            neg_step_size64: tl.float64, bias_correction2_sqrt32: tl.float32,
-                           bias_correction2_sqrt64: tl.float64, HAS_WEIGHT_DECAY: tl.constexpr,
+                           bias_correction2_sqrt64: tl.float64, sharpness_step32: tl.float32,
+                           sharpness_step64: tl.float64, sharpness64: tl.float64, HAS_WEIGHT_DECAY: tl.constexpr,
                            DECOUPLED: tl.constexpr, AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr,
                            LERP_SMALL: tl.constexpr, CORRECTED: tl.constexpr, TILE: tl.constexpr,
                            COMPUTE: tl.constexpr):  # fmt: skip
-    """_adam_tile with a correction (CORRECTED 1 or 2, see _step_grad), without device arguments."""
+    """_adam_tile with a correction (CORRECTED 1 to 3, see _step_grad), without device arguments."""
     _adam_tile(param_ptr, grad_ptr, backup_ptr, exp_avg_ptr, exp_avg_sq_ptr, max_exp_avg_sq_ptr, corr_ptr, cscale_ptr,
-               gscale_ptr, block_of_tile_ptr, grad_ptr, grad_ptr, lerp_weight64, lerp_weight32, lerp_weight64,
-               beta2_32, beta2_64, one_minus_beta2_32, one_minus_beta2_64, eps32, eps64, weight_decay32,
-               weight_decay64, decay32, decay64, neg_step_size32, neg_step_size64, bias_correction2_sqrt32,
-               bias_correction2_sqrt64, HAS_WEIGHT_DECAY, DECOUPLED, AMSGRAD, MAXIMIZE, LERP_SMALL, CORRECTED, False,
-               False, False, TILE, COMPUTE)  # fmt: skip
+               gscale_ptr, block_of_tile_ptr, grad_ptr, grad_ptr, lerp_weight64, lerp_weight32, lerp_weight64, beta2_32,
+               beta2_64, one_minus_beta2_32, one_minus_beta2_64, eps32, eps64, weight_decay32, weight_decay64, decay32,
+               decay64, neg_step_size32, neg_step_size64, bias_correction2_sqrt32, bias_correction2_sqrt64,
+               sharpness_step32, sharpness_step64, sharpness64, HAS_WEIGHT_DECAY, DECOUPLED, AMSGRAD, MAXIMIZE,
+               LERP_SMALL, CORRECTED, False, False, False, TILE, COMPUTE)  # fmt: skip
 
 
 @triton.jit
@@ -413,7 +447,8 @@ def _adam_device_kernel(param_ptr, grad_ptr, backup_ptr, exp_avg_ptr, exp_avg_sq
                         eps32: tl.float32, eps64: tl.float64, weight_decay32: tl.float32, weight_decay64: tl.float64,
                         decay32: tl.float32, decay64: tl.float64, neg_step_size32: tl.float32,
                         neg_step_size64: tl.float64, bias_correction2_sqrt32: tl.float32,
-                        bias_correction2_sqrt64: tl.float64, HAS_WEIGHT_DECAY: tl.constexpr, DECOUPLED: tl.constexpr,
+                        bias_correction2_sqrt64: tl.float64, sharpness_step32: tl.float32, sharpness_step64: tl.float64,
+                        sharpness64: tl.float64, HAS_WEIGHT_DECAY: tl.constexpr, DECOUPLED: tl.constexpr,
                         AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr, LERP_SMALL: tl.constexpr,
                         CORRECTED: tl.constexpr, HAS_SCALARS: tl.constexpr, HAS_FOUND_INF: tl.constexpr,
                         HAS_BACKUP: tl.constexpr, TILE: tl.constexpr, COMPUTE: tl.constexpr):  # fmt: skip
@@ -421,10 +456,10 @@ def _adam_device_kernel(param_ptr, grad_ptr, backup_ptr, exp_avg_ptr, exp_avg_sq
     buffers, never dereferenced)."""
     _adam_tile(param_ptr, grad_ptr, backup_ptr, exp_avg_ptr, exp_avg_sq_ptr, max_exp_avg_sq_ptr, corr_ptr, cscale_ptr,
                gscale_ptr, block_of_tile_ptr, scalars_ptr, found_inf_ptr, beta1_64, lerp_weight32, lerp_weight64,
-               beta2_32, beta2_64, one_minus_beta2_32, one_minus_beta2_64, eps32, eps64, weight_decay32,
-               weight_decay64, decay32, decay64, neg_step_size32, neg_step_size64, bias_correction2_sqrt32,
-               bias_correction2_sqrt64, HAS_WEIGHT_DECAY, DECOUPLED, AMSGRAD, MAXIMIZE, LERP_SMALL, CORRECTED,
-               HAS_SCALARS, HAS_FOUND_INF, HAS_BACKUP, TILE, COMPUTE)  # fmt: skip
+               beta2_32, beta2_64, one_minus_beta2_32, one_minus_beta2_64, eps32, eps64, weight_decay32, weight_decay64,
+               decay32, decay64, neg_step_size32, neg_step_size64, bias_correction2_sqrt32, bias_correction2_sqrt64,
+               sharpness_step32, sharpness_step64, sharpness64, HAS_WEIGHT_DECAY, DECOUPLED, AMSGRAD, MAXIMIZE,
+               LERP_SMALL, CORRECTED, HAS_SCALARS, HAS_FOUND_INF, HAS_BACKUP, TILE, COMPUTE)  # fmt: skip
 
 
 def _check_base_buffers(param: torch.Tensor, tile: int, **buffers: torch.Tensor | None) -> None:
@@ -437,6 +472,15 @@ def _check_base_buffers(param: torch.Tensor, tile: int, **buffers: torch.Tensor 
             # same shape alone would let a strided view through
             check_flat(name, t)
             check_same(name, t, "param", param)
+
+
+def _sharpness_arguments(corrected: tuple, device_args: bool, lr: float, sharpness: float) -> tuple:
+    """What the ``_corrected`` twins and the ``_device`` kernel take after the update's scalars: the host pair of
+    ``-lr * sharpness`` (0 without scalars' lr) and the weight ``sharpness`` (for scalars' lr), or () for the plain
+    kernel."""
+    if not (corrected or device_args):
+        return ()
+    return (*pairs(-lr * sharpness), sharpness)
 
 
 def _correction_pointers(correction: torch.Tensor | None, correction_scale: torch.Tensor | None,
@@ -484,14 +528,15 @@ def sgd_step_(param: torch.Tensor, grad: torch.Tensor, backup: torch.Tensor | No
               scalars: torch.Tensor | None = None, found_inf: torch.Tensor | None = None,
               grad_scale: torch.Tensor | None = None, *, tile: int, lr: float,
               weight_decay: float, momentum: float, dampening: float, nesterov: bool, maximize: bool,
-              first: bool) -> None:  # fmt: skip
+              first: bool, sharpness: float = 0.0) -> None:  # fmt: skip
     """``param`` <- torch's SGD step taken from ``backup`` (from ``param`` itself if ``backup`` is None);
     ``momentum_buffer`` (given iff ``momentum != 0``) updated in place, and only written, not read, on the ``first``
     step. ``grad`` and ``backup`` are only read. With ``correction``, ``correction_scale`` (float64 ``[B]``) and
     ``block_of_tile`` (int32 per tile), all or none, the step's gradient is ``fma(C(correction_scale[block]),
     correction, grad)`` (LookSAM); with ``grad_scale`` (float64 ``[B]``, only beside them) it is
     ``fma(C(correction_scale[block]), correction, C(grad_scale[block]) * grad)``, ``mix_gradient_``'s (the SAM
-    family's descent gradient). With ``scalars`` (float64 ``[2]``: lr and the step count k, read on the device; then
+    family's descent gradient); with a nonzero ``sharpness`` (only beside ``grad_scale``) ``param`` then takes WSAM's
+    decoupled sharpness step, ``fma(C(-lr * sharpness), grad - correction, param)``. With ``scalars`` (float64 ``[2]``: lr and the step count k, read on the device; then
     ``lr=0.0`` and ``first=False``) the step is lr's and the first is k == 1. With ``found_inf`` (float32, one
     element) nonzero, ``param`` <- ``backup`` (untouched without backup) and nothing else is written or ``grad``
     read. Tensors are positional-or-keyword: a registered op takes no keyword-only tensor."""
@@ -501,7 +546,7 @@ def sgd_step_(param: torch.Tensor, grad: torch.Tensor, backup: torch.Tensor | No
             f"momentum_buffer must be given exactly when momentum != 0 (momentum={momentum}, "
             f"momentum_buffer {'missing' if momentum_buffer is None else 'given'})"
         )
-    level = check_correction(param, tile, correction, correction_scale, block_of_tile, grad_scale)
+    level = check_correction(param, tile, correction, correction_scale, block_of_tile, grad_scale, sharpness)
     corrected = _correction_pointers(correction, correction_scale, block_of_tile, grad_scale)
     check_device_step("sgd_step_", param, scalars, found_inf, lr=lr, first=first)
     kernel, device_args = _pick(_sgd_kernel, _sgd_corrected_kernel, _sgd_device_kernel, corrected, scalars, found_inf)
@@ -521,6 +566,7 @@ def sgd_step_(param: torch.Tensor, grad: torch.Tensor, backup: torch.Tensor | No
     wrap_triton(kernel)[(n_tiles,)](
         *pointers,
         *pairs(neg_lr, weight_decay, momentum, one_minus_dampening),
+        *_sharpness_arguments(corrected, device_args, lr, sharpness),
         HAS_WEIGHT_DECAY=weight_decay != 0,
         HAS_MOMENTUM=momentum != 0,
         NESTEROV=bool(nesterov),
@@ -541,13 +587,13 @@ def adam_step_(param: torch.Tensor, grad: torch.Tensor, backup: torch.Tensor | N
                scalars: torch.Tensor | None = None, found_inf: torch.Tensor | None = None,
                grad_scale: torch.Tensor | None = None, *, tile: int,
                beta1: float, beta2: float, eps: float, weight_decay: float, decoupled: bool, amsgrad: bool,
-               maximize: bool, lr: float, step: int) -> None:  # fmt: skip
+               maximize: bool, lr: float, step: int, sharpness: float = 0.0) -> None:  # fmt: skip
     """``param`` <- torch's Adam (AdamW if ``decoupled``) ``step``-th step (1 for the first) taken from ``backup``
     (from ``param`` itself if ``backup`` is None); the moments (and ``max_exp_avg_sq``, given iff ``amsgrad``)
     updated in place. ``step_size``, ``bias_correction2_sqrt`` and ``decay`` (AdamW's) are derived from ``lr`` and
     ``step`` as torch does (:func:`gearsam_fused.base_step.adam_scalars`): on the host, or, with ``scalars``
     (float64 ``[2]``: lr and k; then ``lr=0.0`` and ``step=0``), by the same float64 operations on the device.
-    ``correction``, ``correction_scale``, ``block_of_tile``, ``grad_scale`` and ``found_inf`` as for
+    ``correction``, ``correction_scale``, ``block_of_tile``, ``grad_scale``, ``sharpness`` and ``found_inf`` as for
     :func:`sgd_step_`."""
     state = dict(exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, max_exp_avg_sq=max_exp_avg_sq)
     _check_base_buffers(param, tile, grad=grad, backup=backup, **state)
@@ -556,7 +602,7 @@ def adam_step_(param: torch.Tensor, grad: torch.Tensor, backup: torch.Tensor | N
             f"max_exp_avg_sq must be given exactly when amsgrad is set (amsgrad={amsgrad}, "
             f"max_exp_avg_sq {'missing' if max_exp_avg_sq is None else 'given'})"
         )
-    level = check_correction(param, tile, correction, correction_scale, block_of_tile, grad_scale)
+    level = check_correction(param, tile, correction, correction_scale, block_of_tile, grad_scale, sharpness)
     corrected = _correction_pointers(correction, correction_scale, block_of_tile, grad_scale)
     check_device_step("adam_step_", param, scalars, found_inf, lr=lr, step=step)
     kernel, device_args = _pick(
@@ -584,6 +630,7 @@ def adam_step_(param: torch.Tensor, grad: torch.Tensor, backup: torch.Tensor | N
         *pointers,
         *((beta1,) if device_args else ()),
         *pairs(lerp_weight, beta2, one_minus_beta2, eps, weight_decay, decay, neg_step_size, bias_correction2_sqrt),
+        *_sharpness_arguments(corrected, device_args, lr, sharpness),
         HAS_WEIGHT_DECAY=weight_decay != 0,
         DECOUPLED=bool(decoupled),
         AMSGRAD=bool(amsgrad),

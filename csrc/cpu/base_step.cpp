@@ -37,16 +37,16 @@ T nan_max(T a, T b) {
 
 // Where one tile's gradient comes from: grad, and with a correction the tile's values and its block's scales
 // rounded once to scalar_t (C(c[block]) and C(a[block]) in gearsam_fused/base_step.py; a is 1 where grad_scale is not
-// given, a product that leaves grad as it is).
+// given, a product that leaves grad as it is); and the sharpness step's factor C(-lr * sharpness) (gearsam.h).
 template <typename scalar_t>
 struct TileGrad {
   const scalar_t* grad;
   const scalar_t* correction;  // null without a correction
-  scalar_t scale, grad_scale;
+  scalar_t scale, grad_scale, sharpness_step;
 
   // The same source from element `offset` on.
   TileGrad at(int64_t offset) const {
-    return {grad + offset, correction ? correction + offset : nullptr, scale, grad_scale};
+    return {grad + offset, correction ? correction + offset : nullptr, scale, grad_scale, sharpness_step};
   }
 };
 
@@ -57,21 +57,36 @@ struct CorrectionData {
   const double* scale = nullptr;
   const double* grad_scale = nullptr;  // null for 1
   const int32_t* block_of_tile = nullptr;
+  scalar_t sharpness_step = 0;
 
-  explicit CorrectionData(const Correction& c) {
+  // lr: the step's, for the sharpness step's factor
+  CorrectionData(const Correction& c, double lr) {
     if (!c.given()) return;
     values = c.values.const_data_ptr<scalar_t>();
     scale = c.scale.const_data_ptr<double>();
     if (c.grad_scale.defined()) grad_scale = c.grad_scale.const_data_ptr<double>();
     block_of_tile = c.block_of_tile.const_data_ptr<int32_t>();
+    sharpness_step = static_cast<scalar_t>(gearsam::sharpness_step(lr, c.sharpness));
   }
   TileGrad<scalar_t> tile(const scalar_t* grad, int64_t t) const {
-    if (!values) return {grad, nullptr, scalar_t(0), scalar_t(1)};
+    if (!values) return {grad, nullptr, scalar_t(0), scalar_t(1), scalar_t(0)};
     const int32_t block = block_of_tile[t];
     return {grad, values, static_cast<scalar_t>(scale[block]),
-            grad_scale ? static_cast<scalar_t>(grad_scale[block]) : scalar_t(1)};
+            grad_scale ? static_cast<scalar_t>(grad_scale[block]) : scalar_t(1), sharpness_step};
   }
 };
+
+// Calls fn(corrected, sharpened), two std::integral_constant<bool> template flags: whether the step's gradient is
+// corrected, and whether the sharpness step follows the update (only where it is).
+template <typename Fn>
+void with_correction_flags(const Correction& c, const Fn& fn) {
+  if (!c.given())
+    fn(std::false_type{}, std::false_type{});
+  else if (c.sharpness == 0.0)
+    fn(std::true_type{}, std::false_type{});
+  else
+    fn(std::true_type{}, std::true_type{});
+}
 
 // The gradient element i the step uses, before maximize's negation: a template flag, so that a step without a
 // correction loads nothing more.
@@ -81,6 +96,16 @@ GEARSAM_INLINE scalar_t step_grad(const TileGrad<scalar_t>& g, int64_t i) {
     return std::fma(g.scale, g.correction[i], g.grad_scale * g.grad[i]);
   else
     return g.grad[i];
+}
+
+// The parameter w_new after the update (rounded to scalar_t), followed by the sharpness step where kSharpened:
+// fma(C(-lr * sharpness), grad - correction, w_new), the difference rounded on its own.
+template <bool kSharpened, typename scalar_t>
+GEARSAM_INLINE scalar_t sharpened(const TileGrad<scalar_t>& g, int64_t i, scalar_t w_new) {
+  if constexpr (kSharpened)
+    return std::fma(g.sharpness_step, g.grad[i] - g.correction[i], w_new);
+  else
+    return w_new;
 }
 
 // Elements a pass computes into a scratch buffer before streaming them to an output it does not read (stream.h).
@@ -108,7 +133,7 @@ void for_each_run(int64_t n_tiles, int64_t tile, const CorrectionData<scalar_t>&
 // The flags that decide whether a buffer is loaded or stored are template parameters: a loop without control flow
 // vectorises. The others are loop-invariant selects, which the compiler turns into blends. Every pointer points at the
 // run's first element.
-template <typename scalar_t, bool kMomentum, bool kFirst, bool kCorrected>
+template <typename scalar_t, bool kMomentum, bool kFirst, bool kCorrected, bool kSharpened>
 GEARSAM_INLINE void sgd_loop(scalar_t* out, const TileGrad<scalar_t> g_in, const scalar_t* w_in, scalar_t* buf,
                              int64_t n, const SgdConstants<scalar_t>& c) {
   for (int64_t i = 0; i < n; ++i) {
@@ -124,20 +149,20 @@ GEARSAM_INLINE void sgd_loop(scalar_t* out, const TileGrad<scalar_t> g_in, const
       buf[i] = b;
       d = c.nesterov ? std::fma(c.momentum, b, g) : b;
     }
-    out[i] = std::fma(c.neg_lr, d, w);
+    out[i] = sharpened<kSharpened>(g_in, i, std::fma(c.neg_lr, d, w));
   }
 }
 
-template <typename scalar_t, bool kMomentum, bool kFirst, bool kCorrected>
+template <typename scalar_t, bool kMomentum, bool kFirst, bool kCorrected, bool kSharpened>
 void sgd_run(scalar_t* out, const TileGrad<scalar_t> g_in, const scalar_t* w_in, scalar_t* buf, int64_t n,
              const SgdConstants<scalar_t>& c) {
-  sgd_loop<scalar_t, kMomentum, kFirst, kCorrected>(out, g_in, w_in, buf, n, c);
+  sgd_loop<scalar_t, kMomentum, kFirst, kCorrected, kSharpened>(out, g_in, w_in, buf, n, c);
 }
 
-template <typename scalar_t, bool kMomentum, bool kFirst, bool kCorrected>
+template <typename scalar_t, bool kMomentum, bool kFirst, bool kCorrected, bool kSharpened>
 GEARSAM_FMA_CLONE void sgd_run_fma(scalar_t* out, const TileGrad<scalar_t> g_in, const scalar_t* w_in, scalar_t* buf,
                                    int64_t n, const SgdConstants<scalar_t>& c) {
-  sgd_loop<scalar_t, kMomentum, kFirst, kCorrected>(out, g_in, w_in, buf, n, c);
+  sgd_loop<scalar_t, kMomentum, kFirst, kCorrected, kSharpened>(out, g_in, w_in, buf, n, c);
 }
 
 #if defined(GEARSAM_VEC)
@@ -156,8 +181,19 @@ GEARSAM_INLINE GEARSAM_FMA_CLONE typename Vec<scalar_t>::V vec_step_grad(const T
   return g;
 }
 
+// sharpened for vector i of a run.
+template <bool kSharpened, typename scalar_t>
+GEARSAM_INLINE GEARSAM_FMA_CLONE typename Vec<scalar_t>::V vec_sharpened(const TileGrad<scalar_t>& g_in, int64_t i,
+                                                                        typename Vec<scalar_t>::V w_new) {
+  using V = Vec<scalar_t>;
+  if constexpr (kSharpened)
+    return V::fma(V::set1(g_in.sharpness_step), V::sub(V::load(g_in.grad + i), V::load(g_in.correction + i)), w_new);
+  else
+    return w_new;
+}
+
 // sgd_loop in vectors (vec.h), operation for operation, the parameter streamed out.
-template <typename scalar_t, bool kMomentum, bool kFirst, bool kCorrected>
+template <typename scalar_t, bool kMomentum, bool kFirst, bool kCorrected, bool kSharpened>
 GEARSAM_FMA_CLONE void sgd_stream(scalar_t* out, const TileGrad<scalar_t> g_in, const scalar_t* w_in, scalar_t* buf,
                                   int64_t n, const SgdConstants<scalar_t>& c) {
   using V = Vec<scalar_t>;
@@ -173,7 +209,7 @@ GEARSAM_FMA_CLONE void sgd_stream(scalar_t* out, const TileGrad<scalar_t> g_in, 
       V::store(buf + i, b);
       d = c.nesterov ? V::fma(momentum, b, g) : b;
     }
-    V::stream(out + i, V::fma(neg_lr, d, w));
+    V::stream(out + i, vec_sharpened<kSharpened>(g_in, i, V::fma(neg_lr, d, w)));
   }
 }
 #endif
@@ -181,7 +217,7 @@ GEARSAM_FMA_CLONE void sgd_stream(scalar_t* out, const TileGrad<scalar_t> g_in, 
 // Each tile in runs of at most kScratch elements; a run's parameter is written in place, or, when `stream`, by the
 // vector loop (where vec_streams: the stores then leave while the loop still loads, which keeps the memory busier
 // than a burst of stores after each run) or into scratch and streamed out.
-template <typename scalar_t, bool kMomentum, bool kFirst, bool kCorrected>
+template <typename scalar_t, bool kMomentum, bool kFirst, bool kCorrected, bool kSharpened>
 void sgd_tiles(scalar_t* out, const scalar_t* g_in, const CorrectionData<scalar_t>& correction, const scalar_t* w_in,
                scalar_t* buf, int64_t n_tiles, int64_t tile, bool stream, const SgdConstants<scalar_t>& c) {
   const bool fma = cpu_has_fma();
@@ -189,37 +225,38 @@ void sgd_tiles(scalar_t* out, const scalar_t* g_in, const CorrectionData<scalar_
                                                      scalar_t* scratch) {
 #if defined(GEARSAM_VEC)
     if (stream && vec_streams(out + start, n))
-      return sgd_stream<scalar_t, kMomentum, kFirst, kCorrected>(out + start, g, w_in + start, offset(buf, start), n,
-                                                                  c);
+      return sgd_stream<scalar_t, kMomentum, kFirst, kCorrected, kSharpened>(out + start, g, w_in + start,
+                                                                              offset(buf, start), n, c);
 #endif
     scalar_t* dst = stream ? scratch : out + start;
     if (fma)
-      sgd_run_fma<scalar_t, kMomentum, kFirst, kCorrected>(dst, g, w_in + start, offset(buf, start), n, c);
+      sgd_run_fma<scalar_t, kMomentum, kFirst, kCorrected, kSharpened>(dst, g, w_in + start, offset(buf, start), n,
+                                                                       c);
     else
-      sgd_run<scalar_t, kMomentum, kFirst, kCorrected>(dst, g, w_in + start, offset(buf, start), n, c);
+      sgd_run<scalar_t, kMomentum, kFirst, kCorrected, kSharpened>(dst, g, w_in + start, offset(buf, start), n, c);
     if (stream) stream_copy(out + start, scratch, n * sizeof(scalar_t));
   });
 }
 
 template <typename scalar_t>
 void sgd_tiles(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& backup,
-               const at::Tensor& momentum_buffer, int64_t tile, const SgdConstants<scalar_t>& c,
-               const Correction& correction) {
+               const at::Tensor& momentum_buffer, int64_t tile, const SgdOptions& o, const Correction& correction) {
+  const SgdConstants<scalar_t> c(o);
   scalar_t* out = param.mutable_data_ptr<scalar_t>();
   const scalar_t* g_in = grad.const_data_ptr<scalar_t>();
-  const CorrectionData<scalar_t> cd(correction);
+  const CorrectionData<scalar_t> cd(correction, o.lr);
   const scalar_t* w_in = backup.const_data_ptr<scalar_t>();
   scalar_t* buf = c.with_momentum ? momentum_buffer.mutable_data_ptr<scalar_t>() : nullptr;
   const int64_t n_tiles = param.numel() / tile;
   const bool stream = stream_stores(param.nbytes());
-  with_flag(correction.given(), [&](auto corrected) {
-    constexpr bool kC = decltype(corrected)::value;
+  with_correction_flags(correction, [&](auto corrected, auto sharpened) {
+    constexpr bool kC = decltype(corrected)::value, kS = decltype(sharpened)::value;
     if (!c.with_momentum)
-      sgd_tiles<scalar_t, false, false, kC>(out, g_in, cd, w_in, buf, n_tiles, tile, stream, c);
+      sgd_tiles<scalar_t, false, false, kC, kS>(out, g_in, cd, w_in, buf, n_tiles, tile, stream, c);
     else if (c.first)
-      sgd_tiles<scalar_t, true, true, kC>(out, g_in, cd, w_in, buf, n_tiles, tile, stream, c);
+      sgd_tiles<scalar_t, true, true, kC, kS>(out, g_in, cd, w_in, buf, n_tiles, tile, stream, c);
     else
-      sgd_tiles<scalar_t, true, false, kC>(out, g_in, cd, w_in, buf, n_tiles, tile, stream, c);
+      sgd_tiles<scalar_t, true, false, kC, kS>(out, g_in, cd, w_in, buf, n_tiles, tile, stream, c);
   });
 }
 
@@ -252,42 +289,43 @@ GEARSAM_INLINE void adam_moments_loop(const TileGrad<scalar_t> g_in, const scala
 // on CUDA and in Triton; then a multiply, an add and two true divisions, each rounding on its own (no fma), so the
 // bits do not depend on the instruction set the loop is compiled for. Two loops, not one: GCC vectorises each, not
 // their fusion.
-template <typename scalar_t>
-GEARSAM_INLINE void adam_update_loop(scalar_t* out, const scalar_t* w_in, const scalar_t* m_io, const scalar_t* second,
-                                     int64_t n, const AdamConstants<scalar_t>& c) {
+template <typename scalar_t, bool kSharpened>
+GEARSAM_INLINE void adam_update_loop(scalar_t* out, const TileGrad<scalar_t> g_in, const scalar_t* w_in,
+                                     const scalar_t* m_io, const scalar_t* second, int64_t n,
+                                     const AdamConstants<scalar_t>& c) {
   for (int64_t i = 0; i < n; ++i) {
     const scalar_t w = c.decoupled ? w_in[i] * c.decay : w_in[i];
     const scalar_t denom = std::sqrt(second[i]) / c.bias_correction2_sqrt + c.eps;
-    out[i] = w + (c.neg_step_size * m_io[i]) / denom;
+    out[i] = sharpened<kSharpened>(g_in, i, w + (c.neg_step_size * m_io[i]) / denom);
   }
 }
 
 // One run: pass 1, then pass 2 into dst, while the run is in L1.
-template <typename scalar_t, bool kAmsgrad, bool kCorrected>
+template <typename scalar_t, bool kAmsgrad, bool kCorrected, bool kSharpened>
 GEARSAM_INLINE void adam_loop(scalar_t* dst, const TileGrad<scalar_t> g_in, const scalar_t* w_in, scalar_t* m_io,
                               scalar_t* v_io, scalar_t* vmax_io, int64_t n, const AdamConstants<scalar_t>& c) {
   scalar_t second[kScratch];
   adam_moments_loop<scalar_t, kAmsgrad, kCorrected>(g_in, w_in, m_io, v_io, vmax_io, second, n, c);
-  adam_update_loop(dst, w_in, m_io, second, n, c);
+  adam_update_loop<scalar_t, kSharpened>(dst, g_in, w_in, m_io, second, n, c);
 }
 
-template <typename scalar_t, bool kAmsgrad, bool kCorrected>
+template <typename scalar_t, bool kAmsgrad, bool kCorrected, bool kSharpened>
 void adam_run(scalar_t* dst, const TileGrad<scalar_t> g_in, const scalar_t* w_in, scalar_t* m_io, scalar_t* v_io,
               scalar_t* vmax_io, int64_t n, const AdamConstants<scalar_t>& c) {
-  adam_loop<scalar_t, kAmsgrad, kCorrected>(dst, g_in, w_in, m_io, v_io, vmax_io, n, c);
+  adam_loop<scalar_t, kAmsgrad, kCorrected, kSharpened>(dst, g_in, w_in, m_io, v_io, vmax_io, n, c);
 }
 
-template <typename scalar_t, bool kAmsgrad, bool kCorrected>
+template <typename scalar_t, bool kAmsgrad, bool kCorrected, bool kSharpened>
 GEARSAM_FMA_CLONE void adam_run_fma(scalar_t* dst, const TileGrad<scalar_t> g_in, const scalar_t* w_in,
                                     scalar_t* m_io, scalar_t* v_io, scalar_t* vmax_io, int64_t n,
                                     const AdamConstants<scalar_t>& c) {
-  adam_loop<scalar_t, kAmsgrad, kCorrected>(dst, g_in, w_in, m_io, v_io, vmax_io, n, c);
+  adam_loop<scalar_t, kAmsgrad, kCorrected, kSharpened>(dst, g_in, w_in, m_io, v_io, vmax_io, n, c);
 }
 
 #if defined(GEARSAM_VEC)
 // adam_loop's two passes fused into one vector loop (vec.h), operation for operation, the parameter streamed out:
 // past the caches the memory then stays busy while the divider works (two passes leave it idle during the second).
-template <typename scalar_t, bool kAmsgrad, bool kCorrected>
+template <typename scalar_t, bool kAmsgrad, bool kCorrected, bool kSharpened>
 GEARSAM_FMA_CLONE void adam_stream(scalar_t* out, const TileGrad<scalar_t> g_in, const scalar_t* w_in,
                                    scalar_t* m_io, scalar_t* v_io, scalar_t* vmax_io, int64_t n,
                                    const AdamConstants<scalar_t>& c) {
@@ -311,13 +349,13 @@ GEARSAM_FMA_CLONE void adam_stream(scalar_t* out, const TileGrad<scalar_t> g_in,
     }
     const auto w = c.decoupled ? V::mul(w_old, decay) : w_old;
     const auto denom = V::add(V::div(V::sqrt(second), bias_correction2_sqrt), eps);
-    V::stream(out + i, V::add(w, V::div(V::mul(neg_step_size, m), denom)));
+    V::stream(out + i, vec_sharpened<kSharpened>(g_in, i, V::add(w, V::div(V::mul(neg_step_size, m), denom))));
   }
 }
 #endif
 
 // Each tile in runs of at most kScratch elements, as sgd_tiles.
-template <typename scalar_t, bool kAmsgrad, bool kCorrected>
+template <typename scalar_t, bool kAmsgrad, bool kCorrected, bool kSharpened>
 void adam_tiles(scalar_t* out, const scalar_t* g_in, const CorrectionData<scalar_t>& correction,
                 const scalar_t* w_in, scalar_t* m, scalar_t* v, scalar_t* vmax, int64_t n_tiles, int64_t tile,
                 bool stream, const AdamConstants<scalar_t>& c) {
@@ -327,14 +365,16 @@ void adam_tiles(scalar_t* out, const scalar_t* g_in, const CorrectionData<scalar
     scalar_t* vmax_at = offset(vmax, start);
 #if defined(GEARSAM_VEC)
     if (stream && vec_streams(out + start, n))
-      return adam_stream<scalar_t, kAmsgrad, kCorrected>(out + start, g, w_in + start, m + start, v + start, vmax_at,
-                                                         n, c);
+      return adam_stream<scalar_t, kAmsgrad, kCorrected, kSharpened>(out + start, g, w_in + start, m + start,
+                                                                      v + start, vmax_at, n, c);
 #endif
     scalar_t* dst = stream ? scratch : out + start;
     if (fma)
-      adam_run_fma<scalar_t, kAmsgrad, kCorrected>(dst, g, w_in + start, m + start, v + start, vmax_at, n, c);
+      adam_run_fma<scalar_t, kAmsgrad, kCorrected, kSharpened>(dst, g, w_in + start, m + start, v + start, vmax_at,
+                                                               n, c);
     else
-      adam_run<scalar_t, kAmsgrad, kCorrected>(dst, g, w_in + start, m + start, v + start, vmax_at, n, c);
+      adam_run<scalar_t, kAmsgrad, kCorrected, kSharpened>(dst, g, w_in + start, m + start, v + start, vmax_at, n,
+                                                           c);
     if (stream) stream_copy(out + start, scratch, n * sizeof(scalar_t));
   });
 }
@@ -342,20 +382,21 @@ void adam_tiles(scalar_t* out, const scalar_t* g_in, const CorrectionData<scalar
 template <typename scalar_t>
 void adam_tiles(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& backup, const at::Tensor& exp_avg,
                 const at::Tensor& exp_avg_sq, const at::Tensor& max_exp_avg_sq, int64_t tile,
-                const AdamConstants<scalar_t>& c, const Correction& correction) {
+                const AdamOptions& o, const Correction& correction) {
+  const AdamConstants<scalar_t> c(o);
   scalar_t* out = param.mutable_data_ptr<scalar_t>();
   const scalar_t* g_in = grad.const_data_ptr<scalar_t>();
-  const CorrectionData<scalar_t> cd(correction);
+  const CorrectionData<scalar_t> cd(correction, o.lr);
   const scalar_t* w_in = backup.const_data_ptr<scalar_t>();
   scalar_t* m = exp_avg.mutable_data_ptr<scalar_t>();
   scalar_t* v = exp_avg_sq.mutable_data_ptr<scalar_t>();
   scalar_t* vmax = c.amsgrad ? max_exp_avg_sq.mutable_data_ptr<scalar_t>() : nullptr;
   const int64_t n_tiles = param.numel() / tile;
   const bool stream = stream_stores(param.nbytes());
-  with_flag(correction.given(), [&](auto corrected) {
+  with_correction_flags(correction, [&](auto corrected, auto sharpened) {
     with_flag(c.amsgrad, [&](auto amsgrad) {
-      constexpr bool kA = decltype(amsgrad)::value, kC = decltype(corrected)::value;
-      adam_tiles<scalar_t, kA, kC>(out, g_in, cd, w_in, m, v, vmax, n_tiles, tile, stream, c);
+      constexpr bool kA = decltype(amsgrad)::value, kC = decltype(corrected)::value, kS = decltype(sharpened)::value;
+      adam_tiles<scalar_t, kA, kC, kS>(out, g_in, cd, w_in, m, v, vmax, n_tiles, tile, stream, c);
     });
   });
 }
@@ -383,7 +424,7 @@ void sgd_step(const at::Tensor& param, const at::Tensor& grad, const at::Tensor&
   if (skip_step(param, backup, device_step)) return;
   const SgdOptions o = step_options(options, device_step);
   AT_DISPATCH_FLOATING_TYPES(param.scalar_type(), "gearsam_sgd_step_cpu", [&] {
-    sgd_tiles<scalar_t>(param, grad, backup, momentum_buffer, tile, SgdConstants<scalar_t>(o), correction);
+    sgd_tiles<scalar_t>(param, grad, backup, momentum_buffer, tile, o, correction);
   });
 }
 
@@ -393,8 +434,7 @@ void adam_step(const at::Tensor& param, const at::Tensor& grad, const at::Tensor
   if (skip_step(param, backup, device_step)) return;
   const AdamOptions o = step_options(options, device_step);
   AT_DISPATCH_FLOATING_TYPES(param.scalar_type(), "gearsam_adam_step_cpu", [&] {
-    adam_tiles<scalar_t>(param, grad, backup, exp_avg, exp_avg_sq, max_exp_avg_sq, tile, AdamConstants<scalar_t>(o),
-                         correction);
+    adam_tiles<scalar_t>(param, grad, backup, exp_avg, exp_avg_sq, max_exp_avg_sq, tile, o, correction);
   });
 }
 

@@ -26,9 +26,9 @@ __device__ __forceinline__ T nan_max(T a, T b) {
   return (a < b || isnan(b)) ? b : a;
 }
 
-// The correction as the kernels take it: values null without one, grad_scale null for 1. Run-time flags, the same for
-// every thread: a step without them loads nothing more, at the cost of a uniform branch, where template parameters
-// would multiply the kernels compiled per dtype and vector width.
+// The correction as the kernels take it: values null without one, grad_scale null for 1, sharpness 0 for no sharpness
+// step. Run-time flags, the same for every thread: a step without them loads nothing more, at the cost of a uniform
+// branch, where template parameters would multiply the kernels compiled per dtype and vector width.
 template <typename scalar_t>
 struct CorrectionPtrs {
   const scalar_t* values;
@@ -36,13 +36,14 @@ struct CorrectionPtrs {
   const double* grad_scale;
   const int32_t* block_of_tile;
   int64_t tile;
+  double sharpness;
 };
 
 template <typename scalar_t>
 CorrectionPtrs<scalar_t> correction_ptrs(const Correction& c, int64_t tile) {
-  if (!c.given()) return {nullptr, nullptr, nullptr, nullptr, tile};
+  if (!c.given()) return {nullptr, nullptr, nullptr, nullptr, tile, 0.0};
   return {c.values.const_data_ptr<scalar_t>(), c.scale.const_data_ptr<double>(), optional_data<double>(c.grad_scale),
-          c.block_of_tile.const_data_ptr<int32_t>(), tile};
+          c.block_of_tile.const_data_ptr<int32_t>(), tile, c.sharpness};
 }
 
 // The Vec gradients from element i on, corrected where a correction is given:
@@ -68,6 +69,20 @@ __device__ __forceinline__ Pack<scalar_t, Vec> load_grad(const scalar_t* __restr
   return g;
 }
 
+// The updated parameters `out` from element i on, followed by the sharpness step where corr.sharpness is nonzero (a
+// uniform branch): fma(C(sharpness_step(lr, sharpness)), grad - correction, out), the difference rounded on its own.
+template <typename scalar_t, int Vec>
+__device__ __forceinline__ void sharpen(Pack<scalar_t, Vec>& out, const scalar_t* __restrict__ grad,
+                                        const CorrectionPtrs<scalar_t>& corr, double lr, int64_t i) {
+  using pack_t = Pack<scalar_t, Vec>;
+  if (corr.sharpness == 0.0) return;
+  const scalar_t f = static_cast<scalar_t>(sharpness_step(lr, corr.sharpness));
+  const pack_t h = *reinterpret_cast<const pack_t*>(grad + i);
+  const pack_t g = *reinterpret_cast<const pack_t*>(corr.values + i);
+#pragma unroll
+  for (int k = 0; k < Vec; ++k) out.v[k] = fma_rn(f, sub_rn(h.v[k], g.v[k]), out.v[k]);
+}
+
 // What a capturable step reads from device memory, null where not given: the (lr, k) of scalars, with the options to
 // rebuild the constants from, and found_inf.
 template <typename Options>
@@ -75,6 +90,9 @@ struct DeviceStepPtrs {
   const double* scalars;
   const float* found_inf;
   Options options;
+
+  // The step's lr: the host's, or scalars' where given.
+  __device__ __forceinline__ double lr() const { return scalars != nullptr ? scalars[0] : options.lr; }
 };
 
 template <typename Options>
@@ -125,6 +143,7 @@ __global__ void sgd_kernel(scalar_t* param, const scalar_t* __restrict__ grad, c
       }
       out.v[k] = fma_rn(c.neg_lr, d, w.v[k]);
     }
+    sharpen<scalar_t, Vec>(out, grad, corr, step.lr(), i);
     *reinterpret_cast<pack_t*>(param + i) = out;
     if (c.with_momentum) *reinterpret_cast<pack_t*>(momentum_buffer + i) = buf;
   }
@@ -168,6 +187,7 @@ __global__ void adam_kernel(scalar_t* param, const scalar_t* __restrict__ grad, 
       const scalar_t denom = add_rn(div_rn(sqrt_rn(second), c.bias_correction2_sqrt), c.eps);
       out.v[k] = add_rn(wk, div_rn(mul_rn(c.neg_step_size, m.v[k]), denom));
     }
+    sharpen<scalar_t, Vec>(out, grad, corr, step.lr(), i);
     *reinterpret_cast<pack_t*>(param + i) = out;
     *reinterpret_cast<pack_t*>(exp_avg + i) = m;
     *reinterpret_cast<pack_t*>(exp_avg_sq + i) = sq;

@@ -27,6 +27,7 @@ import torch
 
 from ..allocation import allocate
 from ..checks import check_dense_grad
+from ..family import Mix
 from ..partition import Block
 from ..sharding import local
 
@@ -112,22 +113,28 @@ class Backend:
         self.perturbed = False
 
     def restore_and_update_(self, updates: list, found_inf: torch.Tensor | None = None,
-                            mix: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:  # fmt: skip
+                            mix: Mix | None = None) -> None:  # fmt: skip
         """:meth:`restore_` and the base optimizer's update in one pass per bucket: for each
         :class:`~gearsam_fused.base_step.BucketUpdate`, ``w <- update(backup, grad, state)`` written to the
         parameters and the state (the parameters' perturbed values are never read). Where ``found_inf`` (a float32
         one-element tensor on the device, :attr:`capturable` backends) is set: ``w <- backup``, the state untouched.
 
-        ``mix``, ``(grad_scale, kept_scale)``: the update's gradient is the one :meth:`mix_gradient_` makes of them
-        (the SAM family's descent gradient), bit for bit. Where the backend :attr:`folds_mix`, the update computes it
-        as it reads ``grad`` and the gradients keep ``h``; elsewhere :meth:`mix_gradient_` writes it into the
-        gradients first."""
+        ``mix`` (:class:`~gearsam_fused.family.Mix`): the update's gradient is the one :meth:`mix_gradient_` makes of
+        its scales (the SAM family's descent gradient), bit for bit. Where the backend :attr:`folds_mix`, the update
+        computes it as it reads ``grad`` and the gradients keep ``h``; elsewhere :meth:`mix_gradient_` writes it into
+        the gradients first. Its ``sharpness`` step, only where the backend folds the mix, follows the update in the
+        same pass: ``w <- fma(C(-lr * sharpness), h - g, w)`` with ``h - g`` rounded on its own, lr the bucket's."""
         if not self.perturbed:
             raise RuntimeError("restore_and_update_ without perturb_: there is no saved w to update from")
         if found_inf is not None and not self.capturable:
             raise NotImplementedError(f"backend {self.name!r} does not skip an overflowing step on the device")
         if mix is not None and not self.folds_mix:
-            self.mix_gradient_(*mix)
+            if mix.sharpness != 0.0:
+                raise ValueError(
+                    f"backend {self.name!r} does not fold the mix into its base step, so it cannot take its sharpness "
+                    "step; exchange the gradients and add the sharpness after the update instead"
+                )
+            self.mix_gradient_(mix.grad_scale, mix.kept_scale)
             mix = None
         self._restore_and_update(updates, found_inf, mix)
         self.perturbed = False
@@ -270,7 +277,7 @@ class Backend:
         return {**report, **buffers, "total": report["total"] + sum(buffers.values())}
 
     def _restore_and_update(self, updates: list, found_inf: torch.Tensor | None,
-                            mix: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:  # fmt: skip
+                            mix: Mix | None = None) -> None:  # fmt: skip
         """:meth:`restore_and_update_`'s tensor work (``mix`` only where :attr:`folds_mix`)."""
         raise NotImplementedError(f"backend {self.name!r} does not fuse the base optimizer's step")
 

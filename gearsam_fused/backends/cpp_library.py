@@ -145,20 +145,21 @@ def _friendly_ascent(grad, momentum, *, sigma, lmbda, first):
 @torch.library.register_fake("gearsam_fused::sgd_step_")
 def _sgd_step(param, grad, backup, momentum_buffer, *, tile, lr, weight_decay, momentum, dampening, nesterov, maximize,
               first, correction=None, correction_scale=None, block_of_tile=None, scalars=None, found_inf=None,
-              grad_scale=None):  # fmt: skip
+              grad_scale=None, sharpness=0.0):  # fmt: skip
     _check_base_step(param, grad, backup, tile)
     _check_optional_state("momentum_buffer", momentum_buffer, momentum != 0, "momentum != 0", param)
-    check_correction(param, tile, correction, correction_scale, block_of_tile, grad_scale)
+    check_correction(param, tile, correction, correction_scale, block_of_tile, grad_scale, sharpness)
     check_device_step("sgd_step_", param, scalars, found_inf, lr=lr, first=first)
 
 
 @torch.library.register_fake("gearsam_fused::adam_step_")
 def _adam_step(param, grad, backup, exp_avg, exp_avg_sq, max_exp_avg_sq, *, tile, beta1, beta2, eps, weight_decay,
                decoupled, amsgrad, maximize, lr, step, correction=None,
-               correction_scale=None, block_of_tile=None, scalars=None, found_inf=None, grad_scale=None):  # fmt: skip
+               correction_scale=None, block_of_tile=None, scalars=None, found_inf=None, grad_scale=None,
+               sharpness=0.0):  # fmt: skip
     _check_base_step(param, grad, backup, tile)
     check_same("exp_avg", exp_avg, "param", param)
     check_same("exp_avg_sq", exp_avg_sq, "param", param)
     _check_optional_state("max_exp_avg_sq", max_exp_avg_sq, amsgrad, "amsgrad=True", param)
-    check_correction(param, tile, correction, correction_scale, block_of_tile, grad_scale)
+    check_correction(param, tile, correction, correction_scale, block_of_tile, grad_scale, sharpness)
     check_device_step("adam_step_", param, scalars, found_inf, lr=lr, step=step)

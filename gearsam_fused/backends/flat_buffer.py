@@ -14,6 +14,7 @@ import torch
 
 from ..allocation import GEAR_RULE, check_rule
 from ..base_step import BucketUpdate
+from ..family import Mix
 from ..flat import ALIGN, Bucket, FlatLayout
 from .base import CORRECTION, MOMENTUM, Backend, compute_dtype, friendly_ascent
 
@@ -40,7 +41,7 @@ class FlatBufferBackend(Backend):
         raise NotImplementedError
 
     def _bucket_restore_and_update(self, update: BucketUpdate, found_inf: torch.Tensor | None,
-                                   mix: tuple[torch.Tensor, torch.Tensor] | None) -> None:  # fmt: skip
+                                   mix: Mix | None) -> None:  # fmt: skip
         """The restore and update of one bucket; with ``mix`` (only where :attr:`folds_mix`), from the gradient
         :meth:`mix_gradient_` would make, in the same pass."""
         raise NotImplementedError
@@ -75,9 +76,9 @@ class FlatBufferBackend(Backend):
                 self._bucket_restore(bucket)
 
     def _restore_and_update(self, updates: list[BucketUpdate], found_inf: torch.Tensor | None,
-                            mix: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:  # fmt: skip
+                            mix: Mix | None = None) -> None:  # fmt: skip
         for update in updates:
-            on_device = None if mix is None else tuple(s.to(update.bucket.device) for s in mix)
+            on_device = None if mix is None else mix.to(update.bucket.device)
             self._bucket_restore_and_update(update, found_inf, on_device)
 
     def _update(self, updates: list[BucketUpdate], correction_scale: torch.Tensor | None) -> None:
@@ -313,14 +314,15 @@ class KernelModule(Protocol):
     ) -> None: ...  # fmt: skip
 
     # The base optimizer's update folded into the restore (formulas in gearsam_fused.base_step); backup None reads w
-    # from param (no perturbation to undo), correction/correction_scale/block_of_tile add LookSAM's term to grad, and
-    # grad_scale beside them makes the step's gradient mix_gradient_'s.
+    # from param (no perturbation to undo), correction/correction_scale/block_of_tile add LookSAM's term to grad,
+    # grad_scale beside them makes the step's gradient mix_gradient_'s, and sharpness beside grad_scale follows the
+    # update with WSAM's decoupled sharpness step, param <- fma(C(-lr * sharpness), grad - correction, param).
     def sgd_step_(
         self, param: torch.Tensor, grad: torch.Tensor, backup: torch.Tensor | None, momentum_buffer: torch.Tensor | None, *,
         tile: int, lr: float, weight_decay: float, momentum: float, dampening: float, nesterov: bool, maximize: bool,
         first: bool, correction: torch.Tensor | None = None, correction_scale: torch.Tensor | None = None,
         block_of_tile: torch.Tensor | None = None, scalars: torch.Tensor | None = None,
-        found_inf: torch.Tensor | None = None, grad_scale: torch.Tensor | None = None,
+        found_inf: torch.Tensor | None = None, grad_scale: torch.Tensor | None = None, sharpness: float = 0.0,
     ) -> None: ...  # fmt: skip
 
     def adam_step_(
@@ -330,7 +332,7 @@ class KernelModule(Protocol):
         correction: torch.Tensor | None = None,
         correction_scale: torch.Tensor | None = None, block_of_tile: torch.Tensor | None = None,
         scalars: torch.Tensor | None = None, found_inf: torch.Tensor | None = None,
-        grad_scale: torch.Tensor | None = None,
+        grad_scale: torch.Tensor | None = None, sharpness: float = 0.0,
     ) -> None: ...  # fmt: skip
 
 
@@ -433,7 +435,10 @@ class KernelBackend(FlatBufferBackend):
 
     def _bucket_restore_and_update(self, update: BucketUpdate, found_inf: torch.Tensor | None, mix) -> None:
         bucket = update.bucket
-        corrected = {} if mix is None else self._corrected(bucket, mix[1], grad_scale=mix[0])
+        corrected = {}
+        if mix is not None:
+            sharpness = {"sharpness": mix.sharpness} if mix.sharpness != 0.0 else {}  # without it, the GSAM call
+            corrected = self._corrected(bucket, mix.kept_scale, grad_scale=mix.grad_scale, **sharpness)
         with _launching_on(bucket.device):
             self._launcher(update)(bucket.param, bucket.grad, bucket.backup, *update.state, tile=bucket.tile,
                                    **update.kernel_arguments(), **_on_device(found_inf=found_inf),
@@ -447,10 +452,11 @@ class KernelBackend(FlatBufferBackend):
             self._launcher(update)(bucket.param, bucket.grad, None, *update.state, tile=bucket.tile,
                                    **update.kernel_arguments(), **corrected)  # fmt: skip
 
-    def _corrected(self, bucket: Bucket, correction_scale: torch.Tensor, **grad_scale: torch.Tensor) -> dict:
-        """The base step's correction arguments: the kept gradient scaled per block (and ``grad_scale``, given)."""
+    def _corrected(self, bucket: Bucket, correction_scale: torch.Tensor, **mix) -> dict:
+        """The base step's correction arguments: the kept gradient scaled per block (and the mix's ``grad_scale`` and
+        ``sharpness``, given)."""
         return dict(correction=self._flat_correction(bucket), correction_scale=correction_scale,
-                    block_of_tile=bucket.block_of_tile, **grad_scale)  # fmt: skip
+                    block_of_tile=bucket.block_of_tile, **mix)  # fmt: skip
 
     def _launcher(self, update: BucketUpdate):
         return self.kernels.sgd_step_ if update.kind == "sgd" else self.kernels.adam_step_
