@@ -25,8 +25,6 @@ the same moment, which the ratio of two rows' medians, minutes apart on a shared
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 
@@ -34,8 +32,16 @@ from gearsam_fused.allocation import RULES, SAM_RULE
 
 import contenders
 import param_sets
-from conftest import DEVICE, ENERGY_BYTES, cuda_event_median_ms, cuda_launches, synchronize, warm_up
-from report import quartiles
+from conftest import (
+    DEVICE,
+    ENERGY_BYTES,
+    PairedRounds,
+    cuda_event_median_ms,
+    cuda_launches,
+    sam_step_of,
+    synchronize,
+    warm_up,
+)
 
 BYTES_PER_PARAM = 28
 NOT_INSTALLED = contenders.not_installed()  # peers shown as skipped, with the note, instead of left out
@@ -76,17 +82,6 @@ def test_family_sam_step(benchmark, record, quick, floor, variant, contender):
             variant=variant, peer_variant=v.peer, plain_variant=v.plain)  # fmt: skip
 
 
-def sam_step_of(opt):
-    """One synchronised ``first_step`` + ``second_step`` of ``opt``."""
-
-    def step():
-        opt.first_step()
-        opt.second_step()
-        synchronize()
-
-    return step
-
-
 def measure(benchmark, record, quick, floor, params, opt, contender: str, extra_bytes: int = 0,
             read_only_bytes: int = 0, paired=None, **fields):  # fmt: skip
     """Time ``opt``'s ``first_step`` + ``second_step`` over ``params`` and record the row, with ``fields``; its
@@ -103,18 +98,7 @@ def measure(benchmark, record, quick, floor, params, opt, contender: str, extra_
         synchronize()
 
     warm_up(synchronised_step)  # kernel compilation, allocator, re-homing of the gradients
-    paired_s: list[float] = []
-    setup = None
-    if paired is not None:
-        paired_step = sam_step_of(paired)
-        warm_up(paired_step)
-
-        def setup():  # not timed by the benchmark: this round's paired step, just before the row's
-            start = time.perf_counter()
-            paired_step()
-            paired_s.append(time.perf_counter() - start)
-            return (), {}
-
+    rounds_of_plain = None if paired is None else PairedRounds(sam_step_of(paired))
     opt.first_step()
     held = contenders.held_bytes(contender, opt)
     opt.second_step()
@@ -131,11 +115,10 @@ def measure(benchmark, record, quick, floor, params, opt, contender: str, extra_
         }
     benchmark.group = f"{fields.get('variant', fields['rule'])} step, {params.name}, {DEVICE}"
     rounds = 3 if quick else max(5, min(30, int(3e8 / params.numel)))
+    setup = None if rounds_of_plain is None else rounds_of_plain.setup
     benchmark.pedantic(synchronised_step, setup=floor.interleaved(setup), rounds=rounds, iterations=1)
-    if paired is not None:
-        q1, ratio, q3 = quartiles([s / p for s, p in zip(benchmark.stats.stats.data, paired_s)])
-        extra.update(paired_plain_ms=1e3 * quartiles(paired_s)[1], over_paired_plain=ratio, over_paired_plain_q1=q1,
-                     over_paired_plain_q3=q3)  # fmt: skip
+    if rounds_of_plain is not None:
+        extra.update(rounds_of_plain.fields(benchmark.stats.stats.data, "plain"))
     counted = (BYTES_PER_PARAM + extra_bytes) * params.numel
     fields = dict(
         set=params.name, **fields, contender=contender, parameters=params.numel, tensors=len(params.params),

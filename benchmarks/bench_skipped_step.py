@@ -34,8 +34,6 @@ for every-k, 28 / 36 for LookSAM, and the bare base step's own floor 20 / 28 (to
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 from bench_whole_step import BARE, BARE_FUSED, BASES, OUR_BACKENDS, RHO
@@ -45,8 +43,7 @@ from gearsam_fused import GEARSAM, SAM, Every, LookSAM
 
 import contenders
 import param_sets
-from conftest import DEVICE, ENERGY_BYTES, cuda_event_median_ms, cuda_launches, synchronize, warm_up
-from report import quartiles
+from conftest import DEVICE, ENERGY_BYTES, PairedRounds, cuda_event_median_ms, cuda_launches, synchronize, warm_up
 
 SET_KEY = "resnet18"  # CIFAR ResNet-18's shapes: 11.2M parameters in 62 tensors (quick mode: about a million)
 NEVER = 10**9  # k of the schedules: after step 0 every step is skipped
@@ -116,7 +113,7 @@ def test_skipped_step(benchmark, record, quick, floor, contender, base):
         synchronize()
 
     warm_up(synchronised_step, min_steps=2, min_seconds=0.1) if quick else warm_up(synchronised_step)
-    warm_up(synchronised_bare, min_steps=2, min_seconds=0.1) if quick else warm_up(synchronised_bare)
+    bare = PairedRounds(synchronised_bare)  # each round's bare base step, just before the contender's step
     extra = {}
     if ours:  # not timing: the row must measure the fused path its name says
         assert opt.base_step_mode == "fused", f"{contender}: {opt.base_step_mode} ({opt.base_step_reason})"
@@ -125,26 +122,15 @@ def test_skipped_step(benchmark, record, quick, floor, contender, base):
     if DEVICE == "cuda":
         extra["launches"] = cuda_launches(step)
         extra["cuda_event_median_ms"] = cuda_event_median_ms(step)
-    bare_s: list[float] = []
-
-    def setup():  # not timed by the benchmark: this round's bare base step, just before the contender's step
-        start = time.perf_counter()
-        synchronised_bare()
-        bare_s.append(time.perf_counter() - start)
-        return (), {}
-
     benchmark.group = f"skipped step, {base}, {params.name}, {DEVICE}"
     rounds = 3 if quick else max(5, min(60, int(6e8 / params.numel)))
-    benchmark.pedantic(synchronised_step, setup=floor.interleaved(setup), rounds=rounds, iterations=1)
-    per_round = [s / b for s, b in zip(benchmark.stats.stats.data, bare_s)]
-    ratio_q1, ratio, ratio_q3 = quartiles(per_round)
+    benchmark.pedantic(synchronised_step, setup=floor.interleaved(bare.setup), rounds=rounds, iterations=1)
     counted = bytes_per_param(contender, base) * params.numel
     read_only = (0 if contender in (BARE, BARE_FUSED) else ENERGY_BYTES) * params.numel  # the energy pass only reads
     fields = dict(
         set=params.name, base=base, contender=contender, parameters=params.numel, tensors=len(params.params),
         bytes_counted=counted, **floor.fields(counted, benchmark.stats.stats.data, params.numel, contender, read_only),
-        paired_bare_ms=1e3 * quartiles(bare_s)[1], over_paired_bare=ratio, over_paired_bare_q1=ratio_q1,
-        over_paired_bare_q3=ratio_q3, **extra,
+        **bare.fields(benchmark.stats.stats.data, "bare"), **extra,
     )  # fmt: skip
     benchmark.extra_info.update(fields)
     record(**fields)

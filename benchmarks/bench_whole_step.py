@@ -62,7 +62,8 @@ The SAM family (``test_family_whole_step``): each variant of :data:`contenders.F
 with GSAM's descent, and SAM and GEAR-SAM as their yardsticks), ours on each backend with ``base_step="fused"`` and
 pytorch_optimizer's on both its paths where it has the variant, on :data:`contenders.FAMILY_SET_KEY` with both base
 optimizers, counted at 40d / 48d plus the bytes the variant's parts move in a fused whole step
-(``Variant.extra_bytes - Variant.folded_bytes``). Quick mode runs it
+(``Variant.extra_bytes - Variant.folded_bytes``), and, as in :mod:`bench_sam_step`, each of our variants over our
+plain SAM's whole step timed just before each round on a copy of the set (``over_paired_plain``). Quick mode runs it
 on one of our backends and the peer's ``foreach`` path, with SGD, only.
 
 The sets are :data:`param_sets.WHOLE_STEP_SET_KEYS`; quick mode runs :data:`QUICK_SET_KEYS` only, with a shorter
@@ -81,7 +82,16 @@ from gearsam_fused import SAM, SharpnessAware
 
 import contenders
 import param_sets
-from conftest import DEVICE, ENERGY_BYTES, cuda_event_median_ms, cuda_launches, synchronize, warm_up
+from conftest import (
+    DEVICE,
+    ENERGY_BYTES,
+    PairedRounds,
+    cuda_event_median_ms,
+    cuda_launches,
+    sam_step_of,
+    synchronize,
+    warm_up,
+)
 
 RHO = 0.05
 #: base optimizer name -> (class, hyperparameters) and the bytes counted per parameter for a step with it
@@ -295,17 +305,24 @@ def test_family_whole_step(benchmark, record, quick, floor, variant, contender, 
         opt.second_step()
 
     v = contenders.FAMILY[variant]
+    plain = None
+    if contender not in contenders.PEER_PATHS and variant != v.plain:  # ours: paired with our plain SAM, on a copy
+        twin = param_sets.build(contenders.FAMILY_SET_KEY, DEVICE, quick, seed=1)
+        plain_opt = contenders.make_variant(v.plain, contender, twin.model, twin.partition, cls, rho=RHO, ours=ours,
+                                            **kwargs)  # fmt: skip
+        plain = PairedRounds(sam_step_of(plain_opt))
     measure(benchmark, record, quick, floor, params, opt, step, contender, base,
-            BYTES_PER_PARAM[base] + v.extra_bytes - v.folded_bytes, ENERGY_BYTES + v.read_only_bytes, variant=variant,
-            rule=v.rule, peer_variant=v.peer, plain_variant=v.plain)  # fmt: skip
+            BYTES_PER_PARAM[base] + v.extra_bytes - v.folded_bytes, ENERGY_BYTES + v.read_only_bytes, paired=plain,
+            variant=variant, rule=v.rule, peer_variant=v.peer, plain_variant=v.plain)  # fmt: skip
 
 
 def measure(benchmark, record, quick, floor, params, opt, step, contender: str, base: str, bytes_per_param: int,
-            read_only_per_param: int, timer=None, **fields):  # fmt: skip
+            read_only_per_param: int, timer=None, paired: PairedRounds | None = None, **fields):  # fmt: skip
     """Time ``step`` (one whole step of ``opt`` around the base optimizer ``base``, over ``params``) and record the row,
     counted at ``bytes_per_param``, ``read_only_per_param`` of them in passes that only read, with ``fields``.
     ``timer``: a compiled row's :class:`contenders.CompileTimer`, whose calls must compile nothing while the row is
-    timed."""
+    timed. ``paired``: our plain SAM's whole step on a copy of the set, timed just before each round (a SAM family
+    row's ``over_paired_plain``)."""
 
     def synchronised_step():
         step()
@@ -333,7 +350,10 @@ def measure(benchmark, record, quick, floor, params, opt, step, contender: str, 
         extra["cuda_event_median_ms"] = cuda_event_median_ms(step)
     benchmark.group = f"whole step, {base}, {params.name}, {DEVICE}"
     rounds = 3 if quick else max(5, min(30, int(3e8 / params.numel)))
-    benchmark.pedantic(synchronised_step, setup=floor.interleaved(), rounds=rounds, iterations=1)
+    setup = None if paired is None else paired.setup
+    benchmark.pedantic(synchronised_step, setup=floor.interleaved(setup), rounds=rounds, iterations=1)
+    if paired is not None:
+        extra.update(paired.fields(benchmark.stats.stats.data, "plain"))
     if compiled is not None:
         assert timer.compile_s == compiled, f"{contender} compiled again while it was timed"
         extra.update(compile_s=compiled, compile_cache_hits=timer.cache["hits"],

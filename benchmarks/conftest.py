@@ -20,6 +20,8 @@ import torch
 from gearsam_fused.app.machine import describe_machine
 from gearsam_fused.backends.cpp_ops import cpp_stream_threshold_bytes
 
+from report import quartiles
+
 if not torch.cuda.is_available():
     # lets the triton backend run on CPU tensors (slowly) if a benchmark asks for it explicitly
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -65,6 +67,41 @@ def warm_up(step, min_steps: int = 3, min_seconds: float = 0.5) -> None:
     while done < min_steps or time.perf_counter() - start < min_seconds:
         step()
         done += 1
+
+
+def sam_step_of(opt):
+    """One synchronised ``first_step`` + ``second_step`` of ``opt``."""
+
+    def step():
+        opt.first_step()
+        opt.second_step()
+        synchronize()
+
+    return step
+
+
+class PairedRounds:
+    """Another step timed just before each of a row's rounds, outside the row's time, for the row's cost over it at
+    the same moment, which two rows' medians, minutes apart on a shared machine, do not give. ``setup`` is the
+    benchmark's setup (inside :meth:`MemoryFloor.interleaved`); ``step`` synchronises itself and is warmed up here."""
+
+    def __init__(self, step):
+        self.step = step
+        self.seconds: list[float] = []
+        warm_up(step)
+
+    def setup(self):
+        start = time.perf_counter()
+        self.step()
+        self.seconds.append(time.perf_counter() - start)
+        return (), {}
+
+    def fields(self, round_s: list[float], name: str) -> dict:
+        """``paired_<name>_ms``, the paired step's median, and ``over_paired_<name>`` with ``_q1``/``_q3``: the
+        quartiles over the rounds of each round's time over the paired step's just before it."""
+        q1, ratio, q3 = quartiles([s / p for s, p in zip(round_s, self.seconds, strict=True)])
+        return {f"paired_{name}_ms": 1e3 * quartiles(self.seconds)[1], f"over_paired_{name}": ratio,
+                f"over_paired_{name}_q1": q1, f"over_paired_{name}_q3": q3}  # fmt: skip
 
 
 def cuda_event_median_ms(step, n: int = 50) -> float:

@@ -314,9 +314,9 @@ class Variant(NamedTuple):
     yardstick for every contender, as the fused step's traffic is):
 
     * GSAM: the perturbation writes g to the kept buffer as it reads it (4; ``keep_gradient_``'s copy, 8, where the
-      backend does not fold it); ``block_dot`` reads g and h (8), ``block_energy`` h (4) (g's energies are the first
-      step's); ``mix_gradient_`` reads h and g and writes the mix (12): 28, 12 of them read-only; folded into the
-      base step, the mix is one more read of g (4): 8 fewer
+      backend does not fold it); ``block_dot_energy`` reads g and h once for <g, h> and ||h||^2 (8; g's energies are
+      the first step's); ``mix_gradient_`` reads h and g and writes the mix (12): 24, 8 of them read-only; folded
+      into the base step, the mix is one more read of g (4): 8 fewer
     * WSAM, decoupled: g kept by the perturbation (4); ``exchange_sharpness_`` reads and writes g and h (16);
       ``add_kept_`` after the update reads w and h - g and writes w (12): 32; folded into the base step, which steps
       with g and then takes the sharpness step from the h and g it has read, one more read of g (4): 24 fewer
@@ -357,12 +357,12 @@ def _friendly_sam(params, base_optimizer, rho, **kwargs):
 #: name -> the variant; SAM and GEAR-SAM are the yardsticks
 FAMILY = {
     "SAM": Variant(SAM_RULE, SAM, peer="SAM", plain="SAM"),
-    "GSAM": Variant(SAM_RULE, _gsam, peer="GSAM", plain="SAM", extra_bytes=28, read_only_bytes=12, folded_bytes=8),
+    "GSAM": Variant(SAM_RULE, _gsam, peer="GSAM", plain="SAM", extra_bytes=24, read_only_bytes=8, folded_bytes=8),
     "WSAM": Variant(SAM_RULE, _wsam, peer="WSAM", plain="SAM", extra_bytes=32, folded_bytes=24),
     "F-SAM": Variant(SAM_RULE, _friendly_sam, peer="F-SAM", plain="SAM", extra_bytes=16),
     "GEAR-SAM": Variant(GEAR_RULE, _gear_sam, peer="SAM", plain="GEAR-SAM"),
     "GEAR-SAM + GSAM": Variant(
-        GEAR_RULE, _gear_gsam, peer="GSAM", plain="GEAR-SAM", extra_bytes=28, read_only_bytes=12, folded_bytes=8
+        GEAR_RULE, _gear_gsam, peer="GSAM", plain="GEAR-SAM", extra_bytes=24, read_only_bytes=8, folded_bytes=8
     ),
 }
 #: our backends a variant runs on (those usable here: triton on CUDA only)

@@ -276,7 +276,8 @@ FAMILY_STEPS = {"bench_sam_step": "SAM step", "bench_whole_step": "whole step"}
 
 
 def _same_round(row: dict) -> str:
-    """A family row's cost over its plain SAM timed in the same rounds (bench_sam_step), median [quartiles]."""
+    """A family row's cost over its plain SAM timed in the same rounds, median [quartiles] ("-": a peer's row, a plain
+    variant's, or a whole step of a run before the whole step paired them)."""
     if "over_paired_plain" not in row:
         return "-"
     return f"{row['over_paired_plain']:.2f}x [{row['over_paired_plain_q1']:.2f}, {row['over_paired_plain_q3']:.2f}]"
@@ -303,9 +304,8 @@ def family_tables(rows: list[dict]) -> list[str]:
             f"{f'; pytorch_optimizer = its faster path here: {faster}' if faster else ''})",
             "",
             "| variant | contender | bytes per parameter | median ms | IQR ms | vs pytorch_optimizer | / own SAM | "
-            f"{'/ own SAM, same round [IQR] | ' if sam_step else ''}GB/s | % of floor | % of traffic floor |"
-            f"{' held MB |' if sam_step else ''}",
-            f"|---|---|---:|---:|---:|---:|---:|---:|---:|---:|{'---:|---:|' if sam_step else ''}",
+            f"/ own SAM, same round [IQR] | GB/s | % of floor | % of traffic floor |{' held MB |' if sam_step else ''}",
+            f"|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|{'---:|' if sam_step else ''}",
         ]
         for r in group:
             peer = peers.get(r["peer_variant"], (None, None))[1]
@@ -315,7 +315,7 @@ def family_tables(rows: list[dict]) -> list[str]:
             lines.append(
                 f"| {r['variant']} | {r['contender']} | {r['bytes_counted'] // r['parameters']} | {r['median_ms']:.3f} | "
                 f"{r['q3_ms'] - r['q1_ms']:.3f} | {_ratio(peer, r['median_ms'])} | {over_plain} | "
-                f"{_same_round(r) + ' | ' if sam_step else ''}{counted_gbps(r):.1f} | "
+                f"{_same_round(r)} | {counted_gbps(r):.1f} | "
                 f"{pct_floor(r):.0f} | {pct_traffic_floor(r)} |{held}"
             )
         lines.append("")
@@ -327,16 +327,20 @@ def family_tables(rows: list[dict]) -> list[str]:
             '`gradient_decompose`, `un_perturb`, the base step). "vs pytorch_optimizer": the peer\'s faster path for '
             "the same variant over this median (a GEAR-SAM variant, which the peer does not have: its variant under "
             "SAM's radius); \"/ own SAM\": this median over the same contender's SAM (a GEAR-SAM variant: its GEAR-SAM) "
-            'in the same run, the cost of the variant\'s part; "same round" (SAM step): per round, this step over our '
-            "plain SAM's timed just before it on a copy of the set, median [quartiles]. Bytes per parameter: SAM's "
-            "count (SAM step 28, whole step SGD 40, AdamW 48) plus what the variant's passes over the flat buffers "
-            "read and write, each pass counted once (contenders.Variant): GSAM 28 (keeping g 4, written by the "
-            "perturbation; <g, h> and ||h||^2 12, read only; the mix 12; in a whole step the fused base step takes the "
-            "mix as one more read of g, 4: 20), WSAM 32 (keeping g 4; the exchange of g and h - g 16; adding h - g "
-            "after the update 12), F-SAM 16 (the EMA pass: g and m in and out). Runs up to `da8a41256197` counted "
-            "keeping g as a copy pass of 8 and GSAM's mix as a pass of its own in the whole step too, and runs up to "
-            "`0441ecd2a291` a pass of 4 for ||g||^2 besides. % of traffic floor: the rate over the floor of that "
-            "traffic, the passes that only read (SAM's energy 4, GSAM's 12 more) at the read rate measured beside it.",
+            'in the same run, the cost of the variant\'s part; "same round": per round, this step over our plain '
+            "SAM's (GEAR-SAM's) timed just before it on a copy of the set, median [quartiles] (whole steps: in runs "
+            "after `1cc6ebdbd959`). Bytes per parameter: SAM's count (SAM step 28, whole step SGD 40, AdamW 48) plus "
+            "what the variant's passes over the flat buffers read and write, each pass counted once "
+            "(contenders.Variant): GSAM 24 (keeping g 4, written by the perturbation; <g, h> and ||h||^2 in one read "
+            "of g and h, 8, read only; the mix 12; in a whole step the fused base step takes the mix as one more read "
+            "of g, 4: 16), WSAM 32 (keeping g 4; the exchange of g and h - g 16; adding h - g after the update 12; in "
+            "a whole step the fused base step steps with g and takes the sharpness step from the h and g it has read, "
+            "one more read of g, 4: 8), F-SAM 16 (the EMA pass: g and m in and out). Runs up to `1cc6ebdbd959` "
+            "counted GSAM's <g, h> and ||h||^2 as two passes (12), runs up to `d59ac9c9b7ac` WSAM's whole step at its "
+            "passes' 32, runs up to `da8a41256197` keeping g as a copy pass of 8 and GSAM's mix as a pass of its own "
+            "in the whole step too, and runs up to `0441ecd2a291` a pass of 4 for ||g||^2 besides. % of traffic "
+            "floor: the rate over the floor of that traffic, the passes that only read (SAM's energy 4, GSAM's 8 more) "
+            "at the read rate measured beside it.",
             "",
         ]
     return lines

@@ -1,7 +1,8 @@
 // The fused SAM step as four operations over one flat bucket (see gearsam_fused/flat.py for the layout):
 //
 //   block_energy  e_b = sum_{i in block b} (T_i g_i)^2          per-tile partials, then a fixed-order sum per block;
-//                 with other: sum_{i in block b} g_i other_i   the same reduction (the SAM family's <g, h>)
+//                 with other: [2, B], those energies (T = 1)   the same reduction, in the same read of g
+//                 and sum_{i in block b} g_i other_i           (the SAM family's <g, h> with ||h||^2)
 //   allocate      EMA update, radii and per-block scales        GEAR or SAM rule, float64, on the buffers' device
 //   perturb_      backup = w;  w <- w + scale[block] * T^2 g    T = |w| + eta (ASAM) or 1; with kept, kept = g too
 //   restore_      w <- backup                                   a copy of the stored bits

@@ -62,8 +62,9 @@ TORCH_LIBRARY(gearsam_fused, m) {
   // registered from Python.
   m.set_python_module("gearsam_fused.backends.cpp_library");
 
-  // float64 [B]: e_b = sum over block b of (T g)^2, T = |w| + eta if adaptive else 1, or with other (adaptive
-  // False) the sum of g * other; per-tile partials are written to `partials`, then summed per block in tile order.
+  // float64 [B]: e_b = sum over block b of (T g)^2, T = |w| + eta if adaptive else 1; per-tile partials are written
+  // to `partials` (one per tile), then summed per block in tile order. With other (adaptive False), [2, B]: the
+  // energies, and the sums of g * other by the same reduction in the same read of g (partials: two per tile).
   m.def(
       "block_energy(Tensor grad, Tensor param, Tensor first_tile_of_block, Tensor(a!) partials, *, int tile, "
       "bool adaptive, float eta, Tensor? other=None) -> Tensor");

@@ -235,16 +235,19 @@ at::Tensor block_energy(const at::Tensor& grad, const at::Tensor& param, const a
   if (other.has_value()) {
     check_same("other", *other, "grad", grad);
     TORCH_CHECK_VALUE(!adaptive,
-                      "block_energy with other is the inner product of the two, which has no adaptive form; pass "
-                      "adaptive=False");
+                      "block_energy with other takes the inner product of the two beside the plain energies, which "
+                      "has no adaptive form; pass adaptive=False");
   }
   check_flat("first_tile_of_block", first_tile_of_block, 0, at::kLong, &grad);
   check_flat("partials", partials, 0, at::kDouble, &grad);
-  const int64_t n_tiles = grad.numel() / tile;
-  TORCH_CHECK_VALUE(partials.numel() == n_tiles, "partials has ", partials.numel(), " entries for ", n_tiles, " tiles");
+  const int64_t n_tiles = grad.numel() / tile, rows = other.has_value() ? 2 : 1;
+  TORCH_CHECK_VALUE(partials.numel() == rows * n_tiles, "partials has ", partials.numel(), " entries for ", n_tiles,
+                    " tiles", rows == 2 ? " (two per tile with other)" : "");
   TORCH_CHECK_VALUE(first_tile_of_block.numel() >= 1,
                     "first_tile_of_block needs at least one entry (B + 1 for B blocks)");
-  at::Tensor energy = at::empty({first_tile_of_block.numel() - 1}, grad.options().dtype(at::kDouble));
+  const int64_t n_blocks = first_tile_of_block.numel() - 1;
+  at::Tensor energy = other.has_value() ? at::empty({2, n_blocks}, grad.options().dtype(at::kDouble))
+                                        : at::empty({n_blocks}, grad.options().dtype(at::kDouble));
   GEARSAM_ON_DEVICE_OF(grad, block_energy, grad, param, first_tile_of_block, partials, energy, tile, adaptive, eta,
                        other.value_or(at::Tensor()));
   return energy;

@@ -89,15 +89,26 @@ def check_same(name: str, t: torch.Tensor, like_name: str, like: torch.Tensor) -
 
 
 def check_other(other: torch.Tensor | None, grad: torch.Tensor, adaptive: bool) -> None:
-    """``block_energy``'s second buffer, whose inner product with ``grad`` it takes instead of the energy: like
+    """``block_energy``'s second buffer, whose inner product with ``grad`` it takes beside the energies: like
     ``grad``, and without ASAM's scaling, which that product does not have."""
     if other is None:
         return
     check_same("other", other, "grad", grad)
     if adaptive:
         raise ValueError(
-            "block_energy with other is the inner product of the two, which has no adaptive form; pass adaptive=False"
+            "block_energy with other takes the inner product of the two beside the plain energies, which has no "
+            "adaptive form; pass adaptive=False"
         )
+
+
+def check_partials(partials: torch.Tensor, grad: torch.Tensor, tile: int, other: torch.Tensor | None) -> tuple:
+    """``block_energy``'s scratch: one entry per tile of ``grad``, two with ``other``. ``(n_tiles, rows)``; the
+    dtype and device are checked beside the other flat buffers."""
+    n_tiles, rows = grad.numel() // tile, 1 if other is None else 2
+    if partials.numel() != rows * n_tiles:
+        per_tile = " (two per tile with other)" if rows == 2 else ""
+        raise ValueError(f"partials has {partials.numel()} entries for {n_tiles} tiles{per_tile}")
+    return n_tiles, rows
 
 
 def check_block_of_tile(block_of_tile: torch.Tensor, like: torch.Tensor, tile: int) -> None:

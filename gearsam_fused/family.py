@@ -20,7 +20,7 @@ per block, as the allocation is. :class:`~gearsam_fused.GSAM`, :class:`~gearsam_
 composes with any of them (``GEARSAM(model, SGD, descent=SurrogateGap(0.1))``).
 
 The parts run as backend operations over the flat buffers (:class:`~gearsam_fused.backends.base.Backend`:
-``keep_gradient_``, ``block_dot``, ``kept_energy``, ``mix_gradient_``, ``exchange_sharpness_``, ``add_kept_``,
+``keep_gradient_``, ``block_dot_energy``, ``kept_energy``, ``mix_gradient_``, ``exchange_sharpness_``, ``add_kept_``,
 ``friendly_ascent_``), each a pass of its own beside the step's kernels but those the kernel backends (``cpp``,
 ``triton``) fold into the step's own passes: the perturbation keeps ``g`` as it reads it (``Backend.perturb_(...,
 keep=True)``, where no ascent has replaced ``g`` before), and the descent, a :class:`Mix` (per-block coefficients of
@@ -29,7 +29,7 @@ reads the gradients (``Backend.restore_and_update_(..., mix=)``; the gradients t
 or a base step taken per tensor, run ``keep_gradient_``, ``mix_gradient_``, and for the decoupled WSAM
 ``exchange_sharpness_`` before the base step and ``add_kept_`` (torch operations) after it, as passes. On the kernel
 backends the inner product and the norms are the energy kernel's deterministic per-tile reduction (``block_energy``,
-with ``other`` for ``<g, h>``), and WSAM's exchange and F-SAM's ascent are kernels of their own
+with ``other`` for ``<g, h>`` beside ``||h||^2`` in one read), and WSAM's exchange and F-SAM's ascent are kernels of their own
 (``exchange_sharpness_``, ``friendly_ascent_``).
 """
 
@@ -120,7 +120,7 @@ class SurrogateGap(Descent):
     ``alpha`` times the part of ``g`` orthogonal to ``h``, which decreases the surrogate gap ``L(w + eps) - L(w)``
     without changing the descent along ``h``. ``eps`` stabilises the two divisions (GSAM's ``perturb_eps``)."""
 
-    operations = ("keep_gradient_", "block_dot", "block_energy", "kept_energy", "mix_gradient_")
+    operations = ("keep_gradient_", "block_dot_energy", "kept_energy", "mix_gradient_")
 
     def __init__(self, alpha: float = 0.4, eps: float = 1e-12):
         self.alpha = check_real("alpha", alpha, low=0.0, high=1.0, high_inclusive=True)
@@ -131,8 +131,9 @@ class SurrogateGap(Descent):
 
     def before_update(self, backend, reduce: Reduce, per_block: bool, first_energy: torch.Tensor | None = None,
                       folds: bool = False) -> Mix:  # fmt: skip
-        dot = _over_rule(reduce(backend.block_dot()), per_block)  # <g, h>
-        h_norm = _over_rule(reduce(backend.block_energy(False, 0.0)), per_block).sqrt()
+        dot, h_energy = reduce(torch.stack(backend.block_dot_energy())).unbind(0)  # <g, h> and ||h||^2, one pass
+        dot = _over_rule(dot, per_block)
+        h_norm = _over_rule(h_energy, per_block).sqrt()
         g_energy = reduce(backend.kept_energy()) if first_energy is None else first_energy  # the same kernel, g's bits
         g_norm = _over_rule(g_energy, per_block).sqrt()
         cosine = dot / (h_norm * g_norm + self.eps)

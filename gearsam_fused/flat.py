@@ -114,7 +114,8 @@ class Bucket:
         self.tile_count_of_block = counts.to(device)
         self.first_tile_of_block = torch.cat([counts.new_zeros(1), counts.cumsum(0)]).to(device)
         self.block_of_tile = torch.repeat_interleave(torch.arange(n_blocks, dtype=torch.int32), counts).to(device)
-        self.partials = torch.empty(self.n_tiles, dtype=torch.float64, device=device)  # per-tile energies
+        # per-tile sums: the energies' in the first n_tiles, an inner product's beside them (block_energy with other)
+        self.partials = torch.empty(2 * self.n_tiles, dtype=torch.float64, device=device)
         #: flat optimizer-state buffers by state name, and every slot's view of each (see :meth:`state_buffer`)
         self.state: dict[str, torch.Tensor] = {}
         self.state_views: dict[str, list[torch.Tensor]] = {}
@@ -183,6 +184,11 @@ class Bucket:
                 f"place since the optimizer set them to {self.counted}; a compiled step cannot read them: change them "
                 "through load_state_dict, or step eagerly once after changing them"
             )
+
+    @property
+    def energy_partials(self) -> torch.Tensor:
+        """The first :attr:`n_tiles` entries of :attr:`partials`: what an energy pass alone writes."""
+        return self.partials[: self.n_tiles]
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """Every tensor the bucket allocated, by role."""

@@ -156,8 +156,9 @@ def test_quick_run_appends_rows_and_prints_the_report(tmp_path):
     ours_backend = "cpp" if any(r["contender"] == "cpp" for r in wholes) else "torch"
     expected = {(v, c) for v in ("SAM", "GSAM", "WSAM", "F-SAM", "GEAR-SAM", "GEAR-SAM + GSAM")
                 for c in (ours_backend, "pytorch_optimizer") if c == ours_backend or "GEAR" not in v}  # fmt: skip
-    extra = {"SAM": 0, "GSAM": 28, "WSAM": 32, "F-SAM": 16, "GEAR-SAM": 0, "GEAR-SAM + GSAM": 28}
-    folded = {"GSAM": 8, "GEAR-SAM + GSAM": 8}  # a whole step's fused base update takes GSAM's mix: g read, not a pass
+    extra = {"SAM": 0, "GSAM": 24, "WSAM": 32, "F-SAM": 16, "GEAR-SAM": 0, "GEAR-SAM + GSAM": 24}
+    # a whole step's fused base update takes GSAM's mix and WSAM's sharpness step: g read, not passes of their own
+    folded = {"GSAM": 8, "GEAR-SAM + GSAM": 8, "WSAM": 24}
     for benchmark, bases in (("bench_sam_step", {None: 28}), ("bench_whole_step", {"SGD": 40})):  # quick: SGD only
         for base, floor in bases.items():
             these = [r for r in family if r["benchmark"] == benchmark and r.get("base") == base]
@@ -166,9 +167,8 @@ def test_quick_run_appends_rows_and_prints_the_report(tmp_path):
                 assert row["set"].startswith("ResNet-18") and row["median_ms"] > 0
                 saved = folded.get(row["variant"], 0) if benchmark == "bench_whole_step" else 0
                 assert row["bytes_counted"] == (floor + extra[row["variant"]] - saved) * row["parameters"]
-                # ours, on the SAM step, timed round by round against our plain SAM (GEAR-SAM) on a copy of the set
-                paired = benchmark == "bench_sam_step" and row["contender"] == ours_backend
-                paired = paired and row["variant"] not in ("SAM", "GEAR-SAM")
+                # ours, timed round by round against our plain SAM (GEAR-SAM) on a copy of the set
+                paired = row["contender"] == ours_backend and row["variant"] not in ("SAM", "GEAR-SAM")
                 assert ("over_paired_plain" in row) == paired, (benchmark, row["variant"], row["contender"])
                 assert (
                     not paired or row["over_paired_plain_q1"] <= row["over_paired_plain"] <= row["over_paired_plain_q3"]
@@ -392,6 +392,12 @@ def test_the_family_table_compares_each_variant_with_the_peers_and_its_own_sam()
     assert "| GSAM | cpp | 76 | 6.000 | 2.000 | 4.00x | 1.20x |" in text  # 24/6 (not 36/6); 6/5
     assert "| GSAM | pytorch_optimizer | 76 | 36.000 | 2.000 | 0.67x | 1.80x |" in text  # its own SAM: 36/20
     assert "| GEAR-SAM + GSAM | cpp | 76 | 6.600 | 2.000 | 3.64x | 1.20x |" in text  # 24/6.6; over GEAR-SAM, 6.6/5.5
+    # the whole step's same-round column: the pairing where the run has it, "-" where not
+    paired = [dict(r) for r in rows]
+    paired[3].update(over_paired_plain=1.25, over_paired_plain_q1=1.125, over_paired_plain_q3=1.5)  # GSAM, cpp
+    text = "\n".join(report.family_tables(paired))
+    assert "| GSAM | cpp | 76 | 6.000 | 2.000 | 4.00x | 1.20x | 1.25x [1.12, 1.50] | 10.0 | 25 | - |" in text
+    assert "| SAM | cpp | 40 | 5.000 | 2.000 | 4.00x | 1.00x | - | 10.0 | 25 | - |" in text
     # the family's rows stay out of the whole-step table, and a SAM-step family table shows the memory held
     assert report.whole_step_tables(rows) == []
     sam_step = [{**r, "benchmark": "bench_sam_step", "held_bytes": 2**21} for r in rows]

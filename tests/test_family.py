@@ -237,6 +237,31 @@ def test_gsam_takes_the_first_gradients_energies_from_its_first_step(name, adapt
     assert calls == ([3, 3] if adaptive or ascent else [0, 3])
 
 
+@pytest.mark.parametrize("backend,device", ALL)
+def test_the_inner_products_and_the_energies_are_those_of_the_two_passes(backend, device, monkeypatch):
+    """GSAM's <g, h> and ||h||^2 per block (block_dot_energy): the bits of block_dot and block_energy, on every
+    backend; on the kernel backends from one kernel call per bucket, not two."""
+    model = tiny_resnet().to(device)
+    opt = GEARSAM(model, torch.optim.SGD, rho=RHO, backend=backend, descent=SurrogateGap(0.3), **SGD_KW)
+    (xy,) = batches(1, device=device)
+    loss_fn(model, xy).backward()
+    opt.first_step(zero_grad=True)  # keeps g
+    loss_fn(model, xy).backward()
+    calls = []
+    kernels = getattr(opt.backend, "kernels", None)
+    if kernels is not None:
+        energy_kernel = kernels.block_energy
+        monkeypatch.setattr(kernels, "block_energy", lambda *a, **kw: (calls.append(kw.get("other") is not None),
+                                                                       energy_kernel(*a, **kw))[1])  # fmt: skip
+    dot, energy = opt.backend.block_dot_energy()
+    one_pass = list(calls)
+    assert torch.equal(dot, opt.backend.block_dot()) and torch.equal(energy, opt.backend.block_energy(False, 0.0))
+    assert dot.ne(0).all() and energy.gt(0).all()  # every block has a gradient: nothing compared is trivially zero
+    if kernels is not None:
+        assert one_pass == [True] * len(opt.backend.layout.buckets)
+    opt.second_step(zero_grad=True)
+
+
 @pytest.mark.parametrize("name", ["gsam", "gear-friendly-gsam", "wsam"])
 @pytest.mark.parametrize("base", ["adamw", "sgd-per-tensor"])
 def test_fused_and_per_tensor_base_steps_agree(name, base):
@@ -551,7 +576,7 @@ def test_parts_of_registered_operators_compile_to_the_eager_bits(backend, device
     "make, backend, match",
     [
         (lambda m, b: GSAM(m, torch.optim.SGD, lr=0.1, backend=b), "torch",
-         r"part SurrogateGap\(alpha=0.4, eps=1e-12\) runs keep_gradient_, block_dot, block_energy, kept_energy, "
+         r"part SurrogateGap\(alpha=0.4, eps=1e-12\) runs keep_gradient_, block_dot_energy, kept_energy, "
          r"mix_gradient_ on backend 'torch' .* use backend='cpp' or 'triton'"),
         (lambda m, b: WSAM(m, torch.optim.SGD, lr=0.1, backend=b), "cpp",
          r"part WeightedSharpness\(gamma=0.9, decouple=True\) runs add_kept_ on backend 'cpp' "

@@ -172,8 +172,9 @@ def test_memory_overhead_is_the_backup_plus_small_tables(backend, device):
     assert list(bucket.state) == ["momentum_buffer"] and not opt.state
     assert report["padding"] == 3 * (bucket.numel - n_params) * 4
     assert bucket.numel - n_params <= ALIGN * n_tensors + TILE * n_blocks
-    # O(blocks + tiles): per-tile partial sums and tile -> block, per-block tile ranges and counts
-    assert report["tables"] == bucket.n_tiles * (8 + 4) + (n_blocks + 1) * 8 + n_blocks * 8
+    # O(blocks + tiles): two per-tile partial sums (an energy's, an inner product's) and tile -> block, per-block tile
+    # ranges and counts
+    assert report["tables"] == bucket.n_tiles * (2 * 8 + 4) + (n_blocks + 1) * 8 + n_blocks * 8
     assert report["total"] == report["backup"] + report["padding"] + report["tables"]
     # held besides the gradients once zero_grad(set_to_none=True) has freed their views
     assert report["grad_buffer"] == bucket.numel * 4

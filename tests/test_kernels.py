@@ -213,6 +213,8 @@ def test_launchers_name_the_bad_buffer(backend, device):
             adaptive=False,
             eta=0.0,
         )
+    with pytest.raises(ValueError, match=r"^partials has 2 entries for 2 tiles \(two per tile with other\)$"):
+        k.block_energy(flat, flat, **tables, tile=TILE, adaptive=False, eta=0.0, other=flat)
     with pytest.raises(ValueError, match="block_of_tile must be torch.int32"):
         k.perturb_(
             flat,

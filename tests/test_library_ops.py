@@ -145,7 +145,8 @@ def test_opcheck_energy_and_perturb(dtype, adaptive, device):
     opcheck("perturb_", args, {**kw, "kept": torch.empty_like(args[0])})  # g kept in the same pass
     if not adaptive:  # the inner product with another buffer
         (grad, param, *tables_), kw = energy_args(dtype, device, adaptive)
-        opcheck("block_energy", (grad, param, *tables_), {**kw, "other": randn(1, dtype, device)[0]})
+        partials = torch.empty(2 * N_TILES, dtype=torch.float64, device=device)  # two per tile
+        opcheck("block_energy", (grad, param, tables_[0], partials), {**kw, "other": randn(1, dtype, device)[0]})
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -223,18 +224,20 @@ def test_energy_is_the_sum_of_squares(dtype, adaptive, device):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", FLOATS, ids=str)
-def test_energy_with_other_is_the_inner_product(dtype, device):
-    """The SAM family's <g, h> per block, on values whose sums are exact: bit for bit; param is not read."""
+def test_energy_with_other_is_the_energy_and_the_inner_product(dtype, device):
+    """The SAM family's ||h||^2 and <h, g> per block in one pass, on values whose sums are exact: bit for bit; param is
+    not read."""
     grad, other = dyadic(2, dtype, device)
     first_tile_of_block = tables(device)[0]
-    partials = torch.full((N_TILES,), float("nan"), dtype=torch.float64, device=device)
+    partials = torch.full((2 * N_TILES,), float("nan"), dtype=torch.float64, device=device)
     unread = torch.full_like(grad, float("nan"))
-    dot = ops().block_energy(grad, unread, first_tile_of_block, partials, tile=TILE, adaptive=False, eta=0.5,
-                             other=other)  # fmt: skip
-    per_tile = (grad.double() * other.double()).view(N_TILES, TILE).sum(1)
+    both = ops().block_energy(grad, unread, first_tile_of_block, partials, tile=TILE, adaptive=False, eta=0.5,
+                              other=other)  # fmt: skip
+    per_tile = torch.cat([(grad.double() * x.double()).view(N_TILES, TILE).sum(1) for x in (grad, other)])
     assert torch.equal(partials, per_tile)
     lengths = torch.tensor(TILES_PER_BLOCK, device=device)
-    assert torch.equal(dot, torch.segment_reduce(per_tile, "sum", lengths=lengths))
+    assert torch.equal(both, torch.segment_reduce(per_tile.view(2, N_TILES), "sum", lengths=lengths.expand(2, -1),
+                                                  axis=1))  # fmt: skip
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -93,27 +93,29 @@ def test_opcheck_block_energy(ops, backend, device, dtype, adaptive):
     partials = torch.full((len(TILE_BLOCK),), float("nan"), dtype=torch.float64, device=device)
     args = (randn(dtype, device, 0), randn(dtype, device, 1), first_tile_of_block, partials)
     torch.library.opcheck(ops[0].block_energy.default, args, dict(tile=TILE, adaptive=adaptive, eta=0.01))
-    if not adaptive:  # the inner product with another buffer
+    if not adaptive:  # the inner product with another buffer, beside the energies: two partials per tile
         other = randn(dtype, device, 2)
+        args = (*args[:3], torch.full((2 * len(TILE_BLOCK),), float("nan"), dtype=torch.float64, device=device))
         torch.library.opcheck(ops[0].block_energy.default, args, dict(tile=TILE, adaptive=False, eta=0.0, other=other))
 
 
 @pytest.mark.parametrize("dtype", STORED, ids=str)
 @pytest.mark.parametrize("backend,device", DEVICES)
-def test_block_energy_with_other_is_the_inner_product(ops, backend, device, dtype):
-    """The SAM family's <g, h> per block, on multiples of 1/4 (every product and sum exact): bit for bit, param not
-    read; and refused with adaptive=True."""
+def test_block_energy_with_other_is_the_energy_and_the_inner_product(ops, backend, device, dtype):
+    """The SAM family's ||h||^2 and <h, g> per block in one pass, on multiples of 1/4 (every product and sum exact):
+    bit for bit, param not read; and refused with adaptive=True."""
     _, first_tile_of_block, _ = tables(device)
     g = torch.Generator().manual_seed(3)
     grad, other = ((torch.randint(-8, 9, (N,), generator=g) / 4).to(device, dtype) for _ in range(2))
-    partials = torch.full((len(TILE_BLOCK),), float("nan"), dtype=torch.float64, device=device)
+    partials = torch.full((2 * len(TILE_BLOCK),), float("nan"), dtype=torch.float64, device=device)
     unread = torch.full_like(grad, float("nan"))
-    dot = ops[1].block_energy(grad, unread, first_tile_of_block, partials, tile=TILE, adaptive=False, eta=0.0,
-                              other=other)  # fmt: skip
-    per_tile = (grad.double() * other.double()).view(-1, TILE).sum(1)
+    both = ops[1].block_energy(grad, unread, first_tile_of_block, partials, tile=TILE, adaptive=False, eta=0.0,
+                               other=other)  # fmt: skip
+    per_tile = torch.cat([(grad.double() * x.double()).view(-1, TILE).sum(1) for x in (grad, other)])
     assert torch.equal(partials, per_tile)
-    bounds = first_tile_of_block.tolist()
-    assert torch.equal(dot, torch.stack([per_tile[a:b].sum() for a, b in zip(bounds, bounds[1:])]))
+    bounds, n = first_tile_of_block.tolist(), len(TILE_BLOCK)
+    rows = [torch.stack([per_tile[r * n + a : r * n + b].sum() for a, b in zip(bounds, bounds[1:])]) for r in (0, 1)]
+    assert torch.equal(both, torch.stack(rows))
     with pytest.raises(ValueError, match="no adaptive form"):
         ops[1].block_energy(grad, unread, first_tile_of_block, partials, tile=TILE, adaptive=True, eta=0.0,
                             other=other)  # fmt: skip

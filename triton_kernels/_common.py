@@ -16,6 +16,7 @@ from ..checks import (  # noqa: F401  (the launchers' checks, worded once)
     check_device_step,
     check_flat,
     check_other,
+    check_partials,
     check_real,
     check_same,
     check_scales,

@@ -2,9 +2,11 @@
 //
 //   partial_t = sum_{i in tile t} (T_i g_i)^2     T_i = |w_i| + eta (ASAM) or 1; squares in float32 (float64 for
 //                                                 float64 buffers), summed 8 at a time in 8 lanes, each lane's short
-//                                                 sums added in float64, the lanes combined pairwise; with other, the
-//                                                 products g_i other_i in their place (T = 1)
+//                                                 sums added in float64, the lanes combined pairwise
 //   e_b       = sum_{t = first_tile_of_block[b]}^{first_tile_of_block[b+1]-1} partial_t     float64, in tile order
+//
+// With other (T = 1), in the same read of each tile: the energies as above in partials[0, n_tiles), and the products
+// g_i other_i summed the same way in partials[n_tiles, 2 n_tiles), per block into energy's second row.
 //
 // Threads split the tiles (then the blocks) between them, but every sum runs over a fixed range in a fixed order, so
 // the result does not depend on how the work was split.
@@ -66,19 +68,28 @@ GEARSAM_FMA_CLONE double tile_sum_avx2(const scalar_t* grad, const scalar_t* sec
   return tile_sum_loop<kTerm>(grad, second, n, eta);
 }
 
-// second is param for the adaptive square, other for the product, unread for the plain square.
+// One tile's sum, by the loop compiled for this CPU.
+template <Term kTerm, typename scalar_t, typename compute_t>
+double tile_sum_here(bool avx2, const scalar_t* grad, const scalar_t* second, int64_t n, compute_t eta) {
+  return avx2 ? tile_sum_avx2<kTerm>(grad, second, n, eta) : tile_sum<kTerm>(grad, second, n, eta);
+}
+
+// second is param for the adaptive square, unread for the plain square. With other, each tile's squares and then,
+// while the tile is in L1, its products: one read of memory for both.
 template <Term kTerm, typename scalar_t>
-void tile_sums(const at::Tensor& grad, const at::Tensor& second, const at::Tensor& partials, int64_t tile,
-               double eta) {
+void tile_sums(const at::Tensor& grad, const at::Tensor& second, const at::Tensor& other, const at::Tensor& partials,
+               int64_t tile, double eta) {
   using compute_t = at::opmath_type<scalar_t>;
   const scalar_t* g = grad.const_data_ptr<scalar_t>();
   const scalar_t* s = second.const_data_ptr<scalar_t>();
+  const scalar_t* o = other.defined() ? other.const_data_ptr<scalar_t>() : nullptr;
   double* out = partials.mutable_data_ptr<double>();
+  const int64_t n_tiles = grad.numel() / tile;
   const compute_t eta_c = static_cast<compute_t>(eta);
   const bool avx2 = cpu_has_fma();
-  for_each_tile(partials.numel(), tile, [&](int64_t t) {
-    out[t] = avx2 ? tile_sum_avx2<kTerm>(g + t * tile, s + t * tile, tile, eta_c)
-                  : tile_sum<kTerm>(g + t * tile, s + t * tile, tile, eta_c);
+  for_each_tile(n_tiles, tile, [&](int64_t t) {
+    out[t] = tile_sum_here<kTerm>(avx2, g + t * tile, s + t * tile, tile, eta_c);
+    if (o) out[n_tiles + t] = tile_sum_here<Term::kProduct>(avx2, g + t * tile, o + t * tile, tile, eta_c);
   });
 }
 
@@ -88,21 +99,22 @@ void block_energy(const at::Tensor& grad, const at::Tensor& param, const at::Ten
                   const at::Tensor& partials, const at::Tensor& energy, int64_t tile, bool adaptive, double eta,
                   const at::Tensor& other) {
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad.scalar_type(), "gearsam_block_energy_cpu", [&] {
-    if (other.defined())
-      tile_sums<Term::kProduct, scalar_t>(grad, other, partials, tile, eta);
-    else if (adaptive)
-      tile_sums<Term::kAdaptiveSquare, scalar_t>(grad, param, partials, tile, eta);
+    if (adaptive)
+      tile_sums<Term::kAdaptiveSquare, scalar_t>(grad, param, other, partials, tile, eta);
     else
-      tile_sums<Term::kSquare, scalar_t>(grad, param, partials, tile, eta);
+      tile_sums<Term::kSquare, scalar_t>(grad, param, other, partials, tile, eta);
   });
+  // energy is [B], or [2, B] with other: row r sums the r-th n_tiles of partials
+  const int64_t n_tiles = grad.numel() / tile, n_blocks = first_tile_of_block.numel() - 1;
   const double* part = partials.const_data_ptr<double>();
   const int64_t* range = first_tile_of_block.const_data_ptr<int64_t>();
   double* out = energy.mutable_data_ptr<double>();
   at::parallel_for(0, energy.numel(), 1, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t row = i / n_blocks, b = i % n_blocks;
       double sum = 0.0;
-      for (int64_t t = range[b]; t < range[b + 1]; ++t) sum += part[t];
-      out[b] = sum;
+      for (int64_t t = range[b]; t < range[b + 1]; ++t) sum += part[row * n_tiles + t];
+      out[i] = sum;
     }
   });
 }

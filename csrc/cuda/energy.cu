@@ -3,11 +3,12 @@
 //   stage 1 (one thread block per tile, grid-stride over tiles):
 //     partial_t = sum_{i in tile t} (T_i g_i)^2    T_i = |w_i| + eta (ASAM) or 1; each thread sums its elements in
 //                                                  float32 (float64 for float64), the block adds the threads' sums
-//                                                  in float64 along a fixed tree; with other, the products
-//                                                  g_i other_i in their place (T = 1)
-//   stage 2 (one thread block per block, grid-stride over blocks):
+//                                                  in float64 along a fixed tree; with other (T = 1), in the same
+//                                                  read, also the products g_i other_i, summed the same way into
+//                                                  partial_{n_tiles + t}
+//   stage 2 (one thread block per block and row, grid-stride over them):
 //     e_b = sum_{t = first_tile_of_block[b]}^{first_tile_of_block[b+1]-1} partial_t
-//     float64, fixed thread assignment and tree
+//     float64, fixed thread assignment and tree; with other a second row from the products' partials
 //
 // Which thread reads which element depends only on the tile size and kThreads, so results are bitwise reproducible.
 
@@ -21,10 +22,10 @@
 namespace gearsam::cuda {
 namespace {
 
-// What a tile sums per element: (T g)^2, or g * other.
-enum class Term { kSquare, kAdaptiveSquare, kProduct };
+// What a tile sums per element: (T g)^2, or (T = 1) g^2 and g * other.
+enum class Term { kSquare, kAdaptiveSquare, kSquareAndProduct };
 
-// second is param for the adaptive square, other for the product, unread for the plain square.
+// second is param for the adaptive square, other for the products, unread for the plain square.
 template <typename scalar_t, int Vec, Term kTerm>
 __global__ void tile_energy_kernel(const scalar_t* __restrict__ grad, const scalar_t* __restrict__ second,
                                    double* __restrict__ partials, int64_t n_tiles, int64_t tile,
@@ -34,7 +35,7 @@ __global__ void tile_energy_kernel(const scalar_t* __restrict__ grad, const scal
   __shared__ double scratch[kThreads / kWarp];
   for (int64_t t = blockIdx.x; t < n_tiles; t += gridDim.x) {
     const int64_t first = t * tile;
-    compute_t sum = 0;
+    compute_t sum = 0, products = 0;
     for (int64_t i = int64_t(threadIdx.x) * Vec; i < tile; i += int64_t(kThreads) * Vec) {
       const pack_t g = *reinterpret_cast<const pack_t*>(grad + first + i);
       pack_t w;
@@ -42,35 +43,39 @@ __global__ void tile_energy_kernel(const scalar_t* __restrict__ grad, const scal
 #pragma unroll
       for (int k = 0; k < Vec; ++k) {
         compute_t v = static_cast<compute_t>(g.v[k]);
-        if constexpr (kTerm == Term::kProduct) {
-          sum += v * static_cast<compute_t>(w.v[k]);
-        } else {
-          if constexpr (kTerm == Term::kAdaptiveSquare) v = (fabs(static_cast<compute_t>(w.v[k])) + eta) * v;
-          sum += v * v;
-        }
+        if constexpr (kTerm == Term::kSquareAndProduct) products += v * static_cast<compute_t>(w.v[k]);
+        if constexpr (kTerm == Term::kAdaptiveSquare) v = (fabs(static_cast<compute_t>(w.v[k])) + eta) * v;
+        sum += v * v;
       }
     }
     const double total = block_sum(static_cast<double>(sum), scratch);
     if (threadIdx.x == 0) partials[t] = total;
+    if constexpr (kTerm == Term::kSquareAndProduct) {
+      const double product_total = block_sum(static_cast<double>(products), scratch);
+      if (threadIdx.x == 0) partials[n_tiles + t] = product_total;
+    }
   }
 }
 
+// energy[r * n_blocks + b] = the sum of block b's tiles in row r of partials (n_tiles each); rows: 1, or 2 with other.
 __global__ void block_sum_kernel(const double* __restrict__ partials, const int64_t* __restrict__ first_tile_of_block,
-                                 double* __restrict__ energy, int64_t n_blocks) {
+                                 double* __restrict__ energy, int64_t n_blocks, int64_t n_tiles, int64_t rows) {
   __shared__ double scratch[kThreads / kWarp];
-  for (int64_t b = blockIdx.x; b < n_blocks; b += gridDim.x) {
+  for (int64_t i = blockIdx.x; i < rows * n_blocks; i += gridDim.x) {
+    const int64_t b = i % n_blocks;
+    const double* row = partials + (i / n_blocks) * n_tiles;
     double sum = 0.0;
     for (int64_t t = first_tile_of_block[b] + threadIdx.x; t < first_tile_of_block[b + 1]; t += kThreads)
-      sum += partials[t];
+      sum += row[t];
     const double total = block_sum(sum, scratch);
-    if (threadIdx.x == 0) energy[b] = total;
+    if (threadIdx.x == 0) energy[i] = total;
   }
 }
 
 template <typename scalar_t, int Vec, Term kTerm>
 void launch_tile_energy(const at::Tensor& grad, const at::Tensor& second, const at::Tensor& partials, int64_t tile,
                         double eta, cudaStream_t stream) {
-  const int64_t n_tiles = partials.numel();
+  const int64_t n_tiles = grad.numel() / tile;
   tile_energy_kernel<scalar_t, Vec, kTerm><<<grid_for(n_tiles, grad.get_device()), kThreads, 0, stream>>>(
       grad.const_data_ptr<scalar_t>(), second.const_data_ptr<scalar_t>(), partials.mutable_data_ptr<double>(), n_tiles,
       tile, static_cast<at::opmath_type<scalar_t>>(eta));
@@ -95,18 +100,18 @@ void block_energy(const at::Tensor& grad, const at::Tensor& param, const at::Ten
              : launch_tile_energy<scalar_t, 1, kTerm>(grad, second, partials, tile, eta, stream);
       };
       if (other.defined())
-        launch(std::integral_constant<Term, Term::kProduct>{});
+        launch(std::integral_constant<Term, Term::kSquareAndProduct>{});
       else if (adaptive)
         launch(std::integral_constant<Term, Term::kAdaptiveSquare>{});
       else
         launch(std::integral_constant<Term, Term::kSquare>{});
     });
   }
-  const int64_t n_blocks = energy.numel();
+  const int64_t n_blocks = first_tile_of_block.numel() - 1, rows = other.defined() ? 2 : 1;
   if (n_blocks > 0) {
-    block_sum_kernel<<<grid_for(n_blocks, grad.get_device()), kThreads, 0, stream>>>(
+    block_sum_kernel<<<grid_for(rows * n_blocks, grad.get_device()), kThreads, 0, stream>>>(
         partials.const_data_ptr<double>(), first_tile_of_block.const_data_ptr<int64_t>(),
-        energy.mutable_data_ptr<double>(), n_blocks);
+        energy.mutable_data_ptr<double>(), n_blocks, grad.numel() / tile, rows);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
 }

@@ -189,6 +189,12 @@ class Backend:
                 dot[b] += (kept.double() * g.double()).sum().to(self.device)
         return dot
 
+    def block_dot_energy(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(block_dot(), block_energy(False, 0.0))``, the same bits: the kept gradient's inner products with the
+        gradients and the gradients' energies, per block. The kernel backends take both in one read of the
+        buffers."""
+        return self.block_dot(), self.block_energy(False, 0.0)
+
     @torch.no_grad()
     def orthogonalize_(self, coefficient: torch.Tensor) -> torch.Tensor:
         """``correction <- g - coefficient[b] * correction`` per block (float64 ``coefficient``, arithmetic in the

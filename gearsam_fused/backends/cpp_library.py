@@ -23,6 +23,7 @@ from ..checks import (
     check_device_step,
     check_flat,
     check_other,
+    check_partials,
     check_real,
     check_same,
     check_scales,
@@ -79,12 +80,11 @@ def _block_energy(grad, param, first_tile_of_block, partials, *, tile, adaptive,
     check_other(other, grad, adaptive)
     _check_flat("first_tile_of_block", first_tile_of_block, 0, torch.int64, grad)
     _check_flat("partials", partials, 0, torch.float64, grad)
-    n_tiles = grad.numel() // tile
-    if partials.numel() != n_tiles:
-        raise ValueError(f"partials has {partials.numel()} entries for {n_tiles} tiles")
+    _, rows = check_partials(partials, grad, tile, other)
     if first_tile_of_block.numel() < 1:
         raise ValueError("first_tile_of_block needs at least one entry (B + 1 for B blocks)")
-    return grad.new_empty(first_tile_of_block.numel() - 1, dtype=torch.float64)
+    n_blocks = first_tile_of_block.numel() - 1
+    return grad.new_empty((rows, n_blocks) if other is not None else (n_blocks,), dtype=torch.float64)
 
 
 @torch.library.register_fake("gearsam_fused::allocate")

@@ -111,9 +111,9 @@ class FlatBufferBackend(Backend):
         self.layout.sync()
         return [bucket for bucket in self.layout.buckets if bucket.n_tiles]
 
-    def _per_block(self, parts) -> torch.Tensor:
-        """The sum, in bucket order, of per-bucket ``[B]`` vectors (zeros when there are none)."""
-        total = torch.zeros(self.layout.n_blocks, dtype=torch.float64, device=self.device)
+    def _per_block(self, parts, rows: tuple[int, ...] = ()) -> torch.Tensor:
+        """The sum, in bucket order, of per-bucket ``[*rows, B]`` tensors (zeros when there are none)."""
+        total = torch.zeros(*rows, self.layout.n_blocks, dtype=torch.float64, device=self.device)
         for part in parts:
             total = total + part.to(self.device)
         return total
@@ -136,8 +136,8 @@ class FlatBufferBackend(Backend):
         rows = max(1, (1 << 20) // bucket.tile)
         for start in range(0, bucket.n_tiles, rows):
             products = a[start : start + rows].to(dtype) * b[start : start + rows].to(dtype)
-            torch.sum(products, dim=1, dtype=torch.float64, out=bucket.partials[start : start + rows])
-        return torch.segment_reduce(bucket.partials, "sum", lengths=bucket.tile_count_of_block, unsafe=True)
+            torch.sum(products, dim=1, dtype=torch.float64, out=bucket.energy_partials[start : start + rows])
+        return torch.segment_reduce(bucket.energy_partials, "sum", lengths=bucket.tile_count_of_block, unsafe=True)
 
     @torch.no_grad()
     def orthogonalize_(self, coefficient: torch.Tensor) -> torch.Tensor:
@@ -276,7 +276,8 @@ class KernelModule(Protocol):
     ``gearsam_fused.triton_kernels`` (``torch.ops.gearsam_fused_triton``). The formulas are those of
     :class:`~gearsam_fused.backends.base.Backend`'s methods of the same names."""
 
-    # with other (adaptive False), the inner product of grad and other per block, by the same reduction
+    # with other (adaptive False), [2, B]: the energies, and the inner products of grad and other per block by the
+    # same reduction, in one read (partials then holds two entries per tile)
     def block_energy(
         self, grad: torch.Tensor, param: torch.Tensor, first_tile_of_block: torch.Tensor, partials: torch.Tensor, *,
         tile: int, adaptive: bool, eta: float, other: torch.Tensor | None = None,
@@ -343,7 +344,7 @@ class KernelBackend(FlatBufferBackend):
     folds_mix = True
     folds_keep = True
     family_operators = frozenset(
-        {"keep_gradient_", "block_dot", "block_energy", "kept_energy", "mix_gradient_", "exchange_sharpness_",
+        {"keep_gradient_", "block_dot_energy", "kept_energy", "mix_gradient_", "exchange_sharpness_",
          "friendly_ascent_"}
     )  # fmt: skip
 
@@ -353,13 +354,14 @@ class KernelBackend(FlatBufferBackend):
 
     def _bucket_energy(self, bucket: Bucket, adaptive: bool, eta: float, grad: torch.Tensor | None = None,
                        other: torch.Tensor | None = None):  # fmt: skip
-        """As the base class's; with ``other``, the inner product of ``grad`` and ``other`` per block instead."""
+        """As the base class's; with ``other``, ``[2, B]``: the energies and the inner products of ``grad`` and
+        ``other`` per block, in one read."""
         with _launching_on(bucket.device):
             return self.kernels.block_energy(
                 bucket.grad if grad is None else grad,
                 bucket.param,
                 bucket.first_tile_of_block,
-                bucket.partials,
+                bucket.energy_partials if other is None else bucket.partials,
                 tile=bucket.tile,
                 adaptive=adaptive,
                 eta=eta,
@@ -374,7 +376,16 @@ class KernelBackend(FlatBufferBackend):
                 self.kernels.restore_(self._flat_correction(bucket), bucket.grad, tile=bucket.tile)
 
     def _bucket_dot(self, bucket: Bucket) -> torch.Tensor:
-        return self._bucket_energy(bucket, False, 0.0, self._flat_correction(bucket), other=bucket.grad)
+        return self._bucket_dot_energy(bucket)[1]
+
+    def _bucket_dot_energy(self, bucket: Bucket) -> torch.Tensor:
+        """``[2, B]``: the gradients' energies and their inner products with the kept gradient, in one read."""
+        return self._bucket_energy(bucket, False, 0.0, other=self._flat_correction(bucket))
+
+    @torch.no_grad()
+    def block_dot_energy(self) -> tuple[torch.Tensor, torch.Tensor]:
+        energy, dot = self._per_block((self._bucket_dot_energy(b) for b in self._live_buckets()), rows=(2,)).unbind(0)
+        return dot, energy
 
     @torch.no_grad()
     def friendly_ascent_(self, sigma: float, lmbda: float, first: bool) -> None:

@@ -45,9 +45,10 @@ class TorchBackend(FlatBufferBackend):
         # Tile norms in the compute dtype, squared in float64: asking vector_norm for float64 directly would first copy
         # the whole buffer to float64.
         norms = torch.linalg.vector_norm(g, dim=1, dtype=None if g.dtype == dtype else dtype)
-        bucket.partials.copy_(norms)
+        partials = bucket.energy_partials
+        partials.copy_(norms)
         # unsafe: the lengths are ours and valid; checking them would read them back to the host
-        return torch.segment_reduce(bucket.partials.square_(), "sum", lengths=bucket.tile_count_of_block, unsafe=True)
+        return torch.segment_reduce(partials.square_(), "sum", lengths=bucket.tile_count_of_block, unsafe=True)
 
     @torch.no_grad()
     def _bucket_perturb(self, bucket: Bucket, scale: torch.Tensor, adaptive: bool, eta: float) -> None:
