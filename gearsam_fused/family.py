@@ -92,6 +92,8 @@ class Descent:
     #: the backend operations it runs, the first gradient's keeping among them
     #: (:attr:`~gearsam_fused.backends.base.Backend.family_operators`)
     operations: tuple[str, ...] = ("keep_gradient_",)
+    #: those it runs besides, only where the base update does not take its mix (``folds`` False)
+    unfolded_operations: tuple[str, ...] = ()
 
     def before_update(self, backend, reduce: Reduce, per_block: bool, first_energy: torch.Tensor | None = None,
                       folds: bool = False) -> Mix | None:  # fmt: skip
@@ -162,9 +164,11 @@ class WeightedSharpness(Descent):
 
     @property
     def operations(self) -> tuple[str, ...]:
-        if self.decouple:
-            return ("keep_gradient_", "exchange_sharpness_", "add_kept_")
-        return ("keep_gradient_", "mix_gradient_")
+        return ("keep_gradient_",) if self.decouple else ("keep_gradient_", "mix_gradient_")
+
+    @property
+    def unfolded_operations(self) -> tuple[str, ...]:
+        return ("exchange_sharpness_", "add_kept_") if self.decouple else ()
 
     def before_update(self, backend, reduce: Reduce, per_block: bool, first_energy: torch.Tensor | None = None,
                       folds: bool = False) -> Mix | None:  # fmt: skip

@@ -463,22 +463,37 @@ class SharpnessAware(torch.optim.Optimizer):
             self.zero_grad()
         return sam
 
-    def _refuse_family_compiled(self) -> None:
-        """Under torch.compile, refuse a SAM family part that writes the flat gradient buffers with torch operations:
-        the compiled step would write copies of them (only registered operators are called on the buffers
-        themselves)."""
+    def _refuse_family_compiled(self, folds: bool = True) -> None:
+        """Under torch.compile, refuse a SAM family part that writes the flat buffers with torch operations: the
+        compiled step would write copies of them (only registered operators are called on the buffers themselves).
+        ``folds`` (second_step): whether the fused base step takes the descent's mix; where it does not, the
+        descent's :attr:`~gearsam_fused.family.Descent.unfolded_operations` run as well."""
         if not torch.compiler.is_compiling():
             return
         for part in (self.ascent, self.descent):
-            unregistered = [op for op in part.operations if op not in self._backend.family_operators] if part else []
+            if part is None:
+                continue
+            unfolded = () if folds or part is self.ascent else part.unfolded_operations
+            operations = part.operations + unfolded
+            unregistered = [op for op in operations if op not in self._backend.family_operators]
             if unregistered:
-                kernels = set(part.operations) <= KernelBackend.family_operators
+                kernels = set(operations) <= KernelBackend.family_operators
+                where = (f" (the base step does not take the descent this step: {self._not_folded_reason()})"
+                         if set(unregistered) & set(unfolded) else "")  # fmt: skip
                 raise RuntimeError(
-                    f"the SAM family's part {part!r} runs {', '.join(unregistered)} on backend {self.backend_name!r} "
-                    "as torch operations, which torch.compile would apply to copies of the flat gradient buffers; "
+                    f"the SAM family's part {part!r} runs {', '.join(unregistered)} on backend {self.backend_name!r}"
+                    f"{where} as torch operations, which torch.compile would apply to copies of the flat buffers; "
                     + ("use backend='cpp' or 'triton', where it is registered operators, or " if kernels else "")
                     + "run the step eagerly"
                 )
+
+    def _not_folded_reason(self) -> str:
+        """Why the base update does not take the descent's mix in its own pass."""
+        if not self._backend.folds_mix:
+            return f"backend {self.backend_name!r} does not fold it into its kernels"
+        if self._flat_step is None or self.base_step == PER_TENSOR:
+            return f"base_step={self.base_step!r}"
+        return self._flat_step.reason
 
     def _family_first_step(self) -> bool:
         """The SAM family's parts of a first step (:mod:`gearsam_fused.family`): keep ``g`` for the descent, and
@@ -562,7 +577,6 @@ class SharpnessAware(torch.optim.Optimizer):
                     "first_step() returns True"
                 )
             raise RuntimeError("second_step() called without a preceding first_step()")
-        self._refuse_family_compiled()
         skip = None
         if found_inf is not None and self._device is None:
             raise ValueError("found_inf skips an overflowing step on the device, which needs capturable=True")
@@ -577,10 +591,11 @@ class SharpnessAware(torch.optim.Optimizer):
         if updates is None and self.base_step == FUSED:
             self._backend.restore_()  # w, not w + eps, stays in the model
             raise RuntimeError(f"base_step='fused' cannot be honoured this step: {self._flat_step.reason}")
+        folds = updates is not None and self._backend.folds_mix  # the fused step takes the descent's mix itself
+        self._refuse_family_compiled(folds)
         if self.schedule is not None and self.schedule.corrects:
             self._orthogonalize()
         mix = None
-        folds = updates is not None and self._backend.folds_mix  # the fused step takes the mix in its own pass
         if self.descent is not None:
             # the first step's energies are g's own where neither an ascent nor ASAM's scaling came between
             first_energy = self._run.energy if self.ascent is None and not self.adaptive else None

@@ -536,6 +536,7 @@ COMPILED_PARTS = {
     "gear-gsam-adamw": lambda model, backend: GEARSAM(model, torch.optim.AdamW, lr=1e-2, partition="fine",
                                                       descent=SurrogateGap(0.3), backend=backend),
     "wsam-coupled": lambda model, backend: WSAM(model, torch.optim.SGD, lr=0.1, decouple=False, backend=backend),
+    "wsam": lambda model, backend: WSAM(model, torch.optim.AdamW, lr=1e-2, backend=backend),
     "friendly-sam": lambda model, backend: FriendlySAM(model, torch.optim.SGD, lr=0.1, momentum=0.9,
                                                        backend=backend),
     "gear-friendly-gsam": lambda model, backend: GEARSAM(model, torch.optim.SGD, lr=0.1, partition="fine",
@@ -550,13 +551,13 @@ COMPILED_PARTS = {
         pytest.param(*case.values, name, marks=case.marks)
         for case in FUSED
         if case.values[0] != "torch" and case.values[1] == "cpu"
-        for name in (COMPILED_PARTS if case.values[0] == "cpp" else ["gsam", "friendly-sam"])
+        for name in (COMPILED_PARTS if case.values[0] == "cpp" else ["gsam", "wsam", "friendly-sam"])
     ],
 )
 def test_parts_of_registered_operators_compile_to_the_eager_bits(backend, device, name):
-    """GSAM's descent, WSAM's coupled one and F-SAM's ascent run only registered operators on the kernel backends (the
-    inner products, norms, the mix and the ascent): first_step and second_step compile with fullgraph=True and give
-    the eager bits."""
+    """GSAM's descent, WSAM's (coupled, and decoupled where the fused base step takes its sharpness step) and F-SAM's
+    ascent run only registered operators on the kernel backends (the inner products, norms, the mix and the ascent):
+    first_step and second_step compile with fullgraph=True and give the eager bits."""
     torch._dynamo.reset()
     torch.manual_seed(0)
     models = [mlp()]
@@ -578,14 +579,15 @@ def test_parts_of_registered_operators_compile_to_the_eager_bits(backend, device
         (lambda m, b: GSAM(m, torch.optim.SGD, lr=0.1, backend=b), "torch",
          r"part SurrogateGap\(alpha=0.4, eps=1e-12\) runs keep_gradient_, block_dot_energy, kept_energy, "
          r"mix_gradient_ on backend 'torch' .* use backend='cpp' or 'triton'"),
-        (lambda m, b: WSAM(m, torch.optim.SGD, lr=0.1, backend=b), "cpp",
-         r"part WeightedSharpness\(gamma=0.9, decouple=True\) runs add_kept_ on backend 'cpp' "
-         r".* copies of the flat gradient buffers; run the step eagerly"),
+        (lambda m, b: WSAM(m, torch.optim.SGD, lr=0.1, backend=b, base_step="per-tensor"), "cpp",
+         r"part WeightedSharpness\(gamma=0.9, decouple=True\) runs add_kept_ on backend 'cpp' \(the base step does "
+         r"not take the descent this step: base_step='per-tensor'\) as torch operations, .* copies of the flat "
+         r"buffers; run the step eagerly"),
         (lambda m, b: FriendlySAM(m, torch.optim.SGD, lr=0.1, backend=b), "torch",
          r"part FriendlyAscent\(sigma=1.0, lmbda=0.9\) runs friendly_ascent_ on backend 'torch' .* use "
          r"backend='cpp' or 'triton'"),
     ],
-    ids=["gsam-torch", "wsam-decoupled-cpp", "friendly-sam-torch"],
+    ids=["gsam-torch", "wsam-decoupled-cpp-per-tensor", "friendly-sam-torch"],
 )  # fmt: skip
 @pytest.mark.parametrize("which", ["first", "second"])
 def test_a_compiled_step_is_refused_naming_the_part(make, backend, match, which):
