@@ -29,8 +29,8 @@ reads the gradients (``Backend.restore_and_update_(..., mix=)``; the gradients t
 or a base step taken per tensor, run ``keep_gradient_``, ``mix_gradient_``, and for the decoupled WSAM
 ``exchange_sharpness_`` before the base step and ``add_kept_`` (torch operations) after it, as passes. On the kernel
 backends the inner product and the norms are the energy kernel's deterministic per-tile reduction (``block_energy``,
-with ``other`` for ``<g, h>`` beside ``||h||^2`` in one read), and WSAM's exchange and F-SAM's ascent are kernels of their own
-(``exchange_sharpness_``, ``friendly_ascent_``).
+with ``other`` for ``<g, h>`` beside ``||h||^2`` in one read), and WSAM's exchange and F-SAM's ascent are kernels of
+their own (``exchange_sharpness_``, ``friendly_ascent_``).
 """
 
 from __future__ import annotations

@@ -435,13 +435,12 @@ class SharpnessAware(torch.optim.Optimizer):
         undo = None
         if cancellable and sam:
             undo = self._run.checkpoint(self._momentum_copy() if self.ascent is not None else None)
-        keep = self._family_first_step()
+        # a skipped step has no perturbation: h = g, every descent is g, no ascent direction is taken
+        keep = self._family_first_step() if sam else False
         energy = sum_over(self._shard_groups, self._backend.block_energy(self.adaptive, self.eta))
         if self.schedule is not None:
             self._decide_next(energy)
         if not sam:
-            if keep:
-                self._backend.keep_gradient_()
             self._skipped_step(energy, rho)
         else:
             allocation = {}
@@ -1030,15 +1029,17 @@ class SharpnessAware(torch.optim.Optimizer):
 
 
 def _check_family(ascent, descent, schedule, capturable: bool) -> None:
-    """Refuse the SAM family's parts where a step could not honour them."""
+    """Refuse the SAM family's parts where a step could not honour them. A schedule's skipped step has no
+    perturbation, so ``h = g`` and every descent is ``g`` (the base step with it) and no ascent is taken; but LookSAM's
+    correction keeps its ``g`` where a descent keeps its own, after an ascent replaced it."""
     parts = [repr(part) for part in (ascent, descent) if part is not None]
     if not parts:
         return
-    if schedule is not None:
+    if schedule is not None and schedule.corrects:
         raise ValueError(
-            f"schedule {schedule!r} with {' and '.join(parts)}: a step the schedule skips has no second gradient for "
-            "the descent and no perturbation for the ascent direction, and the variants do not define one; use "
-            "schedule=None"
+            f"schedule {schedule!r} with {' and '.join(parts)}: LookSAM's correction keeps the first gradient in the "
+            "buffer the descent keeps it in (and an ascent replaces it before the perturbation reads it); use Every, "
+            "Random or Adaptive"
         )
     if capturable:
         raise ValueError(

@@ -75,7 +75,8 @@ def test_a_bad_second_pass_is_refused_by_name_before_anything_is_written(capsys,
 
 @pytest.mark.parametrize(("args", "message"), [
     (["train", "--optimizers", "sgd", "sam", "--second-pass", "every:2"],
-     "--second-pass every:2 schedules the second pass of sam, gear-sam; sgd has none: drop it from --optimizers"),
+     "--second-pass every:2 schedules the second pass of the sharpness-aware optimizers; sgd has none: drop it from "
+     "--optimizers"),
     (["train", "--adaptive", "--second-pass", "looksam:2"],
      "--second-pass looksam:2: LookSAM's correction is defined for plain gradients, not ASAM's; drop --adaptive"),
     (["reproduce", "efficiency", "--second-pass", "every:2"],

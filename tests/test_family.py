@@ -20,7 +20,7 @@ from gearsam_fused import (
     WeightedSharpness,
     accumulated_step,
 )  # fmt: skip
-from gearsam_fused.schedules import Every
+from gearsam_fused.schedules import Every, LookSAM, Random
 
 from conftest import (
     ALL,
@@ -147,9 +147,11 @@ def _per_rule(values: torch.Tensor, gear: bool) -> torch.Tensor:
 
 
 def family_float64(model, data, *, gear, ascent=None, descent=None, rho, beta=0.9, delta=1e-12, lr, momentum,
-                   weight_decay):  # fmt: skip
+                   weight_decay, sam_steps=None):  # fmt: skip
     """The step of :mod:`gearsam_fused.family` with SGD (momentum, weight decay) over whole float64 vectors, straight
-    from the papers' formulas; yields the weights after each step."""
+    from the papers' formulas; yields the weights after each step. ``sam_steps``: whether each step takes the second
+    pass (all where not given); a step without it has no perturbation, so h = g and every descent is g: the base step
+    with g, no ascent (F-SAM's EMA is of the SAM steps' gradients), GEAR-SAM's EMA taking g's energies."""
     blocks = _blocks(model)
     params = [p for b in blocks for p in b]
     sizes = [sum(p.numel() for p in b) for b in blocks]
@@ -159,8 +161,16 @@ def family_float64(model, data, *, gear, ascent=None, descent=None, rho, beta=0.
 
     w = torch.nn.utils.parameters_to_vector(params).detach().clone()
     s, m, buf = torch.zeros(len(blocks), dtype=torch.float64), None, None
-    for xy in data:
+    for i, xy in enumerate(data):
         g = grad_at(model, params, w, xy)
+        if sam_steps is not None and not sam_steps[i]:
+            if gear:
+                s = beta * s + (1 - beta) * per_block(lambda v: (v**2).sum(), g)
+            step = g + weight_decay * w
+            buf = step.clone() if buf is None else momentum * buf + step
+            w = w - lr * buf
+            yield w
+            continue
         d = g
         if ascent is not None:  # F-SAM: the gradient minus sigma times the EMA of past gradients
             d = g if m is None else g - ascent.sigma * m
@@ -204,6 +214,69 @@ def test_variant_equals_float64_computation(name, backend, device):
     for (x, y), w in zip(data, expected):
         sam_step(opt, model, (x.to(device), y.to(device)))
         assert rel_err(flat(model).cpu(), w) <= FP64_STEP_RTOL
+
+
+@pytest.mark.parametrize("backend,device", ALL)
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_a_schedule_skips_the_second_pass_as_the_float64_computation_does(name, backend, device):
+    """With a step schedule (Every(3)), a step that skips the second pass has no perturbation, so h = g: the base step
+    with the first gradient for every variant (no F-SAM ascent, GEAR-SAM's EMA taking g's energies); the SAM steps
+    between are the variant's. Against the float64 computation of the papers' steps with the same steps skipped."""
+    cls, parts = VARIANTS[name]
+    model = tiny_resnet(dtype=torch.float64)
+    twin = copy.deepcopy(model)
+    model.to(device)
+    opt = cls(model, torch.optim.SGD, rho=0.1, backend=backend, partition="coarse", schedule=Every(3), **parts,
+              **SGD_KW)  # fmt: skip
+    data = batches(7, dtype=torch.float64)
+    weights, sams = [], []
+    for x, y in data:
+        xy = (x.to(device), y.to(device))
+        loss_fn(model, xy).backward()
+        sam = opt.first_step(zero_grad=True)
+        if sam:
+            loss_fn(model, xy).backward()
+            opt.second_step(zero_grad=True)
+        sams.append(sam)
+        weights.append(flat(model).cpu())
+    assert sams == [True, False, False, True, False, False, True]
+    expected = family_float64(twin, data, gear=cls is GEARSAM, rho=0.1, sam_steps=sams, **parts, **SGD_KW)
+    for step, (w, e) in enumerate(zip(weights, expected, strict=True)):
+        assert rel_err(w, e) <= FP64_STEP_RTOL, step
+
+
+@pytest.mark.parametrize("name", ["wsam", "friendly-sam", "gear-gsam"])
+def test_a_random_schedule_resumes_a_variant_bit_for_bit(name):
+    """A variant under a Random schedule, saved after three steps and loaded into a fresh optimizer: the next steps
+    (skipped or not, as the schedule's saved state decides) give the same bits as the run that went on."""
+    cls, parts = VARIANTS[name]
+    data = batches(6)
+
+    def train(opt, model, xys) -> list[bool]:
+        sams = []
+        for xy in xys:
+            loss_fn(model, xy).backward()
+            sams.append(opt.first_step(zero_grad=True))
+            if sams[-1]:
+                loss_fn(model, xy).backward()
+                opt.second_step(zero_grad=True)
+        return sams
+
+    def make(model):
+        return cls(model, torch.optim.SGD, rho=RHO, schedule=Random(0.5, seed=3), **copy.deepcopy(parts), **SGD_KW)
+
+    model = tiny_resnet()
+    opt = make(model)
+    first = train(opt, model, data[:3])
+    saved = copy.deepcopy((model.state_dict(), opt.state_dict()))
+    went_on = train(opt, model, data[3:])
+    resumed = tiny_resnet()
+    resumed.load_state_dict(saved[0])
+    again = make(resumed)
+    again.load_state_dict(saved[1])
+    assert train(again, resumed, data[3:]) == went_on
+    assert torch.equal(flat(model), flat(resumed))
+    assert True in first + went_on and False in first + went_on  # both kinds of step were taken
 
 
 @pytest.mark.parametrize("backend", ["reference", "torch", "cpp"])
@@ -512,8 +585,13 @@ def test_ddp_ranks_agree_bitwise_and_equal_one_process_on_the_whole_batch():
             "ascent must be None or a Friendly",
         ),
         (
-            lambda: GSAM(tiny_resnet(), torch.optim.SGD, schedule=Every(2), lr=0.1),
-            r"schedule Every\(k=2\) with SurrogateGap\(alpha=0.4, eps=1e-12\): a step the schedule skips",
+            lambda: GSAM(tiny_resnet(), torch.optim.SGD, schedule=LookSAM(2), lr=0.1),
+            r"schedule LookSAM\(k=2, alpha=0.7\) with SurrogateGap\(alpha=0.4, eps=1e-12\): LookSAM's correction "
+            r"keeps the first gradient",
+        ),
+        (
+            lambda: FriendlySAM(tiny_resnet(), torch.optim.SGD, schedule=LookSAM(3), lr=0.1),
+            r"schedule LookSAM\(k=3, alpha=0.7\) with FriendlyAscent\(sigma=1.0, lmbda=0.9\): LookSAM's correction",
         ),
         (
             lambda: WSAM(tiny_resnet(), NoStep),

@@ -214,10 +214,10 @@ def _model_options(parser: argparse.ArgumentParser, defaults: RunConfig) -> None
     add("--momentum", type=float, help="SGD momentum")
     add("--weight-decay", type=float, help="SGD weight decay")
     add("--schedule", choices=SCHEDULES, help="learning rate schedule over all steps")
-    add("--second-pass", metavar="SPEC", help=f"which SAM/GEAR-SAM steps take the second forward and backward: "
-        f"{SECOND_PASS_FORMS} (LookSAM's ALPHA 0.7 and AE-SAM's C 0 unless given; random draws from the seed); the "
-        "other steps update with the first gradient alone. Not for sgd, nor for gsam, wsam, friendly-sam and "
-        "gear-gsam, which take it on every step")  # fmt: skip
+    add("--second-pass", metavar="SPEC", help=f"which steps of the sharpness-aware optimizers take the second forward "
+        f"and backward: {SECOND_PASS_FORMS} (LookSAM's ALPHA 0.7 and AE-SAM's C 0 unless given; random draws from "
+        "the seed); the other steps update with the first gradient alone. Not for sgd; looksam for sam and gear-sam "
+        "only")  # fmt: skip
     add("--adaptive", action="store_const", const=True, help="ASAM scaling |w| + eta")
     add("--device", help="cpu, cuda or cuda:N")
     add("--amp", choices=AMP_MODES, help="bf16: forward and loss under bfloat16 autocast")

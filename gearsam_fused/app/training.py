@@ -83,9 +83,9 @@ PAPER = (SGD, *OPTIMIZERS)
 #: The optimizers a run can train, by the names of ``--optimizers`` and the metrics rows: the demo's, then the family.
 OPTIMIZER_NAMES = (*PAPER, *FAMILY)
 SCHEDULES = ("constant", "cosine")
-#: Every SAM/GEAR-SAM step takes the second forward and backward: ``--second-pass``'s default.
+#: Every step of a sharpness-aware optimizer takes the second forward and backward: ``--second-pass``'s default.
 ALWAYS = "always"
-#: The forms of ``--second-pass``: which steps of SAM/GEAR-SAM take the second pass (see gearsam_fused.schedules).
+#: The forms of ``--second-pass``: which steps take the second pass (see gearsam_fused.schedules).
 SECOND_PASS_FORMS = "always, every:K, looksam:K, looksam:K:ALPHA, random:P or adaptive, adaptive:C"
 AMP_MODES = ("none", "bf16")
 #: The range of each real setting, as :func:`~gearsam_fused.checks.check_real`'s bounds; each must also be finite.
@@ -193,7 +193,7 @@ class RunConfig:
     momentum: float = 0.9
     weight_decay: float = 5e-4
     schedule: str = "constant"
-    second_pass: str = ALWAYS  # which SAM/GEAR-SAM steps take the second pass: one of SECOND_PASS_FORMS
+    second_pass: str = ALWAYS  # which steps take the second pass: one of SECOND_PASS_FORMS
     rho: float = 0.05
     beta: float = 0.9
     adaptive: bool = False
@@ -244,20 +244,21 @@ class RunConfig:
             raise ValueError(f"{spell('seeds')} names {twice} more than once; each seed is one run")
 
     def _check_second_pass(self, spell: Callable[[str], str]) -> None:
-        """The second-pass schedule: a form of :data:`SECOND_PASS_FORMS`, for SAM/GEAR-SAM only."""
+        """The second-pass schedule: a form of :data:`SECOND_PASS_FORMS`, for the sharpness-aware optimizers only
+        (LookSAM's correction for SAM/GEAR-SAM only)."""
         schedule = second_pass_schedule(self.second_pass, name=spell("second_pass"))
         if schedule is None:
             return
         family = [o for o in self.optimizers if o in FAMILY]
-        if family:  # said here, before anything trains, in the command's words rather than the library's
-            raise ValueError(f"{spell('second_pass')} {self.second_pass} cannot schedule {', '.join(family)}: a step "
-                             "that skipped the second pass would have no second gradient for their descent and no "
-                             "perturbation for their ascent, so they take it on every step; drop them from "
-                             f"{spell('optimizers')} or use {spell('second_pass')} {ALWAYS}")  # fmt: skip
-        plain = [o for o in self.optimizers if o not in OPTIMIZERS]
+        if family and schedule.corrects:  # said here, before anything trains, in the command's words
+            raise ValueError(f"{spell('second_pass')} {self.second_pass} cannot correct the skipped steps of "
+                             f"{', '.join(family)}: LookSAM's correction keeps the first gradient in the buffer their "
+                             "descent keeps it in (and an ascent replaces it); drop them from "
+                             f"{spell('optimizers')} or use every:K, random:P or adaptive")  # fmt: skip
+        plain = [o for o in self.optimizers if o not in BUILDS]
         if plain:
-            raise ValueError(f"{spell('second_pass')} {self.second_pass} schedules the second pass of "
-                             f"{', '.join(OPTIMIZERS)}; {', '.join(plain)} has none: drop it from "
+            raise ValueError(f"{spell('second_pass')} {self.second_pass} schedules the second pass of the "
+                             f"sharpness-aware optimizers; {', '.join(plain)} has none: drop it from "
                              f"{spell('optimizers')} (or train it in a run of its own)")  # fmt: skip
         if schedule.corrects and self.adaptive:
             raise ValueError(f"{spell('second_pass')} {self.second_pass}: LookSAM's correction is defined for plain "
@@ -265,7 +266,7 @@ class RunConfig:
 
     def describe(self, name: str) -> str:
         """Optimizer ``name`` as run summaries show it: with its second-pass schedule where it has one."""
-        return name if name not in OPTIMIZERS or self.second_pass == ALWAYS else f"{name} {self.second_pass}"
+        return name if name not in BUILDS or self.second_pass == ALWAYS else f"{name} {self.second_pass}"
 
     @classmethod
     def load(cls, path: Path) -> RunConfig:
@@ -591,7 +592,7 @@ def run_experiment(
         f"{data.name}: {len(data.train[1])} train / {len(data.test[1])} test images, model {cfg.model}, "
         f"{plural(cfg.epochs, 'epoch')}, seeds {list(cfg.seeds)}, rho={cfg.rho}, label noise={cfg.label_noise:.0%}, "
         f"device {device}, run directory {run_dir}"
-        + ("" if cfg.second_pass == ALWAYS else f"; SAM/GEAR-SAM second pass: {cfg.second_pass}")
+        + ("" if cfg.second_pass == ALWAYS else f"; second pass: {cfg.second_pass}")
     )
     results = []
     for seed in cfg.seeds:
