@@ -89,7 +89,8 @@ def check_inner_products(name: str, dtype: torch.dtype) -> None:
     """The energy kernel's inner-product variant (``block_energy`` with ``other``), reached through the backend's
     ``block_dot`` as the SAM family reaches it: per block, the sum of the kept gradient times a new gradient, against
     the same products in float64, within what the kernels' short sums in the compute dtype (8 terms, float32 for
-    every dtype but float64) may lose: 1e-6 of the sum of the products' magnitudes."""
+    every dtype but float64) may lose: 1e-6 of the sum of the products' magnitudes. Then ``block_dot_energy``, GSAM's
+    one read: the bits of ``block_dot`` and of the energy pass."""
     blocks = make_blocks(dtype, seed=3)
     backend = BACKENDS[name](blocks, torch.device("cuda"))
     backend.keep_gradient_()
@@ -111,6 +112,10 @@ def check_inner_products(name: str, dtype: torch.dtype) -> None:
     assert bool((error <= bound).all()), (
         f"{name} {dtype}: inner products off by {error.tolist()}, bounds {bound.tolist()}"
     )
+    # GSAM's one read for <g, h> and ||h||^2: the bits of the two passes it replaces
+    dot, energy = backend.block_dot_energy()
+    assert torch.equal(dot, backend.block_dot()), f"{name} {dtype}: block_dot_energy's inner products"
+    assert torch.equal(energy, backend.block_energy(False, 0.0)), f"{name} {dtype}: block_dot_energy's energies"
 
 
 def check_mix(name: str, dtype: torch.dtype) -> None:

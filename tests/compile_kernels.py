@@ -33,6 +33,7 @@ def variants():
                     "grad_ptr": f"*{storage}",
                     "second_ptr": f"*{storage}",
                     "partial_ptr": "*fp64",
+                    "n_tiles": "i64",
                     "eta32": "fp32",
                     "eta64": "fp64",
                 },
@@ -78,7 +79,13 @@ def variants():
     yield (
         "block_sum",
         energy._block_sum_kernel,
-        {"partial_ptr": "*fp64", "first_tile_of_block_ptr": "*i64", "energy_ptr": "*fp64"},
+        {
+            "partial_ptr": "*fp64",
+            "first_tile_of_block_ptr": "*i64",
+            "energy_ptr": "*fp64",
+            "n_tiles": "i64",
+            "n_blocks": "i64",
+        },
         {"CHUNK": energy._BLOCK_CHUNK},
     )
     yield from base_step_variants()

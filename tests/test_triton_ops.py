@@ -249,9 +249,10 @@ def test_ops_give_the_bits_of_a_direct_launch(ops, backend, device, dtype, adapt
     partials = torch.empty(n_tiles, dtype=torch.float64, device=device)
     got = kernels.block_energy(grad, w, first_tile_of_block, partials, tile=TILE, adaptive=adaptive, eta=eta)
     partials_expected, energy_expected = torch.empty_like(partials), torch.empty(3, dtype=torch.float64, device=device)
-    energy._tile_energy_kernel[(n_tiles,)](grad, w, partials_expected, eta, eta, PRODUCT=False,
+    energy._tile_energy_kernel[(n_tiles,)](grad, w, partials_expected, n_tiles, eta, eta, PRODUCT=False,
                                            ACC=compute_type(dtype), **consts)  # fmt: skip
-    energy._block_sum_kernel[(3,)](partials_expected, first_tile_of_block, energy_expected, CHUNK=energy._BLOCK_CHUNK)
+    energy._block_sum_kernel[(3, 1)](partials_expected, first_tile_of_block, energy_expected, n_tiles, 3,
+                                     CHUNK=energy._BLOCK_CHUNK)  # fmt: skip
     assert bitwise_equal(partials, partials_expected) and bitwise_equal(got, energy_expected)
 
     for gear in (False, True):
