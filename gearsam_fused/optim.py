@@ -1031,7 +1031,8 @@ class SharpnessAware(torch.optim.Optimizer):
 def _check_family(ascent, descent, schedule, capturable: bool) -> None:
     """Refuse the SAM family's parts where a step could not honour them. A schedule's skipped step has no
     perturbation, so ``h = g`` and every descent is ``g`` (the base step with it) and no ascent is taken; but LookSAM's
-    correction keeps its ``g`` where a descent keeps its own, after an ascent replaced it."""
+    correction keeps its ``g`` where a descent keeps its own, after an ascent replaced it, and a schedule that reads
+    the first gradient's energy would read the ascent direction's on the SAM steps."""
     parts = [repr(part) for part in (ascent, descent) if part is not None]
     if not parts:
         return
@@ -1040,6 +1041,11 @@ def _check_family(ascent, descent, schedule, capturable: bool) -> None:
             f"schedule {schedule!r} with {' and '.join(parts)}: LookSAM's correction keeps the first gradient in the "
             "buffer the descent keeps it in (and an ascent replaces it before the perturbation reads it); use Every, "
             "Random or Adaptive"
+        )
+    if schedule is not None and schedule.reads_energy and ascent is not None:
+        raise ValueError(
+            f"schedule {schedule!r} with {ascent!r}: the schedule decides from the first gradient's energy, and on a "
+            "SAM step the ascent replaces the gradient before its energy is taken; use Every or Random"
         )
     if capturable:
         raise ValueError(

@@ -34,6 +34,8 @@ class Schedule:
 
     #: Whether skipped steps add the stored orthogonal part of the last SAM gradient (LookSAM).
     corrects = False
+    #: Whether :meth:`decide_next` reads its ``statistic``, the first gradient's energy (Adaptive).
+    reads_energy = False
 
     def initial_state(self, device: torch.device) -> dict:
         """The state a new optimizer starts from (saved and loaded with the optimizer's state dict)."""
@@ -143,6 +145,7 @@ class Adaptive(Schedule):
     c: float = 0.0
     beta: float = 0.9
     group: object = field(default=None, compare=False, repr=False)
+    reads_energy = True
 
     def __post_init__(self):
         check_real("c", self.c, low=-math.inf)

@@ -20,7 +20,7 @@ from gearsam_fused import (
     WeightedSharpness,
     accumulated_step,
 )  # fmt: skip
-from gearsam_fused.schedules import Every, LookSAM, Random
+from gearsam_fused.schedules import Adaptive, Every, LookSAM, Random
 
 from conftest import (
     ALL,
@@ -592,6 +592,11 @@ def test_ddp_ranks_agree_bitwise_and_equal_one_process_on_the_whole_batch():
         (
             lambda: FriendlySAM(tiny_resnet(), torch.optim.SGD, schedule=LookSAM(3), lr=0.1),
             r"schedule LookSAM\(k=3, alpha=0.7\) with FriendlyAscent\(sigma=1.0, lmbda=0.9\): LookSAM's correction",
+        ),
+        (
+            lambda: FriendlySAM(tiny_resnet(), torch.optim.SGD, schedule=Adaptive(0.5), lr=0.1),
+            r"schedule Adaptive\(c=0.5, beta=0.9\) with FriendlyAscent\(sigma=1.0, lmbda=0.9\): the schedule decides "
+            r"from the first gradient's energy, .* use Every or Random",
         ),
         (
             lambda: WSAM(tiny_resnet(), NoStep),

@@ -65,6 +65,16 @@ def test_looksam_with_a_family_method_is_refused_naming_both(capsys, tmp_path, a
     assert not (tmp_path / "out").exists()  # refused before anything was written
 
 
+def test_an_energy_schedule_with_an_ascent_is_refused_naming_it(capsys, tmp_path):
+    assert main(["train", "--optimizers", "gsam", "friendly-sam", "--second-pass", "adaptive:0.5", "--epochs", "1",
+                 "--out", str(tmp_path / "out")]) == 2  # fmt: skip
+    err = capsys.readouterr().err
+    message = ("gearsam: error: --second-pass adaptive:0.5 cannot schedule friendly-sam: it decides from the first "
+               "gradient's energy, which F-SAM's ascent replaces on its SAM steps; drop them from --optimizers or use "
+               "every:K or random:P")  # fmt: skip
+    assert message in err and "Traceback" not in err, err
+
+
 def test_a_family_method_skips_the_second_pass_as_its_schedule_says(tmp_path):
     run_dir = tmp_path / "run"
     ok(gearsam("train", "--optimizers", "gsam", "friendly-sam", "--second-pass", "every:2", "--epochs", 1, "--seeds",

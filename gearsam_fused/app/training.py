@@ -67,7 +67,8 @@ SGD = "sgd"
 #: - ``friendly-sam``: F-SAM (Li et al.), SAM with the friendly ascent direction, sigma 1.0, lambda 0.9;
 #: - ``gear-gsam``: GEAR-SAM's block-wise allocation with GSAM's descent, alpha 0.4 (inner products per block).
 #:
-#: Their steps need both gradients of every step: no ``--second-pass`` schedule but ``always``.
+#: Under a ``--second-pass`` schedule their skipped steps are the base step with the first gradient; ``looksam`` is
+#: refused with them, and ``adaptive`` with F-SAM's ascent (see ``RunConfig._check_second_pass``).
 FAMILY = {
     "gsam": (GSAM, {"alpha": 0.4}),
     "wsam": (WSAM, {"gamma": 0.9, "decouple": True}),
@@ -255,6 +256,11 @@ class RunConfig:
                              f"{', '.join(family)}: LookSAM's correction keeps the first gradient in the buffer their "
                              "descent keeps it in (and an ascent replaces it); drop them from "
                              f"{spell('optimizers')} or use every:K, random:P or adaptive")  # fmt: skip
+        ascending = [o for o in family if "ascent" in FAMILY[o][1] or FAMILY[o][0] is FriendlySAM]
+        if ascending and schedule.reads_energy:
+            raise ValueError(f"{spell('second_pass')} {self.second_pass} cannot schedule {', '.join(ascending)}: it "
+                             "decides from the first gradient's energy, which F-SAM's ascent replaces on its SAM "
+                             f"steps; drop them from {spell('optimizers')} or use every:K or random:P")  # fmt: skip
         plain = [o for o in self.optimizers if o not in BUILDS]
         if plain:
             raise ValueError(f"{spell('second_pass')} {self.second_pass} schedules the second pass of the "
