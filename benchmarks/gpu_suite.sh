@@ -16,8 +16,8 @@ PHASES=(info build tests sanitize bench models train)
 #     also compiles our step (cpp, triton) for the 4 sets of at most 1000 tensors x 2 base optimizers (16 compiles,
 #     7-60 s each on an H100) and captures 8 CUDA graphs (quick to capture): if 540 s is too short,
 #     TIMEOUT_BENCH=590 or BENCH_ARGS="--quick".
-#   tests: that run took 150 s for 549 cuda-marked tests on 8 processes; on 2026-11-26 `pytest -m cuda
-#     --collect-only tests` counts 1662, so 150 x 1662 / 549 = 454 s: 390 does not finish them all; -v names the
+#   tests: that run took 150 s for 549 cuda-marked tests on 8 processes; on 2026-11-27 `pytest -m cuda
+#     --collect-only tests` counts 2047, so 150 x 2047 / 549 = 559 s: 390 does not finish them all; -v names the
 #     tests that did not, and PYTEST_ARGS selects a part (a file, or a -k word) for a call of its own.
 #   models: bench_models.py on CUDA, 4 models x 6 rows. One forward+backward pass (f) of ResNet-50 b128, ViT-B/16 b64
 #     or GPT-2 small 8x1024 in bf16 is about 0.1-0.15 s on an H100, the CIFAR ResNet-18 about 0.01 s. A SAM row is
