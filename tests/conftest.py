@@ -140,6 +140,20 @@ def sam_step(opt, model, xy):
     opt.second_step(zero_grad=True)
 
 
+def run_steps(opt, model, data) -> list[bool]:
+    """The two-call loop of the README over ``data`` (the second pass only where ``first_step`` returns True, as a
+    step schedule decides); returns which steps took it."""
+    taken = []
+    for xy in data:
+        loss_fn(model, xy).backward()
+        sam = opt.first_step(zero_grad=True)
+        if sam:
+            loss_fn(model, xy).backward()
+            opt.second_step(zero_grad=True)
+        taken.append(sam)
+    return taken
+
+
 def grad_at(model, params: list[torch.Tensor], w: torch.Tensor, xy) -> torch.Tensor:
     """The gradient of :func:`loss_fn` over ``params`` (one vector) at the weights ``w`` (one vector, written into
     ``params``): the float64 re-computations' gradient."""

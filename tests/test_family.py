@@ -38,6 +38,7 @@ from conftest import (
     mlp_data,
     mse,
     rel_err,
+    run_steps,
     sam_step,
     tiny_resnet,
 )  # fmt: skip
@@ -231,13 +232,7 @@ def test_a_schedule_skips_the_second_pass_as_the_float64_computation_does(name, 
     data = batches(7, dtype=torch.float64)
     weights, sams = [], []
     for x, y in data:
-        xy = (x.to(device), y.to(device))
-        loss_fn(model, xy).backward()
-        sam = opt.first_step(zero_grad=True)
-        if sam:
-            loss_fn(model, xy).backward()
-            opt.second_step(zero_grad=True)
-        sams.append(sam)
+        sams += run_steps(opt, model, [(x.to(device), y.to(device))])
         weights.append(flat(model).cpu())
     assert sams == [True, False, False, True, False, False, True]
     expected = family_float64(twin, data, gear=cls is GEARSAM, rho=0.1, sam_steps=sams, **parts, **SGD_KW)
@@ -252,29 +247,19 @@ def test_a_random_schedule_resumes_a_variant_bit_for_bit(name):
     cls, parts = VARIANTS[name]
     data = batches(6)
 
-    def train(opt, model, xys) -> list[bool]:
-        sams = []
-        for xy in xys:
-            loss_fn(model, xy).backward()
-            sams.append(opt.first_step(zero_grad=True))
-            if sams[-1]:
-                loss_fn(model, xy).backward()
-                opt.second_step(zero_grad=True)
-        return sams
-
     def make(model):
         return cls(model, torch.optim.SGD, rho=RHO, schedule=Random(0.5, seed=3), **copy.deepcopy(parts), **SGD_KW)
 
     model = tiny_resnet()
     opt = make(model)
-    first = train(opt, model, data[:3])
+    first = run_steps(opt, model, data[:3])
     saved = copy.deepcopy((model.state_dict(), opt.state_dict()))
-    went_on = train(opt, model, data[3:])
+    went_on = run_steps(opt, model, data[3:])
     resumed = tiny_resnet()
     resumed.load_state_dict(saved[0])
     again = make(resumed)
     again.load_state_dict(saved[1])
-    assert train(again, resumed, data[3:]) == went_on
+    assert run_steps(again, resumed, data[3:]) == went_on
     assert torch.equal(flat(model), flat(resumed))
     assert True in first + went_on and False in first + went_on  # both kinds of step were taken
 

@@ -15,7 +15,7 @@ import torch
 from gearsam_fused import GEARSAM, SAM, Adaptive, Every, LookSAM, Random
 from gearsam_fused.schedules import Schedule
 
-from conftest import ALL, FP32_STEP_RTOL, SGD_KW, batches, flat, loss_fn, rel_err, sam_step, tiny_resnet
+from conftest import ALL, FP32_STEP_RTOL, SGD_KW, batches, flat, loss_fn, rel_err, run_steps, sam_step, tiny_resnet
 
 FP64_STEP_RTOL = 1e-10
 STEP_RTOL = {torch.float32: FP32_STEP_RTOL, torch.float64: FP64_STEP_RTOL}
@@ -26,19 +26,6 @@ SCHEDULES = {
     "random": lambda: Random(0.4, seed=3),
     "adaptive": lambda: Adaptive(c=0.0, beta=0.8),
 }
-
-
-def run(opt, model, data) -> list[bool]:
-    """The two-call loop of the README; returns which steps took the second pass."""
-    taken = []
-    for xy in data:
-        loss_fn(model, xy).backward()
-        sam = opt.first_step(zero_grad=True)
-        if sam:
-            loss_fn(model, xy).backward()
-            opt.second_step(zero_grad=True)
-        taken.append(sam)
-    return taken
 
 
 def build(rule: str, schedule, backend="reference", dtype=torch.float32, seed=0, device="cpu", **kw):
@@ -117,7 +104,7 @@ def test_the_reference_backend_follows_the_formulas(rule, schedule):
     alpha = 0.5 if schedule.startswith("looksam") else None
     expected = hand_written_run(oracle, data, blocks, gear=rule == "gear-sam", k=3, alpha=alpha)
     for xy, want in zip(data, expected):
-        run(opt, model, [xy])
+        run_steps(opt, model, [xy])
         assert rel_err(flat(model), want) <= FP32_STEP_RTOL
 
 
@@ -138,8 +125,8 @@ def test_every_backend_follows_the_reference(backend, device, dtype, rule, sched
     model, opt = build(rule, SCHEDULES[schedule](), backend, dtype, device=device)
     twin, reference = build(rule, SCHEDULES[schedule](), "reference", dtype, device=device)
     for xy in data:
-        taken = run(opt, model, [xy])
-        assert run(reference, twin, [xy]) == taken
+        taken = run_steps(opt, model, [xy])
+        assert run_steps(reference, twin, [xy]) == taken
         assert rel_err(flat(model), flat(twin)) <= STEP_RTOL[dtype]
     assert opt.base_step_mode == ("per-tensor" if backend == "reference" else "fused")
 
@@ -152,7 +139,7 @@ def test_a_schedule_that_skips_nothing_is_full_sam_bit_for_bit(backend, rule, sc
     data = batches(4)
     model, opt = build(rule, schedule, backend)
     plain, full = build(rule, None, backend)
-    assert run(opt, model, data) == [True] * 4
+    assert run_steps(opt, model, data) == [True] * 4
     for xy in data:
         sam_step(full, plain, xy)
     assert torch.equal(flat(model), flat(plain))
@@ -164,13 +151,13 @@ def test_a_skipped_step_is_the_base_optimizers_step_with_the_first_gradient(back
     pytest.importorskip("gearsam_fused._C") if backend == "cpp" else None
     data = batches(3)
     model, opt = build("sam", Every(3), backend, base_step=base)
-    run(opt, model, data[:1])
+    run_steps(opt, model, data[:1])
     twin = copy.deepcopy(model)
     plain = torch.optim.SGD(twin.parameters(), **SGD_KW)
     plain.load_state_dict(copy.deepcopy(opt.base_optimizer.state_dict()))  # torch keeps the dict's tensors
     for xy in data[1:]:
         assert opt.sam_step is False
-        run(opt, model, [xy])
+        run_steps(opt, model, [xy])
         plain.zero_grad()
         loss_fn(twin, xy).backward()
         plain.step()
@@ -182,7 +169,7 @@ def test_decisions_are_known_before_the_step_and_returned_by_first_step():
     decisions = []
     for xy in batches(5):
         announced = opt.sam_step
-        decisions.append(run(opt, model, [xy])[0])
+        decisions.append(run_steps(opt, model, [xy])[0])
         assert decisions[-1] is announced
     assert decisions == [True, False, True, False, True]
     assert opt.step_statistics.sam_step is True
@@ -210,7 +197,7 @@ def test_step_with_a_closure_runs_it_on_sam_steps_only():
 def test_second_step_after_a_skipped_step_is_refused():
     model, opt = build("sam", Every(2))
     data = batches(2)
-    run(opt, model, data[:1])
+    run_steps(opt, model, data[:1])
     loss_fn(model, data[1]).backward()
     assert opt.first_step() is False
     loss_fn(model, data[1]).backward()
@@ -221,7 +208,7 @@ def test_second_step_after_a_skipped_step_is_refused():
 def test_a_skipped_step_has_zero_radii_and_the_first_gradients_energies():
     model, opt = build("gear-sam", Every(2))
     data = batches(2)
-    run(opt, model, data[:1])
+    run_steps(opt, model, data[:1])
     loss_fn(model, data[1]).backward()
     grads = {p: p.grad.double().square().sum() for p in model.parameters()}
     opt.first_step()
@@ -300,7 +287,7 @@ def test_random_draws_from_its_own_seeded_generator():
     generator = torch.Generator().manual_seed(11)
     expected = [True] + [torch.rand((), generator=generator, dtype=torch.float64).item() < 0.3 for _ in range(11)]
     model, opt = build("sam", Random(0.3, seed=11))
-    assert run(opt, model, batches(12)) == expected
+    assert run_steps(opt, model, batches(12)) == expected
 
 
 @pytest.mark.parametrize("backend", ["reference", "torch", "cpp"])
@@ -310,20 +297,20 @@ def test_resuming_in_the_middle_of_a_cycle_is_bitwise(backend, rule, schedule):
     pytest.importorskip("gearsam_fused._C") if backend == "cpp" else None
     data = batches(8)
     model, opt = build(rule, SCHEDULES[schedule](), backend)
-    run(opt, model, data[:4])  # steps 0..3: the cycle of every-3 and looksam-3 is at its second step
+    run_steps(opt, model, data[:4])  # steps 0..3: the cycle of every-3 and looksam-3 is at its second step
     saved_model, saved_opt = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
-    uninterrupted = run(opt, model, data[4:])
+    uninterrupted = run_steps(opt, model, data[4:])
     resumed_model, resumed = build(rule, SCHEDULES[schedule](), backend, seed=5)
     resumed_model.load_state_dict(saved_model)
     resumed.load_state_dict(saved_opt)
-    assert run(resumed, resumed_model, data[4:]) == uninterrupted
+    assert run_steps(resumed, resumed_model, data[4:]) == uninterrupted
     assert torch.equal(flat(resumed_model), flat(model))
     assert torch.equal(resumed.step_statistics.ema, opt.step_statistics.ema)
 
 
 def test_a_different_schedule_in_the_state_dict_is_refused_and_none_starts_afresh():
     model, opt = build("sam", Every(3))
-    run(opt, model, batches(2))
+    run_steps(opt, model, batches(2))
     state = opt.state_dict()
     _, other = build("sam", LookSAM(3))
     with pytest.raises(ValueError, match=r"saved with schedule Every\(k=3\).*LookSAM"):
@@ -339,14 +326,14 @@ def test_cancelling_a_sam_step_restores_the_schedules_state():
     data = batches(6)
     model, opt = build("gear-sam", Adaptive(c=0.0))
     twin, other = build("gear-sam", Adaptive(c=0.0))
-    run(opt, model, data[:3])
-    run(other, twin, data[:3])
+    run_steps(opt, model, data[:3])
+    run_steps(other, twin, data[:3])
     assert other.sam_step
     loss_fn(twin, data[3]).backward()
     other.first_step(zero_grad=True, cancellable=True)
     other.cancel_step()
     other.zero_grad()
-    assert run(opt, model, data[3:]) == run(other, twin, data[3:])
+    assert run_steps(opt, model, data[3:]) == run_steps(other, twin, data[3:])
     assert torch.equal(flat(model), flat(twin))
 
 
@@ -354,7 +341,7 @@ def test_cancelling_a_sam_step_restores_the_schedules_state():
 def test_looksam_holds_one_buffer_the_size_of_the_parameters(backend):
     model, opt = build("sam", LookSAM(2), backend)
     before = opt.memory_overhead()
-    run(opt, model, batches(2))
+    run_steps(opt, model, batches(2))
     after = opt.memory_overhead()
     size = sum(p.numel() for p in model.parameters()) * 4
     assert before["correction"] == 0
@@ -371,8 +358,8 @@ def test_looksam_per_tensor_base_step_matches_the_fused_one(backend, rule):
     model, opt = build(rule, LookSAM(3, alpha=0.5), backend)
     twin, per_tensor = build(rule, LookSAM(3, alpha=0.5), backend, base_step="per-tensor")
     for xy in data:
-        run(opt, model, [xy])
-        run(per_tensor, twin, [xy])
+        run_steps(opt, model, [xy])
+        run_steps(per_tensor, twin, [xy])
         assert rel_err(flat(model), flat(twin)) <= FP32_STEP_RTOL
     assert opt.base_step_mode == "fused" and per_tensor.base_step_mode == "per-tensor"
 
@@ -383,7 +370,7 @@ def test_looksam_correction_reaches_only_parameters_with_a_gradient():
     model, opt = build("sam", LookSAM(2), "torch", base_step="per-tensor")
     head = model.fc if hasattr(model, "fc") else list(model.children())[-1]
     data = batches(4)
-    run(opt, model, data[:1])
+    run_steps(opt, model, data[:1])
     loss_fn(model, data[1]).backward()
     for p in head.parameters():
         p.grad = None
@@ -391,13 +378,13 @@ def test_looksam_correction_reaches_only_parameters_with_a_gradient():
     assert all(p.grad is None for p in head.parameters())
     opt.zero_grad()
     twin, reference = build("sam", LookSAM(2), "reference", base_step="per-tensor")
-    run(reference, twin, data[:1])
+    run_steps(reference, twin, data[:1])
     loss_fn(twin, data[1]).backward()
     for p in (twin.fc if hasattr(twin, "fc") else list(twin.children())[-1]).parameters():
         p.grad = None
     reference.first_step(zero_grad=True)
-    run(opt, model, data[2:])
-    run(reference, twin, data[2:])
+    run_steps(opt, model, data[2:])
+    run_steps(reference, twin, data[2:])
     assert rel_err(flat(model), flat(twin)) <= FP32_STEP_RTOL
 
 
@@ -467,11 +454,11 @@ def test_looksam_on_bfloat16_parameters_follows_the_reference(backend, rule):
     # rounding boundary: far below the whole vector's norm
     tolerance = torch.finfo(torch.bfloat16).eps / 100
     for xy in data:
-        assert run(opt, model, [xy]) == run(reference, twin, [xy])
+        assert run_steps(opt, model, [xy]) == run_steps(reference, twin, [xy])
         assert rel_err(flat(model), flat(twin)) <= tolerance
     assert opt.base_step_mode == "per-tensor" and opt.memory_overhead()["correction"] > 0
     plain, uncorrected = build(rule, Every(2), backend, torch.bfloat16)
-    run(uncorrected, plain, data)
+    run_steps(uncorrected, plain, data)
     assert rel_err(flat(plain), flat(model)) > 10 * tolerance  # the correction was applied
 
 
