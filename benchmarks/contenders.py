@@ -320,7 +320,10 @@ class Variant(NamedTuple):
     * WSAM, decoupled: g kept by the perturbation (4); ``exchange_sharpness_`` reads and writes g and h (16);
       ``add_kept_`` after the update reads w and h - g and writes w (12): 32; folded into the base step, which steps
       with g and then takes the sharpness step from the h and g it has read, one more read of g (4): 24 fewer
-    * F-SAM: ``friendly_ascent_`` reads and writes g and the EMA m (16; its first step copies g into m, 8, once)
+    * F-SAM: ``friendly_energy_`` reads and writes g and the EMA m and sums the new g's energies as it writes them
+      (16; its first step copies g into m, 8, once), in place of SAM's energy pass, which only reads g (4): 12 more,
+      and ``read_only_bytes`` -4, as no pass of its step only reads (the two passes of backends other than the kernel
+      backends, or of a bucket where a parameter has no gradient: 16 more, 4 of them read-only)
     """
 
     rule: str
@@ -359,7 +362,7 @@ FAMILY = {
     "SAM": Variant(SAM_RULE, SAM, peer="SAM", plain="SAM"),
     "GSAM": Variant(SAM_RULE, _gsam, peer="GSAM", plain="SAM", extra_bytes=24, read_only_bytes=8, folded_bytes=8),
     "WSAM": Variant(SAM_RULE, _wsam, peer="WSAM", plain="SAM", extra_bytes=32, folded_bytes=24),
-    "F-SAM": Variant(SAM_RULE, _friendly_sam, peer="F-SAM", plain="SAM", extra_bytes=16),
+    "F-SAM": Variant(SAM_RULE, _friendly_sam, peer="F-SAM", plain="SAM", extra_bytes=12, read_only_bytes=-4),
     "GEAR-SAM": Variant(GEAR_RULE, _gear_sam, peer="SAM", plain="GEAR-SAM"),
     "GEAR-SAM + GSAM": Variant(
         GEAR_RULE, _gear_gsam, peer="GSAM", plain="GEAR-SAM", extra_bytes=24, read_only_bytes=8, folded_bytes=8

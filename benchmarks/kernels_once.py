@@ -6,9 +6,10 @@
 For the ``triton`` and ``cpp`` backends, every dtype (float32, bfloat16, float16, float64), plain and adaptive, GEAR
 and SAM allocation, it runs one whole step through the backend: block energy (tile partials, then block sums),
 allocation, perturb, restore; the inner products, the mix, the exchange and F-SAM's ascent of the SAM family
-(``block_dot``, ``mix_gradient_``, ``exchange_sharpness_``, ``friendly_ascent_``); and the fused base steps (SGD,
-Adam(W)) against torch's own. The blocks hold parameters of 1, 7 and 4097 elements, an empty block, a block whose gradient is all zeros, a parameter without a
-gradient and one exactly a tile long. The C++ kernels also have a scalar variant for buffers that do not allow 16-byte
+(``block_dot``, ``mix_gradient_``, ``exchange_sharpness_``, ``friendly_ascent_``, and ``friendly_energy_`` against
+the two kernels it replaces); and the fused base steps (SGD, Adam(W)) against torch's own. The blocks hold parameters
+of 1, 7 and 4097 elements, an empty block, a block whose gradient is all zeros, a parameter without a gradient and
+one exactly a tile long. The C++ kernels also have a scalar variant for buffers that do not allow 16-byte
 access; it runs on a tile of 7 elements and on buffers that start one element past an aligned address. A parameter of
 3000 tiles makes every C++ thread block loop over several tiles. ``--big`` adds a bfloat16 parameter of 2**31 + 6149
 elements, so that 64-bit offsets are exercised (about 13 GiB of GPU memory).
@@ -227,7 +228,8 @@ def check_base_steps(name: str) -> None:
     """The fused base steps (``sgd_step_``, ``adam_step_``) with every optional buffer in use, float32 and float64, on
     one tile, on 3000 tiles (every thread loops) and, for the C++ kernels' scalar variant, on a tile of 7 and on
     buffers one element off alignment; each against torch's CPU optimizer on the same values, and SGD's with the SAM
-    family's mix and WSAM's sharpness step folded in (:func:`check_folded_mix`)."""
+    family's mix and WSAM's sharpness step folded in (:func:`check_folded_mix`); and on the same buffers F-SAM's
+    ascent with its energies (:func:`check_friendly_energy`)."""
     if name == "triton":
         from gearsam_fused import triton_kernels as kernels
     else:
@@ -257,6 +259,7 @@ def check_base_steps(name: str) -> None:
             assert torch.equal(param_d.cpu(), p.detach()), where
             assert torch.equal(buf_d.cpu(), sgd.state[p]["momentum_buffer"]), where
             check_folded_mix(kernels, where, w_d, grad_d, buf_d, buffers(1)[1][0], tile)
+            check_friendly_energy(kernels, where.replace("sgd_step_", "friendly_energy_"), w_d, grad_d, buf_d, tile)
 
             (w, grad, m, v), (w_d, grad_d, m_d, v_d) = buffers(4)
             vmax_d = v_d * 1.5
@@ -304,6 +307,25 @@ def check_folded_mix(kernels, where: str, w, grad, buf, kept, tile: int) -> None
     kernels.sgd_step_(stepped, kept, w, stepped_buf, **hyper)
     expected = stepped.cpu().add_((grad - kept).cpu(), alpha=-hyper["lr"] * 2.5)
     assert torch.equal(sharpened.cpu(), expected) and torch.equal(sharpened_buf, stepped_buf), f"{where}: sharpness"
+
+
+def check_friendly_energy(kernels, where: str, w, grad, m, tile: int) -> None:
+    """F-SAM's ascent with the energies of its direction in one read (``friendly_energy_``, plain and adaptive, first
+    step and later): the bits of ``friendly_ascent_`` then ``block_energy`` in the gradient, the EMA, the partials and
+    the energies, over three blocks."""
+    n_tiles = w.numel() // tile
+    first_tile_of_block = torch.tensor([0, n_tiles // 3, n_tiles // 3, n_tiles], device=w.device)
+    for adaptive in (False, True):
+        for first in (True, False):
+            kw = dict(tile=tile, adaptive=adaptive, eta=0.01)
+            one = [grad.clone(), m.clone(), torch.full((n_tiles,), float("nan"), dtype=torch.float64, device=w.device)]
+            two = [t.clone() for t in one]
+            energy = kernels.friendly_energy_(one[0], one[1], w, first_tile_of_block, one[2], **kw, sigma=0.7,
+                                              lmbda=0.9, first=first)  # fmt: skip
+            kernels.friendly_ascent_(two[0], two[1], sigma=0.7, lmbda=0.9, first=first)
+            expected = kernels.block_energy(two[0], w, first_tile_of_block, two[2], **kw)
+            same = all(torch.equal(a, b) for a, b in zip(one + [energy], two + [expected]))
+            assert same, f"{where} adaptive={adaptive} first={first}: not the two kernels' bits"
 
 
 def check_big(name: str) -> None:

@@ -335,11 +335,14 @@ def family_tables(rows: list[dict]) -> list[str]:
             "of g and h, 8, read only; the mix 12; in a whole step the fused base step takes the mix as one more read "
             "of g, 4: 16), WSAM 32 (keeping g 4; the exchange of g and h - g 16; adding h - g after the update 12; in "
             "a whole step the fused base step steps with g and takes the sharpness step from the h and g it has read, "
-            "one more read of g, 4: 8), F-SAM 16 (the EMA pass: g and m in and out). Runs up to `1cc6ebdbd959` "
+            "one more read of g, 4: 8), F-SAM 12 (its EMA pass, g and m in and out, 16, sums the new g's energies, in "
+            "place of SAM's energy pass, 4; no pass only reads). Runs up to `1cc6ebdbd959` "
             "counted GSAM's <g, h> and ||h||^2 as two passes (12), runs up to `d59ac9c9b7ac` WSAM's whole step at its "
             "passes' 32, runs up to `da8a41256197` keeping g as a copy pass of 8 and GSAM's mix as a pass of its own "
-            "in the whole step too, and runs up to `0441ecd2a291` a pass of 4 for ||g||^2 besides. % of traffic "
-            "floor: the rate over the floor of that traffic, the passes that only read (SAM's energy 4, GSAM's 8 more) "
+            "in the whole step too, runs up to `0441ecd2a291` a pass of 4 for ||g||^2 besides, and runs up to "
+            "`0078243c39f0` F-SAM's EMA pass and its energy pass apart (16, 4 of them read-only). % of traffic "
+            "floor: the rate over the floor of that traffic, the passes that only read (SAM's energy 4, GSAM's 8 more; "
+            "F-SAM none) "
             "at the read rate measured beside it.",
             "",
         ]

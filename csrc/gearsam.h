@@ -16,6 +16,7 @@
 // and F-SAM's ascent direction, in place on the first gradient g and its EMA m (any contiguous range of a bucket):
 //
 //   friendly_ascent_     (g, m) <- (fma(-sigma, m, g), lerp(m, g, 1 - lmbda)), or m <- g on the first step
+//   friendly_energy_     friendly_ascent_ on a whole bucket, returning block_energy of the new g: one read for both
 //
 // and, to end the step in one pass, restore_ fused with the base optimizer's update (reads backup, never param, where
 // backup is given; bit for bit what torch's own optimizer gives on the CPU after restore_):
@@ -39,7 +40,7 @@
 //               radius 0 and leaves ema unwritten; a base step writes param = backup (nothing where backup is None)
 //               and nothing else, and does not read grad (it may hold inf or NaN).
 //
-// library.cpp registers these nine as the operators torch.ops.gearsam_fused.<name> (schemas there). ops.cpp checks
+// library.cpp registers these ten as the operators torch.ops.gearsam_fused.<name> (schemas there). ops.cpp checks
 // the arguments and calls the implementation for the tensors' device: namespace cpu (cpu/*.cpp) or namespace cuda
 // (cuda/*.cu, declared and compiled only when WITH_CUDA is defined). Every implementation receives tensors that
 // ops.cpp has already checked, and allocates nothing.
@@ -76,6 +77,9 @@ void mix_gradient_(const at::Tensor& grad, const at::Tensor& correction, const a
                    const at::Tensor& correction_scale, const at::Tensor& block_of_tile, int64_t tile);
 void exchange_sharpness_(const at::Tensor& grad, const at::Tensor& correction, int64_t tile);
 void friendly_ascent_(const at::Tensor& grad, const at::Tensor& momentum, double sigma, double lmbda, bool first);
+at::Tensor friendly_energy_(const at::Tensor& grad, const at::Tensor& momentum, const at::Tensor& param,
+                            const at::Tensor& first_tile_of_block, const at::Tensor& partials, int64_t tile,
+                            bool adaptive, double eta, double sigma, double lmbda, bool first);
 
 // b - c * d with the product rounded on its own: in device code nvcc would contract a plain `b - c * d` into an fma
 // (the host code is built with -ffp-contract=off).
@@ -225,6 +229,9 @@ struct AdamConstants {
                     const at::Tensor& correction_scale, const at::Tensor& block_of_tile, int64_t tile);              \
   void exchange_sharpness(const at::Tensor& grad, const at::Tensor& correction);                                     \
   void friendly_ascent(const at::Tensor& grad, const at::Tensor& momentum, double sigma, double lmbda, bool first);   \
+  void friendly_energy(const at::Tensor& grad, const at::Tensor& momentum, const at::Tensor& param,                  \
+                       const at::Tensor& first_tile_of_block, const at::Tensor& partials, const at::Tensor& energy,  \
+                       int64_t tile, bool adaptive, double eta, double sigma, double lmbda, bool first);             \
   void sgd_step(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& backup,                           \
                 const at::Tensor& momentum_buffer, int64_t tile, const SgdOptions& options,                          \
                 const Correction& correction, const DeviceStep& device_step);                                        \

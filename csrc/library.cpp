@@ -1,4 +1,4 @@
-// The nine kernels as operators of torch.library: torch.ops.gearsam_fused.<name>, with the names and keyword arguments
+// The ten kernels as operators of torch.library: torch.ops.gearsam_fused.<name>, with the names and keyword arguments
 // of the Triton launchers (gearsam_fused.triton_kernels), so one backend class drives both. As operators they pass
 // through the dispatcher, so torch.compile, fake tensors and functionalisation see them: each schema declares the
 // inputs it writes (Tensor(a!)), and gearsam_fused/backends/cpp_library.py registers their fake implementations
@@ -51,6 +51,7 @@ void register_kernels(torch::Library& m) {
   m.impl("mix_gradient_", &gearsam::mix_gradient_);
   m.impl("exchange_sharpness_", &gearsam::exchange_sharpness_);
   m.impl("friendly_ascent_", &gearsam::friendly_ascent_);
+  m.impl("friendly_energy_", &gearsam::friendly_energy_);
   m.impl("sgd_step_", &sgd_step);
   m.impl("adam_step_", &adam_step);
 }
@@ -94,6 +95,11 @@ TORCH_LIBRARY(gearsam_fused, m) {
   // for float64), torch's lerp rule; with first, momentum = grad (grad unchanged): F-SAM's ascent direction and its
   // gradient EMA. Any contiguous range of a bucket (no tiles), so that a parameter without a gradient can be left out.
   m.def("friendly_ascent_(Tensor(a!) grad, Tensor(b!) momentum, *, float sigma, float lmbda, bool first) -> ()");
+  // friendly_ascent_ on a whole bucket, then block_energy of the new grad (its partials, one per tile, in the same
+  // read): float64 [B], bit for bit the two operations one after the other.
+  m.def(
+      "friendly_energy_(Tensor(a!) grad, Tensor(b!) momentum, Tensor param, Tensor first_tile_of_block, "
+      "Tensor(c!) partials, *, int tile, bool adaptive, float eta, float sigma, float lmbda, bool first) -> Tensor");
   // param = backup (param's own values where backup is None) after one step of torch.optim.SGD on grad, bit for bit;
   // momentum_buffer (given iff momentum != 0) is updated in place, or set to the step's gradient when first. With
   // correction, correction_scale and block_of_tile (all or none) the step's gradient is

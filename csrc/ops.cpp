@@ -225,27 +225,40 @@ bool on_cuda(const at::Tensor& t) {
 #define GEARSAM_ON_DEVICE_OF(tensor, fn, ...) (on_cuda(tensor), cpu::fn(__VA_ARGS__))
 #endif
 
-at::Tensor block_energy(const at::Tensor& grad, const at::Tensor& param, const at::Tensor& first_tile_of_block,
-                        const at::Tensor& partials, int64_t tile, bool adaptive, double eta,
-                        const c10::optional<at::Tensor>& other) {
+// The energy kernels' common arguments (rows: partials per tile); returns the number of blocks.
+int64_t check_energy(const at::Tensor& grad, const at::Tensor& param, const at::Tensor& first_tile_of_block,
+                     const at::Tensor& partials, int64_t tile, int64_t rows) {
   check_tile(tile);
   check_flat("grad", grad, tile);
   check_floating("grad", grad);
   check_same("param", param, "grad", grad);
+  check_flat("first_tile_of_block", first_tile_of_block, 0, at::kLong, &grad);
+  check_flat("partials", partials, 0, at::kDouble, &grad);
+  const int64_t n_tiles = grad.numel() / tile;
+  TORCH_CHECK_VALUE(partials.numel() == rows * n_tiles, "partials has ", partials.numel(), " entries for ", n_tiles,
+                    " tiles", rows == 2 ? " (two per tile with other)" : "");
+  TORCH_CHECK_VALUE(first_tile_of_block.numel() >= 1,
+                    "first_tile_of_block needs at least one entry (B + 1 for B blocks)");
+  return first_tile_of_block.numel() - 1;
+}
+
+void check_friendly(const at::Tensor& grad, const at::Tensor& momentum, double sigma, double lmbda) {
+  check_same("momentum", momentum, "grad", grad);
+  TORCH_CHECK_VALUE(std::isfinite(sigma), "sigma must be a finite real number, got ", sigma);
+  TORCH_CHECK_VALUE(std::isfinite(lmbda), "lmbda must be a finite real number, got ", lmbda);
+}
+
+at::Tensor block_energy(const at::Tensor& grad, const at::Tensor& param, const at::Tensor& first_tile_of_block,
+                        const at::Tensor& partials, int64_t tile, bool adaptive, double eta,
+                        const c10::optional<at::Tensor>& other) {
   if (other.has_value()) {
     check_same("other", *other, "grad", grad);
     TORCH_CHECK_VALUE(!adaptive,
                       "block_energy with other takes the inner product of the two beside the plain energies, which "
                       "has no adaptive form; pass adaptive=False");
   }
-  check_flat("first_tile_of_block", first_tile_of_block, 0, at::kLong, &grad);
-  check_flat("partials", partials, 0, at::kDouble, &grad);
-  const int64_t n_tiles = grad.numel() / tile, rows = other.has_value() ? 2 : 1;
-  TORCH_CHECK_VALUE(partials.numel() == rows * n_tiles, "partials has ", partials.numel(), " entries for ", n_tiles,
-                    " tiles", rows == 2 ? " (two per tile with other)" : "");
-  TORCH_CHECK_VALUE(first_tile_of_block.numel() >= 1,
-                    "first_tile_of_block needs at least one entry (B + 1 for B blocks)");
-  const int64_t n_blocks = first_tile_of_block.numel() - 1;
+  const int64_t n_blocks =
+      check_energy(grad, param, first_tile_of_block, partials, tile, other.has_value() ? 2 : 1);
   at::Tensor energy = other.has_value() ? at::empty({2, n_blocks}, grad.options().dtype(at::kDouble))
                                         : at::empty({n_blocks}, grad.options().dtype(at::kDouble));
   GEARSAM_ON_DEVICE_OF(grad, block_energy, grad, param, first_tile_of_block, partials, energy, tile, adaptive, eta,
@@ -316,11 +329,20 @@ void exchange_sharpness_(const at::Tensor& grad, const at::Tensor& correction, i
 void friendly_ascent_(const at::Tensor& grad, const at::Tensor& momentum, double sigma, double lmbda, bool first) {
   check_flat("grad", grad);
   check_floating("grad", grad);
-  check_same("momentum", momentum, "grad", grad);
-  TORCH_CHECK_VALUE(std::isfinite(sigma), "sigma must be a finite real number, got ", sigma);
-  TORCH_CHECK_VALUE(std::isfinite(lmbda), "lmbda must be a finite real number, got ", lmbda);
+  check_friendly(grad, momentum, sigma, lmbda);
   if (grad.numel() == 0) return;
   GEARSAM_ON_DEVICE_OF(grad, friendly_ascent, grad, momentum, sigma, lmbda, first);
+}
+
+at::Tensor friendly_energy_(const at::Tensor& grad, const at::Tensor& momentum, const at::Tensor& param,
+                            const at::Tensor& first_tile_of_block, const at::Tensor& partials, int64_t tile,
+                            bool adaptive, double eta, double sigma, double lmbda, bool first) {
+  const int64_t n_blocks = check_energy(grad, param, first_tile_of_block, partials, tile, 1);
+  check_friendly(grad, momentum, sigma, lmbda);
+  at::Tensor energy = at::empty({n_blocks}, grad.options().dtype(at::kDouble));
+  GEARSAM_ON_DEVICE_OF(grad, friendly_energy, grad, momentum, param, first_tile_of_block, partials, energy, tile,
+                       adaptive, eta, sigma, lmbda, first);
+  return energy;
 }
 
 void sgd_step_(const at::Tensor& param, const at::Tensor& grad, const c10::optional<at::Tensor>& backup,

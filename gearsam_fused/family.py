@@ -21,7 +21,7 @@ composes with any of them (``GEARSAM(model, SGD, descent=SurrogateGap(0.1))``).
 
 The parts run as backend operations over the flat buffers (:class:`~gearsam_fused.backends.base.Backend`:
 ``keep_gradient_``, ``block_dot_energy``, ``kept_energy``, ``mix_gradient_``, ``exchange_sharpness_``, ``add_kept_``,
-``friendly_ascent_``), each a pass of its own beside the step's kernels but those the kernel backends (``cpp``,
+``friendly_energy_``), each a pass of its own beside the step's kernels but those the kernel backends (``cpp``,
 ``triton``) fold into the step's own passes: the perturbation keeps ``g`` as it reads it (``Backend.perturb_(...,
 keep=True)``, where no ascent has replaced ``g`` before), and the descent, a :class:`Mix` (per-block coefficients of
 ``h`` and ``g``, and for the decoupled WSAM the weight of its sharpness step), is taken by the fused base step as it
@@ -29,8 +29,10 @@ reads the gradients (``Backend.restore_and_update_(..., mix=)``; the gradients t
 or a base step taken per tensor, run ``keep_gradient_``, ``mix_gradient_``, and for the decoupled WSAM
 ``exchange_sharpness_`` before the base step and ``add_kept_`` (torch operations) after it, as passes. On the kernel
 backends the inner product and the norms are the energy kernel's deterministic per-tile reduction (``block_energy``,
-with ``other`` for ``<g, h>`` beside ``||h||^2`` in one read), and WSAM's exchange and F-SAM's ascent are kernels of
-their own (``exchange_sharpness_``, ``friendly_ascent_``).
+with ``other`` for ``<g, h>`` beside ``||h||^2`` in one read), WSAM's exchange is a kernel of its own
+(``exchange_sharpness_``), and F-SAM's ascent is taken in the energy pass: one read of ``g`` and ``m`` writes the
+direction and the new ``m`` and sums the direction's energies (``friendly_energy_``, where every parameter of a bucket
+has a gradient; else ``friendly_ascent_`` on each run of parameters with one, then ``block_energy``).
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ class FriendlyAscent:
     copy of ``m`` until the step completes, so that ``cancel_step()`` puts it back."""
 
     #: the backend operations it runs (:attr:`~gearsam_fused.backends.base.Backend.family_operators`)
-    operations = ("friendly_ascent_",)
+    operations = ("friendly_energy_",)
 
     def __init__(self, sigma: float = 1.0, lmbda: float = 0.9):
         self.sigma = check_real("sigma", sigma, low=0.0)
@@ -63,9 +65,10 @@ class FriendlyAscent:
     def __repr__(self) -> str:
         return f"FriendlyAscent(sigma={self.sigma!r}, lmbda={self.lmbda!r})"
 
-    def apply_(self, backend, first: bool) -> None:
-        """Replace the gradients by the ascent direction (and update ``m``)."""
-        backend.friendly_ascent_(self.sigma, self.lmbda, first)
+    def apply_(self, backend, first: bool, adaptive: bool, eta: float) -> torch.Tensor:
+        """Replace the gradients by the ascent direction (and update ``m``); the direction's block energies (ASAM's
+        with ``adaptive``), which the kernel backends take in the same read."""
+        return backend.friendly_energy_(self.sigma, self.lmbda, first, adaptive, eta)
 
 
 class Mix(NamedTuple):

@@ -436,8 +436,10 @@ class SharpnessAware(torch.optim.Optimizer):
         if cancellable and sam:
             undo = self._run.checkpoint(self._momentum_copy() if self.ascent is not None else None)
         # a skipped step has no perturbation: h = g, every descent is g, no ascent direction is taken
-        keep = self._family_first_step() if sam else False
-        energy = sum_over(self._shard_groups, self._backend.block_energy(self.adaptive, self.eta))
+        keep, energy = self._family_first_step() if sam else (False, None)
+        if energy is None:
+            energy = self._backend.block_energy(self.adaptive, self.eta)
+        energy = sum_over(self._shard_groups, energy)
         if self.schedule is not None:
             self._decide_next(energy)
         if not sam:
@@ -494,18 +496,20 @@ class SharpnessAware(torch.optim.Optimizer):
             return f"base_step={self.base_step!r}"
         return self._flat_step.reason
 
-    def _family_first_step(self) -> bool:
+    def _family_first_step(self) -> tuple[bool, torch.Tensor | None]:
         """The SAM family's parts of a first step (:mod:`gearsam_fused.family`): keep ``g`` for the descent, and
-        replace the gradients by the ascent direction. Whether ``g`` is still to be kept: without an ascent, the
-        perturbation keeps it as it reads it (one pass fewer where the backend folds the copy into it)."""
+        replace the gradients by the ascent direction. Whether ``g`` is still to be kept (without an ascent, the
+        perturbation keeps it as it reads it: one pass fewer where the backend folds the copy into it), and the
+        ascent direction's energies (this rank's), None without an ascent."""
         keep = self.descent is not None
         if keep and self.ascent is not None:
             self._backend.keep_gradient_()  # before the ascent replaces g
             keep = False
-        if self.ascent is not None:
-            self.ascent.apply_(self._backend, first=not self._run.ascent_started)
-            self._run.ascent_started = True
-        return keep
+        if self.ascent is None:
+            return keep, None
+        energy = self.ascent.apply_(self._backend, not self._run.ascent_started, self.adaptive, self.eta)
+        self._run.ascent_started = True
+        return keep, energy
 
     def _decide_next(self, energy: torch.Tensor) -> None:
         """Let the schedule decide the next step from this one's energies; a device decision is copied to the host

@@ -76,6 +76,15 @@ def variants():
                  "sigma64": "fp64", "weight32": "fp32", "weight64": "fp64"},
                 {"FIRST": first, "SMALL": small, "BLOCK": mix.FRIENDLY_BLOCK, "COMPUTE": compute},
             )  # fmt: skip
+            for adaptive in (False, True):
+                yield (
+                    f"friendly_energy[{storage},first={first},small={small},adaptive={adaptive}]",
+                    energy._friendly_energy_kernel,
+                    {"grad_ptr": f"*{storage}", "momentum_ptr": f"*{storage}", "param_ptr": f"*{storage}",
+                     "partial_ptr": "*fp64", "sigma32": "fp32", "sigma64": "fp64", "weight32": "fp32",
+                     "weight64": "fp64", "eta32": "fp32", "eta64": "fp64"},
+                    {"FIRST": first, "SMALL": small, "ADAPTIVE": adaptive, "TILE": TILE, "ACC": compute},
+                )  # fmt: skip
     yield (
         "block_sum",
         energy._block_sum_kernel,

@@ -156,7 +156,7 @@ def test_quick_run_appends_rows_and_prints_the_report(tmp_path):
     ours_backend = "cpp" if any(r["contender"] == "cpp" for r in wholes) else "torch"
     expected = {(v, c) for v in ("SAM", "GSAM", "WSAM", "F-SAM", "GEAR-SAM", "GEAR-SAM + GSAM")
                 for c in (ours_backend, "pytorch_optimizer") if c == ours_backend or "GEAR" not in v}  # fmt: skip
-    extra = {"SAM": 0, "GSAM": 24, "WSAM": 32, "F-SAM": 16, "GEAR-SAM": 0, "GEAR-SAM + GSAM": 24}
+    extra = {"SAM": 0, "GSAM": 24, "WSAM": 32, "F-SAM": 12, "GEAR-SAM": 0, "GEAR-SAM + GSAM": 24}
     # a whole step's fused base update takes GSAM's mix and WSAM's sharpness step: g read, not passes of their own
     folded = {"GSAM": 8, "GEAR-SAM + GSAM": 8, "WSAM": 24}
     for benchmark, bases in (("bench_sam_step", {None: 28}), ("bench_whole_step", {"SGD": 40})):  # quick: SGD only

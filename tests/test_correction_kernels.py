@@ -270,6 +270,33 @@ def test_the_friendly_oracle_anchors_the_lerp_by_the_weight_in_the_compute_type(
     assert (ema != torch.tensor(anchored_at_m)).any()
 
 
+@pytest.mark.parametrize("first", [False, True], ids=["later", "first"])
+@pytest.mark.parametrize("adaptive", [False, True], ids=["sam", "asam"])
+@pytest.mark.parametrize("flags", ["small-weight", "large-weight"])
+@pytest.mark.parametrize("dtype", MIX_FLOATS, ids=str)
+@pytest.mark.parametrize("backend,device", KERNELS)
+def test_friendly_energy_is_the_ascent_then_the_energies(backend, device, dtype, flags, adaptive, first):
+    """friendly_energy_ on a whole bucket: the bits of friendly_ascent_ then block_energy, in the gradient, the EMA,
+    every tile's partial and every block's energy (blocks of 2, 3, 0 and 6 tiles). Later steps' energies are not the
+    first gradient's: the sums are of the new gradient."""
+    sigma, lmbda = FRIENDLY[flags]
+    param, grad, m = (t.to(device) for t in buffers(dtype))
+    first_tile_of_block = torch.tensor([0, 2, 5, 5, len(TILE_BLOCK)], device=device)
+    module = kernel_module(backend)
+    energy_kw = dict(tile=TILE, adaptive=adaptive, eta=0.01)
+    g_two, m_two, g_one, m_one = grad.clone(), m.clone(), grad.clone(), m.clone()
+    partials_two, partials_one = (torch.full((len(TILE_BLOCK),), float("nan"), dtype=torch.float64, device=device)
+                                  for _ in range(2))  # fmt: skip
+    module.friendly_ascent_(g_two, m_two, sigma=sigma, lmbda=lmbda, first=first)
+    expected = module.block_energy(g_two, param, first_tile_of_block, partials_two, **energy_kw)
+    energy = module.friendly_energy_(g_one, m_one, param, first_tile_of_block, partials_one, **energy_kw, sigma=sigma,
+                                     lmbda=lmbda, first=first)  # fmt: skip
+    for got, want in ((g_one, g_two), (m_one, m_two), (partials_one, partials_two), (energy, expected)):
+        assert torch.equal(got, want)
+    before = module.block_energy(grad, param, first_tile_of_block, partials_two, **energy_kw)
+    assert torch.equal(energy, before) == first
+
+
 # ------------------------------------------------------------------------------------------- the correction
 @pytest.mark.parametrize("dtype", FLOATS, ids=str)
 def test_the_oracle_is_a_fused_multiply_add(dtype):

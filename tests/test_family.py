@@ -20,6 +20,7 @@ from gearsam_fused import (
     WeightedSharpness,
     accumulated_step,
 )  # fmt: skip
+from gearsam_fused.backends.base import Backend
 from gearsam_fused.schedules import Adaptive, Every, LookSAM, Random
 
 from conftest import (
@@ -386,6 +387,44 @@ def test_the_kernels_fold_the_descent_into_the_step(name, base, backend, device,
     assert torch.equal(*grads[0]) and not torch.equal(*grads[1])
 
 
+@pytest.mark.parametrize("backend,device", KERNELS)
+@pytest.mark.parametrize("adaptive", [False, True], ids=["sam", "asam"])
+@pytest.mark.parametrize("name", ["friendly-sam", "gear-friendly-gsam"])
+def test_the_kernels_take_the_ascent_in_the_energy_pass(name, adaptive, backend, device, monkeypatch):
+    """On the kernel backends F-SAM's ascent and the energies of its direction are one kernel call per bucket
+    (friendly_energy_) where every parameter has a gradient, not the ascent's and then the energy kernel's: the same
+    bits as those two passes (Backend.friendly_energy_), first step and later ones."""
+    cls, parts = VARIANTS[name]
+    runs, calls = [], []
+    for fused in (True, False):
+        model = tiny_resnet().to(device)
+        opt = cls(model, torch.optim.SGD, rho=RHO, backend=backend, adaptive=adaptive, **copy.deepcopy(parts),
+                  **SGD_KW)  # fmt: skip
+        if not fused:
+            monkeypatch.setattr(type(opt.backend), "friendly_energy_", Backend.friendly_energy_)
+        count = {"friendly_ascent_": 0, "friendly_energy_": 0, "block_energy": 0}
+        for op in count:
+            kernel = getattr(opt.backend.kernels, op)
+            monkeypatch.setattr(opt.backend.kernels, op, lambda *a, _op=op, _k=kernel, **kw: (
+                count.__setitem__(_op, count[_op] + 1), _k(*a, **kw))[1])  # fmt: skip
+        for xy in batches(3, device=device):
+            loss_fn(model, xy).backward()
+            opt.first_step(zero_grad=True)
+            loss_fn(model, xy).backward()
+            opt.second_step(zero_grad=True)
+        runs.append(flat(model).cpu())
+        calls.append(count)
+        monkeypatch.undo()
+    assert torch.equal(*runs)
+    per_step = len(opt.backend.layout.buckets)
+    # GSAM's ||g|| (kept_energy: the ascent's energies are not g's) and its ||h||^2 with <g, h> (block_dot_energy)
+    second = 2 * per_step if "descent" in parts else 0
+    assert calls == [
+        {"friendly_ascent_": 0, "friendly_energy_": 3 * per_step, "block_energy": 3 * second},
+        {"friendly_ascent_": 3 * per_step, "friendly_energy_": 0, "block_energy": 3 * (per_step + second)},
+    ]
+
+
 class SometimesUsed(torch.nn.Module):
     """``extra`` takes part in the loss on even steps only: on odd steps its parameters have no gradient."""
 
@@ -652,7 +691,7 @@ def test_parts_of_registered_operators_compile_to_the_eager_bits(backend, device
          r"not take the descent this step: base_step='per-tensor'\) as torch operations, .* copies of the flat "
          r"buffers; run the step eagerly"),
         (lambda m, b: FriendlySAM(m, torch.optim.SGD, lr=0.1, backend=b), "torch",
-         r"part FriendlyAscent\(sigma=1.0, lmbda=0.9\) runs friendly_ascent_ on backend 'torch' .* use "
+         r"part FriendlyAscent\(sigma=1.0, lmbda=0.9\) runs friendly_energy_ on backend 'torch' .* use "
          r"backend='cpp' or 'triton'"),
     ],
     ids=["gsam-torch", "wsam-decoupled-cpp-per-tensor", "friendly-sam-torch"],

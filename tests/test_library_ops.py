@@ -175,6 +175,20 @@ def test_opcheck_friendly_ascent(dtype, device, first):
     opcheck("friendly_ascent_", (grad[3:-5], momentum[3:-5]), dict(sigma=0.7, lmbda=0.9, first=first))
 
 
+def friendly_energy_args(dtype, device, adaptive: bool, first: bool):
+    (grad, param, first_tile_of_block, partials), kw = energy_args(dtype, device, adaptive)
+    momentum = randn(1, dtype, device)[0].flip(0)
+    return (grad, momentum, param, first_tile_of_block, partials), dict(**kw, sigma=0.7, lmbda=0.9, first=first)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("first", [False, True], ids=["later", "first"])
+@pytest.mark.parametrize("adaptive", [False, True], ids=["sam", "asam"])
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+def test_opcheck_friendly_energy(dtype, adaptive, first, device):
+    opcheck("friendly_energy_", *friendly_energy_args(dtype, device, adaptive, first))
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("gear", [False, True], ids=["sam-rule", "gear-rule"])
 def test_opcheck_allocate(gear, device):
@@ -335,11 +349,12 @@ def test_adam_step_is_torchs_adam(dtype, flags, with_backup, device):
 
 # ------------------------------------------------------------------------------------------- fake tensors
 def test_fakes_give_the_shapes_of_the_outputs():
-    """Under FakeTensorMode: the energy is float64 [B] on grad's device, allocate's scale and radius are like it, the
-    in-place operators return nothing. On the meta device too: one entry per block, however many tiles."""
+    """Under FakeTensorMode: the energy (block_energy's, friendly_energy_'s) is float64 [B] on grad's device,
+    allocate's scale and radius are like it, the other operators return nothing. On the meta device too: one entry per block, however many tiles."""
     (grad, param, first_tile_of_block, partials), kw = energy_args(torch.bfloat16, "cpu", adaptive=True)
     perturb, perturb_kw = perturb_args(torch.bfloat16, "cpu", adaptive=True)
     sgd, sgd_kw = sgd_args(torch.float64, "cpu", "momentum", with_backup=False, corrected=True)
+    friendly, friendly_kw = friendly_energy_args(torch.bfloat16, "cpu", adaptive=True, first=False)
     with FakeTensorMode() as mode:
         fake = mode.from_tensor
         energy = ops().block_energy(fake(grad), fake(param), fake(first_tile_of_block), fake(partials), **kw)
@@ -350,6 +365,8 @@ def test_fakes_give_the_shapes_of_the_outputs():
         assert ops().perturb_(*map(fake, perturb), **perturb_kw) is None
         sgd_kw = {k: fake(v) if isinstance(v, torch.Tensor) else v for k, v in sgd_kw.items()}
         assert ops().sgd_step_(*(None if t is None else fake(t) for t in sgd), **sgd_kw) is None
+        energy = ops().friendly_energy_(*map(fake, friendly), **friendly_kw)
+        assert (energy.shape, energy.dtype, energy.device) == ((3,), torch.float64, grad.device)
     meta = dict(device="meta")
     energy = ops().block_energy(torch.empty(64 * 16, **meta), torch.empty(64 * 16, **meta),
                                 torch.zeros(5, dtype=torch.int64, **meta), torch.empty(64, dtype=torch.float64, **meta),
@@ -391,6 +408,11 @@ def _wrong_calls():
         grad, momentum = randn(2, f32, "cpu")
         return "friendly_ascent_", {"grad": grad, "momentum": momentum, "sigma": 1.0, "lmbda": 0.9, "first": False,
                                     **change}  # fmt: skip
+
+    def friendly_energy(**change):
+        (grad, momentum, param, first_tile_of_block, partials), kw = friendly_energy_args(f32, "cpu", True, False)
+        args = {"grad": grad, "momentum": momentum, "param": param, "first_tile_of_block": first_tile_of_block}
+        return "friendly_energy_", {**args, "partials": partials, **kw, **change}
 
     def sgd(**change):
         (param, grad, backup, buffer), kw = sgd_args(f32, "cpu", "momentum", True, corrected=True)
@@ -435,6 +457,10 @@ def _wrong_calls():
         "friendly-strided-grad": lambda: friendly(grad=torch.zeros(2 * N)[::2]),
         "friendly-sigma": lambda: friendly(sigma=float("nan")),
         "friendly-lmbda": lambda: friendly(lmbda=float("inf")),
+        "friendly-energy-tile": lambda: friendly_energy(tile=7),
+        "friendly-energy-partials-count": lambda: friendly_energy(partials=torch.zeros(N_TILES - 1, dtype=f64)),
+        "friendly-energy-momentum-dtype": lambda: friendly_energy(momentum=torch.zeros(N, dtype=f64)),
+        "friendly-energy-sigma": lambda: friendly_energy(sigma=float("-inf")),
         "base-step-dtype": lambda: sgd(**bf16),
         "momentum-missing": lambda: sgd(momentum_buffer=None),
         "momentum-unneeded": lambda: sgd(momentum=0.0),

@@ -74,6 +74,7 @@ def test_every_launcher_is_its_op(ops):
         "mix_gradient_": {"grad"},
         "exchange_sharpness_": {"grad", "correction"},
         "friendly_ascent_": {"grad", "momentum"},
+        "friendly_energy_": {"grad", "momentum", "partials"},
         "sgd_step_": {"param", "momentum_buffer"},
         "adam_step_": {"param", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"},
     }
@@ -159,6 +160,19 @@ def test_opcheck_friendly_ascent(ops, backend, device, dtype, first):
     """On a range of a bucket that is not a whole number of tiles (its exact values: test_correction_kernels.py)."""
     args = (randn(dtype, device, 0)[3:-5], randn(dtype, device, 1)[3:-5])
     torch.library.opcheck(ops[0].friendly_ascent_.default, args, dict(sigma=0.7, lmbda=0.9, first=first))
+
+
+@pytest.mark.parametrize("first", [False, True], ids=["later", "first"])
+@pytest.mark.parametrize("adaptive", [False, True], ids=["sam", "asam"])
+@pytest.mark.parametrize("dtype", STORED, ids=str)
+@pytest.mark.parametrize("backend,device", DEVICES)
+def test_opcheck_friendly_energy(ops, backend, device, dtype, adaptive, first):
+    """Its bits against the two launchers it replaces: test_correction_kernels.py."""
+    _, first_tile_of_block, _ = tables(device)
+    partials = torch.full((len(TILE_BLOCK),), float("nan"), dtype=torch.float64, device=device)
+    args = (randn(dtype, device, 0), randn(dtype, device, 1), randn(dtype, device, 2), first_tile_of_block, partials)
+    kwargs = dict(tile=TILE, adaptive=adaptive, eta=0.01, sigma=0.7, lmbda=0.9, first=first)
+    torch.library.opcheck(ops[0].friendly_energy_.default, args, kwargs)
 
 
 def base_step_args(dtype, device, backup: bool, corrected: bool | str) -> dict:

@@ -16,6 +16,7 @@ restore\\_               w = backup, bit for bit                                
 mix_gradient\\_          g = fma(c[block], correction, a[block] * g)                 1
 exchange_sharpness\\_    (g, correction) = (correction, g - correction)              1
 friendly_ascent\\_       (g, m) = (fma(-sigma, m, g), lerp(m, g, 1 - lmbda))         1
+friendly_energy\\_       friendly_ascent\\_, then energies of the new g in one read   2 (tiles, then blocks)
 sgd_step\\_              w = backup, then torch's SGD step on w and its momentum     1
 adam_step\\_             w = backup, then torch's Adam(W) step on w and its moments  1
 ======================  ==========================================================  =====================
@@ -37,6 +38,7 @@ restore\\_               param
 mix_gradient\\_          grad
 exchange_sharpness\\_    grad, correction
 friendly_ascent\\_       grad, momentum
+friendly_energy\\_       grad, momentum, partials
 sgd_step\\_              param, momentum_buffer
 adam_step\\_             param, exp_avg, exp_avg_sq, max_exp_avg_sq
 ======================  ==============================================
@@ -64,7 +66,7 @@ through Triton's interpreter.
 
 from .allocation import allocate
 from .base_step import adam_step_, sgd_step_
-from .energy import block_energy
+from .energy import block_energy, friendly_energy_
 from .mix import exchange_sharpness_, friendly_ascent_, mix_gradient_
 from .perturb import perturb_, restore_
 
@@ -74,6 +76,7 @@ __all__ = [
     "block_energy",
     "exchange_sharpness_",
     "friendly_ascent_",
+    "friendly_energy_",
     "mix_gradient_",
     "perturb_",
     "restore_",

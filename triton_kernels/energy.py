@@ -7,6 +7,9 @@
 With other (T = 1), in the same read of each tile, the products g_i * other_i as well, summed the same way into
 partial_{n_tiles + t} and per block into a second row of the result.
 
+friendly_energy_ takes F-SAM's ascent (triton_kernels.mix) on each tile first and sums the new gradient's squares the
+same way: the bits of friendly_ascent_ followed by block_energy, in one read.
+
 Two launches, no atomics: each tile's sum is one program's fixed tree reduction, and each block's sum is one program
 walking its tiles in order, so the same gradients always give bitwise the same energies.
 """
@@ -18,10 +21,32 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
-from ._common import NAMESPACE, check_flat, check_other, check_partials, check_same, compute_type, kept_whole, launches
+from ._common import (
+    NAMESPACE,
+    check_flat,
+    check_other,
+    check_partials,
+    check_same,
+    compute_type,
+    host_scalar,
+    kept_whole,
+    launches,
+    pairs,
+)
+from .mix import check_friendly, friendly, small_weight
+from .perturb import round_to
 
 #: Tiles summed per loop iteration of the per-block reduction.
 _BLOCK_CHUNK = 256
+
+
+@triton.jit
+def _square_sum(g, second_ptr, offsets, eta32, eta64, ADAPTIVE: tl.constexpr, ACC: tl.constexpr):
+    """The tile's sum of (T * g)^2 in ACC, as float64; g in ACC, T = |w| + eta (w from second) if ADAPTIVE else 1."""
+    if ADAPTIVE:
+        w = tl.load(second_ptr + offsets).to(ACC)
+        g = (tl.abs(w) + (eta64 if ACC == tl.float64 else eta32)) * g
+    return tl.sum(g * g, axis=0).to(tl.float64)
 
 
 @triton.jit
@@ -35,10 +60,30 @@ def _tile_energy_kernel(grad_ptr, second_ptr, partial_ptr, n_tiles, eta32: tl.fl
     if PRODUCT:
         products = g * tl.load(second_ptr + offsets).to(ACC)
         tl.store(partial_ptr + n_tiles + tile, tl.sum(products, axis=0).to(tl.float64))
-    if ADAPTIVE:
-        w = tl.load(second_ptr + offsets).to(ACC)
-        g = (tl.abs(w) + (eta64 if ACC == tl.float64 else eta32)) * g
-    tl.store(partial_ptr + tile, tl.sum(g * g, axis=0).to(tl.float64))
+    tl.store(partial_ptr + tile, _square_sum(g, second_ptr, offsets, eta32, eta64, ADAPTIVE, ACC))
+
+
+@triton.jit
+def _friendly_energy_kernel(grad_ptr, momentum_ptr, param_ptr, partial_ptr, sigma32: tl.float32, sigma64: tl.float64,
+                            weight32: tl.float32, weight64: tl.float64, eta32: tl.float32, eta64: tl.float64,
+                            FIRST: tl.constexpr, SMALL: tl.constexpr, ADAPTIVE: tl.constexpr, TILE: tl.constexpr,
+                            ACC: tl.constexpr):  # fmt: skip
+    """F-SAM's ascent on tile t (mix.friendly; m <- g when FIRST), then partial[t] as _tile_energy_kernel sums the
+    new g."""
+    tile = tl.program_id(0).to(tl.int64)
+    offsets = tile * TILE + tl.arange(0, TILE)
+    stored = tl.load(grad_ptr + offsets)
+    if FIRST:
+        tl.store(momentum_ptr + offsets, stored)
+    else:
+        m = tl.load(momentum_ptr + offsets).to(ACC)
+        s = host_scalar(sigma32, sigma64, ACC)
+        w = host_scalar(weight32, weight64, ACC)
+        g_new, m_new = friendly(stored.to(ACC), m, s, w, SMALL)
+        tl.store(momentum_ptr + offsets, round_to(m_new, stored.dtype))
+        stored = round_to(g_new, stored.dtype)
+        tl.store(grad_ptr + offsets, stored)
+    tl.store(partial_ptr + tile, _square_sum(stored.to(ACC), param_ptr, offsets, eta32, eta64, ADAPTIVE, ACC))
 
 
 @triton.jit
@@ -69,13 +114,9 @@ def block_energy(grad: torch.Tensor, param: torch.Tensor, first_tile_of_block: t
     ``grad`` and ``param`` are the bucket's flat buffers (``param`` is read only when ``adaptive``); ``partials`` is
     float64 scratch with one entry per tile (two with ``other``), overwritten.
     """
-    check_flat("grad", grad, tile)
-    check_same("param", param, "grad", grad)
     check_other(other, grad, adaptive)
-    check_flat("first_tile_of_block", first_tile_of_block, dtype=torch.int64, device=grad.device)
-    check_flat("partials", partials, dtype=torch.float64, device=grad.device)
-    n_tiles, rows = check_partials(partials, grad, tile, other)
-    n_blocks = first_tile_of_block.numel() - 1
+    n_tiles, n_blocks = _check_energy(grad, param, first_tile_of_block, partials, tile, other)
+    rows = 1 if other is None else 2
     energy = torch.empty((rows, n_blocks) if other is not None else (n_blocks,), dtype=torch.float64,
                          device=grad.device)  # fmt: skip
     if n_tiles and launches(_tile_energy_kernel, grad):
@@ -92,8 +133,52 @@ def block_energy(grad: torch.Tensor, param: torch.Tensor, first_tile_of_block: t
             ACC=compute_type(grad.dtype),
             enable_fp_fusion=False,
         )
-    if n_blocks and launches(_block_sum_kernel, grad):
+    _block_sums(partials, first_tile_of_block, energy, n_tiles, rows)
+    return energy
+
+
+@kept_whole
+@triton_op(f"{NAMESPACE}::friendly_energy_", mutates_args=("grad", "momentum", "partials"))
+def friendly_energy_(grad: torch.Tensor, momentum: torch.Tensor, param: torch.Tensor, first_tile_of_block: torch.Tensor,
+                     partials: torch.Tensor, *, tile: int, adaptive: bool, eta: float, sigma: float, lmbda: float,
+                     first: bool) -> torch.Tensor:  # fmt: skip
+    """:func:`~triton_kernels.mix.friendly_ascent_` on the whole bucket, then :func:`block_energy` of the new ``grad``
+    (``other`` None), in one read: float64 ``[B]``, bit for bit the two launchers one after the other."""
+    n_tiles, n_blocks = _check_energy(grad, param, first_tile_of_block, partials, tile)
+    check_friendly(grad, momentum, sigma, lmbda)
+    energy = torch.empty((n_blocks,), dtype=torch.float64, device=grad.device)
+    if n_tiles and launches(_friendly_energy_kernel, grad):
+        wrap_triton(_friendly_energy_kernel)[(n_tiles,)](
+            grad,
+            momentum,
+            param,
+            partials,
+            *pairs(sigma, 1.0 - lmbda, eta),
+            FIRST=first,
+            SMALL=small_weight(lmbda, grad.dtype),
+            ADAPTIVE=adaptive,
+            TILE=tile,
+            ACC=compute_type(grad.dtype),
+            enable_fp_fusion=False,
+        )
+    _block_sums(partials, first_tile_of_block, energy, n_tiles, 1)
+    return energy
+
+
+def _check_energy(grad, param, first_tile_of_block, partials, tile, other=None) -> tuple[int, int]:
+    """The energy launchers' common arguments; ``(n_tiles, n_blocks)``."""
+    check_flat("grad", grad, tile)
+    check_same("param", param, "grad", grad)
+    check_flat("first_tile_of_block", first_tile_of_block, dtype=torch.int64, device=grad.device)
+    check_flat("partials", partials, dtype=torch.float64, device=grad.device)
+    n_tiles, _ = check_partials(partials, grad, tile, other)
+    return n_tiles, first_tile_of_block.numel() - 1
+
+
+def _block_sums(partials, first_tile_of_block, energy, n_tiles: int, rows: int) -> None:
+    """Stage two: each block's tiles of each row of ``partials`` summed into ``energy``."""
+    n_blocks = first_tile_of_block.numel() - 1
+    if n_blocks and launches(_block_sum_kernel, partials):
         wrap_triton(_block_sum_kernel)[(n_blocks, rows)](
             partials, first_tile_of_block, energy, n_tiles, n_blocks, CHUNK=_BLOCK_CHUNK
         )
-    return energy

@@ -68,6 +68,17 @@ def _exchange_kernel(grad_ptr, correction_ptr, TILE: tl.constexpr, COMPUTE: tl.c
 
 
 @triton.jit
+def friendly(g, m, s, w, SMALL: tl.constexpr):
+    """F-SAM's ascent on values in the compute type: ``(fma(-s, m, g), lerp(m, g, w))``, the lerp anchored by torch's
+    rule (SMALL: ``|w| < 0.5``); shared with :func:`~triton_kernels.energy.friendly_energy_`."""
+    if SMALL:
+        m_new = tl.fma(w, g - m, m)
+    else:
+        m_new = tl.fma(w - 1.0, g - m, g)
+    return tl.fma(-s, m, g), m_new
+
+
+@triton.jit
 def _friendly_kernel(grad_ptr, momentum_ptr, n, sigma32: tl.float32, sigma64: tl.float64, weight32: tl.float32,
                      weight64: tl.float64, FIRST: tl.constexpr, SMALL: tl.constexpr, BLOCK: tl.constexpr,
                      COMPUTE: tl.constexpr):  # fmt: skip
@@ -79,16 +90,24 @@ def _friendly_kernel(grad_ptr, momentum_ptr, n, sigma32: tl.float32, sigma64: tl
     if FIRST:
         tl.store(momentum_ptr + offsets, stored, mask=mask)
     else:
-        g = stored.to(COMPUTE)
         m = tl.load(momentum_ptr + offsets, mask=mask).to(COMPUTE)
         s = host_scalar(sigma32, sigma64, COMPUTE)
         w = host_scalar(weight32, weight64, COMPUTE)
-        if SMALL:
-            m_new = tl.fma(w, g - m, m)
-        else:
-            m_new = tl.fma(w - 1.0, g - m, g)
-        tl.store(grad_ptr + offsets, round_to(tl.fma(-s, m, g), stored.dtype), mask=mask)
+        g_new, m_new = friendly(stored.to(COMPUTE), m, s, w, SMALL)
+        tl.store(grad_ptr + offsets, round_to(g_new, stored.dtype), mask=mask)
         tl.store(momentum_ptr + offsets, round_to(m_new, stored.dtype), mask=mask)
+
+
+def check_friendly(grad: torch.Tensor, momentum: torch.Tensor, sigma: float, lmbda: float) -> None:
+    """F-SAM's arguments beside ``grad``: the EMA buffer like it, finite ``sigma`` and ``lmbda``."""
+    check_same("momentum", momentum, "grad", grad)
+    check_real("sigma", sigma, low=-math.inf)
+    check_real("lmbda", lmbda, low=-math.inf)
+
+
+def small_weight(lmbda: float, dtype: torch.dtype) -> bool:
+    """Whether the lerp weight ``1 - lmbda`` is below 0.5 in size: ATen decides on it rounded to its compute type."""
+    return abs(in_compute(1.0 - lmbda, dtype)) < 0.5
 
 
 @kept_whole
@@ -133,9 +152,7 @@ def exchange_sharpness_(grad: torch.Tensor, correction: torch.Tensor, *, tile: i
 def friendly_ascent_(grad: torch.Tensor, momentum: torch.Tensor, *, sigma: float, lmbda: float, first: bool) -> None:
     """In place on both: ``grad`` takes F-SAM's ascent direction, ``momentum`` its EMA update (``first``: ``grad``)."""
     check_flat("grad", grad)
-    check_same("momentum", momentum, "grad", grad)
-    check_real("sigma", sigma, low=-math.inf)
-    check_real("lmbda", lmbda, low=-math.inf)
+    check_friendly(grad, momentum, sigma, lmbda)
     n = grad.numel()
     weight = 1.0 - lmbda
     if n and launches(_friendly_kernel, grad):
@@ -145,7 +162,7 @@ def friendly_ascent_(grad: torch.Tensor, momentum: torch.Tensor, *, sigma: float
             n,
             *pairs(sigma, weight),
             FIRST=first,
-            SMALL=abs(in_compute(weight, grad.dtype)) < 0.5,  # ATen decides on the weight rounded to its compute type
+            SMALL=small_weight(lmbda, grad.dtype),
             BLOCK=FRIENDLY_BLOCK,
             COMPUTE=compute_type(grad.dtype),
             enable_fp_fusion=False,

@@ -8,6 +8,9 @@
 // With other (T = 1), in the same read of each tile: the energies as above in partials[0, n_tiles), and the products
 // g_i other_i summed the same way in partials[n_tiles, 2 n_tiles), per block into energy's second row.
 //
+// friendly_energy: F-SAM's ascent (friendly.h) on each tile, then that tile's partial of the new g, taken from L1 by
+// the same loop: one read of memory for both, the bits of friendly_ascent followed by block_energy.
+//
 // Threads split the tiles (then the blocks) between them, but every sum runs over a fixed range in a fixed order, so
 // the result does not depend on how the work was split.
 
@@ -18,6 +21,7 @@
 #include <cmath>
 
 #include "../gearsam.h"
+#include "friendly.h"
 #include "tiles.h"
 #include "vec.h"
 
@@ -93,19 +97,27 @@ void tile_sums(const at::Tensor& grad, const at::Tensor& second, const at::Tenso
   });
 }
 
-}  // namespace
-
-void block_energy(const at::Tensor& grad, const at::Tensor& param, const at::Tensor& first_tile_of_block,
-                  const at::Tensor& partials, const at::Tensor& energy, int64_t tile, bool adaptive, double eta,
-                  const at::Tensor& other) {
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad.scalar_type(), "gearsam_block_energy_cpu", [&] {
-    if (adaptive)
-      tile_sums<Term::kAdaptiveSquare, scalar_t>(grad, param, other, partials, tile, eta);
-    else
-      tile_sums<Term::kSquare, scalar_t>(grad, param, other, partials, tile, eta);
+template <Term kTerm, typename scalar_t>
+void friendly_tile_sums(const at::Tensor& grad, const at::Tensor& momentum, const at::Tensor& param,
+                        const at::Tensor& partials, int64_t tile, double eta, double sigma, double lmbda, bool first) {
+  using compute_t = at::opmath_type<scalar_t>;
+  scalar_t* g = grad.mutable_data_ptr<scalar_t>();
+  scalar_t* m = momentum.mutable_data_ptr<scalar_t>();
+  const scalar_t* p = param.const_data_ptr<scalar_t>();
+  double* out = partials.mutable_data_ptr<double>();
+  const auto eta_c = static_cast<compute_t>(eta), s = static_cast<compute_t>(sigma);
+  const auto w = static_cast<compute_t>(1.0 - lmbda);
+  const bool avx2 = cpu_has_fma();
+  for_each_tile(grad.numel() / tile, tile, [&](int64_t t) {
+    friendly::span(g + t * tile, m + t * tile, tile, s, w, first, avx2);
+    out[t] = tile_sum_here<kTerm>(avx2, g + t * tile, p + t * tile, tile, eta_c);
   });
-  // energy is [B], or [2, B] with other: row r sums the r-th n_tiles of partials
-  const int64_t n_tiles = grad.numel() / tile, n_blocks = first_tile_of_block.numel() - 1;
+}
+
+// energy[r * n_blocks + b] = the sum of block b's tiles in row r of partials (n_tiles entries a row), in tile order.
+void block_sums(const at::Tensor& partials, const at::Tensor& first_tile_of_block, const at::Tensor& energy,
+                int64_t n_tiles) {
+  const int64_t n_blocks = first_tile_of_block.numel() - 1;
   const double* part = partials.const_data_ptr<double>();
   const int64_t* range = first_tile_of_block.const_data_ptr<int64_t>();
   double* out = energy.mutable_data_ptr<double>();
@@ -117,6 +129,33 @@ void block_energy(const at::Tensor& grad, const at::Tensor& param, const at::Ten
       out[i] = sum;
     }
   });
+}
+
+}  // namespace
+
+void block_energy(const at::Tensor& grad, const at::Tensor& param, const at::Tensor& first_tile_of_block,
+                  const at::Tensor& partials, const at::Tensor& energy, int64_t tile, bool adaptive, double eta,
+                  const at::Tensor& other) {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad.scalar_type(), "gearsam_block_energy_cpu", [&] {
+    if (adaptive)
+      tile_sums<Term::kAdaptiveSquare, scalar_t>(grad, param, other, partials, tile, eta);
+    else
+      tile_sums<Term::kSquare, scalar_t>(grad, param, other, partials, tile, eta);
+  });
+  block_sums(partials, first_tile_of_block, energy, grad.numel() / tile);  // [B], or [2, B] with other
+}
+
+void friendly_energy(const at::Tensor& grad, const at::Tensor& momentum, const at::Tensor& param,
+                     const at::Tensor& first_tile_of_block, const at::Tensor& partials, const at::Tensor& energy,
+                     int64_t tile, bool adaptive, double eta, double sigma, double lmbda, bool first) {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad.scalar_type(), "gearsam_friendly_energy_cpu", [&] {
+    if (adaptive)
+      friendly_tile_sums<Term::kAdaptiveSquare, scalar_t>(grad, momentum, param, partials, tile, eta, sigma, lmbda,
+                                                          first);
+    else
+      friendly_tile_sums<Term::kSquare, scalar_t>(grad, momentum, param, partials, tile, eta, sigma, lmbda, first);
+  });
+  block_sums(partials, first_tile_of_block, energy, grad.numel() / tile);
 }
 
 }  // namespace gearsam::cpu

@@ -19,10 +19,10 @@
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
 
-#include <algorithm>
 #include <cmath>
 
 #include "../gearsam.h"
+#include "friendly.h"
 #include "tiles.h"
 #include "vec.h"
 
@@ -79,28 +79,6 @@ void exchange_tiles(const at::Tensor& grad, const at::Tensor& correction) {
   });
 }
 
-template <typename scalar_t, typename compute_t = at::opmath_type<scalar_t>>
-GEARSAM_INLINE void friendly_loop(scalar_t* g, scalar_t* m, int64_t n, compute_t s, compute_t w) {
-  const bool small = std::abs(w) < compute_t(0.5);  // torch's lerp: the formula exact at its nearer end
-  const compute_t coeff = small ? w : w - compute_t(1);
-  for (int64_t i = 0; i < n; ++i) {
-    const auto gi = static_cast<compute_t>(g[i]), mi = static_cast<compute_t>(m[i]);
-    const compute_t diff = gi - mi;
-    g[i] = static_cast<scalar_t>(std::fma(-s, mi, gi));
-    m[i] = static_cast<scalar_t>(std::fma(coeff, diff, small ? mi : gi));
-  }
-}
-
-template <typename scalar_t, typename compute_t = at::opmath_type<scalar_t>>
-void friendly_run(scalar_t* g, scalar_t* m, int64_t n, compute_t s, compute_t w) {
-  friendly_loop(g, m, n, s, w);
-}
-
-template <typename scalar_t, typename compute_t = at::opmath_type<scalar_t>>
-GEARSAM_FMA_CLONE void friendly_run_fma(scalar_t* g, scalar_t* m, int64_t n, compute_t s, compute_t w) {
-  friendly_loop(g, m, n, s, w);
-}
-
 template <typename scalar_t>
 void friendly_elements(const at::Tensor& grad, const at::Tensor& momentum, double sigma, double lmbda, bool first) {
   using compute_t = at::opmath_type<scalar_t>;
@@ -109,12 +87,7 @@ void friendly_elements(const at::Tensor& grad, const at::Tensor& momentum, doubl
   const auto s = static_cast<compute_t>(sigma), w = static_cast<compute_t>(1.0 - lmbda);
   const bool fma = cpu_has_fma();
   at::parallel_for(0, grad.numel(), kGrainElements, [&](int64_t begin, int64_t end) {
-    if (first)
-      std::copy(g + begin, g + end, m + begin);
-    else if (fma)
-      friendly_run_fma(g + begin, m + begin, end - begin, s, w);
-    else
-      friendly_run(g + begin, m + begin, end - begin, s, w);
+    friendly::span(g + begin, m + begin, end - begin, s, w, first, fma);
   });
 }
 

@@ -51,6 +51,29 @@ __device__ __forceinline__ double sqrt_rn(double a) { return __dsqrt_rn(a); }
 __device__ __forceinline__ float fma_rn(float a, float b, float c) { return __fmaf_rn(a, b, c); }
 __device__ __forceinline__ double fma_rn(double a, double b, double c) { return __fma_rn(a, b, c); }
 
+// F-SAM's ascent on one element (formula and roundings in cpu/mix.cpp), shared by its kernel (mix.cu) and the one
+// that sums the new gradient's energies in the same read (energy.cu). The lerp's anchor and coefficient are decided
+// once, on the weight in the compute type (torch's rule).
+template <typename compute_t>
+struct Friendly {
+  compute_t s, coeff;
+  bool small;
+
+  __device__ Friendly(double sigma, double lmbda) : s(static_cast<compute_t>(sigma)) {
+    const auto w = static_cast<compute_t>(1.0 - lmbda);
+    small = w < compute_t(0.5) && w > compute_t(-0.5);
+    coeff = small ? w : sub_rn(w, compute_t(1));
+  }
+
+  // (g, m) <- (fma(-s, m, g), lerp(m, g, w)), each rounded to scalar_t
+  template <typename scalar_t>
+  __device__ __forceinline__ void operator()(scalar_t& g, scalar_t& m) const {
+    const auto gk = static_cast<compute_t>(g), mk = static_cast<compute_t>(m);
+    g = static_cast<scalar_t>(fma_rn(-s, mk, gk));
+    m = static_cast<scalar_t>(fma_rn(coeff, sub_rn(gk, mk), small ? mk : gk));
+  }
+};
+
 // `value` combined over the thread block by `op` (an associative binary functor), valid in thread 0. The shuffle tree
 // and the warp order are fixed, so the same inputs always give the same bits. `scratch` holds kThreads / kWarp
 // entries; the block must be kThreads wide; `identity` is op's neutral element.

@@ -7,7 +7,7 @@
 //   exchange:  (g_i, correction_i) <- (correction_i, g_i - correction_i)    the difference in the compute type
 //                                                                           (sub_rn), rounded once to the stored dtype
 //   friendly:  (g_i, m_i) <- (fma(-s, m_i, g_i), lerp(m_i, g_i, w)), or m_i <- g_i on the first step: F-SAM's ascent,
-//              formula and roundings in cpu/mix.cpp (fma_rn, sub_rn)
+//              formula and roundings in cpu/mix.cpp (Friendly, common.cuh)
 //
 // Grid-stride over 16-byte vectors with 64-bit indices; a vector never straddles two tiles, so it has one block.
 
@@ -62,11 +62,8 @@ __global__ void exchange_kernel(scalar_t* __restrict__ grad, scalar_t* __restric
 template <typename scalar_t, int Vec>
 __global__ void friendly_kernel(scalar_t* __restrict__ grad, scalar_t* __restrict__ momentum, int64_t n_vectors,
                                 double sigma, double lmbda, bool first) {
-  using compute_t = at::opmath_type<scalar_t>;
   using pack_t = Pack<scalar_t, Vec>;
-  const auto s = static_cast<compute_t>(sigma), w = static_cast<compute_t>(1.0 - lmbda);
-  const bool small = w < compute_t(0.5) && w > compute_t(-0.5);  // torch's lerp rule, as cpu/mix.cpp
-  const compute_t coeff = small ? w : sub_rn(w, compute_t(1));
+  const Friendly<at::opmath_type<scalar_t>> ascent(sigma, lmbda);
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
   for (int64_t v = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; v < n_vectors; v += stride) {
     const int64_t i = v * Vec;
@@ -77,11 +74,7 @@ __global__ void friendly_kernel(scalar_t* __restrict__ grad, scalar_t* __restric
     }
     pack_t m = *reinterpret_cast<const pack_t*>(momentum + i);
 #pragma unroll
-    for (int k = 0; k < Vec; ++k) {
-      const auto gk = static_cast<compute_t>(g.v[k]), mk = static_cast<compute_t>(m.v[k]);
-      g.v[k] = static_cast<scalar_t>(fma_rn(-s, mk, gk));
-      m.v[k] = static_cast<scalar_t>(fma_rn(coeff, sub_rn(gk, mk), small ? mk : gk));
-    }
+    for (int k = 0; k < Vec; ++k) ascent(g.v[k], m.v[k]);
     *reinterpret_cast<pack_t*>(grad + i) = g;
     *reinterpret_cast<pack_t*>(momentum + i) = m;
   }

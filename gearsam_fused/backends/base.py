@@ -268,6 +268,13 @@ class Backend:
             if g is not None:
                 friendly_ascent(g, self._buffer(MOMENTUM, p), sigma, lmbda, first)
 
+    def friendly_energy_(self, sigma: float, lmbda: float, first: bool, adaptive: bool, eta: float) -> torch.Tensor:
+        """:meth:`friendly_ascent_`, then :meth:`block_energy` of the ascent direction it leaves in the gradients (what
+        the perturbation allocates by). The kernel backends take both in one read of each bucket where every
+        parameter has a gradient, with these bits."""
+        self.friendly_ascent_(sigma, lmbda, first)
+        return self.block_energy(adaptive, eta)
+
     def buffer_tensors(self, name: str) -> list[torch.Tensor]:
         """The buffer ``name`` (one of :data:`BUFFERS`) as one tensor per parameter, in block order (zeros before
         first use)."""

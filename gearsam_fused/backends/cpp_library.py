@@ -2,9 +2,9 @@
 (``csrc/library.cpp``): what torch.compile, fake tensors and the meta device run in place of the kernels.
 
 Each one applies the argument checks of ``csrc/ops.cpp`` that need no data, in the same order and with the same
-messages, then gives outputs of the right shape, dtype and device without computing anything: the energy is float64
-``[first_tile_of_block.numel() - 1]`` on ``grad``'s device, ``allocate``'s scale and radius are shaped like the energy, the
-other seven operators return nothing. ``register_fake`` also makes them the operators' Meta kernels.
+messages, then gives outputs of the right shape, dtype and device without computing anything: the energy
+(``block_energy``, ``friendly_energy_``) is float64 ``[first_tile_of_block.numel() - 1]`` on ``grad``'s device,
+``allocate``'s scale and radius are shaped like the energy, the other seven operators return nothing. ``register_fake`` also makes them the operators' Meta kernels.
 
 ``_C`` names this module as where its fakes live (``m.set_python_module``), so torch checks that they are registered
 from here; ``cpp_ops`` imports it with the extension.
@@ -70,21 +70,32 @@ def _check_optional_state(name: str, t: torch.Tensor | None, needed: bool, why: 
         check_same(name, t, "param", param)
 
 
-# ------------------------------------------------------------------------------------------- the fakes
-@torch.library.register_fake("gearsam_fused::block_energy")
-def _block_energy(grad, param, first_tile_of_block, partials, *, tile, adaptive, eta, other=None):
+def _check_energy(grad, param, first_tile_of_block, partials, tile, other=None) -> int:
+    """The energy kernels' common arguments; returns the number of blocks."""
     _check_tile(tile)
     _check_flat("grad", grad, tile)
     _check_floating("grad", grad)
     check_same("param", param, "grad", grad)
-    check_other(other, grad, adaptive)
     _check_flat("first_tile_of_block", first_tile_of_block, 0, torch.int64, grad)
     _check_flat("partials", partials, 0, torch.float64, grad)
-    _, rows = check_partials(partials, grad, tile, other)
+    check_partials(partials, grad, tile, other)
     if first_tile_of_block.numel() < 1:
         raise ValueError("first_tile_of_block needs at least one entry (B + 1 for B blocks)")
-    n_blocks = first_tile_of_block.numel() - 1
-    return grad.new_empty((rows, n_blocks) if other is not None else (n_blocks,), dtype=torch.float64)
+    return first_tile_of_block.numel() - 1
+
+
+def _check_friendly(grad, momentum, sigma, lmbda) -> None:
+    check_same("momentum", momentum, "grad", grad)
+    check_real("sigma", sigma, low=-math.inf)
+    check_real("lmbda", lmbda, low=-math.inf)
+
+
+# ------------------------------------------------------------------------------------------- the fakes
+@torch.library.register_fake("gearsam_fused::block_energy")
+def _block_energy(grad, param, first_tile_of_block, partials, *, tile, adaptive, eta, other=None):
+    check_other(other, grad, adaptive)
+    n_blocks = _check_energy(grad, param, first_tile_of_block, partials, tile, other)
+    return grad.new_empty((2, n_blocks) if other is not None else (n_blocks,), dtype=torch.float64)
 
 
 @torch.library.register_fake("gearsam_fused::allocate")
@@ -137,9 +148,14 @@ def _exchange_sharpness(grad, correction, *, tile):
 def _friendly_ascent(grad, momentum, *, sigma, lmbda, first):
     _check_flat("grad", grad)
     _check_floating("grad", grad)
-    check_same("momentum", momentum, "grad", grad)
-    check_real("sigma", sigma, low=-math.inf)
-    check_real("lmbda", lmbda, low=-math.inf)
+    _check_friendly(grad, momentum, sigma, lmbda)
+
+
+@torch.library.register_fake("gearsam_fused::friendly_energy_")
+def _friendly_energy(grad, momentum, param, first_tile_of_block, partials, *, tile, adaptive, eta, sigma, lmbda, first):
+    n_blocks = _check_energy(grad, param, first_tile_of_block, partials, tile)
+    _check_friendly(grad, momentum, sigma, lmbda)
+    return grad.new_empty((n_blocks,), dtype=torch.float64)
 
 
 @torch.library.register_fake("gearsam_fused::sgd_step_")

@@ -270,7 +270,7 @@ def _launching_on(device: torch.device):
 
 
 class KernelModule(Protocol):
-    """What :class:`KernelBackend` needs of a kernel module: nine launchers over one bucket's flat buffers, with
+    """What :class:`KernelBackend` needs of a kernel module: ten launchers over one bucket's flat buffers, with
     these keyword signatures. Both kernel modules are namespaces of registered operators (``torch.library``), so that
     ``torch.compile`` and fake tensors see them: ``torch.ops.gearsam_fused`` (the compiled extension, ``csrc/``) and
     ``gearsam_fused.triton_kernels`` (``torch.ops.gearsam_fused_triton``). The formulas are those of
@@ -314,6 +314,12 @@ class KernelModule(Protocol):
         self, grad: torch.Tensor, momentum: torch.Tensor, *, sigma: float, lmbda: float, first: bool
     ) -> None: ...  # fmt: skip
 
+    # friendly_ascent_ on a whole bucket, then block_energy of the new grad, in one read (the same bits)
+    def friendly_energy_(
+        self, grad: torch.Tensor, momentum: torch.Tensor, param: torch.Tensor, first_tile_of_block: torch.Tensor,
+        partials: torch.Tensor, *, tile: int, adaptive: bool, eta: float, sigma: float, lmbda: float, first: bool,
+    ) -> torch.Tensor: ...  # fmt: skip
+
     # The base optimizer's update folded into the restore (formulas in gearsam_fused.base_step); backup None reads w
     # from param (no perturbation to undo), correction/correction_scale/block_of_tile add LookSAM's term to grad,
     # grad_scale beside them makes the step's gradient mix_gradient_'s, and sharpness beside grad_scale follows the
@@ -345,7 +351,7 @@ class KernelBackend(FlatBufferBackend):
     folds_keep = True
     family_operators = frozenset(
         {"keep_gradient_", "block_dot_energy", "kept_energy", "mix_gradient_", "exchange_sharpness_",
-         "friendly_ascent_"}
+         "friendly_ascent_", "friendly_energy_"}
     )  # fmt: skip
 
     def __init__(self, blocks, device: torch.device, kernels: KernelModule, param_group=None):
@@ -390,12 +396,33 @@ class KernelBackend(FlatBufferBackend):
     @torch.no_grad()
     def friendly_ascent_(self, sigma: float, lmbda: float, first: bool) -> None:
         for bucket in self._live_buckets():
-            m = self._flat_buffer(MOMENTUM, bucket)
-            for start, end in _ranges_with_gradients(bucket):
-                with _launching_on(bucket.device):
-                    self.kernels.friendly_ascent_(
-                        bucket.grad[start:end], m[start:end], sigma=sigma, lmbda=lmbda, first=first
-                    )
+            self._bucket_friendly_ascent(bucket, sigma, lmbda, first)
+
+    def _bucket_friendly_ascent(self, bucket: Bucket, sigma: float, lmbda: float, first: bool) -> None:
+        m = self._flat_buffer(MOMENTUM, bucket)
+        for start, end in _ranges_with_gradients(bucket):
+            with _launching_on(bucket.device):
+                self.kernels.friendly_ascent_(
+                    bucket.grad[start:end], m[start:end], sigma=sigma, lmbda=lmbda, first=first
+                )
+
+    @torch.no_grad()
+    def friendly_energy_(self, sigma: float, lmbda: float, first: bool, adaptive: bool, eta: float) -> torch.Tensor:
+        return self._per_block(self._bucket_friendly_energy(b, sigma, lmbda, first, adaptive, eta)
+                               for b in self._live_buckets())  # fmt: skip
+
+    def _bucket_friendly_energy(self, bucket: Bucket, sigma: float, lmbda: float, first: bool, adaptive: bool,
+                                eta: float) -> torch.Tensor:  # fmt: skip
+        """One kernel where the ascent covers the whole bucket (every parameter has a gradient), else the ascent on
+        each range with one and then the energies."""
+        if _ranges_with_gradients(bucket) != [(0, bucket.grad.numel())]:
+            self._bucket_friendly_ascent(bucket, sigma, lmbda, first)
+            return self._bucket_energy(bucket, adaptive, eta)
+        with _launching_on(bucket.device):
+            return self.kernels.friendly_energy_(
+                bucket.grad, self._flat_buffer(MOMENTUM, bucket), bucket.param, bucket.first_tile_of_block, bucket.energy_partials, tile=bucket.tile,
+                adaptive=adaptive, eta=eta, sigma=sigma, lmbda=lmbda, first=first,
+            )  # fmt: skip
 
     @torch.no_grad()
     def mix_gradient_(self, grad_scale: torch.Tensor, kept_scale: torch.Tensor) -> None:
