@@ -163,7 +163,7 @@ def check_friendly_ascent(name: str, dtype: torch.dtype, backend, blocks) -> Non
         if p.grad is None:  # an EMA from the steps where it had one: no step without a gradient may touch it
             m.copy_(torch.randn(m.shape, generator=g))
     kept = [m.clone() for m in backend.buffer_tensors("momentum")]
-    backend.friendly_ascent_(0.7, 0.9, first=True)
+    backend.friendly_ascent_(0.7, 0.9, started=[False] * len(params))
     first = [m.clone() for m in backend.buffer_tensors("momentum")]
     for p, m in zip(params, first):
         if p.grad is not None:
@@ -171,7 +171,7 @@ def check_friendly_ascent(name: str, dtype: torch.dtype, backend, blocks) -> Non
     for p in (p for p in params if p.grad is not None):
         p.grad = torch.randn(p.shape, generator=g).to("cuda", dtype)
     before = [None if p.grad is None else p.grad.clone() for p in params]
-    backend.friendly_ascent_(0.7, 0.9, first=False)
+    backend.friendly_ascent_(0.7, 0.9, started=[True] * len(params))
     eps = torch.finfo(dtype).eps
     for p, h, m_old, m, m_kept in zip(params, before, first, backend.buffer_tensors("momentum"), kept):
         if h is None:

@@ -37,7 +37,7 @@ has a gradient; else ``friendly_ascent_`` on each run of parameters with one, th
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -50,9 +50,9 @@ Reduce = Callable[[torch.Tensor], torch.Tensor]  # a [B] vector summed over the 
 class FriendlyAscent:
     """F-SAM's ascent direction (Li et al., "Friendly Sharpness-Aware Minimization", CVPR 2024): the gradient minus
     ``sigma`` times an EMA ``m`` of past gradients (decay ``lmbda``), the component that full-batch gradients share,
-    which the authors find adds nothing to generalisation. The first step perturbs along ``g`` and starts ``m = g``
-    (for every parameter: one whose first gradient comes later starts from ``m = 0``). ``first_step`` leaves ``d`` in
-    the parameters' ``.grad``. A ``first_step(cancellable=True)`` (``SAMScaler``, ``distributed.sam_step``) keeps a
+    which the authors find adds nothing to generalisation. A parameter's first gradient starts its ``m = g`` and is
+    its ascent direction as it is (per parameter, as the authors' code and pytorch_optimizer start it: one whose
+    first gradient comes late starts then). ``first_step`` leaves ``d`` in the parameters' ``.grad``. A ``first_step(cancellable=True)`` (``SAMScaler``, ``distributed.sam_step``) keeps a
     copy of ``m`` until the step completes, so that ``cancel_step()`` puts it back."""
 
     #: the backend operations it runs (:attr:`~gearsam_fused.backends.base.Backend.family_operators`)
@@ -65,10 +65,11 @@ class FriendlyAscent:
     def __repr__(self) -> str:
         return f"FriendlyAscent(sigma={self.sigma!r}, lmbda={self.lmbda!r})"
 
-    def apply_(self, backend, first: bool, adaptive: bool, eta: float) -> torch.Tensor:
-        """Replace the gradients by the ascent direction (and update ``m``); the direction's block energies (ASAM's
-        with ``adaptive``), which the kernel backends take in the same read."""
-        return backend.friendly_energy_(self.sigma, self.lmbda, first, adaptive, eta)
+    def apply_(self, backend, started: Sequence[bool], adaptive: bool, eta: float) -> torch.Tensor:
+        """Replace the gradients by the ascent direction (and update ``m``; ``started``: per parameter in block order,
+        whether its ``m`` holds a gradient yet); the direction's block energies (ASAM's with ``adaptive``), which the
+        kernel backends take in the same read."""
+        return backend.friendly_energy_(self.sigma, self.lmbda, started, adaptive, eta)
 
 
 class Mix(NamedTuple):

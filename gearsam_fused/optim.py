@@ -77,7 +77,8 @@ class _Run:
     next_sam: bool | _Pending = True  #: the schedule's decision for the next step (maybe still on the device)
     cleared: list | None = None  #: the gradients as zero_grad() left them after first_step (see _grad_marks)
     found_inf: torch.Tensor | None = None  #: the first pass's overflow flag, where first_step was given one
-    ascent_started: bool = False  #: F-SAM's EMA holds a gradient (the backend's momentum buffer)
+    #: per parameter (block order), whether F-SAM's EMA holds a gradient (the backend's momentum buffer); () for none
+    ascent_started: tuple[bool, ...] = ()
 
     def record(self, energy: torch.Tensor, radius: torch.Tensor, rho: float, sam: bool) -> None:
         """Keep a first_step's statistics (see :class:`StepStatistics`)."""
@@ -507,8 +508,10 @@ class SharpnessAware(torch.optim.Optimizer):
             keep = False
         if self.ascent is None:
             return keep, None
-        energy = self.ascent.apply_(self._backend, not self._run.ascent_started, self.adaptive, self.eta)
-        self._run.ascent_started = True
+        params = [p for block in self.blocks for p in block.params]
+        started = self._run.ascent_started or (False,) * len(params)
+        energy = self.ascent.apply_(self._backend, started, self.adaptive, self.eta)
+        self._run.ascent_started = tuple(s or p.grad is not None for s, p in zip(started, params, strict=True))
         return keep, energy
 
     def _decide_next(self, energy: torch.Tensor) -> None:
@@ -896,8 +899,9 @@ class SharpnessAware(torch.optim.Optimizer):
     def _family_entry(self) -> dict:
         """The SAM family's parts in a state dict: their reprs, and F-SAM's EMA once it holds a gradient."""
         entry = {"ascent": repr(self.ascent), "descent": repr(self.descent)}
-        if self.ascent is not None and self._run.ascent_started:
+        if self.ascent is not None and any(self._run.ascent_started):
             entry["momentum"] = [t.detach().cpu().clone() for t in self._backend.buffer_tensors(MOMENTUM)]
+            entry["ascent_started"] = list(self._run.ascent_started)
         return entry
 
     def _load_family(self, ours: dict) -> None:
@@ -906,8 +910,11 @@ class SharpnessAware(torch.optim.Optimizer):
             saved, mine = ours.get(part, "None"), repr(getattr(self, part))
             if saved != mine:
                 raise ValueError(f"state dict was saved with {part}={saved}, this optimizer has {part}={mine}")
-        self._run.ascent_started = "momentum" in ours
-        if self._run.ascent_started:
+        n_params = sum(len(block.params) for block in self.blocks)
+        # a state saved before the EMA started per parameter: every EMA had started together
+        started = ours.get("ascent_started", [True] * n_params if "momentum" in ours else [])
+        self._run.ascent_started = tuple(bool(s) for s in started)
+        if started:
             for t, saved in zip(self._backend.buffer_tensors(MOMENTUM), ours["momentum"], strict=True):
                 t.copy_(saved)
 

@@ -456,6 +456,28 @@ def test_a_parameter_without_a_gradient_is_left_as_the_reference_leaves_it(name,
     assert rel_err(*runs) <= FP32_STEP_RTOL
 
 
+@pytest.mark.parametrize("backend,device", ALL)
+def test_an_ema_starts_at_its_parameters_first_gradient(backend, device):
+    """F-SAM's EMA starts per parameter, as its authors' code and pytorch_optimizer's start it: a parameter without a
+    gradient on the first step (``extra``, used on odd steps here) takes its first gradient as its ascent and its EMA
+    when that comes, not an EMA started from zero. The same run as the peer's, the late parameter moved."""
+    po = pytest.importorskip("pytorch_optimizer")
+    ours_model, peer_model = SometimesUsed().to(device), SometimesUsed().to(device)
+    ours = FriendlySAM(ours_model.parameters(), torch.optim.SGD, rho=RHO, sigma=1.0, lmbda=0.9, backend=backend,
+                       **SGD_KW)  # fmt: skip
+    peer = po.FriendlySAM(peer_model.parameters(), torch.optim.SGD, rho=RHO, sigma=1.0, lmbda=0.9, **SGD_KW)
+    late = ours_model.extra.weight.detach().clone()
+    for step, xy in enumerate(mlp_data(5)):
+        ours_model.step = peer_model.step = step + 1  # extra has no gradient on the first step
+        xy = (xy[0].to(device), xy[1].to(device))
+        sam_step(ours, ours_model, xy)
+        sam_step(peer, peer_model, xy)
+        if step == 0:
+            assert torch.equal(ours_model.extra.weight, late)  # not stepped without a gradient
+    assert rel_err(flat(ours_model), flat(peer_model)) <= PEER_RTOL["friendly-sam"]
+    assert not torch.equal(ours_model.extra.weight, late)
+
+
 # ---------------------------------------------------------------------------------------------- resume
 @pytest.mark.parametrize("backend", ["reference", "torch", "cpp"])
 @pytest.mark.parametrize("name", ["gear-friendly-gsam", "friendly-sam", "wsam"])
@@ -487,6 +509,43 @@ def test_a_resumed_run_continues_bit_for_bit(name, backend):
     for xy in data[3:]:
         sam_step(second, resumed, xy)
     assert torch.equal(flat(resumed), flat(straight))
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpp"])
+def test_a_resumed_run_starts_a_late_ema_where_the_straight_run_does(backend):
+    """Saved while one parameter's EMA has not started (no gradient yet), the resumed run starts it at that
+    parameter's first gradient, bit for bit with the run that went straight on; a state saved before the EMA started
+    per parameter (no ``ascent_started``) loads as every EMA started."""
+    if backend == "cpp":
+        pytest.importorskip("gearsam_fused._C")
+    data = mlp_data(4)
+
+    def run(model, opt, steps):
+        for step in steps:
+            model.step = step + 1  # extra has no gradient on the first step
+            sam_step(opt, model, data[step])
+
+    def build(model):
+        return FriendlySAM(model.parameters(), torch.optim.SGD, rho=RHO, sigma=0.8, lmbda=0.6, backend=backend,
+                           **SGD_KW)  # fmt: skip
+
+    straight = SometimesUsed()
+    run(straight, build(straight), range(4))
+    first = SometimesUsed()
+    opt = build(first)
+    run(first, opt, range(1))
+    saved = copy.deepcopy((first.state_dict(), opt.state_dict()))
+    assert saved[1]["param_groups"][0]["gearsam"]["ascent_started"] == [True, True, False, False, True, True]
+    resumed = SometimesUsed()
+    resumed.load_state_dict(saved[0])
+    again = build(resumed)
+    again.load_state_dict(saved[1])
+    run(resumed, again, range(1, 4))
+    assert torch.equal(flat(resumed), flat(straight))
+    del saved[1]["param_groups"][0]["gearsam"]["ascent_started"]  # as saved before the EMA started per parameter
+    older = build(SometimesUsed())
+    older.load_state_dict(saved[1])
+    assert older.state_dict()["param_groups"][0]["gearsam"]["ascent_started"] == [True] * 6
 
 
 def test_a_state_saved_with_other_parts_is_refused():

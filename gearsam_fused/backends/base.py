@@ -21,7 +21,7 @@ A step whose second pass a schedule skips (:mod:`gearsam_fused.schedules`) pertu
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -261,18 +261,21 @@ class Backend:
                 local(p).add_(kept, alpha=scale)
 
     @torch.no_grad()
-    def friendly_ascent_(self, sigma: float, lmbda: float, first: bool) -> None:
-        """F-SAM's ascent direction written into the gradients: on the ``first`` step ``m <- g`` (``g`` unchanged),
-        after it ``g <- g - sigma * m`` and ``m <- lerp(m, g_before, 1 - lmbda)``, in the gradients' dtype."""
-        for _, p, g in self._params_and_grads():
+    def friendly_ascent_(self, sigma: float, lmbda: float, started: Sequence[bool]) -> None:
+        """F-SAM's ascent direction written into the gradients, per parameter with a gradient: where its EMA holds
+        no gradient yet (``started[i]`` False, parameters in block order) ``m <- g`` (``g`` unchanged), as F-SAM's
+        authors start it at a parameter's first gradient; else ``g <- g - sigma * m`` and
+        ``m <- lerp(m, g_before, 1 - lmbda)``, in the gradients' dtype."""
+        for (_, p, g), was_started in zip(self._params_and_grads(), started, strict=True):
             if g is not None:
-                friendly_ascent(g, self._buffer(MOMENTUM, p), sigma, lmbda, first)
+                friendly_ascent(g, self._buffer(MOMENTUM, p), sigma, lmbda, first=not was_started)
 
-    def friendly_energy_(self, sigma: float, lmbda: float, first: bool, adaptive: bool, eta: float) -> torch.Tensor:
+    def friendly_energy_(self, sigma: float, lmbda: float, started: Sequence[bool], adaptive: bool,
+                         eta: float) -> torch.Tensor:  # fmt: skip
         """:meth:`friendly_ascent_`, then :meth:`block_energy` of the ascent direction it leaves in the gradients (what
         the perturbation allocates by). The kernel backends take both in one read of each bucket where every
-        parameter has a gradient, with these bits."""
-        self.friendly_ascent_(sigma, lmbda, first)
+        parameter has a gradient and all or none of their EMAs have started, with these bits."""
+        self.friendly_ascent_(sigma, lmbda, started)
         return self.block_energy(adaptive, eta)
 
     def buffer_tensors(self, name: str) -> list[torch.Tensor]:

@@ -8,6 +8,7 @@ parameter tensors the model has. :class:`KernelBackend` supplies it from a modul
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 from typing import Protocol
 
 import torch
@@ -15,7 +16,7 @@ import torch
 from ..allocation import GEAR_RULE, check_rule
 from ..base_step import BucketUpdate
 from ..family import Mix
-from ..flat import ALIGN, Bucket, FlatLayout
+from ..flat import Bucket, FlatLayout
 from .base import CORRECTION, MOMENTUM, Backend, compute_dtype, friendly_ascent
 
 
@@ -209,12 +210,18 @@ class FlatBufferBackend(Backend):
             self._touched(bucket)
 
     @torch.no_grad()
-    def friendly_ascent_(self, sigma: float, lmbda: float, first: bool) -> None:
+    def friendly_ascent_(self, sigma: float, lmbda: float, started: Sequence[bool]) -> None:
+        started_ids = self._started_ids(started)
         for bucket in self._live_buckets():
             m = self._flat_buffer(MOMENTUM, bucket)
-            for start, end in _ranges_with_gradients(bucket):
+            for start, end, first in _ascent_runs(bucket, started_ids):
                 for g_part, m_part in zip(bucket.grad[start:end].split(_CHUNK), m[start:end].split(_CHUNK)):
                     friendly_ascent(g_part, m_part, sigma, lmbda, first)
+
+    def _started_ids(self, started: Sequence[bool]) -> set[int]:
+        """``id`` of each parameter whose F-SAM EMA has started (``started``: per parameter, in block order)."""
+        params = [p for block in self.blocks for p in block.params]
+        return {id(p) for p, was_started in zip(params, started, strict=True) if was_started}
 
     def buffer_tensors(self, name: str) -> list[torch.Tensor]:
         views = {}
@@ -225,26 +232,26 @@ class FlatBufferBackend(Backend):
         return [views[id(p)] for block in self.blocks for p in block.params]
 
 
-def _ranges_with_gradients(bucket: Bucket) -> list[tuple[int, int]]:
-    """The element ranges ``[start, end)`` of the bucket's flat buffers that a pass over the parameters with a
-    gradient covers: the whole bucket when every parameter has one, else each run of consecutive parameters that
-    have one (with the zero padding between and after them, which F-SAM's ascent leaves zero), so that a parameter
-    without a gradient keeps its F-SAM EMA and its zero gradient region, as per tensor. Every range starts and ends on
-    a multiple of ``ALIGN`` (or the bucket's end): whole vectors for the kernels."""
-    if all(slot.param.grad is not None for slot in bucket.slots):
-        return [(0, bucket.grad.numel())]
-    ranges: list[tuple[int, int]] = []
-    previous_has_one = False
-    for slot in bucket.slots:  # in the order of their offsets, each on a multiple of ALIGN
-        has_one = slot.param.grad is not None
-        end = slot.offset + slot.view.numel()
-        end = min(end + (-end) % ALIGN, bucket.grad.numel())  # on to the next multiple of ALIGN: zero padding
-        if has_one and previous_has_one:
-            ranges[-1] = (ranges[-1][0], end)
-        elif has_one:
-            ranges.append((slot.offset, end))
-        previous_has_one = has_one
-    return ranges
+def _ascent_runs(bucket: Bucket, started_ids: set[int]) -> list[tuple[int, int, bool]]:
+    """The element ranges ``[start, end)`` of the bucket's flat buffers that F-SAM's ascent covers, each with whether
+    it is the first ascent of its parameters (their EMA not started: ``id`` not in ``started_ids``): runs of
+    consecutive parameters that have a gradient and the same such flag, each parameter with the zero padding up to
+    the next one or the bucket's end (which the ascent leaves zero), so that a parameter without a gradient keeps its
+    EMA and its zero gradient region, as per tensor. The run is the whole bucket when every parameter has a gradient
+    and all or none of their EMAs have started. Every range starts and ends on a multiple of ``ALIGN`` (or the
+    bucket's end): whole vectors for the kernels."""
+    runs: list[tuple[int, int, bool]] = []
+    previous = None  # the previous parameter's run key: None without a gradient, else whether its EMA starts now
+    slots = bucket.slots  # in the order of their offsets, each on a multiple of ALIGN
+    for i, slot in enumerate(slots):
+        key = None if slot.param.grad is None else id(slot.param) not in started_ids
+        end = slots[i + 1].offset if i + 1 < len(slots) else bucket.grad.numel()  # with the zero padding after it
+        if key is not None and key == previous:
+            runs[-1] = (runs[-1][0], end, key)
+        elif key is not None:
+            runs.append((slot.offset, end, key))
+        previous = key
+    return runs
 
 
 def _slot_view(flat: torch.Tensor, slot) -> torch.Tensor:
@@ -394,34 +401,40 @@ class KernelBackend(FlatBufferBackend):
         return dot, energy
 
     @torch.no_grad()
-    def friendly_ascent_(self, sigma: float, lmbda: float, first: bool) -> None:
+    def friendly_ascent_(self, sigma: float, lmbda: float, started: Sequence[bool]) -> None:
+        started_ids = self._started_ids(started)
         for bucket in self._live_buckets():
-            self._bucket_friendly_ascent(bucket, sigma, lmbda, first)
+            self._bucket_friendly_ascent(bucket, sigma, lmbda, _ascent_runs(bucket, started_ids))
 
-    def _bucket_friendly_ascent(self, bucket: Bucket, sigma: float, lmbda: float, first: bool) -> None:
+    def _bucket_friendly_ascent(self, bucket: Bucket, sigma: float, lmbda: float,
+                                runs: list[tuple[int, int, bool]]) -> None:  # fmt: skip
         m = self._flat_buffer(MOMENTUM, bucket)
-        for start, end in _ranges_with_gradients(bucket):
+        for start, end, first in runs:
             with _launching_on(bucket.device):
                 self.kernels.friendly_ascent_(
                     bucket.grad[start:end], m[start:end], sigma=sigma, lmbda=lmbda, first=first
                 )
 
     @torch.no_grad()
-    def friendly_energy_(self, sigma: float, lmbda: float, first: bool, adaptive: bool, eta: float) -> torch.Tensor:
-        return self._per_block(self._bucket_friendly_energy(b, sigma, lmbda, first, adaptive, eta)
+    def friendly_energy_(self, sigma: float, lmbda: float, started: Sequence[bool], adaptive: bool,
+                         eta: float) -> torch.Tensor:  # fmt: skip
+        started_ids = self._started_ids(started)
+        return self._per_block(self._bucket_friendly_energy(b, sigma, lmbda, started_ids, adaptive, eta)
                                for b in self._live_buckets())  # fmt: skip
 
-    def _bucket_friendly_energy(self, bucket: Bucket, sigma: float, lmbda: float, first: bool, adaptive: bool,
-                                eta: float) -> torch.Tensor:  # fmt: skip
-        """One kernel where the ascent covers the whole bucket (every parameter has a gradient), else the ascent on
-        each range with one and then the energies."""
-        if _ranges_with_gradients(bucket) != [(0, bucket.grad.numel())]:
-            self._bucket_friendly_ascent(bucket, sigma, lmbda, first)
+    def _bucket_friendly_energy(self, bucket: Bucket, sigma: float, lmbda: float, started_ids: set[int],
+                                adaptive: bool, eta: float) -> torch.Tensor:  # fmt: skip
+        """One kernel where the ascent is one run over the whole bucket, else the ascent on each run, then the
+        energies."""
+        runs = _ascent_runs(bucket, started_ids)
+        if len(runs) != 1 or runs[0][:2] != (0, bucket.grad.numel()):
+            self._bucket_friendly_ascent(bucket, sigma, lmbda, runs)
             return self._bucket_energy(bucket, adaptive, eta)
         with _launching_on(bucket.device):
             return self.kernels.friendly_energy_(
-                bucket.grad, self._flat_buffer(MOMENTUM, bucket), bucket.param, bucket.first_tile_of_block, bucket.energy_partials, tile=bucket.tile,
-                adaptive=adaptive, eta=eta, sigma=sigma, lmbda=lmbda, first=first,
+                bucket.grad, self._flat_buffer(MOMENTUM, bucket), bucket.param, bucket.first_tile_of_block,
+                bucket.energy_partials, tile=bucket.tile, adaptive=adaptive, eta=eta, sigma=sigma, lmbda=lmbda,
+                first=runs[0][2],
             )  # fmt: skip
 
     @torch.no_grad()
