@@ -52,8 +52,9 @@ class FriendlyAscent:
     ``sigma`` times an EMA ``m`` of past gradients (decay ``lmbda``), the component that full-batch gradients share,
     which the authors find adds nothing to generalisation. A parameter's first gradient starts its ``m = g`` and is
     its ascent direction as it is (per parameter, as the authors' code and pytorch_optimizer start it: one whose
-    first gradient comes late starts then). ``first_step`` leaves ``d`` in the parameters' ``.grad``. A ``first_step(cancellable=True)`` (``SAMScaler``, ``distributed.sam_step``) keeps a
-    copy of ``m`` until the step completes, so that ``cancel_step()`` puts it back."""
+    first gradient comes late starts then). ``first_step`` leaves ``d`` in the parameters' ``.grad``. A
+    ``first_step(cancellable=True)`` (``SAMScaler``, ``distributed.sam_step``) keeps a copy of ``m`` until the step
+    completes, so that ``cancel_step()`` puts it back."""
 
     #: the backend operations it runs (:attr:`~gearsam_fused.backends.base.Backend.family_operators`)
     operations = ("friendly_energy_",)

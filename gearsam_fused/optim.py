@@ -87,13 +87,19 @@ class _Run:
     def checkpoint(self, ascent=None) -> tuple:
         """What :meth:`roll_back` needs to undo the step about to begin (the EMA is copied: allocate updates it in
         place); ``ascent`` is what the ascent direction needs to be undone, returned by :meth:`roll_back`."""
-        return (self.ema.clone(), self.energy, self.radius, self.last_rho, self.last_sam,
+        # a capturable step's rho is the device's tensor, which the step writes in place: its value is kept
+        last_rho = self.last_rho.clone() if isinstance(self.last_rho, torch.Tensor) else self.last_rho
+        return (self.ema.clone(), self.energy, self.radius, last_rho, self.last_sam,
                 _snapshot(self.schedule_state), self.next_sam, self.ascent_started, ascent)  # fmt: skip
 
     def roll_back(self):
         """Back to :attr:`undo`, the checkpoint of the cancelled step; returns its ``ascent``."""
-        (ema, self.energy, self.radius, self.last_rho, self.last_sam, self.schedule_state, self.next_sam,
+        (ema, self.energy, self.radius, last_rho, self.last_sam, self.schedule_state, self.next_sam,
          self.ascent_started, ascent) = self.undo  # fmt: skip
+        if isinstance(self.last_rho, torch.Tensor):  # the device's tensor stays the one a captured step reads
+            self.last_rho.copy_(last_rho)
+        else:
+            self.last_rho = last_rho
         self.ema.copy_(ema)
         self.undo = None
         return ascent

@@ -228,6 +228,24 @@ def scaled_run(rule: str, base: str, capturable: bool, inject: dict[int, str]):
     return (model, opt), scaler, reports
 
 
+@pytest.mark.parametrize("capturable", [False, True], ids=["host", "device"])
+def test_cancel_step_puts_back_the_rho_of_the_step_before(capturable):
+    """The step statistics after cancel_step() hold the completed step's rho, not the cancelled one's: a capturable
+    step writes its rho into the device's tensor in place, whose value the cancellable step keeps."""
+    model, opt = build("gear-sam", "sgd", "cpp", capturable)
+    data = mlp_data(2)
+    mse(model, data[0]).backward()
+    opt.first_step(zero_grad=True)
+    mse(model, data[0]).backward()
+    opt.second_step(zero_grad=True)
+    set_rho(opt, 0.3)
+    mse(model, data[1]).backward()
+    opt.first_step(zero_grad=True, cancellable=True)
+    assert float(opt.step_statistics.rho) == 0.3
+    opt.cancel_step()
+    assert float(opt.step_statistics.rho) == opt.defaults["rho"] != 0.3
+
+
 @pytest.mark.parametrize("rule", RULES)
 @pytest.mark.parametrize("base", ["sgd", "adam"])
 @pytest.mark.parametrize("inject", [{}, {1: "first"}, {1: "second"}, {0: "both", 2: "first", 3: "second"}],

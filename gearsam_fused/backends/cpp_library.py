@@ -4,7 +4,8 @@
 Each one applies the argument checks of ``csrc/ops.cpp`` that need no data, in the same order and with the same
 messages, then gives outputs of the right shape, dtype and device without computing anything: the energy
 (``block_energy``, ``friendly_energy_``) is float64 ``[first_tile_of_block.numel() - 1]`` on ``grad``'s device,
-``allocate``'s scale and radius are shaped like the energy, the other seven operators return nothing. ``register_fake`` also makes them the operators' Meta kernels.
+``allocate``'s scale and radius are shaped like the energy, the other seven operators return nothing.
+``register_fake`` also makes them the operators' Meta kernels.
 
 ``_C`` names this module as where its fakes live (``m.set_python_module``), so torch checks that they are registered
 from here; ``cpp_ops`` imports it with the extension.
