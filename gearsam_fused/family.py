@@ -32,7 +32,8 @@ backends the inner product and the norms are the energy kernel's deterministic p
 with ``other`` for ``<g, h>`` beside ``||h||^2`` in one read), WSAM's exchange is a kernel of its own
 (``exchange_sharpness_``), and F-SAM's ascent is taken in the energy pass: one read of ``g`` and ``m`` writes the
 direction and the new ``m`` and sums the direction's energies (``friendly_energy_``, where every parameter of a bucket
-has a gradient; else ``friendly_ascent_`` on each run of parameters with one, then ``block_energy``).
+has a gradient and all or none of their EMAs start this step; else ``friendly_ascent_`` on each run of parameters with
+one, then ``block_energy``).
 """
 
 from __future__ import annotations
