@@ -101,6 +101,13 @@ def check_other(other: torch.Tensor | None, grad: torch.Tensor, adaptive: bool) 
         )
 
 
+def check_friendly(grad: torch.Tensor, momentum: torch.Tensor, sigma: float, lmbda: float) -> None:
+    """F-SAM's arguments beside ``grad``: the EMA buffer like it, finite ``sigma`` and ``lmbda``."""
+    check_same("momentum", momentum, "grad", grad)
+    check_real("sigma", sigma, low=-math.inf)
+    check_real("lmbda", lmbda, low=-math.inf)
+
+
 def check_partials(partials: torch.Tensor, grad: torch.Tensor, tile: int, other: torch.Tensor | None) -> tuple:
     """``block_energy``'s scratch: one entry per tile of ``grad``, two with ``other``. ``(n_tiles, rows)``; the
     dtype and device are checked beside the other flat buffers."""

@@ -15,6 +15,7 @@ from ..checks import (  # noqa: F401  (the launchers' checks, worded once)
     check_correction,
     check_device_step,
     check_flat,
+    check_friendly,
     check_other,
     check_partials,
     check_real,

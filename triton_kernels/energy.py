@@ -24,6 +24,7 @@ from torch.library import triton_op, wrap_triton
 from ._common import (
     NAMESPACE,
     check_flat,
+    check_friendly,
     check_other,
     check_partials,
     check_same,
@@ -33,7 +34,7 @@ from ._common import (
     launches,
     pairs,
 )
-from .mix import check_friendly, friendly, small_weight
+from .mix import friendly, small_weight
 from .perturb import round_to
 
 #: Tiles summed per loop iteration of the per-block reduction.

@@ -16,8 +16,6 @@ works on any contiguous range of a bucket (a parameter without a gradient is lef
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
@@ -27,7 +25,7 @@ from ._common import (
     NAMESPACE,
     check_block_of_tile,
     check_flat,
-    check_real,
+    check_friendly,
     check_same,
     check_scales,
     compute_type,
@@ -96,13 +94,6 @@ def _friendly_kernel(grad_ptr, momentum_ptr, n, sigma32: tl.float32, sigma64: tl
         g_new, m_new = friendly(stored.to(COMPUTE), m, s, w, SMALL)
         tl.store(grad_ptr + offsets, round_to(g_new, stored.dtype), mask=mask)
         tl.store(momentum_ptr + offsets, round_to(m_new, stored.dtype), mask=mask)
-
-
-def check_friendly(grad: torch.Tensor, momentum: torch.Tensor, sigma: float, lmbda: float) -> None:
-    """F-SAM's arguments beside ``grad``: the EMA buffer like it, finite ``sigma`` and ``lmbda``."""
-    check_same("momentum", momentum, "grad", grad)
-    check_real("sigma", sigma, low=-math.inf)
-    check_real("lmbda", lmbda, low=-math.inf)
 
 
 def small_weight(lmbda: float, dtype: torch.dtype) -> bool:

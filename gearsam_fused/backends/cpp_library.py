@@ -13,8 +13,6 @@ from here; ``cpp_ops`` imports it with the extension.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from .. import _C  # noqa: F401  (defines the operators this module extends)
@@ -23,9 +21,9 @@ from ..checks import (
     check_correction,
     check_device_step,
     check_flat,
+    check_friendly,
     check_other,
     check_partials,
-    check_real,
     check_same,
     check_scales,
 )
@@ -83,12 +81,6 @@ def _check_energy(grad, param, first_tile_of_block, partials, tile, other=None) 
     if first_tile_of_block.numel() < 1:
         raise ValueError("first_tile_of_block needs at least one entry (B + 1 for B blocks)")
     return first_tile_of_block.numel() - 1
-
-
-def _check_friendly(grad, momentum, sigma, lmbda) -> None:
-    check_same("momentum", momentum, "grad", grad)
-    check_real("sigma", sigma, low=-math.inf)
-    check_real("lmbda", lmbda, low=-math.inf)
 
 
 # ------------------------------------------------------------------------------------------- the fakes
@@ -149,13 +141,13 @@ def _exchange_sharpness(grad, correction, *, tile):
 def _friendly_ascent(grad, momentum, *, sigma, lmbda, first):
     _check_flat("grad", grad)
     _check_floating("grad", grad)
-    _check_friendly(grad, momentum, sigma, lmbda)
+    check_friendly(grad, momentum, sigma, lmbda)
 
 
 @torch.library.register_fake("gearsam_fused::friendly_energy_")
 def _friendly_energy(grad, momentum, param, first_tile_of_block, partials, *, tile, adaptive, eta, sigma, lmbda, first):
     n_blocks = _check_energy(grad, param, first_tile_of_block, partials, tile)
-    _check_friendly(grad, momentum, sigma, lmbda)
+    check_friendly(grad, momentum, sigma, lmbda)
     return grad.new_empty((n_blocks,), dtype=torch.float64)
 
 
