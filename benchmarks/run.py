@@ -1,6 +1,8 @@
 """The benchmark suite in one command: run every benchmark, append the rows to the results file, print the report.
 
-    python benchmarks/run.py              full run (CPU: about 15 minutes on 2 cores)
+    python benchmarks/run.py              full run (CPU: over an hour on 2 cores; the two sets of
+                                          about 2000 tensors took 52 minutes alone, most of it
+                                          compiling the compiled rows)
     python benchmarks/run.py --quick      smoke run, small sets and few rounds (under two minutes on CPU)
     python benchmarks/run.py --results PATH    append to PATH instead of benchmarks/results/runs.jsonl
     python benchmarks/run.py --report PATH     also write the report (Markdown) to PATH

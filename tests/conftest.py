@@ -29,6 +29,33 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "cuda: needs a CUDA GPU (skipped without one)")
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--part", metavar="K/N", default=None,
+        help="run the K-th of N parts of the selected tests: every N-th one from the K-th, in collection order "
+             "(neighbouring cases of one test land in different parts), so that a suite too long for one run of a "
+             "time-limited machine splits over N runs that together run each selected test once",
+    )  # fmt: skip
+
+
+def parse_part(text: str) -> tuple[int, int]:
+    """``"K/N"`` -> ``(K, N)``, refusing anything but 1 <= K <= N."""
+    k, slash, n = text.partition("/")
+    if not (slash and k.isdigit() and n.isdigit() and 1 <= int(k) <= int(n)):
+        raise pytest.UsageError(f"--part must be K/N with 1 <= K <= N (whole numbers), got {text!r}")
+    return int(k), int(n)
+
+
+@pytest.hookimpl(trylast=True)  # after -m and -k have deselected theirs: the parts split what is left
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--part") is None:
+        return
+    k, n = parse_part(config.getoption("--part"))
+    kept = [item for i, item in enumerate(items) if i % n == k - 1]
+    config.hook.pytest_deselected(items=[item for i, item in enumerate(items) if i % n != k - 1])
+    items[:] = kept
+
+
 @pytest.fixture(autouse=True)
 def _thread_count_restored():
     """Every test leaves torch's thread count as it found it: the command line's ``--threads`` sets it in this

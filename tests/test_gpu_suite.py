@@ -172,7 +172,32 @@ def test_the_default_limits_fit_the_split_runs_into_10_minutes_each():
     assert sorted(limits) == sorted(PHASES) and sorted(p for run in SPLIT for p in run) == sorted(PHASES)
     for run in SPLIT:
         assert sum(limits[p] for p in run) <= 600, (run, limits)
-    assert limits["tests"] >= 248  # the last H100 run's 150 s for 549 tests, scaled to the 909 of 2026-11-25
+    # the last H100 run's 150 s for 549 tests, scaled to the 2047 of 2026-11-27, in the README's two parts
+    assert limits["tests"] >= 150 * 2047 / 549 / 2
+
+
+def _collected(*args: str) -> list[str]:
+    done = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                           "tests/test_gpu_suite.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    return [line for line in done.stdout.splitlines() if "::" in line]
+
+
+def test_the_parts_of_a_selection_run_each_of_its_tests_once():
+    """``--part K/N`` (what the README's split runs pass in PYTEST_ARGS): N parts of the selected tests that hold each
+    of them once, their sizes within one of each other."""
+    whole = _collected("-k", "not junit")
+    parts = [_collected("-k", "not junit", "--part", f"{k}/3") for k in (1, 2, 3)]
+    assert sorted(test for part in parts for test in part) == sorted(whole)
+    assert all(abs(len(part) - len(whole) / 3) < 1 for part in parts), [len(part) for part in parts]
+
+
+@pytest.mark.parametrize("part", ["0/2", "3/2", "1", "a/b", "1/0"])
+def test_a_part_out_of_range_is_refused_naming_it(part):
+    done = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                           "tests/test_gpu_suite.py", "--part", part], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert done.returncode != 0 and f"--part must be K/N with 1 <= K <= N (whole numbers), got {part!r}" in done.stderr
 
 
 def test_the_models_phase_runs_the_model_benchmark_and_writes_its_tables(tmp_path):
