@@ -176,9 +176,14 @@ def test_the_default_limits_fit_the_split_runs_into_10_minutes_each():
     assert limits["tests"] >= 150 * 2047 / 549 / 2
 
 
-def _collected(*args: str) -> list[str]:
-    done = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+def _collect(*args: str) -> subprocess.CompletedProcess:
+    """pytest's collection of this file with ``args``, in a process of its own."""
+    return subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
                            "tests/test_gpu_suite.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=120)  # fmt: skip
+
+
+def _collected(*args: str) -> list[str]:
+    done = _collect(*args)
     assert done.returncode == 0, done.stdout + done.stderr
     return [line for line in done.stdout.splitlines() if "::" in line]
 
@@ -194,9 +199,7 @@ def test_the_parts_of_a_selection_run_each_of_its_tests_once():
 
 @pytest.mark.parametrize("part", ["0/2", "3/2", "1", "a/b", "1/0"])
 def test_a_part_out_of_range_is_refused_naming_it(part):
-    done = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
-                           "tests/test_gpu_suite.py", "--part", part], cwd=ROOT, capture_output=True, text=True,
-                          timeout=120)  # fmt: skip
+    done = _collect("--part", part)
     assert done.returncode != 0 and f"--part must be K/N with 1 <= K <= N (whole numbers), got {part!r}" in done.stderr
 
 
