@@ -52,7 +52,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .compat import step_post_hooks, step_pre_hooks
+from .compat import graph_may_break, step_post_hooks, step_pre_hooks
 from .flat import Bucket, FlatLayout
 
 #: The mode names of ``opt.base_step_mode``, and with "auto" the values of the optimizers' ``base_step`` argument.
@@ -92,6 +92,9 @@ class BucketUpdate:
     state: list[torch.Tensor | None]
     step: int | None
     scalars: torch.Tensor | None = None
+    #: planned from bucket-level facts alone in a compiled step (:meth:`FlatBaseStep.unsettled`), which must check
+    #: them when it runs
+    settled: bool = False
 
     def kernel_arguments(self) -> dict:
         """The keyword arguments of the kernel modules' ``sgd_step_``/``adam_step_`` (besides ``tile``): the group's
@@ -150,6 +153,9 @@ class FlatBaseStep:
         self.capturable = capturable
         #: why the last :meth:`plan` declined ("" when it did not)
         self.reason = ""
+        #: replaced where the state may have changed behind a compiled step's back (:meth:`adopt`,
+        #: :meth:`invalidate`): a trace that planned buckets as settled is guarded on it
+        self.epoch = _Epoch()
         self._scalars: dict[int, torch.Tensor] = {}  # id(bucket) -> (lr, step), capturable
         self._reserve()
 
@@ -158,11 +164,7 @@ class FlatBaseStep:
         would: a step compiled with ``torch.compile`` finds them in place (a trace cannot create them; see
         :meth:`~gearsam_fused.flat.Bucket.state_buffer`). The optimizer's per-parameter state stays empty until then."""
         for bucket in self.layout.buckets:
-            group = self.optimizer.param_groups[bucket.group]
-            if self.kind == "sgd":
-                keys = self._state_keys({"momentum": group["momentum"]})
-            else:
-                keys = self._state_keys({"amsgrad": group["amsgrad"]})
+            keys = self._group_keys(bucket)
             if self.kind == "adam" or self.capturable:
                 bucket.step_counts(_step_dtype(), on_device=self.capturable)
             if self.capturable:
@@ -181,10 +183,10 @@ class FlatBaseStep:
     def plan(self) -> list[BucketUpdate] | None:
         self.layout.sync()  # the second backward may have made new gradient tensors: the update reads the buffers
         updates = []
-        for bucket in self.layout.buckets:
+        for index, bucket in enumerate(self.layout.buckets):
             if bucket.n_tiles == 0:
                 continue
-            update = self._plan_bucket(bucket)
+            update = self._plan_bucket(bucket, index)
             if update is None:
                 return None
             updates.append(update)
@@ -195,6 +197,7 @@ class FlatBaseStep:
         """Take loaded state into the flat buffers now (``load_state_dict`` calls this) rather than at the next step:
         a step compiled with ``torch.compile`` cannot read the loaded step counts. Buckets whose parameters have no
         state yet, or that the next :meth:`plan` would decline, are left to it."""
+        self.invalidate()  # the loaded state may be no state at all: a compiled step plans its buckets again
         state = self.optimizer.state
         for bucket in self.layout.buckets:
             if bucket.dtype not in _FLOAT_DTYPES or not any(state.get(slot.param) for slot in bucket.slots):
@@ -237,7 +240,7 @@ class FlatBaseStep:
         self.reason = reason
         return None
 
-    def _plan_bucket(self, bucket: Bucket) -> BucketUpdate | None:
+    def _plan_bucket(self, bucket: Bucket, index: int) -> BucketUpdate | None:
         group = self.optimizer.param_groups[bucket.group]
         if bucket.dtype not in _FLOAT_DTYPES:
             dtype = str(bucket.dtype).removeprefix("torch.")
@@ -245,29 +248,78 @@ class FlatBaseStep:
         hyper = self._hyper(group, bucket.group)
         if hyper is None:
             return None
-        for slot in bucket.slots:
-            if slot.param.grad is None:
-                return self._decline(f"parameter {slot.name!r} has no gradient: torch's optimizer skips it this step")
+        # A step compiled whole (fullgraph=True, where a declined plan could not run anyway) plans a bucket it finds
+        # settled from the bucket alone, so that dynamo guards on no parameter's gradient or state: evaluating those
+        # guards took longer per call than the step's own work on small tensors. The compiled code makes the same
+        # checks, in Python, when it runs (optim.check_settled_).
+        settled = (
+            torch.compiler.is_compiling() and not graph_may_break() and _settled_when_traced(self, index, self.epoch)
+        )
+        if not settled:
+            reason = self._missing_gradient(bucket)
+            if reason:
+                return self._decline(reason)
         keys = self._state_keys(hyper)
         scalars = self._scalars.get(id(bucket))
+        adoption = Adoption.KEPT if settled else self._adopt(bucket, keys)
+        if adoption is Adoption.DECLINED:
+            return None
         if self.kind == "sgd":
-            adoption = self._adopt(bucket, keys)
-            if adoption is Adoption.DECLINED:
-                return None
             first = adoption is Adoption.FRESH
             if first and scalars is not None:
                 bucket.step_counts(_step_dtype())[0].zero_()  # the device decides the first step from the count
             state = [bucket.state_buffer(keys[0])[0]] if keys else [None]
             step = None if scalars is not None else 1 if first else 2
-            return BucketUpdate(bucket, "sgd", hyper, state, step, scalars)
-        adoption = self._adopt(bucket, keys)
-        if adoption is Adoption.DECLINED:
-            return None
-        counts = self._adopt_counts(bucket, fresh=adoption is Adoption.FRESH)
+            return BucketUpdate(bucket, "sgd", hyper, state, step, scalars, settled)
+        if settled:
+            counts = 0 if self.capturable else bucket.counted
+        else:
+            counts = self._adopt_counts(bucket, fresh=adoption is Adoption.FRESH)
         if counts is None:
             return None
         state = [bucket.state_buffer(k)[0] for k in keys] + ([] if hyper["amsgrad"] else [None])
-        return BucketUpdate(bucket, "adam", hyper, state, None if scalars is not None else counts + 1, scalars)
+        step = None if scalars is not None else counts + 1
+        return BucketUpdate(bucket, "adam", hyper, state, step, scalars, settled)
+
+    def unsettled(self, bucket: Bucket, synced: bool = False) -> str:
+        """Why ``bucket``'s update cannot be planned from the bucket alone ("" when it can): a parameter without a
+        gradient, a state tensor that is not a view of the bucket's buffers (before the first step, or replaced by
+        hand), Adam's step counts not the bucket's views or, without ``capturable``, not known to the host.
+        ``synced``: the layout's sync has just looked at every gradient
+        (:attr:`~gearsam_fused.flat.Bucket.missing_grad`)."""
+        reason = _no_gradient(bucket.missing_grad) if synced else self._missing_gradient(bucket)
+        if reason:
+            return reason
+        keys = self._group_keys(bucket)
+        views = {key: bucket.state_views.get(key) for key in keys}
+        if self.kind == "adam":
+            counted = bucket.counts is not None and (self.capturable or bucket.counted is not None)
+            views["step"] = bucket.step_counts(_step_dtype())[1] if counted else None
+        name = self._foreign_state(bucket, views)
+        return f"the optimizer state of parameter {name!r} is not the one the last step left" if name else ""
+
+    def invalidate(self) -> None:
+        """Make compiled code that planned buckets as settled plan them again at its next call."""
+        self.epoch = _Epoch()
+
+    @staticmethod
+    def _missing_gradient(bucket: Bucket) -> str:
+        return _no_gradient(next((slot.name for slot in bucket.slots if slot.param.grad is None), None))
+
+    def _foreign_state(self, bucket: Bucket, views: dict[str, list[torch.Tensor] | None]) -> str | None:
+        """The name of the first parameter of ``bucket`` whose state tensor of a key of ``views`` is not its view
+        there (every parameter's, where the views are None), None when there is none."""
+        state = self.optimizer.state
+        entries = [state.get(slot.param) for slot in bucket.slots]  # one lookup per tensor: hashing one is slow
+        # the common case, every state tensor already ours, costs one identity test per tensor and key
+        if all(vs is not None for vs in views.values()) and all(
+            e is not None and e.get(k) is v for k, vs in views.items() for e, v in zip(entries, vs)
+        ):
+            return None
+        for i, (slot, entry) in enumerate(zip(bucket.slots, entries)):
+            if entry is None or any(vs is None or entry.get(key) is not vs[i] for key, vs in views.items()):
+                return slot.name
+        return None
 
     def _hyper(self, group: dict, index: int) -> dict | None:
         for flag, why in _UNFUSED_FLAGS.items():
@@ -299,6 +351,13 @@ class FlatBaseStep:
             )
         return hyper
 
+    def _group_keys(self, bucket: Bucket) -> list[str]:
+        """:meth:`_state_keys` of the options of ``bucket``'s param group."""
+        group = self.optimizer.param_groups[bucket.group]
+        if self.kind == "sgd":
+            return self._state_keys({"momentum": group["momentum"]})
+        return self._state_keys({"amsgrad": group["amsgrad"]})
+
     def _state_keys(self, hyper: dict) -> list[str]:
         if self.kind == "sgd":
             return ["momentum_buffer"] if hyper["momentum"] != 0 else []
@@ -307,12 +366,11 @@ class FlatBaseStep:
     def _adopt(self, bucket: Bucket, keys: list[str]) -> Adoption:
         """Make every parameter's state tensors views of the bucket's flat buffers (copying in any state that was
         replaced, e.g. by ``load_state_dict``); see :class:`Adoption` for the outcomes."""
+        views = {key: bucket.state_buffer(key)[1] for key in keys}
+        if self._foreign_state(bucket, views) is None:
+            return Adoption.KEPT
         state = self.optimizer.state
         entries = [state.get(slot.param) for slot in bucket.slots]  # one lookup per tensor: hashing one is slow
-        views = {key: bucket.state_buffer(key)[1] for key in keys}
-        # the common case, every state tensor already ours, costs one identity test per tensor and key
-        if entries and all(e is not None and e.get(k) is v for k, vs in views.items() for e, v in zip(entries, vs)):
-            return Adoption.KEPT
         have = [bool(e) and all(e.get(k) is not None for k in keys) for e in entries]
         if not keys:
             return Adoption.KEPT if any(have) else Adoption.FRESH
@@ -410,3 +468,18 @@ def run_post_hooks(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) 
     ``(args, kwargs)``."""
     for hook in step_post_hooks(optimizer):
         hook(optimizer, args, kwargs)
+
+
+def _no_gradient(name: str | None) -> str:
+    return f"parameter {name!r} has no gradient: torch's optimizer skips it this step" if name is not None else ""
+
+
+class _Epoch:
+    """:attr:`FlatBaseStep.epoch`: an object whose identity a compiled step is guarded on."""
+
+
+@torch.compiler.assume_constant_result
+def _settled_when_traced(step: FlatBaseStep, index: int, epoch: _Epoch) -> bool:
+    """Whether bucket ``index`` of ``step`` is settled (:meth:`FlatBaseStep.unsettled`), asked while dynamo traces a
+    step and answered by running for real: a constant of the graph, under guards on ``step`` and ``epoch`` alone."""
+    return not step.unsettled(step.layout.buckets[index])

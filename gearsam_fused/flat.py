@@ -120,6 +120,8 @@ class Bucket:
         self.state: dict[str, torch.Tensor] = {}
         self.state_views: dict[str, list[torch.Tensor]] = {}
         self._counts: tuple[torch.Tensor, list[torch.Tensor]] | None = None
+        #: the name of the first parameter that had no gradient at the last :meth:`FlatLayout.sync_now` (None: none)
+        self.missing_grad: str | None = None
         #: the value every entry of :meth:`step_counts` held after the base step last read or advanced it (None before)
         self.counted: int | None = None
 
@@ -250,6 +252,7 @@ class FlatLayout:
             stale: list[torch.Tensor] = []
             targets: list[torch.Tensor] = []
             sources: list[torch.Tensor] = []
+            bucket.missing_grad = None
             for slot in bucket.slots:
                 p = slot.param
                 if p.data_ptr() != slot.view_address:
@@ -258,6 +261,8 @@ class FlatLayout:
                 if g is slot.grad_view:
                     slot.dirty = True
                 elif g is None:
+                    if bucket.missing_grad is None:
+                        bucket.missing_grad = slot.name
                     if slot.dirty:
                         stale.append(slot.grad_view)
                         slot.dirty = False

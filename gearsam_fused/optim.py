@@ -532,7 +532,7 @@ class SharpnessAware(torch.optim.Optimizer):
         if self.rule == GEAR_RULE:
             self._backend.allocate(self.rule, energy, self._run.ema, rho, self.beta, self.delta)
         correction = self._correction_scale(energy) if self.schedule.corrects else None
-        updates = self._flat_step.plan() if self._flat_step is not None else None
+        updates = self._plan()
         if updates is None and self.base_step == FUSED:
             raise RuntimeError(f"base_step='fused' cannot be honoured this step: {self._flat_step.reason}")
         if updates is None:
@@ -599,7 +599,7 @@ class SharpnessAware(torch.optim.Optimizer):
             self._run.found_inf = None
         self._check_second_gradient()
         self._run.cleared = None
-        updates = self._flat_step.plan() if self._flat_step is not None else None
+        updates = self._plan()
         if updates is None and self.base_step == FUSED:
             self._backend.restore_()  # w, not w + eps, stays in the model
             raise RuntimeError(f"base_step='fused' cannot be honoured this step: {self._flat_step.reason}")
@@ -657,7 +657,7 @@ class SharpnessAware(torch.optim.Optimizer):
             if closure is not None:
                 with torch.enable_grad():
                     closure()
-                updates = self._flat_step.plan()  # the closure may have changed the gradients
+                updates = self._plan()  # the closure may have changed the gradients
                 if updates is None:
                     raise RuntimeError(
                         f"the base step cannot run after a step pre-hook's closure: {self._flat_step.reason}"
@@ -673,6 +673,18 @@ class SharpnessAware(torch.optim.Optimizer):
         self._flat_step.finish(updates, found_inf)
         self._mark_stepped(base=True)  # as the base optimizer's step() would have: a scheduler may be attached to it
         run_post_hooks(self.base_optimizer, args, kwargs)
+
+    def _plan(self) -> list | None:
+        """The fused base step's plan of this step (None: the base optimizer's own step). The buckets that a step
+        compiled whole planned from themselves alone (settled) are checked each time the compiled code runs
+        (:func:`check_settled_`)."""
+        if self._flat_step is None:
+            return None
+        updates = self._flat_step.plan()
+        settled = [update.bucket.grad for update in updates or () if update.settled]
+        if settled:
+            torch.ops.gearsam_fused.check_settled_(settled, self._key)
+        return updates
 
     def _grad_marks(self) -> list[tuple[torch.Tensor, int]]:
         """(gradient, version) of every gradient that exists: ``backward`` makes a new tensor where there was none and
@@ -1118,6 +1130,34 @@ def check_second_gradient_(grads: list[torch.Tensor], optimizer: int) -> None:
 
 
 @check_second_gradient_.register_fake
+def _(grads: list[torch.Tensor], optimizer: int) -> None:
+    return None
+
+
+# Declared as writing the gradient buffers, though it only reads them, for the same reason: before the update.
+@torch.library.custom_op("gearsam_fused::check_settled_", mutates_args=("grads",))
+def check_settled_(grads: list[torch.Tensor], optimizer: int) -> None:
+    """The checks that a step compiled whole left out of its plan of the buckets whose flat gradient buffers are
+    ``grads`` (:meth:`~gearsam_fused.base_step.FlatBaseStep.unsettled`), made when the compiled code runs. Where one
+    fails, the step is abandoned with an error and the next call compiles the step again."""
+    opt = _OPTIMIZERS.get(optimizer)
+    if opt is None:
+        raise RuntimeError("the optimizer this compiled step belongs to no longer exists")
+    addresses = {g.data_ptr() for g in grads}
+    for bucket in opt._flat_step.layout.buckets:
+        reason = opt._flat_step.unsettled(bucket, synced=True) if bucket.grad.data_ptr() in addresses else ""
+        if reason:
+            opt._flat_step.invalidate()
+            kept = opt._abandon_step()
+            raise RuntimeError(
+                f"second_step, compiled with fullgraph=True when every parameter had a gradient and the optimizer "
+                f"state the last step left, found that {reason}: the weights were restored to w and no step was "
+                f"taken{kept}. Its next call compiles it again for what it finds; a parameter without a gradient "
+                "then needs the base optimizer's own step, which fullgraph=True refuses"
+            )
+
+
+@check_settled_.register_fake
 def _(grads: list[torch.Tensor], optimizer: int) -> None:
     return None
 

@@ -205,6 +205,84 @@ def test_state_a_compiled_step_would_have_to_create_is_refused():
         run(model, opt, mlp_data(1), first, second)
 
 
+def half_step(model, opt, xy, first):
+    """A step up to its second backward: what ``second_step`` finishes."""
+    mse(model, xy).backward()
+    first(zero_grad=True)
+    mse(model, xy).backward()
+
+
+def test_state_replaced_by_hand_is_refused_by_the_compiled_step_then_taken_in_at_its_next_call():
+    """A compiled second_step plans its buckets without checking each parameter's state (dynamo then guards on none
+    of them) and checks them when it runs: a state tensor replaced other than by load_state_dict is refused with
+    the weights put back, and the next call compiles again and copies it in, as an eager step does."""
+    batches = mlp_data(4)
+    runs = []
+    for compiled in (False, True):
+        model, opt = build("sam", "sgd", "cpp")
+        first, second = compiled_steps(opt) if compiled else (opt.first_step, opt.second_step)
+        run(model, opt, batches[:2], first, second)
+        weight = model[0].weight
+        opt.state[weight]["momentum_buffer"] = torch.full_like(weight, 0.5)
+        if compiled:
+            before = [p.detach().clone() for p in model.parameters()]
+            half_step(model, opt, batches[2], first)
+            with pytest.raises(
+                RuntimeError,
+                match=r"optimizer state of parameter '0.weight' is not the one the last "
+                r"step left: the weights were restored to w and no step was taken",
+            ):
+                second(zero_grad=True)
+            assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+            opt.zero_grad()
+        run(model, opt, batches[2:], first, second)
+        runs.append((model, opt))
+    (eager_model, eager), (model, opt) = runs
+    for a, b in zip(eager_model.parameters(), model.parameters()):
+        assert torch.equal(a, b)
+        assert torch.equal(eager.state[a]["momentum_buffer"], opt.state[b]["momentum_buffer"])
+
+
+@pytest.mark.parametrize("base", ["sgd", "adamw"])
+def test_a_parameter_without_a_gradient_is_refused_by_the_compiled_step(base):
+    """torch's optimizer skips a parameter without a gradient, which the fused update cannot; a second_step compiled
+    with every gradient present checks them when it runs, and refuses the step with the weights put back."""
+    batches = mlp_data(4)
+    model, opt = build("sam", base, "cpp")
+    first, second = compiled_steps(opt)
+    run(model, opt, batches[:3], first, second)  # Adam's count is symbolic from the third step (see above)
+    before = [p.detach().clone() for p in model.parameters()]
+    half_step(model, opt, batches[3], first)
+    model[0].bias.grad = None
+    with pytest.raises(
+        RuntimeError,
+        match=r"parameter '0.bias' has no gradient: torch's optimizer skips it this "
+        r"step: the weights were restored to w",
+    ):
+        second(zero_grad=True)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+
+
+@pytest.mark.parametrize("base", ["sgd", "adamw"])
+def test_a_fresh_state_loaded_between_compiled_steps_starts_the_base_optimizer_again(base):
+    """load_state_dict makes a compiled step plan its buckets again: here a state with nothing in it, so the next
+    step is the base optimizer's first (SGD's momentum taken from the gradient, Adam's count from 1), as eagerly."""
+    batches = mlp_data(4)
+    runs = []
+    for compiled in (False, True):
+        model, opt = build("gear-sam", base, "cpp")
+        first, second = compiled_steps(opt) if compiled else (opt.first_step, opt.second_step)
+        run(model, opt, batches[:2], first, second)
+        opt.load_state_dict(build("gear-sam", base, "cpp")[1].state_dict())
+        run(model, opt, batches[2:], first, second)
+        runs.append((model, opt))
+    (eager_model, eager), (model, opt) = runs
+    for a, b in zip(eager_model.parameters(), model.parameters()):
+        assert torch.equal(a, b)
+        for key, value in eager.state[a].items():
+            assert torch.equal(value, opt.state[b][key]), key
+
+
 def test_schedules_are_refused_inside_a_compiled_step():
     model, opt = build("sam", "sgd", "torch", schedule=Every(2))
     first, _ = compiled_steps(opt)
