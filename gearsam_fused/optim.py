@@ -180,7 +180,7 @@ class SharpnessAware(torch.optim.Optimizer):
         if capturable:
             self._check_capturable()
         self._flat_step, self._flat_step_why_not = self._make_flat_step()
-        # how compiled code finds this optimizer again (check_second_gradient_, _mark_stepped_when_traced)
+        # how compiled code finds this optimizer again when it runs (check_second_gradient_, check_settled_)
         self._key = _register(self)
         #: capturable=True: rho, the lrs and what a skipped step restores, on the device (None otherwise)
         self._device = DeviceScalars(self.param_groups, device, len(self.blocks)) if capturable else None
@@ -712,7 +712,7 @@ class SharpnessAware(torch.optim.Optimizer):
         once is all it takes, and a compiled setattr on an optimizer is what dynamo could not trace in torch 2.11
         ("Attempted setattr on a user-defined object that does not have an AttributeMutation mutation_type")."""
         if torch.compiler.is_compiling():
-            _mark_stepped_when_traced(self._key, base)
+            _mark_stepped_when_traced(self, base)
         else:
             mark_stepped(self.base_optimizer if base else self)
 
@@ -1106,13 +1106,13 @@ def _register(optimizer: SharpnessAware) -> int:
     return id(optimizer)
 
 
-@torch._dynamo.assume_constant_result
-def _mark_stepped_when_traced(optimizer: int, base: bool) -> bool:
+@torch.compiler.assume_constant_result
+def _mark_stepped_when_traced(optimizer: SharpnessAware, base: bool) -> bool:
     """:meth:`SharpnessAware._mark_stepped` for compiled code: run for real while dynamo traces the step, not by the
-    compiled code, which so never sets an attribute of an optimizer (``base``: the base optimizer of the optimizer
-    registered under ``optimizer``)."""
-    opt = _OPTIMIZERS[optimizer]
-    mark_stepped(opt.base_optimizer if base else opt)
+    compiled code, which so never sets an attribute of an optimizer (``base``: the base optimizer of ``optimizer``).
+    It takes the optimizer, not its key: dynamo makes an integer dynamic once it has compiled the same code for two
+    values of it (two optimizers' keys), and a dynamic integer is no constant to run this with."""
+    mark_stepped(optimizer.base_optimizer if base else optimizer)
     return True
 
 

@@ -1,7 +1,9 @@
 """The SAM step under ``torch.compile``: ``first_step`` and ``second_step`` compiled with ``fullgraph=True`` on every
 fused backend and the same weights, state and allocation as eager; a compiled step that compiles once; the checks a
 trace cannot make (replaced gradients and parameters, state changed behind the optimizer's back) made when the
-compiled code runs; a whole training step compiled with graph breaks where torch's own optimizers have them.
+compiled code runs, those of the fused base step's plan too (a parameter without a gradient, state replaced by hand:
+refused with the weights put back); a whole training step compiled with graph breaks where torch's own optimizers
+have them.
 
 Tolerances: the ``cpp`` and ``triton`` kernels are registered operations that the compiler calls as they are, so
 compiled and eager agree bit for bit. The ``torch`` backend's operations are fused by Inductor into kernels of its
@@ -205,11 +207,17 @@ def test_state_a_compiled_step_would_have_to_create_is_refused():
         run(model, opt, mlp_data(1), first, second)
 
 
-def half_step(model, opt, xy, first):
-    """A step up to its second backward: what ``second_step`` finishes."""
+def assert_refused_with_w_put_back(model, xy, first, second, spoil, match: str):
+    """A step on ``xy`` up to its second backward, then ``spoil()``: ``second`` refuses it with an error matching
+    ``match`` and leaves the weights of before the step (``w``, not ``w + eps``)."""
+    before = [p.detach().clone() for p in model.parameters()]
     mse(model, xy).backward()
     first(zero_grad=True)
     mse(model, xy).backward()
+    spoil()
+    with pytest.raises(RuntimeError, match=match):
+        second(zero_grad=True)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
 
 
 def test_state_replaced_by_hand_is_refused_by_the_compiled_step_then_taken_in_at_its_next_call():
@@ -222,19 +230,18 @@ def test_state_replaced_by_hand_is_refused_by_the_compiled_step_then_taken_in_at
         model, opt = build("sam", "sgd", "cpp")
         first, second = compiled_steps(opt) if compiled else (opt.first_step, opt.second_step)
         run(model, opt, batches[:2], first, second)
-        weight = model[0].weight
-        opt.state[weight]["momentum_buffer"] = torch.full_like(weight, 0.5)
+
+        def replace(opt=opt, weight=model[0].weight):
+            opt.state[weight]["momentum_buffer"] = torch.full_like(weight, 0.5)
+
         if compiled:
-            before = [p.detach().clone() for p in model.parameters()]
-            half_step(model, opt, batches[2], first)
-            with pytest.raises(
-                RuntimeError,
-                match=r"optimizer state of parameter '0.weight' is not the one the last "
-                r"step left: the weights were restored to w and no step was taken",
-            ):
-                second(zero_grad=True)
-            assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+            match = (
+                "optimizer state of parameter '0.weight' is not the one the last step left: the weights were restored"
+            )
+            assert_refused_with_w_put_back(model, batches[2], first, second, replace, match)
             opt.zero_grad()
+        else:
+            replace()
         run(model, opt, batches[2:], first, second)
         runs.append((model, opt))
     (eager_model, eager), (model, opt) = runs
@@ -251,16 +258,12 @@ def test_a_parameter_without_a_gradient_is_refused_by_the_compiled_step(base):
     model, opt = build("sam", base, "cpp")
     first, second = compiled_steps(opt)
     run(model, opt, batches[:3], first, second)  # Adam's count is symbolic from the third step (see above)
-    before = [p.detach().clone() for p in model.parameters()]
-    half_step(model, opt, batches[3], first)
-    model[0].bias.grad = None
-    with pytest.raises(
-        RuntimeError,
-        match=r"parameter '0.bias' has no gradient: torch's optimizer skips it this "
-        r"step: the weights were restored to w",
-    ):
-        second(zero_grad=True)
-    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+
+    def drop():
+        model[0].bias.grad = None
+
+    match = "parameter '0.bias' has no gradient: torch's optimizer skips it this step: the weights were restored"
+    assert_refused_with_w_put_back(model, batches[3], first, second, drop, match)
 
 
 @pytest.mark.parametrize("base", ["sgd", "adamw"])
@@ -281,6 +284,15 @@ def test_a_fresh_state_loaded_between_compiled_steps_starts_the_base_optimizer_a
         assert torch.equal(a, b)
         for key, value in eager.state[a].items():
             assert torch.equal(value, opt.state[b][key]), key
+
+
+def test_the_steps_of_a_second_optimizer_compile_in_the_same_process():
+    """dynamo makes an integer dynamic once it has compiled the same code for two values of it, here two optimizers'
+    keys: nothing the step hands to the compiler as a constant may come from such an integer."""
+    for _ in range(2):
+        model, opt = build("sam", "sgd", "cpp")
+        run(model, opt, mlp_data(3), *compiled_steps(opt))
+        assert opt._opt_called and opt.base_optimizer._opt_called
 
 
 def test_schedules_are_refused_inside_a_compiled_step():

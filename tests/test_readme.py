@@ -14,7 +14,9 @@ RESNET_BLOCKS = ["stem", "layer1", "layer2", "layer3", "layer4", "classifier"]
 
 def run_page(page) -> dict:
     """Every block of ``page`` but the ``# needs:`` ones, in order, in one namespace that starts with a small
-    ResNet-18, a one-batch loader and that batch."""
+    ResNet-18, a one-batch loader and that batch, and with dynamo's caches empty: a page is a program of its own, and
+    what other tests compiled would count towards the recompile limit of the code it compiles."""
+    torch._dynamo.reset()
     torch.manual_seed(0)
     x, y = torch.randn(4, 3, 32, 32), torch.randint(0, 10, (4,))
     namespace = {"model": resnet18(width=4), "loader": [(x, y)], "x": x, "y": y}
