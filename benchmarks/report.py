@@ -137,6 +137,13 @@ def pct_traffic_floor(row: dict) -> str:
 def floor_note(group: list[dict]) -> str:
     """How the floor of a table's rows was measured."""
     first = group[0]
+    if "floor_row_kind" in first:  # one kind per row, the fastest over its rounds
+        floors = sorted(r["floor_gbps"] for r in group)
+        kinds = ", ".join(sorted({r["floor_row_kind"] for r in group}))
+        return (
+            f"memory floor ({first['floor_kind']}: {kinds} here) measured between each row's rounds, each "
+            f"round's rate over that kind's around it, {floors[0]:.0f}-{floors[-1]:.0f} GB/s over the rows"
+        )
     if "floor_best_gbps" in first:  # measured between each row's rounds
         floors = sorted(r["floor_gbps"] for r in group)
         paired = ", each round's rate over the floor around it" if "floor_paired" in first else ""

@@ -429,7 +429,7 @@ def test_a_row_above_the_floor_of_its_own_rounds_fails_where_no_cache_holds_it(m
     conftest = _load("conftest")
     floor = conftest.MemoryFloor(2**16)
     # buffers this small stay in the caches, where our kernels do not stream: only STREAM's three kinds and the read
-    assert floor.kind == "fastest of copy, triad, update, read"
+    assert floor.kind == "the fastest over the row's rounds of copy, triad, update, read"
     assert set(floor.start_gbps) == {"copy", "triad", "update", "read"} and all(
         v > 0 for v in floor.start_gbps.values()
     )
@@ -439,7 +439,7 @@ def test_a_row_above_the_floor_of_its_own_rounds_fails_where_no_cache_holds_it(m
     assert len(floor.samples) == 3 and all(0 < s.read <= s.fastest for s in floor.samples)
 
     def samples(*fastest):  # the read kind's rate does not enter pct_floor
-        return [conftest.FloorSample(f, 1.0) for f in fastest]
+        return [conftest.FloorSample({"copy": f, "read": 1.0}) for f in fastest]
 
     after = iter(samples(12.0, 12.0, 12.0, 12.0))  # the measurement after a row's last round, one per row below
     monkeypatch.setattr(floor, "_sample", lambda: next(after))
@@ -447,6 +447,7 @@ def test_a_row_above_the_floor_of_its_own_rounds_fails_where_no_cache_holds_it(m
     floor.samples = samples(10.0, 11.0, 11.0)
     fields = floor.fields(10**9, [1 / 10, 1 / 12, 1 / 11], 60_000_000, "row")
     assert fields["gbps"] == pytest.approx(11.0) and fields["floor_gbps"] == 11.0 and fields["floor_best_gbps"] == 12.0
+    assert fields["floor_row_kind"] == "copy" and fields["floor_highest_gbps"] == 11.0
     ratios = sorted([10 / 10.5, 12 / 11, 11 / 11.5])
     assert fields["pct_floor"] == pytest.approx(100 * ratios[1])
     quartiles = (50 * (ratios[0] + ratios[1]), 50 * (ratios[1] + ratios[2]))
@@ -471,8 +472,12 @@ def test_the_traffic_floor_takes_the_read_only_bytes_at_the_read_rate(monkeypatc
     kind's rate and the rest at the fastest kind's, each the mean of the measurements around the round."""
     conftest = _load("conftest")
     floor = conftest.MemoryFloor(2**16)
-    monkeypatch.setattr(floor, "_sample", lambda: conftest.FloorSample(60.0, 60.0))  # after the last round
-    floor.samples = [conftest.FloorSample(60.0, 40.0), conftest.FloorSample(60.0, 20.0)]
+
+    def sample(copy, read):
+        return conftest.FloorSample({"copy": copy, "read": read})
+
+    monkeypatch.setattr(floor, "_sample", lambda: sample(60.0, 60.0))  # after the last round
+    floor.samples = [sample(60.0, 40.0), sample(60.0, 20.0)]
     # 4e9 bytes, 1e9 of them read-only; round 1 around (60, 30): the traffic floor 4 / (1/30 + 3/60) = 48 GB/s;
     # round 2 around (60, 40): 4 / (1/40 + 3/60) = 53.33 GB/s; both rounds at 40 GB/s, the median their mean
     fields = floor.fields(4 * 10**9, [0.1, 0.1], 1_000_000, "row", read_only=10**9)
@@ -480,9 +485,31 @@ def test_the_traffic_floor_takes_the_read_only_bytes_at_the_read_rate(monkeypatc
     assert fields["pct_traffic_floor"] == pytest.approx(100 * (40 / 48 + 40 / (4 / (1 / 40 + 3 / 60))) / 2)
     assert fields["pct_floor"] == pytest.approx(100 * 40 / 60)  # the fastest kind's floor: as without read_only
     for bad in (-1, 4 * 10**9 + 1):
-        floor.samples = [conftest.FloorSample(60.0, 40.0)] * 2
+        floor.samples = [sample(60.0, 40.0)] * 2
         with pytest.raises(ValueError, match="read-only bytes"):
             floor.fields(4 * 10**9, [0.1, 0.1], 1_000_000, "row", read_only=bad)
+
+
+def test_the_floor_of_a_row_is_the_kind_fastest_over_its_rounds_not_the_highest_of_each_moment(monkeypatch):
+    """Two kinds as fast as each other, whose single measurements take turns at being the higher: the row's floor is
+    one of them, each round over that kind's rate around it, not the higher measurement of each moment (which would
+    be the high end of their noise); the traffic floor prices the rest of the bytes at the same kind."""
+    conftest = _load("conftest")
+    floor = conftest.MemoryFloor(2**16)
+
+    def sample(copy, update):
+        return conftest.FloorSample({"copy": copy, "update": update, "read": 5.0})
+
+    monkeypatch.setattr(floor, "_sample", lambda: sample(12.0, 10.0))  # after the last round
+    floor.samples = [sample(10.0, 12.0), sample(12.0, 10.5), sample(10.0, 12.5)]
+    # medians with the one after the last round: copy 11, update 11.25 -> update, around the rounds 11.25, 11.5 and
+    # 11.25; the higher kind of each moment would have put the floor at 12, 12.25 and 12.25
+    fields = floor.fields(10**9, [1 / 10] * 3, 60_000_000, "row", read_only=10**8)
+    assert fields["floor_row_kind"] == "update" and fields["floor_gbps"] == 11.25
+    assert fields["floor_highest_gbps"] == 12.0 and fields["floor_best_gbps"] == 12.5
+    assert fields["pct_floor"] == pytest.approx(100 * 10 / 11.25)
+    traffic = [1 / (0.1 / 5.0 + 0.9 / f) for f in (11.25, 11.5, 11.25)]
+    assert fields["pct_traffic_floor"] == pytest.approx(100 * 10 / traffic[0])  # the median round's
 
 
 def test_every_table_row_has_as_many_cells_as_its_header():
