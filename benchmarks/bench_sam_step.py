@@ -39,6 +39,7 @@ from conftest import (
     cuda_event_median_ms,
     cuda_launches,
     sam_step_of,
+    step_rounds,
     synchronize,
     warm_up,
 )
@@ -114,7 +115,7 @@ def measure(benchmark, record, quick, floor, params, opt, contender: str, extra_
             "cuda_event_median_ms": cuda_event_median_ms(step),
         }
     benchmark.group = f"{fields.get('variant', fields['rule'])} step, {params.name}, {DEVICE}"
-    rounds = 3 if quick else max(5, min(30, int(3e8 / params.numel)))
+    rounds = step_rounds(params.numel, quick)
     setup = None if rounds_of_plain is None else rounds_of_plain.setup
     benchmark.pedantic(synchronised_step, setup=floor.interleaved(setup), rounds=rounds, iterations=1)
     if rounds_of_plain is not None:

@@ -89,6 +89,7 @@ from conftest import (
     cuda_event_median_ms,
     cuda_launches,
     sam_step_of,
+    step_rounds,
     synchronize,
     warm_up,
 )
@@ -338,7 +339,7 @@ def measure(benchmark, record, quick, floor, params, opt, step, contender: str, 
         extra["launches"] = cuda_launches(step)
         extra["cuda_event_median_ms"] = cuda_event_median_ms(step)
     benchmark.group = f"whole step, {base}, {params.name}, {DEVICE}"
-    rounds = 3 if quick else max(5, min(30, int(3e8 / params.numel)))
+    rounds = step_rounds(params.numel, quick)
     setup = None if paired is None else paired.setup
     benchmark.pedantic(synchronised_step, setup=floor.interleaved(setup), rounds=rounds, iterations=1)
     if paired is not None:

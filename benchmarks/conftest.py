@@ -69,6 +69,14 @@ def warm_up(step, min_steps: int = 3, min_seconds: float = 0.5) -> None:
         done += 1
 
 
+def step_rounds(parameters: int, quick: bool) -> int:
+    """Timed rounds of a SAM-step or whole-step row over ``parameters``: about 0.3 G parameters' worth, between 15 and
+    30. A row's "% of floor" is the median of its rounds' ratios to the floor around them, and on a shared machine one
+    round of five at a slow moment moved it by several percent (run ``d95845333668``: a quartile range of 83% to 88%
+    over five rounds), so the largest sets get 15."""
+    return 3 if quick else max(15, min(30, int(3e8 / parameters)))
+
+
 def sam_step_of(opt):
     """One synchronised ``first_step`` + ``second_step`` of ``opt``."""
 

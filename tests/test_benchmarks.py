@@ -13,7 +13,10 @@ BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
 def _load(name: str):
-    """A module of benchmarks/ under a name of its own (its folder is not a package, and "conftest" is taken)."""
+    """A module of benchmarks/ under a name of its own (its folder is not a package, and "conftest" is taken). The
+    folder goes on the import path, as when pytest runs the benchmarks: their modules import one another by name."""
+    if str(BENCHMARKS) not in sys.path:
+        sys.path.append(str(BENCHMARKS))
     spec = importlib.util.spec_from_file_location(f"benchmarks_test_{name}", BENCHMARKS / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
