@@ -12,8 +12,8 @@
 // loads (vec.h) where the CPU has AVX2 and FMA, else from a scratch run. The loops take their constants by value: a
 // copy that no store of theirs can reach, so the compiler keeps them in registers and tests the flags once. Taken by
 // reference, they might be written by any store to a buffer of their type, so each was loaded again after every
-// store: on the benchmarks' host, while its memory was fast, a standalone copy of the SGD loop ran 20% slower so, and
-// the SGD step past the caches up to 7% slower.
+// store: on the benchmarks' host, while its memory was fast, a standalone copy of the SGD loop ran 20% slower that way,
+// and the SGD step past the caches up to 7% slower.
 //
 // Capturable arguments (gearsam.h) are CPU tensors here, read on the host before the step: scalars' (lr, k) replace
 // the options' through at_step, so the constants are those of the host call with the same lr and k; found_inf
