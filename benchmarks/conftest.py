@@ -287,7 +287,7 @@ class MemoryFloor:
         gbps = counted / statistics.median(round_s) / 1e9
         kind = max(samples[0].rates, key=lambda k: statistics.median(sample.rates[k] for sample in samples))
         rates = [sample.rates[kind] for sample in samples]
-        around = [(before + after) / 2 for before, after in zip(rates, rates[1:])]
+        around = _around(rates)
         ratios = [counted / s / 1e9 / floor for s, floor in zip(round_s, around)]
         q1, paired, q3 = statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 else ratios * 3
         best = max(sample.fastest for sample in samples)
@@ -308,13 +308,18 @@ class MemoryFloor:
         return fields
 
 
+def _around(measured: list[float]) -> list[float]:
+    """Each round's rate around it: the mean of the measurements just before and just after it (one more measurement
+    than rounds)."""
+    return [(before + after) / 2 for before, after in zip(measured, measured[1:])]
+
+
 def _pct_traffic_floor(counted: int, read_only: int, round_s: list[float], floor_around: list[float],
                        read: list[float]) -> float:  # fmt: skip
     """The median over the rounds of each round's rate over its traffic floor (:class:`MemoryFloor`): ``read_only``
     of the ``counted`` bytes at the read kind's rate around the round (the mean of ``read`` before and after it), the
     rest at the row's floor kind's (``floor_around``)."""
-    read_around = [(before + after) / 2 for before, after in zip(read, read[1:])]
-    traffic = [counted / (read_only / r + (counted - read_only) / f) for f, r in zip(floor_around, read_around)]
+    traffic = [counted / (read_only / r + (counted - read_only) / f) for f, r in zip(floor_around, _around(read))]
     return 100 * statistics.median(counted / s / 1e9 / floor for s, floor in zip(round_s, traffic))
 
 

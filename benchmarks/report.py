@@ -137,18 +137,15 @@ def pct_traffic_floor(row: dict) -> str:
 def floor_note(group: list[dict]) -> str:
     """How the floor of a table's rows was measured."""
     first = group[0]
-    if "floor_row_kind" in first:  # one kind per row, the fastest over its rounds
-        floors = sorted(r["floor_gbps"] for r in group)
-        kinds = ", ".join(sorted({r["floor_row_kind"] for r in group}))
-        return (
-            f"memory floor ({first['floor_kind']}: {kinds} here) measured between each row's rounds, each "
-            f"round's rate over that kind's around it, {floors[0]:.0f}-{floors[-1]:.0f} GB/s over the rows"
-        )
     if "floor_best_gbps" in first:  # measured between each row's rounds
         floors = sorted(r["floor_gbps"] for r in group)
+        span = f"{floors[0]:.0f}-{floors[-1]:.0f} GB/s over the rows"
+        if "floor_row_kind" in first:  # one kind per row, the fastest over its rounds
+            kinds = ", ".join(sorted({r["floor_row_kind"] for r in group}))
+            return (f"memory floor ({first['floor_kind']}: {kinds} here) measured between each row's rounds, each "
+                    f"round's rate over that kind's around it, {span}")  # fmt: skip
         paired = ", each round's rate over the floor around it" if "floor_paired" in first else ""
-        return (f"memory floor ({first['floor_kind']}) measured between each row's rounds{paired}, "
-                f"{floors[0]:.0f}-{floors[-1]:.0f} GB/s over the rows")  # fmt: skip
+        return f"memory floor ({first['floor_kind']}) measured between each row's rounds{paired}, {span}"
     if "floor_gbps" in first:
         return f"memory floor {first['floor_gbps']:.0f} GB/s ({first['floor_kind']})"
     return f"memory floor {floor_gbps(first):.0f} GB/s (the run's copy, by the bytes it moved)"
