@@ -19,6 +19,7 @@ import torch
 
 from gearsam_fused.app.machine import describe_machine
 from gearsam_fused.backends.cpp_ops import cpp_stream_threshold_bytes
+from gearsam_fused.memory import flat_empty
 
 from report import quartiles
 
@@ -197,6 +198,9 @@ class MemoryFloor:
     the highest of seven single measurements is the high end of their noise, not what the memory moves (a row keeps
     both: ``floor_gbps``, its kind's median, and ``floor_highest_gbps``, the median of each measurement's highest).
 
+    The floor's buffers are allocated as our flat buffers are (:mod:`gearsam_fused.memory`: on a Linux CPU, advised
+    onto transparent huge pages), so that a row and its floor stream the same kind of memory.
+
     A copy counted at 8 bytes per element, as STREAM counts it, reads two thirds of the machine's bandwidth on a CPU:
     rows of kernels that write mostly what they also read then come out "above the floor".
 
@@ -210,8 +214,14 @@ class MemoryFloor:
     loses no time of its own reaches.
     """
 
+    @staticmethod
+    def _buffer(elements: int) -> torch.Tensor:
+        # memory as our flat buffers have it (on a Linux CPU on transparent huge pages where the machine gives them):
+        # a stream over 4 KiB pages is slower than the same one over 2 MiB pages, and would be no floor for our steps
+        return flat_empty(elements, torch.float32, torch.device(DEVICE))
+
     def __init__(self, elements: int):
-        self.a, self.b, self.c = (torch.rand(elements, device=DEVICE) for _ in range(3))
+        self.a, self.b, self.c = (self._buffer(elements).uniform_() for _ in range(3))
         hidden = 4 if DEVICE == "cpu" else 0  # write-allocate: bytes read per element written without being read
         self.kinds = {
             "copy": (lambda: self.b.copy_(self.a), 8 + hidden),
@@ -229,7 +239,7 @@ class MemoryFloor:
                 lambda: ops.perturb_(self.a, self.b, self.c, scale, tiles, tile=1024, adaptive=False, eta=0.0),
                 16,
             )
-            m, v = torch.zeros(elements), torch.rand(elements)  # AdamW's moments: v >= 0, as a second moment is
+            m, v = self._buffer(elements).zero_(), self._buffer(elements).uniform_()  # AdamW's moments: v >= 0
             adam = dict(beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, decoupled=True, amsgrad=False,
                         maximize=False, lr=1e-9, step=3)  # fmt: skip
             self.kinds["streamed AdamW step"] = (

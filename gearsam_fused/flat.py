@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from .checks import check_dense_grad
+from .memory import flat_empty, flat_zeros
 from .partition import Block
 
 #: Tensor starts are multiples of this many elements (256 bytes in float32): aligned for vectorised access.
@@ -107,9 +108,9 @@ class Bucket:
             tile_count_of_block.append((cursor - start) // tile)
         self.numel = cursor
         self.n_tiles = cursor // tile
-        self.param = torch.zeros(cursor, dtype=dtype, device=device)
-        self.grad = torch.zeros(cursor, dtype=dtype, device=device)
-        self.backup = torch.empty(cursor, dtype=dtype, device=device)
+        self.param = flat_zeros(cursor, dtype, device)
+        self.grad = flat_zeros(cursor, dtype, device)
+        self.backup = flat_empty(cursor, dtype, device)
         counts = torch.tensor(tile_count_of_block, dtype=torch.int64)
         self.tile_count_of_block = counts.to(device)
         self.first_tile_of_block = torch.cat([counts.new_zeros(1), counts.cumsum(0)]).to(device)
@@ -154,7 +155,7 @@ class Bucket:
                 "torch.compile first"
             )
         if key not in self.state:
-            flat = torch.zeros_like(self.param)
+            flat = flat_zeros(self.numel, self.dtype, self.device)
             self.state[key] = flat
             self.state_views[key] = [torch.as_strided(flat, s.view.shape, s.view.stride(), s.offset)
                                      for s in self.slots]  # fmt: skip

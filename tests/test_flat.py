@@ -1,6 +1,7 @@
 """The flat layout: what it does to the model (nothing visible), its geometry, and keeping the views honest."""
 
 import copy
+import os
 
 import pytest
 import torch
@@ -8,6 +9,7 @@ from torch import nn
 
 from gearsam_fused import GEARSAM, SAM
 from gearsam_fused.flat import ALIGN, TILE
+from gearsam_fused.memory import HUGE_PAGE, advise_huge_pages, huge_page_range
 
 from conftest import FUSED, SGD_KW, NoStep, batches, loss_fn, on_device, tiny_resnet
 
@@ -180,3 +182,46 @@ def test_memory_overhead_is_the_backup_plus_small_tables(backend, device):
     assert report["grad_buffer"] == bucket.numel * 4
     reference = GEARSAM(tiny_resnet(), torch.optim.SGD, backend="reference", lr=0.1).memory_overhead()
     assert reference["backup"] == n_params * 4 and reference["grad_buffer"] == 0
+
+
+def _vm_flags_at(address: int) -> list[str]:
+    """The ``VmFlags`` of the mapping of this process that holds ``address`` (``/proc/self/smaps``)."""
+    inside = False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and ":" not in head:  # a mapping's first line: "start-end perms offset ..."
+                start, end = (int(x, 16) for x in head.split("-"))
+                inside = start <= address < end
+            elif inside and line.startswith("VmFlags:"):
+                return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.skipif(not os.path.isdir("/sys/kernel/mm/transparent_hugepage"), reason="no transparent huge pages")
+@pytest.mark.parametrize("backend", ["torch", "cpp"])
+def test_the_flat_buffers_of_a_cpu_bucket_are_advised_onto_huge_pages(backend):
+    model = nn.Sequential(nn.Linear(1024, 2048), nn.Linear(2048, 1024))  # 4M parameters: 16 MiB per buffer
+    opt = SAM(model, torch.optim.SGD, backend=backend, lr=0.1, momentum=0.9)
+    (bucket,) = _buckets(opt)
+    buffers = {"param": bucket.param, "grad": bucket.grad, "backup": bucket.backup, **bucket.state}
+    assert list(bucket.state) == ["momentum_buffer"]
+    for name, buffer in buffers.items():
+        start, length = huge_page_range(buffer.data_ptr(), buffer.nbytes)
+        assert length >= 6 * HUGE_PAGE, name  # 16 MiB holds at least seven whole huge pages, less one at the edges
+        # "hg": the kernel keeps the advice on the mapping, whether or not it had a huge page free at hand
+        assert "hg" in _vm_flags_at(start) and "hg" in _vm_flags_at(start + length - 1), name
+    # advised before the zeros were written, and zeros still
+    assert torch.count_nonzero(bucket.grad) == 0 and torch.count_nonzero(bucket.state["momentum_buffer"]) == 0
+
+
+def test_huge_page_range_is_the_whole_huge_pages_inside_a_range():
+    assert huge_page_range(HUGE_PAGE, 3 * HUGE_PAGE) == (HUGE_PAGE, 3 * HUGE_PAGE)
+    assert huge_page_range(HUGE_PAGE - 64, 3 * HUGE_PAGE) == (HUGE_PAGE, 2 * HUGE_PAGE)
+    assert huge_page_range(HUGE_PAGE + 64, 2 * HUGE_PAGE - 128) is None
+    assert huge_page_range(5 * HUGE_PAGE + 1, HUGE_PAGE) is None
+
+
+def test_buffers_that_hold_no_whole_huge_page_or_live_off_the_cpu_are_not_advised():
+    assert not advise_huge_pages(torch.empty(1000))
+    assert not advise_huge_pages(torch.empty(2**22, device="meta"))
