@@ -94,6 +94,7 @@ def _where(row: dict) -> str:
     place = row["gpu"] or f"CPU {row['cpu']} ({row['cpu_count']} cores)"
     return (
         f"{place}, {row['date']}, commit {row['commit']}, torch {row['torch']}, triton {row['triton']}"
+        f"{f', transparent huge pages {pages}' if (pages := row.get('huge_pages')) else ''}"
         f"{', quick mode' if row['quick'] else ''} (run `{row['run']}`)"
     )
 

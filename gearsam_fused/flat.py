@@ -13,6 +13,8 @@ first use, one buffer per optimizer-state tensor, e.g. Adam's ``exp_avg``, with 
 * Blocks start on tile boundaries, so a kernel tile of ``TILE`` elements lies in exactly one block; the tables
   ``block_of_tile`` (tile -> its block), ``first_tile_of_block`` (block b -> its tiles ``[first[b], first[b + 1])``,
   B + 1 entries) and ``tile_count_of_block`` are built once and live on the device.
+* On a Linux CPU every flat buffer is advised onto transparent huge pages before it is first written
+  (:mod:`gearsam_fused.memory`).
 * Padding is zero in ``param`` and ``grad`` and stays zero: a perturbation adds ``scale * 0`` there.
 * Parameters of different param groups never share a bucket, so one set of hyperparameters (lr, weight decay, ...)
   holds for a whole bucket and a base-optimizer update can run over it in one pass.
@@ -31,6 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from .checks import check_dense_grad
+from .host_ops import host_op
 from .memory import flat_empty, flat_zeros
 from .partition import Block
 
@@ -334,7 +337,7 @@ def _register(layout: FlatLayout) -> int:
     return id(layout)
 
 
-@torch.library.custom_op("gearsam_fused::sync_", mutates_args=("grads",))
+@host_op("sync_", "Tensor[] counts, int layout")
 def sync_(grads: list[torch.Tensor], counts: list[torch.Tensor], layout: int) -> None:
     """:meth:`FlatLayout.sync_now` (without re-homing parameters) of the layout registered under ``layout``, whose
     flat gradient buffers (every bucket's, in order) are ``grads``, then :meth:`Bucket.check_counted` of the buckets'
@@ -350,11 +353,6 @@ def sync_(grads: list[torch.Tensor], counts: list[torch.Tensor], layout: int) ->
     target.sync_now(rehome=False)
     for bucket in target.buckets:
         bucket.check_counted()
-
-
-@sync_.register_fake
-def _(grads: list[torch.Tensor], counts: list[torch.Tensor], layout: int) -> None:
-    return None
 
 
 def compact_state_dict(state: dict) -> dict:

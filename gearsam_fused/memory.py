@@ -3,7 +3,7 @@
 Every pass of a step streams whole flat buffers, hundreds of MiB for a large model. With 4 KiB pages such a stream
 needs a new address translation every 4 KiB, and the pass that only reads (the energies) waits on them most: on the
 project's 2-core AMD EPYC a read-only stream over 2 MiB pages ran 5% to 10% faster than over 4 KiB pages, and a whole
-SAM step with SGD 4% faster (interleaved in one process; the streams that also write gained at most 1%). So the
+SAM step with SGD 1% to 4% faster (interleaved in one process; the streams that also write gained at most 2%). So the
 flat buffers of a CPU bucket are advised onto transparent huge pages (``madvise(MADV_HUGEPAGE)``) before they are
 first written, which is when the kernel gives a region its pages.
 
@@ -36,6 +36,17 @@ def _libc_madvise():
 
 
 _madvise = _libc_madvise()
+
+
+def huge_page_setting() -> str | None:
+    """The kernel's transparent-huge-page mode (``always``, ``madvise`` or ``never``: which regions get huge pages;
+    ``madvise`` or ``always`` honour :func:`advise_huge_pages`), None where it has none."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            words = f.read().split()
+    except OSError:
+        return None
+    return next((w[1:-1] for w in words if w.startswith("[")), None)
 
 
 def huge_page_range(address: int, nbytes: int) -> tuple[int, int] | None:

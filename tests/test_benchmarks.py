@@ -25,7 +25,9 @@ def _load(name: str):
 
 report = _load("report")
 
-MACHINE_FIELDS = {"run", "date", "commit", "cpu", "cpu_count", "gpu", "torch", "triton", "platform", "device", "quick"}
+MACHINE_FIELDS = {
+    "run", "date", "commit", "cpu", "cpu_count", "gpu", "torch", "triton", "platform", "huge_pages", "device", "quick",
+}  # fmt: skip
 TIMING_FIELDS = {"median_ms", "q1_ms", "q3_ms", "min_ms", "rounds"}
 SAM_STEP_FIELDS = {
     "set",

@@ -9,7 +9,7 @@ from torch import nn
 
 from gearsam_fused import GEARSAM, SAM
 from gearsam_fused.flat import ALIGN, TILE
-from gearsam_fused.memory import HUGE_PAGE, advise_huge_pages, huge_page_range
+from gearsam_fused.memory import HUGE_PAGE, advise_huge_pages, huge_page_range, huge_page_setting
 
 from conftest import FUSED, SGD_KW, NoStep, batches, loss_fn, on_device, tiny_resnet
 
@@ -225,3 +225,14 @@ def test_huge_page_range_is_the_whole_huge_pages_inside_a_range():
 def test_buffers_that_hold_no_whole_huge_page_or_live_off_the_cpu_are_not_advised():
     assert not advise_huge_pages(torch.empty(1000))
     assert not advise_huge_pages(torch.empty(2**22, device="meta"))
+
+
+def test_the_huge_page_setting_is_the_kernels_mode_in_brackets():
+    path = "/sys/kernel/mm/transparent_hugepage/enabled"
+    if not os.path.exists(path):
+        assert huge_page_setting() is None
+        return
+    with open(path) as f:
+        text = f.read()  # e.g. "always [madvise] never"
+    assert huge_page_setting() in ("always", "madvise", "never")
+    assert f"[{huge_page_setting()}]" in text

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import torch
 
+from ..memory import huge_page_setting
+
 
 def describe_machine(device: str | torch.device = "cpu") -> dict:
     """Date, commit of the source checkout (when there is one), CPU, GPU of ``device`` and library versions."""
@@ -30,6 +32,7 @@ def describe_machine(device: str | torch.device = "cpu") -> dict:
         "cuda": torch.version.cuda,
         "triton": triton_version,
         "platform": platform.platform(),
+        "huge_pages": huge_page_setting(),
     }
 
 
