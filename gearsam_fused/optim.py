@@ -33,6 +33,7 @@ from .capturable import DeviceScalars
 from .checks import PARAM_DTYPES, check_found_inf, check_param_dtype, check_real
 from .compat import graph_break, graph_may_break, mark_stepped
 from .family import Descent, FriendlyAscent, Mix, SurrogateGap, WeightedSharpness, check_ascent, check_descent
+from .host_ops import host_op
 from .partition import Block, parameter_names
 from .partition import partition as make_partition
 from .schedules import Schedule, check_schedule
@@ -1118,7 +1119,7 @@ def _mark_stepped_when_traced(optimizer: SharpnessAware, base: bool) -> bool:
 
 # Declared as writing the gradient buffers, though it only reads them: so that it stays in the graph, before the
 # sync that copies new gradients in.
-@torch.library.custom_op("gearsam_fused::check_second_gradient_", mutates_args=("grads",))
+@host_op("check_second_gradient_", "int optimizer")
 def check_second_gradient_(grads: list[torch.Tensor], optimizer: int) -> None:
     """:meth:`SharpnessAware.second_step`'s check that a backward ran after ``first_step`` and an in-place
     ``zero_grad``, made when compiled code runs; ``grads`` are the optimizer's flat gradient buffers."""
@@ -1129,13 +1130,8 @@ def check_second_gradient_(grads: list[torch.Tensor], optimizer: int) -> None:
         opt._refuse_without_second_gradient()
 
 
-@check_second_gradient_.register_fake
-def _(grads: list[torch.Tensor], optimizer: int) -> None:
-    return None
-
-
 # Declared as writing the gradient buffers, though it only reads them, for the same reason: before the update.
-@torch.library.custom_op("gearsam_fused::check_settled_", mutates_args=("grads",))
+@host_op("check_settled_", "int optimizer")
 def check_settled_(grads: list[torch.Tensor], optimizer: int) -> None:
     """The checks that a step compiled whole left out of its plan of the buckets whose flat gradient buffers are
     ``grads`` (:meth:`~gearsam_fused.base_step.FlatBaseStep.unsettled`), made when the compiled code runs. Where one
@@ -1155,11 +1151,6 @@ def check_settled_(grads: list[torch.Tensor], optimizer: int) -> None:
                 f"taken{kept}. Its next call compiles it again for what it finds; a parameter without a gradient "
                 "then needs the base optimizer's own step, which fullgraph=True refuses"
             )
-
-
-@check_settled_.register_fake
-def _(grads: list[torch.Tensor], optimizer: int) -> None:
-    return None
 
 
 class _Pending:

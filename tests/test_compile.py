@@ -339,3 +339,27 @@ def test_the_compiled_step_tells_lr_schedulers_it_stepped_without_setting_attrib
     run(model, opt, mlp_data(3)[2:], first, second)
     assert graphs() == compiled, "the mark's removal recompiled the step"
     assert not hasattr(opt, "_opt_called") and not hasattr(opt.base_optimizer, "_opt_called")
+
+
+def test_the_host_checks_declare_the_gradient_buffers_written_and_advance_their_versions():
+    # declared written: the compiler keeps them in the graph, ordered before what reads or writes the buffers
+    for name in ("sync_", "check_settled_", "check_second_gradient_"):
+        grads = getattr(torch.ops.gearsam_fused, name).default._schema.arguments[0]
+        assert grads.name == "grads" and grads.alias_info is not None and grads.alias_info.is_write, name
+    model = torch.nn.Linear(8, 8)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt = SAM(model, torch.optim.SGD, backend="torch", lr=0.1, momentum=0.9)
+    opt.first_step()
+    opt.second_step()
+    layout = opt.backend.layout
+    grads = [bucket.grad for bucket in layout.buckets]
+    before = grads[0]._version
+    torch.ops.gearsam_fused.sync_(grads, [], layout.key)  # nothing to copy in: the version still advances, once
+    assert grads[0]._version == before + 1
+    model.weight.grad = torch.full_like(model.weight, 2.0)  # a gradient of its own: the sync copies it in
+    torch.ops.gearsam_fused.sync_(grads, [], layout.key)
+    assert grads[0]._version > before + 1
+    assert model.weight.grad.data_ptr() >= grads[0].data_ptr() and torch.all(model.weight.grad == 2.0)
+    with pytest.raises(RuntimeError, match="copies of the flat gradient buffers"):
+        torch.ops.gearsam_fused.sync_([g.clone() for g in grads], [], layout.key)
