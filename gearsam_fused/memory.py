@@ -26,10 +26,13 @@ MADV_HUGEPAGE = 14
 
 
 def _libc_madvise():
-    """libc's ``madvise``, None off Linux."""
+    """libc's ``madvise``, None off Linux or where the C library has none."""
     if not sys.platform.startswith("linux"):
         return None
-    madvise = ctypes.CDLL(None, use_errno=True).madvise
+    try:
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
     madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     madvise.restype = ctypes.c_int
     return madvise
