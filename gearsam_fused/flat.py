@@ -111,8 +111,7 @@ class Bucket:
             tile_count_of_block.append((cursor - start) // tile)
         self.numel = cursor
         self.n_tiles = cursor // tile
-        self.param = flat_zeros(cursor, dtype, device)
-        self.grad = flat_zeros(cursor, dtype, device)
+        self.param, self.grad = self.new_zeros(), self.new_zeros()
         self.backup = flat_empty(cursor, dtype, device)
         counts = torch.tensor(tile_count_of_block, dtype=torch.int64)
         self.tile_count_of_block = counts.to(device)
@@ -143,6 +142,11 @@ class Bucket:
                     slot.dirty = True
                 self.slots.append(slot)
 
+    def new_zeros(self) -> torch.Tensor:
+        """A flat buffer of zeros laid out like ``param`` (on huge pages where :mod:`gearsam_fused.memory` gets
+        them)."""
+        return flat_zeros(self.numel, self.dtype, self.device)
+
     @property
     def padding(self) -> int:
         return self.numel - sum(s.view.numel() for s in self.slots)
@@ -158,7 +162,7 @@ class Bucket:
                 "torch.compile first"
             )
         if key not in self.state:
-            flat = flat_zeros(self.numel, self.dtype, self.device)
+            flat = self.new_zeros()
             self.state[key] = flat
             self.state_views[key] = [torch.as_strided(flat, s.view.shape, s.view.stride(), s.offset)
                                      for s in self.slots]  # fmt: skip

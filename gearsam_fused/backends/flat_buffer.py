@@ -17,7 +17,6 @@ from ..allocation import GEAR_RULE, check_rule
 from ..base_step import BucketUpdate
 from ..family import Mix
 from ..flat import Bucket, FlatLayout
-from ..memory import flat_zeros
 from .base import CORRECTION, MOMENTUM, Backend, compute_dtype, friendly_ascent
 
 
@@ -100,7 +99,7 @@ class FlatBufferBackend(Backend):
         store = self._buffers[name]
         flat = store.get(id(bucket))
         if flat is None:
-            flat = store[id(bucket)] = flat_zeros(bucket.numel, bucket.dtype, bucket.device)
+            flat = store[id(bucket)] = bucket.new_zeros()
         return flat
 
     def _flat_correction(self, bucket: Bucket) -> torch.Tensor:
