@@ -27,10 +27,12 @@ Contenders, each around the same base optimizer (every torch optimizer with ``fo
 =============================  ====================================================================================
 
 Counted bytes per step for d float32 parameters, the floor of a fused step: energy reads g (4d); perturb reads w and
-g and writes the backup and w (16d); restore-and-update reads the backup, g and the optimizer's state and writes w
-and the state: SGD with momentum 20d (backup, g, momentum buffer in; w, buffer out), AdamW 28d (backup, g, two
-moments in; w, two moments out). So 40d for SGD and 48d for AdamW, the same yardstick for every SAM contender; the
-bare base step is counted at its own 20d and 28d. GB/s is that count over the median time, ``pct_floor`` compares it
+g and writes w + eps (12d: into the backup's buffer, which then trades its memory with the parameters', as the
+``cpp`` CPU kernels do past the last-level cache, csrc/cpu/exchange.h; a perturbation in place that copies w to the
+backup moves 16d); restore-and-update reads w, g and the optimizer's state and writes w and the state: SGD with
+momentum 20d (w, g, momentum buffer in; w, buffer out), AdamW 28d (w, g, two moments in; w, two moments out). So 36d
+for SGD and 44d for AdamW, the same yardstick for every SAM contender (runs before commit @EXCHANGE@ counted the 16d
+perturbation: 40d and 48d; each row records its count); the bare base step is counted at its own 20d and 28d. GB/s is that count over the median time, ``pct_floor`` compares it
 with the memory floor measured in the same run (``conftest.MemoryFloor``), and ``pct_traffic_floor`` (SAM rows) with
 the floor of its traffic, the energy pass's 4d, which only reads, at the read rate measured beside it. On CUDA a row
 also records kernel launches per step (torch profiler) and the median by CUDA events.
@@ -61,7 +63,7 @@ the perturbation is checked on its own.
 The SAM family (``test_family_whole_step``): each variant of :data:`contenders.FAMILY` (GSAM, WSAM, F-SAM, GEAR-SAM
 with GSAM's descent, and SAM and GEAR-SAM as their yardsticks), ours on each backend with ``base_step="fused"`` and
 pytorch_optimizer's on both its paths where it has the variant, on :data:`contenders.FAMILY_SET_KEY` with both base
-optimizers, counted at 40d / 48d plus the bytes the variant's parts move in a fused whole step
+optimizers, counted at 36d / 44d plus the bytes the variant's parts move in a fused whole step
 (``Variant.extra_bytes - Variant.folded_bytes``), and, as in :mod:`bench_sam_step`, each of our variants over our
 plain SAM's whole step timed just before each round on a copy of the set (``over_paired_plain``). Quick mode runs it
 on one of our backends and the peer's ``foreach`` path, with SGD, only.
@@ -85,6 +87,7 @@ import param_sets
 from conftest import (
     DEVICE,
     ENERGY_BYTES,
+    PERTURB_BYTES,
     PairedRounds,
     cuda_event_median_ms,
     cuda_launches,
@@ -100,7 +103,7 @@ BASES = {
     "SGD": (torch.optim.SGD, {"lr": 0.01, "momentum": 0.9, "weight_decay": 5e-4}),
     "AdamW": (torch.optim.AdamW, {"lr": 1e-3, "weight_decay": 0.01}),
 }
-BYTES_PER_PARAM = {"SGD": ENERGY_BYTES + 16 + 20, "AdamW": ENERGY_BYTES + 16 + 28}
+BYTES_PER_PARAM = {"SGD": ENERGY_BYTES + PERTURB_BYTES + 20, "AdamW": ENERGY_BYTES + PERTURB_BYTES + 28}
 #: the base optimizer's step alone: w, g and the state in, w and the state out
 BARE_BYTES_PER_PARAM = {"SGD": 20, "AdamW": 28}
 #: the sets of a quick run: a network's shapes and the two sets of many small tensors, where the fusion matters most

@@ -141,6 +141,9 @@ FLOOR_CHECKED_FROM = 50_000_000
 #: bytes per float32 parameter of a SAM step's energy pass: it only reads g, so the traffic floor (MemoryFloor)
 #: counts them at the read rate
 ENERGY_BYTES = 4
+#: bytes per float32 parameter of a SAM step's perturbation: w and g read, w + eps written (into the backup's buffer,
+#: whose memory the parameters then take: csrc/cpu/exchange.h)
+PERTURB_BYTES = 12
 
 
 class FloorSample(NamedTuple):
@@ -176,12 +179,15 @@ class MemoryFloor:
     streamed copy  ``restore_(b, a)``     8: a read, b written with non-temporal stores, which write whole lines
                                           without reading them (CPU, with the C++ extension built: the ``cpp``
                                           backend's copy, csrc/cpu/stream.h)
-    streamed       ``perturb_(a, b, c)``  16: a and b read, a written, c = the old a written with non-temporal
-    update                                stores (CPU, with the extension built: the ``cpp`` backend's
-                                          perturbation, ``a += s * b`` with its backup in ``c``)
-    streamed       ``adam_step_(a, b, c,  28: b, c, m and v read, m and v written, a written with non-temporal
-    AdamW step     m, v)``                stores (CPU, with the extension built: the ``cpp`` backend's AdamW
-                                          step from the backup ``c`` with the gradient ``b``, lr 1e-9)
+    streamed       ``perturb_(a, b, c)``  12: a and b read, c = a + s * b written with non-temporal stores,
+    update                                then a and c trade their memory (CPU, with the extension built: the
+                                          ``cpp`` backend's perturbation, csrc/cpu/exchange.h; 16 in runs before
+                                          commit @EXCHANGE@, where it wrote a in place and c = the old a)
+    streamed       ``adam_step_(a, b, c,  28: the ``cpp`` backend's AdamW step from the backup ``c`` with the
+    AdamW step     m, v)``                gradient ``b``, lr 1e-9 (CPU, with the extension built): a and c trade
+                                          their memory, then a, b, m and v are read, a, m and v written in place
+                                          (before commit @EXCHANGE@: b, c, m and v read, m and v written, a
+                                          written with non-temporal stores)
     =============  =====================  =====================================================================
 
     The last three are our own kernels' ways of moving memory: on this CPU updates in place combined with
@@ -237,7 +243,7 @@ class MemoryFloor:
             self.kinds["streamed copy"] = (lambda: ops.restore_(self.b, self.a, tile=1024), 8)
             self.kinds["streamed update"] = (
                 lambda: ops.perturb_(self.a, self.b, self.c, scale, tiles, tile=1024, adaptive=False, eta=0.0),
-                16,
+                PERTURB_BYTES,
             )
             m, v = self._buffer(elements).zero_(), self._buffer(elements).uniform_()  # AdamW's moments: v >= 0
             adam = dict(beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, decoupled=True, amsgrad=False,

@@ -28,6 +28,11 @@
 // each element before it is written. Both steps optionally correct the gradient first (LookSAM):
 // g = fma(C(correction_scale[block]), correction, grad).
 //
+// On the CPU past the last-level cache, param and backup trade their memory where each is the whole of its own
+// storage (cpu/exchange.h): perturb_ writes w + eps into backup and exchanges the two, and the base steps exchange them
+// back and update param in place, which leaves backup holding w + eps. Every value above is as stated; what moves is
+// the memory under the two tensors, and every view of them with it.
+//
 // A capturable step (CUDA graphs replay kernels with the host arguments frozen at capture) reads what changes per
 // step from device memory, through two optional tensors on the buffers' device; with neither given every operation
 // is exactly what it is without them, bit for bit:

@@ -77,7 +77,8 @@ TORCH_LIBRARY(gearsam_fused, m) {
       "allocate(Tensor energy, Tensor(a!) ema, *, bool gear, float rho, float beta, float delta, "
       "Tensor? scalars=None, Tensor? found_inf=None) -> (Tensor, Tensor)");
   // backup = param; param += scale[block_of_tile[tile]] * T^2 * grad, in place; with kept, kept = grad too (the SAM
-  // family's first gradient, or LookSAM's, kept in the same pass).
+  // family's first gradient, or LookSAM's, kept in the same pass). On the CPU past the last-level cache, w + eps is
+  // written to backup and the two exchange their memory (csrc/cpu/exchange.h): the same values in the same tensors.
   m.def(
       "perturb_(Tensor(a!) param, Tensor grad, Tensor(b!) backup, Tensor scale, Tensor block_of_tile, *, int tile, "
       "bool adaptive, float eta, Tensor(c!)? kept=None) -> ()");
@@ -109,9 +110,11 @@ TORCH_LIBRARY(gearsam_fused, m) {
   // difference rounded on its own (WSAM's decoupled sharpness step; lr the step's). Capturable (gearsam.h): scalars,
   // float64 [2], holds (lr, k), k the step count (first = k == 1; then lr=0.0 and first=False); found_inf, float32
   // with one element, nonzero writes param = backup (nothing without backup) and nothing else, without reading grad.
+  // backup is written too: on the CPU past the last-level cache param and backup first exchange their memory and the
+  // step updates param in place (csrc/cpu/exchange.h), which leaves backup holding param's old values.
   m.def(
-      "sgd_step_(Tensor(a!) param, Tensor grad, Tensor? backup, Tensor(b!)? momentum_buffer, *, int tile, float lr, "
-      "float weight_decay, float momentum, float dampening, bool nesterov, bool maximize, bool first, "
+      "sgd_step_(Tensor(a!) param, Tensor grad, Tensor(c!)? backup, Tensor(b!)? momentum_buffer, *, int tile, "
+      "float lr, float weight_decay, float momentum, float dampening, bool nesterov, bool maximize, bool first, "
       "Tensor? correction=None, Tensor? correction_scale=None, Tensor? block_of_tile=None, Tensor? scalars=None, "
       "Tensor? found_inf=None, Tensor? grad_scale=None, float sharpness=0.) -> ()");
   // param = backup (or param's own values) after one step of torch.optim.Adam (AdamW when decoupled) on grad, bit for
@@ -121,9 +124,9 @@ TORCH_LIBRARY(gearsam_fused, m) {
   // (1 - beta2^k)^0.5 and decay = 1 - lr * weight_decay are derived from them as torch derives them in Python;
   // correction, correction_scale, block_of_tile, grad_scale and sharpness as for sgd_step_. Capturable: scalars,
   // float64 [2], holds (lr, k) (then lr=0.0 and step=0), from which the same operations derive the three; found_inf as
-  // for sgd_step_ (exp_avg, exp_avg_sq and max_exp_avg_sq keep their bits).
+  // for sgd_step_ (exp_avg, exp_avg_sq and max_exp_avg_sq keep their bits); backup as for sgd_step_.
   m.def(
-      "adam_step_(Tensor(a!) param, Tensor grad, Tensor? backup, Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq, "
+      "adam_step_(Tensor(a!) param, Tensor grad, Tensor(e!)? backup, Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq, "
       "Tensor(d!)? max_exp_avg_sq, *, int tile, float beta1, float beta2, float eps, float weight_decay, "
       "bool decoupled, bool amsgrad, bool maximize, float lr, SymInt step, "
       "Tensor? correction=None, Tensor? correction_scale=None, Tensor? block_of_tile=None, Tensor? scalars=None, "

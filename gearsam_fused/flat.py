@@ -78,8 +78,8 @@ class _Slot:
     dirty: bool = False  # the grad region may be non-zero: it is, or was since we last zeroed it, the .grad
 
     # FlatLayout.sync checks every tensor before every step, so it uses the cheapest sufficient tests. The parameter is
-    # still ours while param.data_ptr() == view_address: a replaced .data lives elsewhere, since nothing but a view of
-    # our live buffer can start inside it. The gradient is still ours while param.grad is grad_view: the .grad we set
+    # still ours while param.data_ptr() == view_address (plus the bucket's shift, Bucket.shift): a replaced .data lives
+    # elsewhere, since nothing but a view of our live buffer can start inside it. The gradient is still ours while param.grad is grad_view: the .grad we set
     # keeps its Python object as long as we hold it, so any other object is a new gradient (one that happens to share
     # our memory is copied onto itself, harmlessly).
 
@@ -113,6 +113,7 @@ class Bucket:
         self.n_tiles = cursor // tile
         self.param, self.grad = self.new_zeros(), self.new_zeros()
         self.backup = flat_empty(cursor, dtype, device)
+        self._param_address = self.param.data_ptr()
         counts = torch.tensor(tile_count_of_block, dtype=torch.int64)
         self.tile_count_of_block = counts.to(device)
         self.first_tile_of_block = torch.cat([counts.new_zeros(1), counts.cumsum(0)]).to(device)
@@ -141,6 +142,13 @@ class Bucket:
                     p.grad = grad_view
                     slot.dirty = True
                 self.slots.append(slot)
+
+    @property
+    def shift(self) -> int:
+        """How far the parameter buffer's memory is from where it was allocated: 0, or the distance to the backup's
+        first memory after the CPU kernels exchanged the two buffers' memory (``csrc/cpu/exchange.h``), which every
+        parameter, a view of the buffer, followed."""
+        return self.param.data_ptr() - self._param_address
 
     def new_zeros(self) -> torch.Tensor:
         """A flat buffer of zeros laid out like ``param`` (on huge pages where :mod:`gearsam_fused.memory` gets
@@ -261,9 +269,10 @@ class FlatLayout:
             targets: list[torch.Tensor] = []
             sources: list[torch.Tensor] = []
             bucket.missing_grad = None
+            shift = bucket.shift
             for slot in bucket.slots:
                 p = slot.param
-                if p.data_ptr() != slot.view_address:
+                if p.data_ptr() - shift != slot.view_address:
                     self._rehome_param(bucket, slot, rehome)
                 g = p.grad
                 if g is slot.grad_view:

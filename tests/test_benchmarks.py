@@ -45,7 +45,7 @@ SAM_STEP_FIELDS = {
 
 # the whole step's rows: per base optimizer instead of per rule, and no memory column
 WHOLE_STEP_FIELDS = (SAM_STEP_FIELDS - {"rule", "held_bytes"}) | {"base"}
-BYTES_PER_PARAM = {"SGD": 40, "AdamW": 48}  # a fused step's floor: energy 4 + perturb 16 + restore-and-update 20 or 28
+BYTES_PER_PARAM = {"SGD": 36, "AdamW": 44}  # a fused step's floor: energy 4 + perturb 12 + restore-and-update 20 or 28
 
 
 def test_quick_run_appends_rows_and_prints_the_report(tmp_path):
@@ -164,7 +164,7 @@ def test_quick_run_appends_rows_and_prints_the_report(tmp_path):
     extra = {"SAM": 0, "GSAM": 24, "WSAM": 32, "F-SAM": 12, "GEAR-SAM": 0, "GEAR-SAM + GSAM": 24}
     # a whole step's fused base update takes GSAM's mix and WSAM's sharpness step: g read, not passes of their own
     folded = {"GSAM": 8, "GEAR-SAM + GSAM": 8, "WSAM": 24}
-    for benchmark, bases in (("bench_sam_step", {None: 28}), ("bench_whole_step", {"SGD": 40})):  # quick: SGD only
+    for benchmark, bases in (("bench_sam_step", {None: 24}), ("bench_whole_step", {"SGD": 36})):  # quick: SGD only
         for base, floor in bases.items():
             these = [r for r in family if r["benchmark"] == benchmark and r.get("base") == base]
             assert {(r["variant"], r["contender"]) for r in these} == expected, (benchmark, base)

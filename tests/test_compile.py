@@ -12,6 +12,7 @@ there the compiled step agrees within ``FP32_STEP_RTOL`` per step (measured: up 
 """
 
 import copy
+import math
 import warnings
 
 import pytest
@@ -20,6 +21,7 @@ import torch._dynamo
 from torch._dynamo.utils import counters
 
 from gearsam_fused import GEARSAM, SAM
+from gearsam_fused.backends.cpp_ops import cpp_installed
 from gearsam_fused.schedules import Every
 
 from conftest import FP32_STEP_RTOL, FUSED, loss_fn, mlp, mlp_data, mse, rel_err, tiny_resnet
@@ -91,6 +93,67 @@ def test_compiled_step_matches_eager(backend, device, rule, base):
             assert_close(value, opt.state[b][key], exact, f"state[{i}][{key!r}]")
     for name in ("ema", "energy", "radius"):
         assert_close(getattr(eager.step_statistics, name), getattr(opt.step_statistics, name), exact, name)
+
+
+def _past_the_last_level_cache() -> int:
+    """Features of a square linear layer whose weight alone is past ``cpu_stream_threshold_bytes()`` in float32 (skips
+    where the CPU kernels never stream, or where that is too large for a test)."""
+    from gearsam_fused import _C
+
+    threshold = _C.cpu_stream_threshold_bytes()
+    if threshold < 0 or threshold > 2**28:
+        pytest.skip(f"no bucket past a stream threshold of {threshold} bytes here")
+    return math.isqrt(threshold // 4) + 64
+
+
+@pytest.mark.skipif(not cpp_installed(), reason="the C++ extension is not built")
+@pytest.mark.parametrize("base", ["sgd", "adamw"])
+def test_a_bucket_whose_memory_the_kernels_exchange_compiles_to_the_eager_step(base):
+    """Past the last-level cache the ``cpp`` CPU kernels exchange the memory of the parameter and backup buffers
+    (csrc/cpu/exchange.h): between ``first_step`` and ``second_step`` the parameters live in the backup's first memory,
+    holding ``w + eps``, and between steps where they started. Compiled and eager steps agree bit for bit, and with the
+    ``torch`` backend, which copies, within ``FP32_STEP_RTOL`` a step (the same gradients given to each, so that no
+    difference grows through a model); a step cancelled in between (``restore_`` copies w back, so the parameters stay
+    in the exchanged memory until the next perturbation) is read where it is, not re-homed."""
+    features = _past_the_last_level_cache()
+    base_cls, base_kwargs = BASES[base]
+    torch.manual_seed(0)
+    models = [torch.nn.Sequential(torch.nn.Linear(features, features), torch.nn.Linear(features, 2))]
+    models += [copy.deepcopy(models[0]) for _ in range(2)]
+    opts = [SAM(m, base_cls, backend=b, **base_kwargs) for m, b in zip(models, ("cpp", "cpp", "torch"))]
+    steps = [(opts[0].first_step, opts[0].second_step), compiled_steps(opts[1])]
+    steps.append((opts[2].first_step, opts[2].second_step))
+    start = [m[0].weight.data_ptr() for m in models]
+
+    def give(model, seed):
+        g = torch.Generator().manual_seed(seed)
+        for p in model.parameters():
+            p.grad = torch.randn(p.shape, generator=g)
+
+    for i in range(4):
+        for model, opt, (first, _) in zip(models, opts, steps):
+            give(model, 2 * i)
+            if i == 1 and opt is not opts[1]:  # cancelled, then taken again
+                opt.first_step(cancellable=True)
+                opt.cancel_step()
+            first(zero_grad=True)
+            give(model, 2 * i + 1)
+        perturbed = [m[0].weight.detach().clone() for m in models]
+        assert torch.equal(perturbed[0], perturbed[1])
+        assert rel_err(perturbed[0], perturbed[2]) <= FP32_STEP_RTOL * (i + 1), "the parameters do not hold w + eps"
+        for _, second in steps:
+            second(zero_grad=True)
+    moved = [m[0].weight.data_ptr() != here for m, here in zip(models, start)]
+    assert moved == [True, False, False], "only the cancelled cpp step leaves its parameters in the exchanged memory"
+    give(models[1], 0)
+    opts[1].first_step(cancellable=True)
+    assert models[1][0].weight.data_ptr() != start[1], "the perturbation exchanged no memory: nothing was tested"
+    opts[1].cancel_step()
+    for a, b, c in zip(*(m.parameters() for m in models)):
+        assert torch.equal(a, b), (
+            f"compiled and eager (its step cancelled and taken again) differ by {rel_err(a, b):.3g}"
+        )
+        assert rel_err(a, c) <= FP32_STEP_RTOL * 4, f"{rel_err(a, c):.3g} from the torch backend"
 
 
 @pytest.mark.parametrize("base", list(BASES))

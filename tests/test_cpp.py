@@ -287,8 +287,8 @@ def test_buffers_past_the_last_level_cache_stream_their_outputs_to_the_same_bits
             sgd.state[p] = {"momentum_buffer": grad * 0.5}
             sgd.step()
             out, buf = torch.full_like(w0, float("nan")), grad * 0.5
-            kernels.sgd_step_(out, grad, w0, buf, tile=tile, lr=0.1, weight_decay=5e-4, momentum=0.9, dampening=0.0,
-                              nesterov=False, maximize=False, first=False)  # fmt: skip
+            kernels.sgd_step_(out, grad, w0.clone(), buf, tile=tile, lr=0.1, weight_decay=5e-4, momentum=0.9,
+                              dampening=0.0, nesterov=False, maximize=False, first=False)  # fmt: skip
             assert torch.equal(out, p.detach()) and torch.equal(buf, sgd.state[p]["momentum_buffer"])
 
             p = torch.nn.Parameter(w0.clone())
@@ -297,7 +297,7 @@ def test_buffers_past_the_last_level_cache_stream_their_outputs_to_the_same_bits
             with correctly_rounded_sqrt():
                 adamw.step()
             out, m, v = torch.full_like(w0, float("nan")), torch.zeros_like(w0), torch.zeros_like(w0)
-            kernels.adam_step_(out, grad, w0, m, v, None, tile=tile, beta1=0.9, beta2=0.999, eps=1e-8,
+            kernels.adam_step_(out, grad, w0.clone(), m, v, None, tile=tile, beta1=0.9, beta2=0.999, eps=1e-8,
                                weight_decay=0.01, decoupled=True, amsgrad=False, maximize=False, lr=1e-3,
                                step=1)  # fmt: skip
             state = adamw.state[p]
@@ -305,6 +305,63 @@ def test_buffers_past_the_last_level_cache_stream_their_outputs_to_the_same_bits
             assert torch.equal(m, state["exp_avg"]) and torch.equal(v, state["exp_avg_sq"])
     finally:
         torch.set_num_threads(previous)
+
+
+@needs_cpp
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_past_the_last_level_cache_param_and_backup_exchange_their_memory_instead_of_copying(dtype):
+    """Past ``cpu_stream_threshold_bytes()``, where param and backup are each the whole of their own storage
+    (csrc/cpu/exchange.h): ``perturb_`` writes w + eps into the backup and exchanges the two storages' memory, so param
+    holds w + eps and backup w, and every view of param follows; ``sgd_step_`` and ``adam_step_`` exchange them back
+    and update param in place, which leaves backup holding w + eps and param at its first address. The same bits as
+    the copying path, which a parameter that is only part of its storage still takes, and within the cache nothing
+    is exchanged."""
+    kernels = torch.ops.gearsam_fused
+    tile = 1024
+    n = (_stream_threshold_elements(dtype) // tile + 3) * tile
+    g = torch.Generator().manual_seed(5)
+    w0, grad = torch.randn(n, generator=g, dtype=dtype), torch.randn(n, generator=g, dtype=dtype)
+    scales, block_of_tile = torch.tensor([0.01, 0.0], dtype=torch.float64), torch.arange(n // tile) % 2
+    block_of_tile = block_of_tile.to(torch.int32)
+    perturbed = torch.where(
+        (block_of_tile == 0).repeat_interleave(tile), w0 + grad * torch.tensor(0.01, dtype=dtype), w0
+    )
+    sgd = dict(lr=0.1, weight_decay=5e-4, momentum=0.9, dampening=0.0, nesterov=False, maximize=False, first=False)
+    adam = dict(beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, decoupled=True, amsgrad=False, maximize=False,
+                lr=1e-3, step=2)  # fmt: skip
+    expected = {}
+    for name, update in (
+        ("sgd", lambda p, b, st: kernels.sgd_step_(p, grad, b, st[0], tile=tile, **sgd)),
+        ("adam", lambda p, b, st: kernels.adam_step_(p, grad, b, *st, None, tile=tile, **adam)),
+    ):
+        # the copying path: a parameter that starts one tile into its storage
+        storage = torch.cat([torch.zeros(tile, dtype=dtype), w0])
+        param, backup, state = storage[tile:], torch.empty_like(w0), [grad * 0.5, grad.abs() * 0.1]
+        kernels.perturb_(param, grad, backup, scales, block_of_tile, tile=tile, adaptive=False, eta=0.0)
+        assert param.data_ptr() == storage.data_ptr() + tile * dtype.itemsize and torch.equal(param, perturbed)
+        update(param, backup, state)
+        expected[name] = (param.clone(), [s.clone() for s in state])
+
+        param, backup, state = w0.clone(), torch.empty_like(w0), [grad * 0.5, grad.abs() * 0.1]
+        views = [param[:10], param[tile:].view(-1, tile)]  # e.g. the model's parameters
+        here, there = param.data_ptr(), backup.data_ptr()
+        kernels.perturb_(param, grad, backup, scales, block_of_tile, tile=tile, adaptive=False, eta=0.0)
+        assert (param.data_ptr(), backup.data_ptr()) == (there, here)
+        assert torch.equal(param, perturbed) and torch.equal(backup, w0)
+        assert views[0].data_ptr() == there and torch.equal(views[1], perturbed[tile:].view(-1, tile))
+        update(param, backup, state)
+        assert (param.data_ptr(), backup.data_ptr()) == (here, there) and views[0].data_ptr() == here
+        assert torch.equal(backup, perturbed)
+        want, want_state = expected[name]
+        assert torch.equal(param, want) and all(torch.equal(a, b) for a, b in zip(state, want_state))
+        assert torch.equal(views[0], want[:10])
+
+    small = torch.randn(4 * tile, generator=g, dtype=dtype)
+    param, backup = small.clone(), torch.empty_like(small)
+    here = param.data_ptr()
+    kernels.perturb_(param, small, backup, scales[:1], torch.zeros(4, dtype=torch.int32), tile=tile, adaptive=False,
+                     eta=0.0)  # fmt: skip
+    assert param.data_ptr() == here and torch.equal(backup, small)
 
 
 STREAMED_UPDATES = {
@@ -363,16 +420,16 @@ def test_streamed_updates_equal_the_same_update_unstreamed(dtype, name, correcte
             part["correction"] = correction["correction"][lo:hi]
             part["block_of_tile"] = correction["block_of_tile"][lo // tile : hi // tile]
         out, st = torch.full((hi - lo,), float("nan"), dtype=dtype), [s[lo:hi].clone() for s in state]
-        _update(kind, kw, out, grad[lo:hi], backup[lo:hi], st, tile, part)
+        _update(kind, kw, out, grad[lo:hi], backup[lo:hi].clone(), st, tile, part)
         return out, st
 
     (out_a, st_a), (out_b, st_b) = piece(0, half), piece(half, n)
     expected = [torch.cat(pair) for pair in zip([out_a, *st_a], [out_b, *st_b])]
     aligned = torch.full((n,), float("nan"), dtype=dtype)
     unaligned = torch.full((n + 1,), float("nan"), dtype=dtype)[1:]  # 4 or 8 bytes past a 32-byte boundary
-    for out in (aligned, unaligned):
+    for out in (aligned, unaligned):  # the first exchanges its memory with the backup's (exchange.h), then in place
         st = [s.clone() for s in state]
-        _update(kind, kw, out, grad, backup, st, tile, correction)
+        _update(kind, kw, out, grad, backup.clone(), st, tile, correction)
         for got, want in zip([out, *st], expected):
             where = ("unaligned" if out is unaligned else "aligned", name)
             torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True, msg=lambda m: f"{where}: {m}")

@@ -1,16 +1,18 @@
 // SAM's restore fused with the base optimizer's update on the CPU: one pass reads backup (w; param holds w + eps and
 // is never read), writes param and the optimizer state. backup may be param itself: every loop reads an element
-// before writing it, and no pointer is declared restrict. The update and its roundings are stated once, in
-// gearsam_fused/base_step.py; here each scalar is rounded once to the buffers' type (SgdConstants / AdamConstants),
+// before writing it, and no pointer is declared restrict. Past the last-level cache param and backup first exchange
+// their memory (exchange.h), and the pass then updates param in place. The update and its roundings are stated once,
+// in gearsam_fused/base_step.py; here each scalar is rounded once to the buffers' type (SgdConstants / AdamConstants),
 // only the std::fma calls fuse (the build uses -ffp-contract=off), and the square root is correctly rounded, so the
 // results equal restore_ followed by torch.optim.SGD / Adam / AdamW (foreach=False) bit for bit wherever torch's own
 // square root is correctly rounded (see base_step.py for where it is not). Zero padding stays zero (with eps > 0 for
 // Adam).
 //
 // Structure (csrc/README.md, "Memory traffic"): tiles split between threads, in runs of a tile (for_each_run); a
-// parameter larger than the last-level cache is written with non-temporal stores (stream.h), from a vector loop as it
-// loads (vec.h) where the CPU has AVX2 and FMA, else from a scratch run. The loops take their constants by value: a
-// copy that no store of theirs can reach, so the compiler keeps them in registers and tests the flags once. Taken by
+// parameter larger than the last-level cache is written from a vector loop as it loads (vec.h) where the CPU has AVX2
+// and FMA, else from a scratch run, with non-temporal stores (stream.h) where the pass does not read it. The loops
+// take their constants by value: a copy that no store of theirs can reach, so the compiler keeps them in registers and
+// tests the flags once. Taken by
 // reference, they might be written by any store to a buffer of their type, so each was loaded again after every
 // store: on the benchmarks' host, while its memory was fast, a standalone copy of the SGD loop ran 20% slower that way,
 // and the SGD step past the caches up to 7% slower.
@@ -26,6 +28,7 @@
 #include <type_traits>
 
 #include "../gearsam.h"
+#include "exchange.h"
 #include "stream.h"
 #include "tiles.h"
 #include "vec.h"
@@ -185,6 +188,15 @@ GEARSAM_INLINE GEARSAM_FMA_CLONE typename Vec<scalar_t>::V vec_step_grad(const T
   return g;
 }
 
+// A vector of the new parameter to memory: streamed past the caches, or stored where the pass has just read the line.
+template <bool kStream, typename scalar_t>
+GEARSAM_INLINE GEARSAM_FMA_CLONE void put(scalar_t* out, typename Vec<scalar_t>::V x) {
+  if constexpr (kStream)
+    Vec<scalar_t>::stream(out, x);
+  else
+    Vec<scalar_t>::store(out, x);
+}
+
 // sharpened for vector i of a run.
 template <bool kSharpened, typename scalar_t>
 GEARSAM_INLINE GEARSAM_FMA_CLONE typename Vec<scalar_t>::V vec_sharpened(const TileGrad<scalar_t>& g_in, int64_t i,
@@ -196,9 +208,9 @@ GEARSAM_INLINE GEARSAM_FMA_CLONE typename Vec<scalar_t>::V vec_sharpened(const T
     return w_new;
 }
 
-// sgd_loop in vectors (vec.h), operation for operation, the parameter streamed out.
-template <typename scalar_t, bool kMomentum, bool kFirst, bool kCorrected, bool kSharpened>
-GEARSAM_FMA_CLONE void sgd_stream(scalar_t* out, const TileGrad<scalar_t> g_in, const scalar_t* w_in, scalar_t* buf,
+// sgd_loop in vectors (vec.h), operation for operation, the parameter streamed out (kStream) or stored in place.
+template <typename scalar_t, bool kMomentum, bool kFirst, bool kCorrected, bool kSharpened, bool kStream>
+GEARSAM_FMA_CLONE void sgd_vector(scalar_t* out, const TileGrad<scalar_t> g_in, const scalar_t* w_in, scalar_t* buf,
                                   int64_t n, const SgdConstants<scalar_t> c) {
   using V = Vec<scalar_t>;
   const auto momentum = V::set1(c.momentum);
@@ -213,24 +225,30 @@ GEARSAM_FMA_CLONE void sgd_stream(scalar_t* out, const TileGrad<scalar_t> g_in, 
       V::store(buf + i, b);
       d = c.nesterov ? V::fma(momentum, b, g) : b;
     }
-    V::stream(out + i, vec_sharpened<kSharpened>(g_in, i, V::fma(neg_lr, d, w)));
+    put<kStream, scalar_t>(out + i, vec_sharpened<kSharpened>(g_in, i, V::fma(neg_lr, d, w)));
   }
 }
 #endif
 
-// Each tile in runs of at most kScratch elements; a run's parameter is written in place, or, when `stream`, by the
-// vector loop (where vec_streams: the stores then leave while the loop still loads, which keeps the memory busier
-// than a burst of stores after each run) or into scratch and streamed out.
+// Each tile in runs of at most kScratch elements; a run's parameter is written in place, or, past the caches
+// (`past`), by the vector loop (where vec_streams: the stores then leave while the loop still loads, which keeps the
+// memory busier than a burst of stores after each run) or into scratch and streamed out. The vector loop streams its
+// stores where the parameter is not its input (w_in is the backup), and stores them plainly where it is (w_in == out):
+// those lines were just read, so a plain store reads nothing more.
 template <typename scalar_t, bool kMomentum, bool kFirst, bool kCorrected, bool kSharpened>
 void sgd_tiles(scalar_t* out, const scalar_t* g_in, const CorrectionData<scalar_t>& correction, const scalar_t* w_in,
-               scalar_t* buf, int64_t n_tiles, int64_t tile, bool stream, const SgdConstants<scalar_t>& c) {
-  const bool fma = cpu_has_fma();
+               scalar_t* buf, int64_t n_tiles, int64_t tile, bool past, const SgdConstants<scalar_t>& c) {
+  const bool fma = cpu_has_fma(), stream = past && w_in != out;
   for_each_run(n_tiles, tile, correction, g_in, [&](const TileGrad<scalar_t>& g, int64_t start, int64_t n,
                                                      scalar_t* scratch) {
 #if defined(GEARSAM_VEC)
-    if (stream && vec_streams(out + start, n))
-      return sgd_stream<scalar_t, kMomentum, kFirst, kCorrected, kSharpened>(out + start, g, w_in + start,
-                                                                              offset(buf, start), n, c);
+    if (past && vec_streams(out + start, n)) {
+      if (stream)
+        return sgd_vector<scalar_t, kMomentum, kFirst, kCorrected, kSharpened, true>(out + start, g, w_in + start,
+                                                                                    offset(buf, start), n, c);
+      return sgd_vector<scalar_t, kMomentum, kFirst, kCorrected, kSharpened, false>(out + start, g, w_in + start,
+                                                                                   offset(buf, start), n, c);
+    }
 #endif
     scalar_t* dst = stream ? scratch : out + start;
     if (fma)
@@ -252,15 +270,15 @@ void sgd_tiles(const at::Tensor& param, const at::Tensor& grad, const at::Tensor
   const scalar_t* w_in = backup.const_data_ptr<scalar_t>();
   scalar_t* buf = c.with_momentum ? momentum_buffer.mutable_data_ptr<scalar_t>() : nullptr;
   const int64_t n_tiles = param.numel() / tile;
-  const bool stream = stream_stores(param.nbytes());
+  const bool past = stream_stores(param.nbytes());
   with_correction_flags(correction, [&](auto corrected, auto sharpened) {
     constexpr bool kC = decltype(corrected)::value, kS = decltype(sharpened)::value;
     if (!c.with_momentum)
-      sgd_tiles<scalar_t, false, false, kC, kS>(out, g_in, cd, w_in, buf, n_tiles, tile, stream, c);
+      sgd_tiles<scalar_t, false, false, kC, kS>(out, g_in, cd, w_in, buf, n_tiles, tile, past, c);
     else if (c.first)
-      sgd_tiles<scalar_t, true, true, kC, kS>(out, g_in, cd, w_in, buf, n_tiles, tile, stream, c);
+      sgd_tiles<scalar_t, true, true, kC, kS>(out, g_in, cd, w_in, buf, n_tiles, tile, past, c);
     else
-      sgd_tiles<scalar_t, true, false, kC, kS>(out, g_in, cd, w_in, buf, n_tiles, tile, stream, c);
+      sgd_tiles<scalar_t, true, false, kC, kS>(out, g_in, cd, w_in, buf, n_tiles, tile, past, c);
   });
 }
 
@@ -327,10 +345,11 @@ GEARSAM_FMA_CLONE void adam_run_fma(scalar_t* dst, const TileGrad<scalar_t> g_in
 }
 
 #if defined(GEARSAM_VEC)
-// adam_loop's two passes fused into one vector loop (vec.h), operation for operation, the parameter streamed out:
-// past the caches the memory then stays busy while the divider works (two passes leave it idle during the second).
-template <typename scalar_t, bool kAmsgrad, bool kCorrected, bool kSharpened>
-GEARSAM_FMA_CLONE void adam_stream(scalar_t* out, const TileGrad<scalar_t> g_in, const scalar_t* w_in,
+// adam_loop's two passes fused into one vector loop (vec.h), operation for operation, the parameter streamed out
+// (kStream) or stored in place: past the caches the memory then stays busy while the divider works (two passes leave
+// it idle during the second).
+template <typename scalar_t, bool kAmsgrad, bool kCorrected, bool kSharpened, bool kStream>
+GEARSAM_FMA_CLONE void adam_vector(scalar_t* out, const TileGrad<scalar_t> g_in, const scalar_t* w_in,
                                    scalar_t* m_io, scalar_t* v_io, scalar_t* vmax_io, int64_t n,
                                    const AdamConstants<scalar_t> c) {
   using V = Vec<scalar_t>;
@@ -353,7 +372,8 @@ GEARSAM_FMA_CLONE void adam_stream(scalar_t* out, const TileGrad<scalar_t> g_in,
     }
     const auto w = c.decoupled ? V::mul(w_old, decay) : w_old;
     const auto denom = V::add(V::div(V::sqrt(second), bias_correction2_sqrt), eps);
-    V::stream(out + i, vec_sharpened<kSharpened>(g_in, i, V::add(w, V::div(V::mul(neg_step_size, m), denom))));
+    const auto updated = V::add(w, V::div(V::mul(neg_step_size, m), denom));
+    put<kStream, scalar_t>(out + i, vec_sharpened<kSharpened>(g_in, i, updated));
   }
 }
 #endif
@@ -362,15 +382,19 @@ GEARSAM_FMA_CLONE void adam_stream(scalar_t* out, const TileGrad<scalar_t> g_in,
 template <typename scalar_t, bool kAmsgrad, bool kCorrected, bool kSharpened>
 void adam_tiles(scalar_t* out, const scalar_t* g_in, const CorrectionData<scalar_t>& correction,
                 const scalar_t* w_in, scalar_t* m, scalar_t* v, scalar_t* vmax, int64_t n_tiles, int64_t tile,
-                bool stream, const AdamConstants<scalar_t>& c) {
-  const bool fma = cpu_has_fma();
+                bool past, const AdamConstants<scalar_t>& c) {
+  const bool fma = cpu_has_fma(), stream = past && w_in != out;
   for_each_run(n_tiles, tile, correction, g_in, [&](const TileGrad<scalar_t>& g, int64_t start, int64_t n,
                                                      scalar_t* scratch) {
     scalar_t* vmax_at = offset(vmax, start);
 #if defined(GEARSAM_VEC)
-    if (stream && vec_streams(out + start, n))
-      return adam_stream<scalar_t, kAmsgrad, kCorrected, kSharpened>(out + start, g, w_in + start, m + start,
-                                                                      v + start, vmax_at, n, c);
+    if (past && vec_streams(out + start, n)) {
+      if (stream)
+        return adam_vector<scalar_t, kAmsgrad, kCorrected, kSharpened, true>(out + start, g, w_in + start, m + start,
+                                                                            v + start, vmax_at, n, c);
+      return adam_vector<scalar_t, kAmsgrad, kCorrected, kSharpened, false>(out + start, g, w_in + start, m + start,
+                                                                           v + start, vmax_at, n, c);
+    }
 #endif
     scalar_t* dst = stream ? scratch : out + start;
     if (fma)
@@ -396,11 +420,11 @@ void adam_tiles(const at::Tensor& param, const at::Tensor& grad, const at::Tenso
   scalar_t* v = exp_avg_sq.mutable_data_ptr<scalar_t>();
   scalar_t* vmax = c.amsgrad ? max_exp_avg_sq.mutable_data_ptr<scalar_t>() : nullptr;
   const int64_t n_tiles = param.numel() / tile;
-  const bool stream = stream_stores(param.nbytes());
+  const bool past = stream_stores(param.nbytes());
   with_correction_flags(correction, [&](auto corrected, auto sharpened) {
     with_flag(c.amsgrad, [&](auto amsgrad) {
       constexpr bool kA = decltype(amsgrad)::value, kC = decltype(corrected)::value, kS = decltype(sharpened)::value;
-      adam_tiles<scalar_t, kA, kC, kS>(out, g_in, cd, w_in, m, v, vmax, n_tiles, tile, stream, c);
+      adam_tiles<scalar_t, kA, kC, kS>(out, g_in, cd, w_in, m, v, vmax, n_tiles, tile, past, c);
     });
   });
 }
@@ -410,6 +434,15 @@ bool skip_step(const at::Tensor& param, const at::Tensor& backup, const DeviceSt
   if (!device_step.found_inf.defined() || *device_step.found_inf.const_data_ptr<float>() == 0) return false;
   if (!backup.is_same(param)) restore(param, backup);
   return true;
+}
+
+// Where param and backup may exchange their memory (exchange.h), they do, and the step reads w from param and
+// updates it in place (param is returned): the same bytes as reading the backup and streaming param out, every store
+// to a line just read; backup then holds w + eps. Else backup.
+const at::Tensor& weights_in_place(const at::Tensor& param, const at::Tensor& backup) {
+  if (backup.is_same(param) || !exchangeable(param, backup)) return backup;
+  exchange_memory(param, backup);
+  return param;
 }
 
 // The options of this step: the host's, or those at the (lr, k) of scalars.
@@ -427,8 +460,9 @@ void sgd_step(const at::Tensor& param, const at::Tensor& grad, const at::Tensor&
               const Correction& correction, const DeviceStep& device_step) {
   if (skip_step(param, backup, device_step)) return;
   const SgdOptions o = step_options(options, device_step);
+  const at::Tensor& w = weights_in_place(param, backup);
   AT_DISPATCH_FLOATING_TYPES(param.scalar_type(), "gearsam_sgd_step_cpu", [&] {
-    sgd_tiles<scalar_t>(param, grad, backup, momentum_buffer, tile, o, correction);
+    sgd_tiles<scalar_t>(param, grad, w, momentum_buffer, tile, o, correction);
   });
 }
 
@@ -437,8 +471,9 @@ void adam_step(const at::Tensor& param, const at::Tensor& grad, const at::Tensor
                const AdamOptions& options, const Correction& correction, const DeviceStep& device_step) {
   if (skip_step(param, backup, device_step)) return;
   const AdamOptions o = step_options(options, device_step);
+  const at::Tensor& w = weights_in_place(param, backup);
   AT_DISPATCH_FLOATING_TYPES(param.scalar_type(), "gearsam_adam_step_cpu", [&] {
-    adam_tiles<scalar_t>(param, grad, backup, exp_avg, exp_avg_sq, max_exp_avg_sq, tile, o, correction);
+    adam_tiles<scalar_t>(param, grad, w, exp_avg, exp_avg_sq, max_exp_avg_sq, tile, o, correction);
   });
 }
 

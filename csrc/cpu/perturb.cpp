@@ -10,7 +10,9 @@
 // backup element by element in the update loop. The backup and the restored parameter are written without being read,
 // with non-temporal stores where the buffer is larger than the cache (stream.h); there, float32 and float64 tiles go
 // through one vector loop (vec.h) that streams each vector of w to the backup as it loads it and updates it in place,
-// so that the stores leave while the loads go on.
+// so that the stores leave while the loads go on. Where param and backup may exchange their memory (exchange.h), the
+// pass instead writes w + eps into the backup, leaving w as it is, and then exchanges the two: the same values in the
+// same tensors, one stream of writes fewer.
 
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
@@ -21,6 +23,7 @@
 #include <type_traits>
 
 #include "../gearsam.h"
+#include "exchange.h"
 #include "tiles.h"
 #include "vec.h"
 
@@ -28,22 +31,27 @@ namespace gearsam::cpu {
 namespace {
 
 #if defined(GEARSAM_VEC)
-// One tile of perturb_tiles (a float32 or float64 buffer) in vectors, operation for operation: the same bits.
-template <bool Adaptive, bool Keep, typename scalar_t>
+// One tile of perturb_tiles (a float32 or float64 buffer) in vectors, operation for operation: the same bits. Into:
+// w + eps streamed to saved, w left as it is.
+template <bool Adaptive, bool Keep, bool Into, typename scalar_t>
 GEARSAM_FMA_CLONE void perturb_stream(scalar_t* w, const scalar_t* g, scalar_t* saved, scalar_t* kept, int64_t n,
                                       scalar_t s, scalar_t eta) {
   using V = Vec<scalar_t>;
   const auto scale = V::set1(s), eta_v = V::set1(eta);
   for (int64_t i = 0; i < n; i += V::kWidth) {
     const auto x = V::load(w + i);
-    V::stream(saved + i, x);
+    if constexpr (!Into) V::stream(saved + i, x);
     auto direction = V::load(g + i);
     if constexpr (Keep) V::stream(kept + i, direction);
     if constexpr (Adaptive) {
       const auto T = V::add(V::abs(x), eta_v);
       direction = V::mul(V::mul(T, T), direction);
     }
-    V::store(w + i, V::add(x, V::mul(direction, scale)));
+    const auto perturbed = V::add(x, V::mul(direction, scale));
+    if constexpr (Into)
+      V::stream(saved + i, perturbed);
+    else
+      V::store(w + i, perturbed);
   }
 }
 #endif
@@ -56,7 +64,19 @@ inline void copy_tile(void* dst, const void* src, int64_t bytes, bool stream) {
     std::memcpy(dst, src, bytes);
 }
 
-template <bool Adaptive, bool Keep, typename scalar_t>
+// Whether float32 and float64 tiles past the caches take the vector loop: only there is writing into the backup
+// cheaper (the scalar loop copies w to it first).
+template <typename scalar_t>
+bool vectorised() {
+#if defined(GEARSAM_VEC)
+  return std::is_same_v<scalar_t, at::opmath_type<scalar_t>> && cpu_has_fma();
+#else
+  return false;
+#endif
+}
+
+// Into: w + eps written to backup, param only read (exchange.h), by the same loops.
+template <bool Adaptive, bool Keep, bool Into, typename scalar_t>
 void perturb_tiles(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& backup, const at::Tensor& scale,
                    const at::Tensor& block_of_tile, int64_t tile, double eta, const at::Tensor& kept) {
   using compute_t = at::opmath_type<scalar_t>;
@@ -64,6 +84,7 @@ void perturb_tiles(const at::Tensor& param, const at::Tensor& grad, const at::Te
   const scalar_t* g = grad.const_data_ptr<scalar_t>();
   scalar_t* saved = backup.mutable_data_ptr<scalar_t>();
   scalar_t* keep = Keep ? kept.mutable_data_ptr<scalar_t>() : nullptr;
+  scalar_t* out = Into ? saved : w;
   const double* block_scale = scale.const_data_ptr<double>();
   const int32_t* block_of = block_of_tile.const_data_ptr<int32_t>();
   const compute_t eta_c = static_cast<compute_t>(eta);
@@ -73,8 +94,8 @@ void perturb_tiles(const at::Tensor& param, const at::Tensor& grad, const at::Te
 #if defined(GEARSAM_VEC)
     if constexpr (std::is_same_v<scalar_t, compute_t>) {  // float32, float64
       if (stream && s != 0 && vec_streams(saved + t * tile, tile) && (!Keep || vec_streams(keep + t * tile, tile)))
-        return perturb_stream<Adaptive, Keep>(w + t * tile, g + t * tile, saved + t * tile,
-                                              Keep ? keep + t * tile : nullptr, tile, s, eta_c);
+        return perturb_stream<Adaptive, Keep, Into>(w + t * tile, g + t * tile, saved + t * tile,
+                                                    Keep ? keep + t * tile : nullptr, tile, s, eta_c);
     }
 #endif
     copy_tile(saved + t * tile, w + t * tile, tile * sizeof(scalar_t), stream);
@@ -87,9 +108,10 @@ void perturb_tiles(const at::Tensor& param, const at::Tensor& grad, const at::Te
         const compute_t T = std::abs(x) + eta_c;
         direction = T * T * direction;
       }
-      w[i] = static_cast<scalar_t>(x + direction * s);
+      out[i] = static_cast<scalar_t>(x + direction * s);
     }
   });
+  if constexpr (Into) exchange_memory(param, backup);
 }
 
 }  // namespace
@@ -99,8 +121,10 @@ void perturb(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, param.scalar_type(), "gearsam_perturb_cpu", [&] {
     with_flag(adaptive, [&](auto a) {
       with_flag(kept.defined(), [&](auto k) {
-        perturb_tiles<decltype(a)::value, decltype(k)::value, scalar_t>(param, grad, backup, scale, block_of_tile,
-                                                                       tile, eta, kept);
+        with_flag(vectorised<scalar_t>() && exchangeable(param, backup), [&](auto into) {
+          perturb_tiles<decltype(a)::value, decltype(k)::value, decltype(into)::value, scalar_t>(
+              param, grad, backup, scale, block_of_tile, tile, eta, kept);
+        });
       });
     });
   });
