@@ -8,7 +8,7 @@ step it records:
   events over 50 back-to-back steps);
 * memory traffic by our count, for d parameters in float32: energy reads g (4d); perturb reads w and g and writes
   w + eps (12d, :mod:`bench_whole_step` says how); restore reads the backup and writes w (8d): 24d bytes, the floor
-  for an unfused energy/perturb/restore step (28d in runs before commit @EXCHANGE@, each row records its count). GB/s is that count over the median time, and ``pct_floor`` compares it with the memory
+  for an unfused energy/perturb/restore step (28d in runs before commit 177df32, each row records its count). GB/s is that count over the median time, and ``pct_floor`` compares it with the memory
   floor measured in the same run (``conftest.MemoryFloor``);
 * kernel launches per step (CUDA: torch profiler; not counted on CPU);
 * memory the contender holds beyond parameters and gradients while perturbed, and on CUDA the allocator's peak

@@ -31,7 +31,7 @@ g and writes w + eps (12d: into the backup's buffer, which then trades its memor
 ``cpp`` CPU kernels do past the last-level cache, csrc/cpu/exchange.h; a perturbation in place that copies w to the
 backup moves 16d); restore-and-update reads w, g and the optimizer's state and writes w and the state: SGD with
 momentum 20d (w, g, momentum buffer in; w, buffer out), AdamW 28d (w, g, two moments in; w, two moments out). So 36d
-for SGD and 44d for AdamW, the same yardstick for every SAM contender (runs before commit @EXCHANGE@ counted the 16d
+for SGD and 44d for AdamW, the same yardstick for every SAM contender (runs before commit 177df32 counted the 16d
 perturbation: 40d and 48d; each row records its count); the bare base step is counted at its own 20d and 28d. GB/s is that count over the median time, ``pct_floor`` compares it
 with the memory floor measured in the same run (``conftest.MemoryFloor``), and ``pct_traffic_floor`` (SAM rows) with
 the floor of its traffic, the energy pass's 4d, which only reads, at the read rate measured beside it. On CUDA a row

@@ -182,11 +182,11 @@ class MemoryFloor:
     streamed       ``perturb_(a, b, c)``  12: a and b read, c = a + s * b written with non-temporal stores,
     update                                then a and c trade their memory (CPU, with the extension built: the
                                           ``cpp`` backend's perturbation, csrc/cpu/exchange.h; 16 in runs before
-                                          commit @EXCHANGE@, where it wrote a in place and c = the old a)
+                                          commit 177df32, where it wrote a in place and c = the old a)
     streamed       ``adam_step_(a, b, c,  28: the ``cpp`` backend's AdamW step from the backup ``c`` with the
     AdamW step     m, v)``                gradient ``b``, lr 1e-9 (CPU, with the extension built): a and c trade
                                           their memory, then a, b, m and v are read, a, m and v written in place
-                                          (before commit @EXCHANGE@: b, c, m and v read, m and v written, a
+                                          (before commit 177df32: b, c, m and v read, m and v written, a
                                           written with non-temporal stores)
     =============  =====================  =====================================================================
 

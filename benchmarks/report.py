@@ -265,7 +265,7 @@ def whole_step_tables(rows: list[dict]) -> list[str]:
             "Whole step = `first_step` + `second_step` with the base optimizer's update. \"vs\" columns: the other's median "
             "over this one's (above 1x: this one is faster); \"/ bare base step\": this median over the base optimizer's "
             "step alone (`foreach=True`, no SAM). GB/s from the counted bytes, per parameter as each set's line says: a SAM "
-            "step's floor (SGD 36, AdamW 44; 40 and 48 in runs before commit @EXCHANGE@, which counted a perturbation "
+            "step's floor (SGD 36, AdamW 44; 40 and 48 in runs before commit 177df32, which counted a perturbation "
             "that copies w to the backup), the bare base step its own 20 and 28; % of floor: that rate over the memory floor measured between the row's rounds (median); % of traffic floor: the "
             "same over the floor of the row's traffic, whose energy pass (4 bytes per parameter) only reads, those bytes at "
             "the read rate measured beside it (conftest.MemoryFloor). compile s: "
@@ -335,7 +335,7 @@ def family_tables(rows: list[dict]) -> list[str]:
             "SAM's radius); \"/ own SAM\": this median over the same contender's SAM (a GEAR-SAM variant: its GEAR-SAM) "
             'in the same run, the cost of the variant\'s part; "same round": per round, this step over our plain '
             "SAM's (GEAR-SAM's) timed just before it on a copy of the set, median [quartiles] (whole steps: in runs "
-            "after `1cc6ebdbd959`). Bytes per parameter: SAM's count (SAM step 24, whole step SGD 36, AdamW 44; before commit @EXCHANGE@ 28, 40 and "
+            "after `1cc6ebdbd959`). Bytes per parameter: SAM's count (SAM step 24, whole step SGD 36, AdamW 44; before commit 177df32 28, 40 and "
             "48) plus "
             "what the variant's passes over the flat buffers read and write, each pass counted once "
             "(contenders.Variant): GSAM 24 (keeping g 4, written by the perturbation; <g, h> and ||h||^2 in one read "
