@@ -78,10 +78,10 @@ class _Slot:
     dirty: bool = False  # the grad region may be non-zero: it is, or was since we last zeroed it, the .grad
 
     # FlatLayout.sync checks every tensor before every step, so it uses the cheapest sufficient tests. The parameter is
-    # still ours while param.data_ptr() == view_address (plus the bucket's shift, Bucket.shift): a replaced .data lives
-    # elsewhere, since nothing but a view of our live buffer can start inside it. The gradient is still ours while param.grad is grad_view: the .grad we set
-    # keeps its Python object as long as we hold it, so any other object is a new gradient (one that happens to share
-    # our memory is copied onto itself, harmlessly).
+    # still ours while param.data_ptr() == view_address plus the bucket's shift (Bucket.shift): a replaced .data lives
+    # elsewhere, since nothing but a view of our live buffers can start inside them. The gradient is still ours while
+    # param.grad is grad_view: the .grad we set keeps its Python object as long as we hold it, so any other object is a
+    # new gradient (one that happens to share our memory is copied onto itself, harmlessly).
 
     def __post_init__(self):
         self.view_address = self.view.data_ptr()
