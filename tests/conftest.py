@@ -120,6 +120,19 @@ FP32_STEP_RTOL = 1e-6
 FP64_STEP_RTOL = 1e-10
 
 
+def stream_threshold_elements(dtype: torch.dtype) -> int:
+    """Elements of ``dtype`` past which the CPU kernels stream their outputs (skips where they never do, or where a
+    buffer past it is too large for a test)."""
+    from gearsam_fused import _C
+
+    threshold = _C.cpu_stream_threshold_bytes()
+    if threshold < 0:
+        pytest.skip("this CPU has no non-temporal stores: the kernels never stream")
+    if threshold > 2**28:
+        pytest.skip(f"a last-level cache of {threshold / 2**20:.0f} MiB: a bucket past it is too large for a test")
+    return threshold // dtype.itemsize
+
+
 def tiny_resnet(seed: int = 0, dtype: torch.dtype = torch.float32, device: str = "cpu") -> ResNet:
     """Two-stage ResNet with SiLU: smooth, so trajectory comparisons measure the algorithm, not ReLU kinks."""
     torch.manual_seed(seed)

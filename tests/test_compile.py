@@ -24,7 +24,7 @@ from gearsam_fused import GEARSAM, SAM
 from gearsam_fused.backends.cpp_ops import cpp_installed
 from gearsam_fused.schedules import Every
 
-from conftest import FP32_STEP_RTOL, FUSED, loss_fn, mlp, mlp_data, mse, rel_err, tiny_resnet
+from conftest import FP32_STEP_RTOL, FUSED, loss_fn, mlp, mlp_data, mse, rel_err, stream_threshold_elements, tiny_resnet
 
 BASES = {
     "sgd": (torch.optim.SGD, dict(lr=0.1, momentum=0.9, weight_decay=5e-4, nesterov=True)),
@@ -95,17 +95,6 @@ def test_compiled_step_matches_eager(backend, device, rule, base):
         assert_close(getattr(eager.step_statistics, name), getattr(opt.step_statistics, name), exact, name)
 
 
-def _past_the_last_level_cache() -> int:
-    """Features of a square linear layer whose weight alone is past ``cpu_stream_threshold_bytes()`` in float32 (skips
-    where the CPU kernels never stream, or where that is too large for a test)."""
-    from gearsam_fused import _C
-
-    threshold = _C.cpu_stream_threshold_bytes()
-    if threshold < 0 or threshold > 2**28:
-        pytest.skip(f"no bucket past a stream threshold of {threshold} bytes here")
-    return math.isqrt(threshold // 4) + 64
-
-
 @pytest.mark.skipif(not cpp_installed(), reason="the C++ extension is not built")
 @pytest.mark.parametrize("base", ["sgd", "adamw"])
 def test_a_bucket_whose_memory_the_kernels_exchange_compiles_to_the_eager_step(base):
@@ -115,7 +104,8 @@ def test_a_bucket_whose_memory_the_kernels_exchange_compiles_to_the_eager_step(b
     ``torch`` backend, which copies, within ``FP32_STEP_RTOL`` a step (the same gradients given to each, so that no
     difference grows through a model); a step cancelled in between (``restore_`` copies w back, so the parameters stay
     in the exchanged memory until the next perturbation) is read where it is, not re-homed."""
-    features = _past_the_last_level_cache()
+    # a square linear layer whose weight alone is past the threshold
+    features = math.isqrt(stream_threshold_elements(torch.float32)) + 64
     base_cls, base_kwargs = BASES[base]
     torch.manual_seed(0)
     models = [torch.nn.Sequential(torch.nn.Linear(features, features), torch.nn.Linear(features, 2))]

@@ -21,7 +21,7 @@ from gearsam_fused import GEARSAM, SAM
 from gearsam_fused.backends import cpp_ops, resolve_backend_name
 from gearsam_fused.backends.cpp_ops import cpp_built_with_cuda, cpp_installed
 
-from conftest import SGD_KW, correctly_rounded_sqrt, flat
+from conftest import SGD_KW, correctly_rounded_sqrt, flat, stream_threshold_elements
 
 CSRC = Path(__file__).resolve().parents[1] / "csrc"
 needs_cpp = pytest.mark.skipif(not cpp_installed(), reason="the C++ extension is not built")
@@ -231,19 +231,6 @@ def test_the_stream_threshold_is_the_last_level_cache_from_sysfs():
     assert _C.cpu_stream_threshold_bytes() == (32 << 20 if expected is None else expected)
 
 
-def _stream_threshold_elements(dtype: torch.dtype) -> int:
-    """Elements of ``dtype`` past which the CPU kernels stream their outputs (skips where they never do, or where a
-    buffer past it is too large for a test)."""
-    from gearsam_fused import _C
-
-    threshold = _C.cpu_stream_threshold_bytes()
-    if threshold < 0:
-        pytest.skip("this CPU has no non-temporal stores: the kernels never stream")
-    if threshold > 2**28:
-        pytest.skip(f"a last-level cache of {threshold / 2**20:.0f} MiB: a bucket past it is too large for a test")
-    return threshold // dtype.itemsize
-
-
 @needs_cpp
 def test_buffers_past_the_last_level_cache_stream_their_outputs_to_the_same_bits():
     """Outputs the CPU kernels write without reading (backup, restored and updated parameter) go out with
@@ -256,7 +243,7 @@ def test_buffers_past_the_last_level_cache_stream_their_outputs_to_the_same_bits
     previous = torch.get_num_threads()
     try:
         for dtype, threads in ((torch.float32, 1), (torch.float32, 2), (torch.float64, 2)):
-            n = (_stream_threshold_elements(dtype) // tile + 3) * tile  # just past the threshold
+            n = (stream_threshold_elements(dtype) // tile + 3) * tile  # just past the threshold
             g = torch.Generator().manual_seed(0)
             w0, grad = torch.randn(n, generator=g, dtype=dtype), torch.randn(n, generator=g, dtype=dtype)
             torch.set_num_threads(threads)
@@ -318,7 +305,7 @@ def test_past_the_last_level_cache_param_and_backup_exchange_their_memory_instea
     is exchanged."""
     kernels = torch.ops.gearsam_fused
     tile = 1024
-    n = (_stream_threshold_elements(dtype) // tile + 3) * tile
+    n = (stream_threshold_elements(dtype) // tile + 3) * tile
     g = torch.Generator().manual_seed(5)
     w0, grad = torch.randn(n, generator=g, dtype=dtype), torch.randn(n, generator=g, dtype=dtype)
     scales, block_of_tile = torch.tensor([0.01, 0.0], dtype=torch.float64), torch.arange(n // tile) % 2
@@ -398,7 +385,7 @@ def test_streamed_updates_equal_the_same_update_unstreamed(dtype, name, correcte
     Adam, without a correction, with LookSAM's, and with the SAM family's mix and WSAM's sharpness step."""
     kind, kw = STREAMED_UPDATES[name]
     tile = 1024
-    n = (_stream_threshold_elements(dtype) // tile + 3) * tile
+    n = (stream_threshold_elements(dtype) // tile + 3) * tile
     half = n // tile // 2 * tile
     g = torch.Generator().manual_seed(3)
     grad, backup = torch.randn(n, generator=g, dtype=dtype), torch.randn(n, generator=g, dtype=dtype)

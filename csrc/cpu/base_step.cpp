@@ -242,13 +242,11 @@ void sgd_tiles(scalar_t* out, const scalar_t* g_in, const CorrectionData<scalar_
   for_each_run(n_tiles, tile, correction, g_in, [&](const TileGrad<scalar_t>& g, int64_t start, int64_t n,
                                                      scalar_t* scratch) {
 #if defined(GEARSAM_VEC)
-    if (past && vec_streams(out + start, n)) {
-      if (stream)
-        return sgd_vector<scalar_t, kMomentum, kFirst, kCorrected, kSharpened, true>(out + start, g, w_in + start,
-                                                                                    offset(buf, start), n, c);
-      return sgd_vector<scalar_t, kMomentum, kFirst, kCorrected, kSharpened, false>(out + start, g, w_in + start,
-                                                                                   offset(buf, start), n, c);
-    }
+    if (past && vec_streams(out + start, n))
+      return with_flag(stream, [&](auto s) {
+        sgd_vector<scalar_t, kMomentum, kFirst, kCorrected, kSharpened, decltype(s)::value>(
+            out + start, g, w_in + start, offset(buf, start), n, c);
+      });
 #endif
     scalar_t* dst = stream ? scratch : out + start;
     if (fma)
@@ -388,13 +386,11 @@ void adam_tiles(scalar_t* out, const scalar_t* g_in, const CorrectionData<scalar
                                                      scalar_t* scratch) {
     scalar_t* vmax_at = offset(vmax, start);
 #if defined(GEARSAM_VEC)
-    if (past && vec_streams(out + start, n)) {
-      if (stream)
-        return adam_vector<scalar_t, kAmsgrad, kCorrected, kSharpened, true>(out + start, g, w_in + start, m + start,
-                                                                            v + start, vmax_at, n, c);
-      return adam_vector<scalar_t, kAmsgrad, kCorrected, kSharpened, false>(out + start, g, w_in + start, m + start,
-                                                                           v + start, vmax_at, n, c);
-    }
+    if (past && vec_streams(out + start, n))
+      return with_flag(stream, [&](auto s) {
+        adam_vector<scalar_t, kAmsgrad, kCorrected, kSharpened, decltype(s)::value>(out + start, g, w_in + start,
+                                                                                   m + start, v + start, vmax_at, n, c);
+      });
 #endif
     scalar_t* dst = stream ? scratch : out + start;
     if (fma)
