@@ -526,8 +526,46 @@ def floor_start_line(rows: list[dict]) -> list[str]:
     return [f"The memory floor's kinds at the start of the run, GB/s by the bytes each moves: {kinds}.", ""]
 
 
+# A whole step's passes past the last-level cache since commit 177df32 (36 and 44 bytes a parameter), each with the
+# floor kind whose traffic it has: the energy pass only reads, the perturbation reads two streams and writes one it
+# does not read, and the base step updates w and its state in place.
+WHOLE_STEP_PASSES = {
+    "SGD": ((4, "read"), (12, "streamed update"), (20, "streamed AdamW step")),
+    "AdamW": ((4, "read"), (12, "streamed update"), (28, "streamed AdamW step")),
+}
+
+
+def pass_bound(passes: tuple[tuple[int, str], ...], gbps: dict[str, float]) -> float:
+    """The % of the fastest kind in ``gbps`` that a step of these (bytes, kind) passes reaches if each pass moves its
+    bytes at its own kind's rate."""
+    seconds = sum(nbytes / gbps[kind] for nbytes, kind in passes)
+    return 100 * sum(nbytes for nbytes, _ in passes) / seconds / max(gbps.values())
+
+
+def pass_bound_line(rows: list[dict]) -> list[str]:
+    """What the floor's kinds at the start of the run allow a whole step (:data:`WHOLE_STEP_PASSES`), for each base
+    optimizer whose eager ``cpp`` row counted those passes' bytes."""
+    start = next((r["floor_start_gbps"] for r in rows if r.get("floor_start_gbps")), None)
+    bounds = []
+    for base, passes in WHOLE_STEP_PASSES.items():
+        counted = sum(nbytes for nbytes, _ in passes)
+        whole = [r for r in rows if r["benchmark"] == "bench_whole_step" and r.get("base") == base]
+        if start and all(kind in start for _, kind in passes) and any(
+            r["contender"] == "cpp" and r["bytes_counted"] == counted * r["parameters"] for r in whole
+        ):
+            bounds.append(f"{base} {pass_bound(passes, start):.1f}%")
+    if not bounds:
+        return []
+    return [
+        "A whole step whose every pass moved its bytes at its own kind's rate above (the energy pass's 4 a parameter "
+        "at read, the perturbation's 12 at streamed update, the update in place at streamed AdamW step) would reach, "
+        f"of the fastest kind: {', '.join(bounds)}.",
+        "",
+    ]
+
+
 def render(rows: list[dict], source: str) -> str:
-    lines = [f"Measured on {_where(rows[0])}. Source: `{source}`.", "", *floor_start_line(rows)]
+    lines = [f"Measured on {_where(rows[0])}. Source: `{source}`.", "", *floor_start_line(rows), *pass_bound_line(rows)]
     return "\n".join(
         lines
         + sam_step_tables(rows)
