@@ -550,8 +550,10 @@ def pass_bound_line(rows: list[dict]) -> list[str]:
     for base, passes in WHOLE_STEP_PASSES.items():
         counted = sum(nbytes for nbytes, _ in passes)
         whole = [r for r in rows if r["benchmark"] == "bench_whole_step" and r.get("base") == base]
-        if start and all(kind in start for _, kind in passes) and any(
-            r["contender"] == "cpp" and r["bytes_counted"] == counted * r["parameters"] for r in whole
+        if (
+            start
+            and all(kind in start for _, kind in passes)
+            and any(r["contender"] == "cpp" and r["bytes_counted"] == counted * r["parameters"] for r in whole)
         ):
             bounds.append(f"{base} {pass_bound(passes, start):.1f}%")
     if not bounds:
