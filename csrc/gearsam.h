@@ -6,6 +6,9 @@
 //   allocate      EMA update, radii and per-block scales        GEAR or SAM rule, float64, on the buffers' device
 //   perturb_      backup = w;  w <- w + scale[block] * T^2 g    T = |w| + eta (ASAM) or 1; with kept, kept = g too
 //   restore_      w <- backup                                   a copy of the stored bits
+//   restore_consuming_                                          SAM's restore: backup is not read again, so past
+//                 w <- backup                                   the last-level cache the CPU buffers exchange their
+//                                                               memory instead (cpu/exchange.h)
 //
 // the SAM family's descent gradient (GSAM, WSAM; gearsam_fused/family.py), in place on the second gradient g:
 //
@@ -78,6 +81,7 @@ void perturb_(const at::Tensor& param, const at::Tensor& grad, const at::Tensor&
               const at::Tensor& block_of_tile, int64_t tile, bool adaptive, double eta,
               const c10::optional<at::Tensor>& kept = {});
 void restore_(const at::Tensor& param, const at::Tensor& backup, int64_t tile);
+void restore_consuming_(const at::Tensor& param, const at::Tensor& backup, int64_t tile);
 void mix_gradient_(const at::Tensor& grad, const at::Tensor& correction, const at::Tensor& grad_scale,
                    const at::Tensor& correction_scale, const at::Tensor& block_of_tile, int64_t tile);
 void exchange_sharpness_(const at::Tensor& grad, const at::Tensor& correction, int64_t tile);

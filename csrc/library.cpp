@@ -48,6 +48,7 @@ void register_kernels(torch::Library& m) {
   m.impl("allocate", &gearsam::allocate);
   m.impl("perturb_", &gearsam::perturb_);
   m.impl("restore_", &gearsam::restore_);
+  m.impl("restore_consuming_", &gearsam::restore_consuming_);
   m.impl("mix_gradient_", &gearsam::mix_gradient_);
   m.impl("exchange_sharpness_", &gearsam::exchange_sharpness_);
   m.impl("friendly_ascent_", &gearsam::friendly_ascent_);
@@ -84,6 +85,9 @@ TORCH_LIBRARY(gearsam_fused, m) {
       "bool adaptive, float eta, Tensor(c!)? kept=None) -> ()");
   // param = backup, bit for bit.
   m.def("restore_(Tensor(a!) param, Tensor backup, *, int tile) -> ()");
+  // param = backup, bit for bit, where backup's values are not needed after: SAM's restore. Past the last-level cache
+  // the CPU buffers exchange their memory instead of copying (cpu/exchange.h), so backup is declared written.
+  m.def("restore_consuming_(Tensor(a!) param, Tensor(b!) backup, *, int tile) -> ()");
   // grad = fma(correction_scale[block], correction, grad_scale[block] * grad) in place, block = block_of_tile[tile],
   // in float32 (float64 for float64) with the product rounded on its own: the SAM family's descent gradient.
   m.def(

@@ -13,6 +13,7 @@
 #include <string>
 
 #include "gearsam.h"
+#include "cpu/exchange.h"
 
 namespace gearsam {
 namespace {
@@ -297,11 +298,29 @@ void perturb_(const at::Tensor& param, const at::Tensor& grad, const at::Tensor&
                        kept.value_or(at::Tensor()));
 }
 
-void restore_(const at::Tensor& param, const at::Tensor& backup, int64_t tile) {
+namespace {
+
+void check_restore(const at::Tensor& param, const at::Tensor& backup, int64_t tile) {
   check_tile(tile);
   check_flat("param", param, tile);
   check_same("backup", backup, "param", param);
+}
+
+}  // namespace
+
+void restore_(const at::Tensor& param, const at::Tensor& backup, int64_t tile) {
+  check_restore(param, backup, tile);
   if (param.numel() == 0) return;
+  GEARSAM_ON_DEVICE_OF(param, restore, param, backup);
+}
+
+void restore_consuming_(const at::Tensor& param, const at::Tensor& backup, int64_t tile) {
+  check_restore(param, backup, tile);
+  if (param.numel() == 0) return;
+  if (cpu::exchangeable(param, backup)) {  // CPU buffers past the last-level cache only (exchange.h)
+    cpu::exchange_memory(param, backup);
+    return;
+  }
   GEARSAM_ON_DEVICE_OF(param, restore, param, backup);
 }
 

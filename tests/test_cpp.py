@@ -7,6 +7,7 @@ test_engine.py."""
 import ast
 import concurrent.futures
 import copy
+import math
 import os
 import re
 import shutil
@@ -300,9 +301,9 @@ def test_past_the_last_level_cache_param_and_backup_exchange_their_memory_instea
     """Past ``cpu_stream_threshold_bytes()``, where param and backup are each the whole of their own storage
     (csrc/cpu/exchange.h): ``perturb_`` writes w + eps into the backup and exchanges the two storages' memory, so param
     holds w + eps and backup w, and every view of param follows; ``sgd_step_`` and ``adam_step_`` exchange them back
-    and update param in place, which leaves backup holding w + eps and param at its first address. The same bits as
-    the copying path, which a parameter that is only part of its storage still takes, and within the cache nothing
-    is exchanged."""
+    and update param in place, and SAM's restore ``restore_consuming_`` exchanges them back alone, which leaves backup
+    holding w + eps and param at its first address. The same bits as the copying path, which a parameter that is only
+    part of its storage still takes, and within the cache nothing is exchanged."""
     kernels = torch.ops.gearsam_fused
     tile = 1024
     n = (stream_threshold_elements(dtype) // tile + 3) * tile
@@ -320,6 +321,7 @@ def test_past_the_last_level_cache_param_and_backup_exchange_their_memory_instea
     for name, update in (
         ("sgd", lambda p, b, st: kernels.sgd_step_(p, grad, b, st[0], tile=tile, **sgd)),
         ("adam", lambda p, b, st: kernels.adam_step_(p, grad, b, *st, None, tile=tile, **adam)),
+        ("restore", lambda p, b, st: kernels.restore_consuming_(p, b, tile=tile)),
     ):
         # the copying path: a parameter that starts one tile into its storage
         storage = torch.cat([torch.zeros(tile, dtype=dtype), w0])
@@ -342,6 +344,7 @@ def test_past_the_last_level_cache_param_and_backup_exchange_their_memory_instea
         want, want_state = expected[name]
         assert torch.equal(param, want) and all(torch.equal(a, b) for a, b in zip(state, want_state))
         assert torch.equal(views[0], want[:10])
+    assert torch.equal(expected["restore"][0], w0)
 
     small = torch.randn(4 * tile, generator=g, dtype=dtype)
     param, backup = small.clone(), torch.empty_like(small)
@@ -349,6 +352,54 @@ def test_past_the_last_level_cache_param_and_backup_exchange_their_memory_instea
     kernels.perturb_(param, small, backup, scales[:1], torch.zeros(4, dtype=torch.int32), tile=tile, adaptive=False,
                      eta=0.0)  # fmt: skip
     assert param.data_ptr() == here and torch.equal(backup, small)
+    kernels.restore_consuming_(param, backup, tile=tile)
+    assert param.data_ptr() == here and torch.equal(param, small) and torch.equal(backup, small)
+
+
+@pytest.mark.parametrize("base", ["rmsprop", "sgd-per-tensor"])
+def test_past_the_last_level_cache_sams_restore_exchanges_the_memory_back_where_the_base_step_is_not_fused(base):
+    """Where the base step is the base optimizer's own (RMSprop, which is never fused; SGD with
+    ``base_step="per-tensor"``) and in ``cancel_step``, SAM's restore (``restore_consuming_``) exchanges the buffers'
+    memory back instead of copying w: every parameter is at its own address again after the step, and the steps give
+    the bits of the ``torch`` backend, which copies (the same gradients given to both, so that the energies' order of
+    summation, which differs, reaches only the perturbed weights)."""
+    features = math.isqrt(stream_threshold_elements(torch.float32)) + 64  # one weight past the threshold
+    base_cls, kwargs = {
+        "rmsprop": (torch.optim.RMSprop, dict(lr=1e-3, momentum=0.9)),
+        "sgd-per-tensor": (torch.optim.SGD, dict(lr=0.1, momentum=0.9, base_step="per-tensor")),
+    }[base]
+    torch.manual_seed(0)
+    models = [nn.Sequential(nn.Linear(features, features), nn.Linear(features, 2))]
+    models.append(copy.deepcopy(models[0]))
+    opts = [SAM(m, base_cls, backend=b, **kwargs) for m, b in zip(models, ("cpp", "torch"))]
+    home = models[0][0].weight.data_ptr()
+
+    def give(seed):
+        for model in models:
+            g = torch.Generator().manual_seed(seed)
+            for p in model.parameters():
+                p.grad = torch.randn(p.shape, generator=g)
+
+    for i in range(3):
+        give(2 * i)
+        if i == 1:
+            for opt in opts:
+                opt.first_step(cancellable=True)
+            assert models[0][0].weight.data_ptr() != home, "the perturbation exchanged no memory: nothing was tested"
+            for opt in opts:
+                opt.cancel_step()
+            assert models[0][0].weight.data_ptr() == home, "cancel_step left the weight in the backup's memory"
+            assert all(torch.equal(a, b) for a, b in zip(models[0].parameters(), models[1].parameters()))
+        for opt in opts:
+            opt.first_step(zero_grad=True)
+        assert models[0][0].weight.data_ptr() != home
+        give(2 * i + 1)
+        for opt in opts:
+            opt.second_step(zero_grad=True)
+        assert opts[0].base_step_mode == "per-tensor"
+        assert models[0][0].weight.data_ptr() == home, "second_step left the weight in the backup's memory"
+        for a, b in zip(models[0].parameters(), models[1].parameters()):
+            assert torch.equal(a, b), f"{(a - b).abs().max():.3g} from the torch backend after step {i}"
 
 
 STREAMED_UPDATES = {

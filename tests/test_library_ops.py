@@ -151,8 +151,9 @@ def test_opcheck_energy_and_perturb(dtype, adaptive, device):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", FLOATS, ids=str)
-def test_opcheck_restore(dtype, device):
-    opcheck("restore_", *restore_args(dtype, device))
+@pytest.mark.parametrize("name", ["restore_", "restore_consuming_"])
+def test_opcheck_restore(dtype, device, name):
+    opcheck(name, *restore_args(dtype, device))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -288,6 +289,9 @@ def test_perturb_and_restore_are_the_reference_math(dtype, adaptive, device):
     assert torch.equal(backup, w0)
     assert torch.equal(param, torch.where(s == 0, w, w + direction * s).to(dtype))
     ops().restore_(param, backup, tile=TILE)
+    assert torch.equal(param, w0)
+    param.copy_(grad)
+    ops().restore_consuming_(param, backup, tile=TILE)  # SAM's restore: the same bits
     assert torch.equal(param, w0)
 
 

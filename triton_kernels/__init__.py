@@ -13,6 +13,7 @@ block_energy            e_b = sum_{i in b} (T_i g_i)^2, deterministic           
 allocate                EMA update, radii and per-block scales (GEAR or SAM rule)   1 (one program)
 perturb\\_               backup = w;  w += scale[block] * T^2 g                      1
 restore\\_               w = backup, bit for bit                                     1
+restore_consuming\\_     w = backup, bit for bit; backup not read again (SAM's)      1
 mix_gradient\\_          g = fma(c[block], correction, a[block] * g)                 1
 exchange_sharpness\\_    (g, correction) = (correction, g - correction)              1
 friendly_ascent\\_       (g, m) = (fma(-sigma, m, g), lerp(m, g, 1 - lmbda))         1
@@ -35,6 +36,7 @@ block_energy            partials
 allocate                ema
 perturb\\_               param, backup
 restore\\_               param
+restore_consuming\\_     param
 mix_gradient\\_          grad
 exchange_sharpness\\_    grad, correction
 friendly_ascent\\_       grad, momentum
@@ -68,7 +70,7 @@ from .allocation import allocate
 from .base_step import adam_step_, sgd_step_
 from .energy import block_energy, friendly_energy_
 from .mix import exchange_sharpness_, friendly_ascent_, mix_gradient_
-from .perturb import perturb_, restore_
+from .perturb import perturb_, restore_, restore_consuming_
 
 __all__ = [
     "adam_step_",
@@ -80,5 +82,6 @@ __all__ = [
     "mix_gradient_",
     "perturb_",
     "restore_",
+    "restore_consuming_",
     "sgd_step_",
 ]

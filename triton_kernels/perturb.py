@@ -4,6 +4,7 @@
                T_i = |w_i| + eta (ASAM) or 1; arithmetic in float32 (float64 for float64 buffers), rounded once;
                with kept, kept_i = g_i as well (a copy of the stored bits, in every block)
     restore_:  w_i <- backup_i   (a copy of the stored bits: exact in every dtype)
+    restore_consuming_:  the same, as SAM's restore (backup is not read again)
 
 One program per tile; a tile lies inside one block, so it loads its block's scale once.
 """
@@ -96,12 +97,24 @@ def perturb_(param: torch.Tensor, grad: torch.Tensor, backup: torch.Tensor, scal
         )
 
 
-@kept_whole
-@triton_op(f"{NAMESPACE}::restore_", mutates_args=("param",))
-def restore_(param: torch.Tensor, backup: torch.Tensor, *, tile: int) -> None:
-    """``param`` takes back the bits saved in ``backup``."""
+def _launch_restore(param: torch.Tensor, backup: torch.Tensor, tile: int) -> None:
     check_flat("param", param, tile)
     check_same("backup", backup, "param", param)
     n_tiles = param.numel() // tile
     if n_tiles and launches(_restore_kernel, param):
         wrap_triton(_restore_kernel)[(n_tiles,)](param, backup, TILE=tile)
+
+
+@kept_whole
+@triton_op(f"{NAMESPACE}::restore_", mutates_args=("param",))
+def restore_(param: torch.Tensor, backup: torch.Tensor, *, tile: int) -> None:
+    """``param`` takes back the bits saved in ``backup``."""
+    _launch_restore(param, backup, tile)
+
+
+@kept_whole
+@triton_op(f"{NAMESPACE}::restore_consuming_", mutates_args=("param",))
+def restore_consuming_(param: torch.Tensor, backup: torch.Tensor, *, tile: int) -> None:
+    """SAM's restore, after which ``backup`` is not read again: :func:`restore_`'s copy here (past the CPU's
+    last-level cache the C++ kernels exchange the two buffers' memory instead, and declare ``backup`` written)."""
+    _launch_restore(param, backup, tile)

@@ -119,6 +119,9 @@ def _restore(param, backup, *, tile):
     check_same("backup", backup, "param", param)
 
 
+torch.library.register_fake("gearsam_fused::restore_consuming_")(_restore)
+
+
 @torch.library.register_fake("gearsam_fused::mix_gradient_")
 def _mix_gradient(grad, correction, grad_scale, correction_scale, block_of_tile, *, tile):
     _check_tile(tile)

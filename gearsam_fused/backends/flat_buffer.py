@@ -277,7 +277,7 @@ def _launching_on(device: torch.device):
 
 
 class KernelModule(Protocol):
-    """What :class:`KernelBackend` needs of a kernel module: ten launchers over one bucket's flat buffers, with
+    """What :class:`KernelBackend` needs of a kernel module: eleven launchers over one bucket's flat buffers, with
     these keyword signatures. Both kernel modules are namespaces of registered operators (``torch.library``), so that
     ``torch.compile`` and fake tensors see them: ``torch.ops.gearsam_fused`` (the compiled extension, ``csrc/``) and
     ``gearsam_fused.triton_kernels`` (``torch.ops.gearsam_fused_triton``). The formulas are those of
@@ -305,6 +305,9 @@ class KernelModule(Protocol):
     ) -> None: ...  # fmt: skip
 
     def restore_(self, param: torch.Tensor, backup: torch.Tensor, *, tile: int) -> None: ...
+
+    # SAM's restore: restore_'s bits, backup not read again (the C++ CPU kernels may exchange the two buffers' memory)
+    def restore_consuming_(self, param: torch.Tensor, backup: torch.Tensor, *, tile: int) -> None: ...
 
     # the SAM family's descent gradient: grad <- fma(correction_scale[b], correction, grad_scale[b] * grad)
     def mix_gradient_(
@@ -482,7 +485,7 @@ class KernelBackend(FlatBufferBackend):
 
     def _bucket_restore(self, bucket: Bucket) -> None:
         with _launching_on(bucket.device):
-            self.kernels.restore_(bucket.param, bucket.backup, tile=bucket.tile)
+            self.kernels.restore_consuming_(bucket.param, bucket.backup, tile=bucket.tile)
 
     def _bucket_restore_and_update(self, update: BucketUpdate, found_inf: torch.Tensor | None, mix) -> None:
         bucket = update.bucket
