@@ -7,16 +7,18 @@ step it records:
 * time: median and quartiles over the rounds (each round one synchronised step; on CUDA also the median by CUDA
   events over 50 back-to-back steps);
 * memory traffic by our count, for d parameters in float32: energy reads g (4d); perturb reads w and g and writes
-  w + eps (12d, :mod:`bench_whole_step` says how); restore reads the backup and writes w (8d): 24d bytes, the floor
-  for an unfused energy/perturb/restore step (28d in runs before commit 177df32, each row records its count). GB/s is that count over the median time, and ``pct_floor`` compares it with the memory
-  floor measured in the same run (``conftest.MemoryFloor``);
+  w + eps (12d, :mod:`bench_whole_step` says how); restore gives the buffers their memory back and moves nothing (0d,
+  as the ``cpp`` CPU kernels do past the last-level cache; a restore that copies reads the backup and writes w, 8d):
+  16d bytes, the floor for an unfused energy/perturb/restore step (24d in runs from commit 177df32 to commit 3c9b394,
+  which counted the copy, and 28d before them; each row records its count). GB/s is that count over the median time,
+  and ``pct_floor`` compares it with the memory floor measured in the same run (``conftest.MemoryFloor``);
 * kernel launches per step (CUDA: torch profiler; not counted on CPU);
 * memory the contender holds beyond parameters and gradients while perturbed, and on CUDA the allocator's peak
   increase during a step.
 
 The SAM family (``test_family_sam_step``): each variant of :data:`contenders.FAMILY` (GSAM, WSAM, F-SAM, GEAR-SAM with
 GSAM's descent, and SAM and GEAR-SAM as their yardsticks), ours on each backend and pytorch_optimizer's where it has
-it, on :data:`contenders.FAMILY_SET_KEY`, counted at 24d plus the bytes the variant's parts move
+it, on :data:`contenders.FAMILY_SET_KEY`, counted at 16d plus the bytes the variant's parts move
 (``Variant.extra_bytes``). Quick mode runs it on one of our backends and the peer's ``foreach`` path only. Each round
 of one of our variants also times, just before it, one step of our plain SAM (GEAR-SAM for a GEAR-SAM variant) on a
 second copy of the set: ``over_paired_plain`` (median, quartiles over the rounds) is the variant's cost over SAM's at
@@ -45,7 +47,7 @@ from conftest import (
     warm_up,
 )
 
-BYTES_PER_PARAM = ENERGY_BYTES + PERTURB_BYTES + 8
+BYTES_PER_PARAM = ENERGY_BYTES + PERTURB_BYTES  # the restore: 0, an exchange of memory
 NOT_INSTALLED = contenders.not_installed()  # peers shown as skipped, with the note, instead of left out
 FAMILY_LR = 0.01
 

@@ -335,8 +335,8 @@ def family_tables(rows: list[dict]) -> list[str]:
             "SAM's radius); \"/ own SAM\": this median over the same contender's SAM (a GEAR-SAM variant: its GEAR-SAM) "
             'in the same run, the cost of the variant\'s part; "same round": per round, this step over our plain '
             "SAM's (GEAR-SAM's) timed just before it on a copy of the set, median [quartiles] (whole steps: in runs "
-            "after `1cc6ebdbd959`). Bytes per parameter: SAM's count (SAM step 24, whole step SGD 36, AdamW 44; before "
-            "commit 177df32 28, 40 and 48) plus "
+            "after `1cc6ebdbd959`). Bytes per parameter: SAM's count (SAM step 16, whole step SGD 36, AdamW 44; the "
+            "SAM step 24 from commit 177df32 to commit 3c9b394, and before them 28, 40 and 48) plus "
             "what the variant's passes over the flat buffers read and write, each pass counted once "
             "(contenders.Variant): GSAM 24 (keeping g 4, written by the perturbation; <g, h> and ||h||^2 in one read "
             "of g and h, 8, read only; the mix 12; in a whole step the fused base step takes the mix as one more read "
