@@ -189,7 +189,8 @@ def sam_step_tables(rows: list[dict]) -> list[str]:
         peer_path, peer = best_peer(sam)
         lines += [
             f"**{'SAM' if rule == SAM_RULE else 'GEAR-SAM'} step, {name}** ({first['parameters'] / 1e6:.1f}M parameters in "
-            f"{first['tensors']} tensors; {floor_note(group)}"
+            f"{first['tensors']} tensors; {first['bytes_counted'] // first['parameters']} bytes counted per parameter; "
+            f"{floor_note(group)}"
             f"{f'; pytorch_optimizer SAM = its faster path here, `{peer_path}`' if len(_peers(sam)) > 1 else ''})",
             "",
             "| contender | median ms | IQR ms | vs per-tensor loop SAM | vs pytorch_optimizer SAM | GB/s | % of floor | % of traffic floor | launches | held MB |",
@@ -205,7 +206,9 @@ def sam_step_tables(rows: list[dict]) -> list[str]:
     if lines:
         lines += [
             "SAM step = `first_step` + `second_step` with a base optimizer that does nothing: energy, perturbation and "
-            "restore, 28 bytes counted per parameter; % of floor: that rate over the memory floor measured between the "
+            "restore, the bytes counted per parameter as each set's line says (16 from commit 70c85b1, the restore an "
+            "exchange of memory; 28 in runs before commit 177df32, a perturbation and a restore that copy w); % of floor: "
+            "that rate over the memory floor measured between the "
             "row's rounds (median); % of traffic floor: the same over the floor of the row's traffic, whose energy pass "
             "(4 bytes per parameter) only reads, those bytes at the read rate measured beside it.",
             "",
