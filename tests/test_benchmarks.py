@@ -572,19 +572,23 @@ def test_a_report_gives_the_floor_kinds_measured_at_the_start_fastest_first():
     assert report.floor_start_line([{"contender": "cpp"}]) == []
 
 
-def test_a_report_gives_what_the_floor_kinds_allow_a_whole_step_of_its_passes():
-    """Each pass's bytes at its own kind's rate: SGD 4 at 40, 12 at 60 and 20 at 100 GB/s take 0.1 + 0.2 + 0.2 ns a
-    parameter, 36 bytes in 0.5 ns, 72 GB/s, 72.0% of the fastest kind (100). Only for a base whose eager ``cpp`` row
-    counted those passes' bytes: a run before the perturbation exchanged memory (40 bytes) gets no line."""
+def test_a_report_gives_what_the_floor_kinds_allow_a_step_of_its_passes():
+    """Each pass's bytes at its own kind's rate: a whole SGD step's 4 at 40, 12 at 60 and 20 at 100 GB/s take 0.1 + 0.2
+    + 0.2 ns a parameter, 36 bytes in 0.5 ns, 72 GB/s, 72.0% of the fastest kind (100); a SAM step's 16 bytes (the
+    restore an exchange of memory) 0.3 ns, 53.3%. Only for a step whose eager ``cpp`` row counted those passes' bytes:
+    a run whose perturbation copied w to the backup (40 bytes) gets no line."""
     start = {"read": 40.0, "streamed update": 60.0, "streamed AdamW step": 100.0, "copy": 90.0}
 
-    def row(base, per_param, contender="cpp"):
-        return {"benchmark": "bench_whole_step", "base": base, "contender": contender, "parameters": 1000,
+    def row(base, per_param, contender="cpp", benchmark="bench_whole_step"):
+        return {"benchmark": benchmark, "base": base, "contender": contender, "parameters": 1000,
                 "bytes_counted": per_param * 1000, "floor_start_gbps": start}  # fmt: skip
 
     line = report.pass_bound_line([row("SGD", 36), row("SGD", 20, "bare base step")])
-    assert line[0].endswith("of the fastest kind: SGD 72.0%.")
+    assert line[0].endswith("of the fastest kind: whole step SGD 72.0%.")
     adamw = 44 / (4 / 40 + 12 / 60 + 28 / 100) / 100 * 100
-    assert report.pass_bound_line([row("SGD", 36), row("AdamW", 44)])[0].endswith(f"SGD 72.0%, AdamW {adamw:.1f}%.")
-    assert report.pass_bound_line([row("SGD", 40)]) == []
+    rows = [row(None, 16, benchmark="bench_sam_step"), row("SGD", 36), row("AdamW", 44)]
+    assert report.pass_bound_line(rows)[0].endswith(
+        f"SAM step 53.3%, whole step SGD 72.0%, whole step AdamW {adamw:.1f}%."
+    )
+    assert report.pass_bound_line([row("SGD", 40), row(None, 24, benchmark="bench_sam_step")]) == []
     assert report.pass_bound_line([{**row("SGD", 36), "floor_start_gbps": {"read": 40.0, "copy": 90.0}}]) == []
