@@ -296,13 +296,15 @@ def test_rows_of_runs_before_the_floor_are_recounted():
 
 def test_the_sam_step_table_compares_with_the_peers_faster_path():
     common = {"set": "ResNet-18", "rule": "sam", "parameters": 11_000_000, "tensors": 62, "floor_gbps": 30.0,
-              "floor_kind": "update", "gbps": 10.0, "pct_floor": 33.0, "held_bytes": 2**20}  # fmt: skip
+              "floor_kind": "update", "gbps": 10.0, "pct_floor": 33.0, "held_bytes": 2**20,
+              "bytes_counted": 16 * 11_000_000}  # fmt: skip
     rows = [_row("bench_sam_step", name, ms, **common) for name, ms in
             (("per-tensor loop", 8.0), ("pytorch_optimizer", 30.0), ("pytorch_optimizer, per tensor", 20.0),
              ("cpp", 5.0))]  # fmt: skip
     assert report.best_peer({r["contender"]: r["median_ms"] for r in rows}) == ("pytorch_optimizer, per tensor", 20.0)
     text = "\n".join(report.sam_step_tables(rows))
     assert "its faster path here, `pytorch_optimizer, per tensor`" in text
+    assert "62 tensors; 16 bytes counted per parameter;" in text
     assert "| cpp | 5.000 | 2.000 | 1.60x | 4.00x |" in text  # 8/5 and 20/5, not 30/5
     # a run with the peer's one path: compared with it, and no path named
     text = "\n".join(report.sam_step_tables(rows[:2] + rows[3:]))
