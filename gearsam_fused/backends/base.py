@@ -107,7 +107,8 @@ class Backend:
         self.perturbed = True
 
     def restore_(self) -> None:
-        """Put back, bit for bit, every parameter saved by the last :meth:`perturb_` (nothing if none is saved)."""
+        """Put back, bit for bit, every parameter saved by the last :meth:`perturb_` (nothing if none is saved). The
+        saved copy is not read again (the ``cpp`` CPU kernels may exchange its memory with the parameters')."""
         if self.perturbed:
             self._restore()
         self.perturbed = False
