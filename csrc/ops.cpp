@@ -316,12 +316,8 @@ void restore_(const at::Tensor& param, const at::Tensor& backup, int64_t tile) {
 
 void restore_consuming_(const at::Tensor& param, const at::Tensor& backup, int64_t tile) {
   check_restore(param, backup, tile);
-  if (param.numel() == 0) return;
-  if (cpu::exchangeable(param, backup)) {  // CPU buffers past the last-level cache only (exchange.h)
-    cpu::exchange_memory(param, backup);
-    return;
-  }
-  GEARSAM_ON_DEVICE_OF(param, restore, param, backup);
+  // CPU buffers past the last-level cache only (exchange.h); elsewhere restore_'s copy
+  if (!cpu::try_exchange_memory(param, backup)) restore_(param, backup, tile);
 }
 
 void mix_gradient_(const at::Tensor& grad, const at::Tensor& correction, const at::Tensor& grad_scale,

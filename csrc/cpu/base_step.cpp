@@ -436,9 +436,7 @@ bool skip_step(const at::Tensor& param, const at::Tensor& backup, const DeviceSt
 // updates it in place (param is returned): the same bytes as reading the backup and streaming param out, every store
 // to a line just read; backup then holds w + eps. Else backup.
 const at::Tensor& weights_in_place(const at::Tensor& param, const at::Tensor& backup) {
-  if (backup.is_same(param) || !exchangeable(param, backup)) return backup;
-  exchange_memory(param, backup);
-  return param;
+  return try_exchange_memory(param, backup) ? param : backup;  // never where backup is param: one storage
 }
 
 // The options of this step: the host's, or those at the (lr, k) of scalars.

@@ -23,4 +23,10 @@ void exchange_memory(const at::Tensor& a, const at::Tensor& b) {
   a.storage().unsafeGetStorageImpl()->swap_data_ptr(*b.storage().unsafeGetStorageImpl());
 }
 
+bool try_exchange_memory(const at::Tensor& a, const at::Tensor& b) {
+  if (!exchangeable(a, b)) return false;
+  exchange_memory(a, b);
+  return true;
+}
+
 }  // namespace gearsam::cpu

@@ -21,4 +21,7 @@ bool exchangeable(const at::Tensor& a, const at::Tensor& b);
 // Swaps the memory of a's and b's storages (exchangeable(a, b) must hold): O(1), no element is copied.
 void exchange_memory(const at::Tensor& a, const at::Tensor& b);
 
+// exchange_memory(a, b) where exchangeable(a, b); whether it did.
+bool try_exchange_memory(const at::Tensor& a, const at::Tensor& b);
+
 }  // namespace gearsam::cpu
