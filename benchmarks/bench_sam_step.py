@@ -8,7 +8,7 @@ step it records:
   events over 50 back-to-back steps);
 * memory traffic by our count, for d parameters in float32: energy reads g (4d); perturb reads w and g and writes
   w + eps (12d, :mod:`bench_whole_step` says how); restore gives the buffers their memory back and moves nothing (0d,
-  as the ``cpp`` CPU kernels do past the last-level cache; a restore that copies reads the backup and writes w, 8d):
+  as the ``cpp`` CPU kernels do past the stream threshold; a restore that copies reads the backup and writes w, 8d):
   16d bytes, the floor for an unfused energy/perturb/restore step (24d in runs from commit 177df32 to commit 3c9b394,
   which counted the copy, and 28d before them; each row records its count). GB/s is that count over the median time,
   and ``pct_floor`` compares it with the memory floor measured in the same run (``conftest.MemoryFloor``);

@@ -28,7 +28,7 @@ Contenders, each around the same base optimizer (every torch optimizer with ``fo
 
 Counted bytes per step for d float32 parameters, the floor of a fused step: energy reads g (4d); perturb reads w and
 g and writes w + eps (12d: into the backup's buffer, which then trades its memory with the parameters', as the
-``cpp`` CPU kernels do past the last-level cache, csrc/cpu/exchange.h; a perturbation in place that copies w to the
+``cpp`` CPU kernels do past the stream threshold, csrc/cpu/exchange.h; a perturbation in place that copies w to the
 backup moves 16d); restore-and-update reads w, g and the optimizer's state and writes w and the state: SGD with
 momentum 20d (w, g, momentum buffer in; w, buffer out), AdamW 28d (w, g, two moments in; w, two moments out). So 36d
 for SGD and 44d for AdamW, the same yardstick for every SAM contender (runs before commit 177df32 counted the 16d

@@ -237,7 +237,7 @@ class MemoryFloor:
         }
         threshold = cpp_stream_threshold_bytes() if DEVICE == "cpu" else None
         if threshold is not None and 0 <= threshold < self.b.nbytes:
-            # past the last-level cache our CPU kernels write what they do not read with stores that bypass the caches
+            # past the stream threshold our CPU kernels write what they do not read with stores that bypass the caches
             ops, tiles = torch.ops.gearsam_fused, torch.zeros(elements // 1024, dtype=torch.int32)
             scale = torch.tensor([1e-9], dtype=torch.float64)
             self.kinds["streamed copy"] = (lambda: ops.restore_(self.b, self.a, tile=1024), 8)

@@ -529,7 +529,7 @@ def floor_start_line(rows: list[dict]) -> list[str]:
     return [f"The memory floor's kinds at the start of the run, GB/s by the bytes each moves: {kinds}.", ""]
 
 
-# A step's passes past the last-level cache, each with the floor kind whose traffic it has: the energy pass only reads,
+# A step's passes past the stream threshold, each with the floor kind whose traffic it has: the energy pass only reads,
 # the perturbation reads two streams and writes one it does not read (since commit 177df32), the base step updates w
 # and its state in place, and SAM's restore exchanges memory, no bytes (since commit 3c9b394). Keyed by (benchmark,
 # base optimizer); each with the name a report gives it.

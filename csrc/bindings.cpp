@@ -12,6 +12,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "as the operators torch.ops.gearsam_fused.<name> on import.";
   m.def("cpu_stream_threshold_bytes", &gearsam::cpu::stream_threshold_bytes,
         "The CPU kernels write outputs they do not read (backup, restored or updated parameter) with non-temporal "
-        "stores where the output is larger than this many bytes (the last-level cache); -1 where they never do.");
+        "stores where the output is larger than this many bytes (a core's private cache); -1 where they never do.");
   m.def("built_with_cuda", &gearsam::built_with_cuda, "Whether this build contains the CUDA kernels.");
 }

@@ -7,7 +7,7 @@
 //   perturb_      backup = w;  w <- w + scale[block] * T^2 g    T = |w| + eta (ASAM) or 1; with kept, kept = g too
 //   restore_      w <- backup                                   a copy of the stored bits
 //   restore_consuming_                                          SAM's restore: backup is not read again, so past
-//                 w <- backup                                   the last-level cache the CPU buffers exchange their
+//                 w <- backup                                   the stream threshold the CPU buffers exchange their
 //                                                               memory instead (cpu/exchange.h)
 //
 // the SAM family's descent gradient (GSAM, WSAM; gearsam_fused/family.py), in place on the second gradient g:
@@ -31,7 +31,7 @@
 // each element before it is written. Both steps optionally correct the gradient first (LookSAM):
 // g = fma(C(correction_scale[block]), correction, grad).
 //
-// On the CPU past the last-level cache, param and backup trade their memory where each is the whole of its own
+// On the CPU past the stream threshold, param and backup trade their memory where each is the whole of its own
 // storage (cpu/exchange.h): perturb_ writes w + eps into backup and exchanges the two, and the base steps exchange them
 // back and update param in place, which leaves backup holding w + eps. Every value above is as stated; what moves is
 // the memory under the two tensors, and every view of them with it.

@@ -78,14 +78,14 @@ TORCH_LIBRARY(gearsam_fused, m) {
       "allocate(Tensor energy, Tensor(a!) ema, *, bool gear, float rho, float beta, float delta, "
       "Tensor? scalars=None, Tensor? found_inf=None) -> (Tensor, Tensor)");
   // backup = param; param += scale[block_of_tile[tile]] * T^2 * grad, in place; with kept, kept = grad too (the SAM
-  // family's first gradient, or LookSAM's, kept in the same pass). On the CPU past the last-level cache, w + eps is
+  // family's first gradient, or LookSAM's, kept in the same pass). On the CPU past the stream threshold, w + eps is
   // written to backup and the two exchange their memory (csrc/cpu/exchange.h): the same values in the same tensors.
   m.def(
       "perturb_(Tensor(a!) param, Tensor grad, Tensor(b!) backup, Tensor scale, Tensor block_of_tile, *, int tile, "
       "bool adaptive, float eta, Tensor(c!)? kept=None) -> ()");
   // param = backup, bit for bit.
   m.def("restore_(Tensor(a!) param, Tensor backup, *, int tile) -> ()");
-  // param = backup, bit for bit, where backup's values are not needed after: SAM's restore. Past the last-level cache
+  // param = backup, bit for bit, where backup's values are not needed after: SAM's restore. Past the stream threshold
   // the CPU buffers exchange their memory instead of copying (cpu/exchange.h), so backup is declared written.
   m.def("restore_consuming_(Tensor(a!) param, Tensor(b!) backup, *, int tile) -> ()");
   // grad = fma(correction_scale[block], correction, grad_scale[block] * grad) in place, block = block_of_tile[tile],
@@ -114,7 +114,7 @@ TORCH_LIBRARY(gearsam_fused, m) {
   // difference rounded on its own (WSAM's decoupled sharpness step; lr the step's). Capturable (gearsam.h): scalars,
   // float64 [2], holds (lr, k), k the step count (first = k == 1; then lr=0.0 and first=False); found_inf, float32
   // with one element, nonzero writes param = backup (nothing without backup) and nothing else, without reading grad.
-  // backup is written too: on the CPU past the last-level cache param and backup first exchange their memory and the
+  // backup is written too: on the CPU past the stream threshold param and backup first exchange their memory and the
   // step updates param in place (csrc/cpu/exchange.h), which leaves backup holding param's old values.
   m.def(
       "sgd_step_(Tensor(a!) param, Tensor grad, Tensor(c!)? backup, Tensor(b!)? momentum_buffer, *, int tile, "

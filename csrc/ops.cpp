@@ -316,7 +316,7 @@ void restore_(const at::Tensor& param, const at::Tensor& backup, int64_t tile) {
 
 void restore_consuming_(const at::Tensor& param, const at::Tensor& backup, int64_t tile) {
   check_restore(param, backup, tile);
-  // CPU buffers past the last-level cache only (exchange.h); elsewhere restore_'s copy
+  // CPU buffers past the stream threshold only (exchange.h); elsewhere restore_'s copy
   if (!cpu::try_exchange_memory(param, backup)) restore_(param, backup, tile);
 }
 

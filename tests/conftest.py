@@ -129,7 +129,7 @@ def stream_threshold_elements(dtype: torch.dtype) -> int:
     if threshold < 0:
         pytest.skip("this CPU has no non-temporal stores: the kernels never stream")
     if threshold > 2**28:
-        pytest.skip(f"a last-level cache of {threshold / 2**20:.0f} MiB: a bucket past it is too large for a test")
+        pytest.skip(f"a stream threshold of {threshold / 2**20:.0f} MiB: a bucket past it is too large for a test")
     return threshold // dtype.itemsize
 
 

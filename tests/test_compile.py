@@ -98,7 +98,7 @@ def test_compiled_step_matches_eager(backend, device, rule, base):
 @pytest.mark.skipif(not cpp_installed(), reason="the C++ extension is not built")
 @pytest.mark.parametrize("base", ["sgd", "adamw"])
 def test_a_bucket_whose_memory_the_kernels_exchange_compiles_to_the_eager_step(base):
-    """Past the last-level cache the ``cpp`` CPU kernels exchange the memory of the parameter and backup buffers
+    """Past the stream threshold the ``cpp`` CPU kernels exchange the memory of the parameter and backup buffers
     (csrc/cpu/exchange.h): between ``first_step`` and ``second_step`` the parameters live in the backup's first memory,
     holding ``w + eps``, and between steps where they started. Compiled and eager steps agree bit for bit, and with the
     ``torch`` backend, which copies, within ``FP32_STEP_RTOL`` a step (the same gradients given to each, so that no

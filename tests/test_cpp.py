@@ -12,6 +12,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -207,33 +208,53 @@ def test_any_number_of_threads_gives_bitwise_identical_kernels():
         torch.set_num_threads(previous)
 
 
-def _last_level_cache_bytes() -> int | None:
-    """The highest cache level's size under cpu0 in Linux's sysfs (e.g. ``32768K``), None where none is given."""
-    best = None
+def _private_cache_bytes() -> int | None:
+    """The level-2 data or unified cache's size under cpu0 in Linux's sysfs (e.g. ``2048K``), None where none is
+    given."""
     for index in sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*")):
         try:
-            level, size = int((index / "level").read_text()), (index / "size").read_text().strip()
+            level, kind = int((index / "level").read_text()), (index / "type").read_text().strip()
+            size = (index / "size").read_text().strip()
         except (OSError, ValueError):
             continue
         value = int(size.rstrip("KMG")) << {"K": 10, "M": 20, "G": 30}.get(size[-1], 0)
-        if value > 0 and (best is None or level > best[0]):
-            best = (level, value)
-    return None if best is None else best[1]
+        if level == 2 and kind != "Instruction" and value > 0:
+            return value
+    return None
 
 
 @needs_cpp
 @pytest.mark.skipif(os.uname().machine != "x86_64", reason="non-temporal stores are the x86-64 kernels' only")
-def test_the_stream_threshold_is_the_last_level_cache_from_sysfs():
-    """The CPU kernels stream their outputs past the last-level cache, read from sysfs with C stdio (32 MiB where
-    sysfs gives none): the same size as read here."""
+@pytest.mark.skipif("GEARSAM_STREAM_THRESHOLD_BYTES" in os.environ, reason="the threshold is set from outside")
+def test_the_stream_threshold_is_a_cores_private_cache_from_sysfs():
+    """The CPU kernels stream their outputs past the stream threshold, a core's private (level-2) cache, read from
+    sysfs with C stdio (1 MiB where sysfs gives none): the same size as read here."""
     from gearsam_fused import _C
 
-    expected = _last_level_cache_bytes()
-    assert _C.cpu_stream_threshold_bytes() == (32 << 20 if expected is None else expected)
+    expected = _private_cache_bytes()
+    assert _C.cpu_stream_threshold_bytes() == (1 << 20 if expected is None else expected)
 
 
 @needs_cpp
-def test_buffers_past_the_last_level_cache_stream_their_outputs_to_the_same_bits():
+@pytest.mark.skipif(os.uname().machine != "x86_64", reason="non-temporal stores are the x86-64 kernels' only")
+@pytest.mark.parametrize("value", ["12345", "0", "5k", "-1", ""])
+def test_the_environment_sets_the_stream_threshold_or_is_refused_by_name(value):
+    """``GEARSAM_STREAM_THRESHOLD_BYTES`` replaces the threshold read from sysfs (0: every output streams); anything
+    but a whole number of bytes is an error that names the variable and the value, at the first kernel that asks."""
+    code = "import torch, gearsam_fused\nfrom gearsam_fused import _C\nprint(_C.cpu_stream_threshold_bytes())\n"
+    env = {**os.environ, "GEARSAM_STREAM_THRESHOLD_BYTES": value}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=False)
+    if value in ("12345", "0"):
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.strip() == value
+    else:
+        assert done.returncode != 0
+        message = f"GEARSAM_STREAM_THRESHOLD_BYTES must be a whole number of bytes, 0 or more, not '{value}'"
+        assert message in done.stderr
+
+
+@needs_cpp
+def test_buffers_past_the_stream_threshold_stream_their_outputs_to_the_same_bits():
     """Outputs the CPU kernels write without reading (backup, restored and updated parameter) go out with
     non-temporal stores past ``cpu_stream_threshold_bytes()``: the same bits as torch, on a bucket just past it (float32
     on 1 and 2 threads, float64), with a length that is no multiple of the kernels' runs; the perturbation's kept
@@ -297,7 +318,7 @@ def test_buffers_past_the_last_level_cache_stream_their_outputs_to_the_same_bits
 
 @needs_cpp
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
-def test_past_the_last_level_cache_param_and_backup_exchange_their_memory_instead_of_copying(dtype):
+def test_past_the_stream_threshold_param_and_backup_exchange_their_memory_instead_of_copying(dtype):
     """Past ``cpu_stream_threshold_bytes()``, where param and backup are each the whole of their own storage
     (csrc/cpu/exchange.h): ``perturb_`` writes w + eps into the backup and exchanges the two storages' memory, so param
     holds w + eps and backup w, and every view of param follows; ``sgd_step_`` and ``adam_step_`` exchange them back
@@ -357,7 +378,7 @@ def test_past_the_last_level_cache_param_and_backup_exchange_their_memory_instea
 
 
 @pytest.mark.parametrize("base", ["rmsprop", "sgd-per-tensor"])
-def test_past_the_last_level_cache_sams_restore_exchanges_the_memory_back_where_the_base_step_is_not_fused(base):
+def test_past_the_stream_threshold_sams_restore_exchanges_the_memory_back_where_the_base_step_is_not_fused(base):
     """Where the base step is the base optimizer's own (RMSprop, which is never fused; SGD with
     ``base_step="per-tensor"``) and in ``cancel_step``, SAM's restore (``restore_consuming_``) exchanges the buffers'
     memory back instead of copying w: every parameter is at its own address again after the step, and the steps give
@@ -430,7 +451,7 @@ def _update(kind: str, kw: dict, out, grad, backup, state, tile: int, correction
 @pytest.mark.parametrize("name", list(STREAMED_UPDATES))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
 def test_streamed_updates_equal_the_same_update_unstreamed(dtype, name, corrected):
-    """The fused base steps past the last-level cache (vector loops that stream the parameter out, vec.h; and, for a
+    """The fused base steps past the stream threshold (vector loops that stream the parameter out, vec.h; and, for a
     parameter that is not 32-byte aligned, the scalar loop through scratch) against the same step on the same values
     in two halves, each below the threshold (the scalar loops, no streaming): the same bits for every flag of SGD and
     Adam, without a correction, with LookSAM's, and with the SAM family's mix and WSAM's sharpness step."""

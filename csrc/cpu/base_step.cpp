@@ -1,6 +1,6 @@
 // SAM's restore fused with the base optimizer's update on the CPU: one pass reads backup (w; param holds w + eps and
 // is never read), writes param and the optimizer state. backup may be param itself: every loop reads an element
-// before writing it, and no pointer is declared restrict. Past the last-level cache param and backup first exchange
+// before writing it, and no pointer is declared restrict. Past the stream threshold param and backup first exchange
 // their memory (exchange.h), and the pass then updates param in place. The update and its roundings are stated once,
 // in gearsam_fused/base_step.py; here each scalar is rounded once to the buffers' type (SgdConstants / AdamConstants),
 // only the std::fma calls fuse (the build uses -ffp-contract=off), and the square root is correctly rounded, so the
@@ -9,7 +9,7 @@
 // Adam).
 //
 // Structure (csrc/README.md, "Memory traffic"): tiles split between threads, in runs of a tile (for_each_run); a
-// parameter larger than the last-level cache is written from a vector loop as it loads (vec.h) where the CPU has AVX2
+// parameter larger than the stream threshold is written from a vector loop as it loads (vec.h) where the CPU has AVX2
 // and FMA, else from a scratch run, with non-temporal stores (stream.h) where the pass does not read it. The loops
 // take their constants by value: a copy that no store of theirs can reach, so the compiler keeps them in registers and
 // tests the flags once. Taken by

@@ -47,8 +47,8 @@ def cpp_built_with_cuda() -> bool:
 
 
 def cpp_stream_threshold_bytes() -> int | None:
-    """Bytes past which the CPU kernels write the outputs they do not read with non-temporal stores (the last-level
-    cache's size; csrc/cpu/stream.h): -1 where the CPU has no such stores, None where the extension is not built."""
+    """Bytes past which the CPU kernels write the outputs they do not read with non-temporal stores (a core's
+    private cache; csrc/cpu/stream.h): -1 where the CPU has no such stores, None where the extension is not built."""
     if _load()[0] is None:
         return None
     from .. import _C

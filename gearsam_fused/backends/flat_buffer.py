@@ -385,7 +385,7 @@ class KernelBackend(FlatBufferBackend):
             )
 
     def keep_gradient_(self) -> None:
-        # restore_ is the kernels' copy of stored bits: past the last-level cache its stores bypass the caches, so
+        # restore_ is the kernels' copy of stored bits: past the stream threshold its stores bypass the caches, so
         # the kept gradient is written without being read first
         for bucket in self._live_buckets():
             with _launching_on(bucket.device):
