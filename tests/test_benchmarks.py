@@ -594,3 +594,27 @@ def test_a_report_gives_what_the_floor_kinds_allow_a_step_of_its_passes():
     )
     assert report.pass_bound_line([row("SGD", 40), row(None, 24, benchmark="bench_sam_step")]) == []
     assert report.pass_bound_line([{**row("SGD", 36), "floor_start_gbps": {"read": 40.0, "copy": 90.0}}]) == []
+
+
+def test_the_stream_threshold_benchmark_compares_two_thresholds_on_the_same_weights(tmp_path):
+    """``bench_stream_threshold.py --quick --against 0``: the kernels' own threshold (the set's buffers are under a
+    core's private cache) against streaming every output, each in its own process; the script fails where the two
+    give different weights, and writes one row per base optimizer with both times and their ratio. No time is
+    looked at."""
+    from gearsam_fused.backends.cpp_ops import cpp_stream_threshold_bytes
+
+    threshold = cpp_stream_threshold_bytes()
+    if threshold is None or threshold < 0:
+        pytest.skip("the C++ extension is not built, or this CPU has no non-temporal stores")
+    if threshold < 400_000:
+        pytest.skip("the quick set's buffers are past this machine's threshold: both settings would stream")
+    out = tmp_path / "table.md"
+    script = BENCHMARKS / "bench_stream_threshold.py"
+    done = subprocess.run(
+        [sys.executable, str(script), "--quick", "--against", "0", "--report", str(out)],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = [line for line in out.read_text().splitlines() if line.startswith("| 0.1M |")]
+    assert [row.split(" | ")[1] for row in rows] == ["SGD", "AdamW"]
+    assert all(len(row.strip("|").split("|")) == 5 and row.endswith("x |") for row in rows), rows
