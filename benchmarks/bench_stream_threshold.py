@@ -6,9 +6,9 @@ drew the line before) or to any other value given.
 The threshold is read once per process, so each measurement is a child process: one set of float32 parameters in 20
 tensors with a gradient on each, SGD (momentum 0.9) or AdamW (weight decay 0.01), warm-up steps, then timed steps
 (median). The settings of one size and base optimizer run one after another, a round at a time, the order turned
-each round; a row gives each setting's best median over the rounds and their ratio. Every child prints a checksum of
-its weights after the same steps: a row whose settings disagree fails (a threshold decides how bytes move, not
-which).
+each round; a row gives each setting's best median over the rounds and their ratio. Every child prints the float64
+sum of its weights after the same steps: a row whose settings disagree fails (a threshold decides how bytes move, not
+which; the kernels' tests check the bits).
 
     python benchmarks/bench_stream_threshold.py [--quick] [--against BYTES ...] [--report PATH]
 """
