@@ -86,6 +86,12 @@ def test_two_dtypes_and_a_parameter_without_a_gradient_match_the_reference():
         m(x).square().sum().backward()
         m.body.bias.grad = None  # no gradient this step: skipped, as the reference skips it
         o.first_step()
-    assert torch.equal(flat(model), flat(ref_model))
+    # the two sum a block's energy in different orders (torch's reductions vectorise by the CPU's width), so the
+    # perturbations agree to each dtype's tolerance, not bit for bit
+    for (name, p), q, s in zip(model.named_parameters(), ref_model.parameters(), start.parameters()):
+        if name != "body.bias":
+            rtol = FP64_STEP_RTOL if p.dtype == torch.float64 else FP32_STEP_RTOL
+            assert rel_err(p.detach() - s, q.detach() - s) <= rtol, name
     assert not torch.equal(model.head.weight, start.head.weight)  # perturbed
     assert torch.equal(model.body.bias, start.body.bias)  # no gradient, not perturbed
+    assert torch.equal(ref_model.body.bias, start.body.bias)
