@@ -47,7 +47,9 @@ step at about two thirds of the memory's rate.)
 from __future__ import annotations
 
 import enum
+import itertools
 import math
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -256,7 +258,8 @@ class FlatBaseStep:
             torch.compiler.is_compiling() and not graph_may_break() and _settled_when_traced(self, index, self.epoch)
         )
         if not settled:
-            reason = self._missing_gradient(bucket)
+            # eagerly, plan's sync has just looked at every gradient; a trace looks at them itself
+            reason = self._missing_gradient(bucket, synced=not torch.compiler.is_compiling())
             if reason:
                 return self._decline(reason)
         keys = self._state_keys(hyper)
@@ -287,7 +290,7 @@ class FlatBaseStep:
         hand), Adam's step counts not the bucket's views or, without ``capturable``, not known to the host.
         ``synced``: the layout's sync has just looked at every gradient
         (:attr:`~gearsam_fused.flat.Bucket.missing_grad`)."""
-        reason = _no_gradient(bucket.missing_grad) if synced else self._missing_gradient(bucket)
+        reason = self._missing_gradient(bucket, synced)
         if reason:
             return reason
         keys = self._group_keys(bucket)
@@ -303,17 +306,31 @@ class FlatBaseStep:
         self.epoch = _Epoch()
 
     @staticmethod
-    def _missing_gradient(bucket: Bucket) -> str:
+    def _missing_gradient(bucket: Bucket, synced: bool = False) -> str:
+        """Why ``bucket`` cannot be updated for a missing gradient ("" when every parameter has one); ``synced``: as
+        the layout's sync, which has just looked at every gradient, found (:attr:`~gearsam_fused.flat.Bucket.missing_grad`)."""
+        if synced:
+            return _no_gradient(bucket.missing_grad)
         return _no_gradient(next((slot.name for slot in bucket.slots if slot.param.grad is None), None))
+
+    def _entries(self, bucket: Bucket) -> list[dict | None]:
+        """Each of ``bucket``'s parameters' state entry, None where it has none. Looked up by ``id``: a lookup by the
+        tensor calls ``Tensor.__hash__``, a Python function, for every parameter of every step."""
+        state = self.optimizer.state
+        if torch.compiler.is_compiling():  # a trace looks each one up by the tensor, as it traces torch's optimizers
+            return [state.get(slot.param) for slot in bucket.slots]
+        by_id = {id(p): entry for p, entry in state.items()}
+        return list(map(by_id.get, bucket.param_ids))
 
     def _foreign_state(self, bucket: Bucket, views: dict[str, list[torch.Tensor] | None]) -> str | None:
         """The name of the first parameter of ``bucket`` whose state tensor of a key of ``views`` is not its view
         there (every parameter's, where the views are None), None when there is none."""
-        state = self.optimizer.state
-        entries = [state.get(slot.param) for slot in bucket.slots]  # one lookup per tensor: hashing one is slow
+        entries = self._entries(bucket)
         # the common case, every state tensor already ours, costs one identity test per tensor and key
-        if all(vs is not None for vs in views.values()) and all(
-            e is not None and e.get(k) is v for k, vs in views.items() for e, v in zip(entries, vs)
+        if (
+            None not in views.values()
+            and None not in entries
+            and all(all(map(operator.is_, map(dict.get, entries, itertools.repeat(k)), vs)) for k, vs in views.items())
         ):
             return None
         for i, (slot, entry) in enumerate(zip(bucket.slots, entries)):
@@ -370,7 +387,7 @@ class FlatBaseStep:
         if self._foreign_state(bucket, views) is None:
             return Adoption.KEPT
         state = self.optimizer.state
-        entries = [state.get(slot.param) for slot in bucket.slots]  # one lookup per tensor: hashing one is slow
+        entries = self._entries(bucket)
         have = [bool(e) and all(e.get(k) is not None for k in keys) for e in entries]
         if not keys:
             return Adoption.KEPT if any(have) else Adoption.FRESH
@@ -395,8 +412,12 @@ class FlatBaseStep:
         ``state[p]["step"]`` a view of the bucket's CPU count vector."""
         counts, views = bucket.step_counts(_step_dtype())
         state = self.optimizer.state
-        entries = [state[slot.param] for slot in bucket.slots]
-        ours = not fresh and all(e.get("step") is v for e, v in zip(entries, views))
+        entries = self._entries(bucket)
+        ours = (
+            not fresh
+            and None not in entries
+            and all(map(operator.is_, map(dict.get, entries, itertools.repeat("step")), views))
+        )
         if ours and self.capturable:
             return 0  # the kernels read the count on the device; the host does not know it
         if ours and bucket.counted is not None and torch.compiler.is_compiling():
@@ -404,7 +425,8 @@ class FlatBaseStep:
         if fresh:
             counts.zero_()
         if not ours:
-            for entry, view in zip(entries, views):
+            for slot, view in zip(bucket.slots, views):
+                entry = state[slot.param]
                 current = entry.get("step")
                 if current is not view:
                     if current is not None and not fresh:

@@ -26,6 +26,7 @@ are read and puts the values back in place (re-homing the tensor), so a kernel n
 
 from __future__ import annotations
 
+import operator
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -41,6 +42,10 @@ from .partition import Block
 ALIGN = 64
 #: Kernel tile in elements; block ranges are padded to a multiple of it. A power of two (Triton's ``tl.arange``).
 TILE = 2048
+
+
+_data_ptr = torch.Tensor.data_ptr
+_grad_of = operator.attrgetter("grad")
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -130,6 +135,7 @@ class Bucket:
         self.counted: int | None = None
 
         self.slots: list[_Slot] = []
+        self._addresses: dict[int, list[int]] = {}  # by shift: where each slot's parameter lives (owns_every_tensor)
         with torch.no_grad():
             for (_, name, p), offset in zip(members, offsets):
                 view = torch.as_strided(self.param, p.shape, p.stride(), offset)
@@ -142,6 +148,10 @@ class Bucket:
                     p.grad = grad_view
                     slot.dirty = True
                 self.slots.append(slot)
+        self._params = [slot.param for slot in self.slots]
+        #: ``id`` of every slot's parameter, in slot order
+        self.param_ids = [id(p) for p in self._params]
+        self._grad_views = [slot.grad_view for slot in self.slots]
 
     @property
     def shift(self) -> int:
@@ -187,6 +197,18 @@ class Bucket:
             counts = torch.zeros(len(self.slots), dtype=dtype, device=self.device if on_device else "cpu")
             self._counts = counts, list(counts.unbind())
         return self._counts
+
+    def owns_every_tensor(self) -> bool:
+        """Whether every parameter is still a view of :attr:`param` and every ``.grad`` the view we installed: the common
+        case of :meth:`FlatLayout.sync_now`, tested a list at a time rather than a slot at a time."""
+        shift = self.shift
+        addresses = self._addresses.get(shift)
+        if addresses is None:  # shift takes two values at most (the exchange), so this runs twice at most
+            addresses = self._addresses[shift] = [slot.view.data_ptr() for slot in self.slots]
+        params = self._params
+        return list(map(_data_ptr, params)) == addresses and all(
+            map(operator.is_, map(_grad_of, params), self._grad_views)
+        )
 
     @property
     def counts(self) -> torch.Tensor | None:
@@ -265,10 +287,14 @@ class FlatLayout:
     def sync_now(self, rehome: bool = True) -> None:
         """:meth:`sync`, run eagerly; with ``rehome=False`` a replaced parameter is an error."""
         for bucket in self.buckets:
+            bucket.missing_grad = None
+            if bucket.owns_every_tensor():
+                for slot in bucket.slots:
+                    slot.dirty = True
+                continue
             stale: list[torch.Tensor] = []
             targets: list[torch.Tensor] = []
             sources: list[torch.Tensor] = []
-            bucket.missing_grad = None
             shift = bucket.shift
             for slot in bucket.slots:
                 p = slot.param

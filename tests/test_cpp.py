@@ -377,6 +377,32 @@ def test_past_the_stream_threshold_param_and_backup_exchange_their_memory_instea
     assert param.data_ptr() == here and torch.equal(param, small) and torch.equal(backup, small)
 
 
+def test_past_the_stream_threshold_the_sync_passes_over_a_bucket_whose_memory_was_exchanged():
+    """The sync's common case (``Bucket.owns_every_tensor``) follows the parameters into the backup's memory: between
+    the perturbation, which exchanged the buffers' memory, and the fused AdamW step, with the gradients in place, it
+    holds, and a parameter replaced there still fails it and is re-homed by the per-parameter path."""
+    features = math.isqrt(stream_threshold_elements(torch.float32)) + 64  # one weight past the threshold
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(features, features), nn.Linear(features, 2))
+    opt = SAM(model, torch.optim.AdamW, backend="cpp", lr=1e-3)
+    (bucket,) = opt.backend.layout.buckets
+    home = model[0].weight.data_ptr()
+    x = torch.randn(4, features)
+    for replace in (False, True):
+        opt.zero_grad(set_to_none=False)
+        model(x).square().sum().backward()
+        opt.first_step()
+        assert model[0].weight.data_ptr() != home, "the perturbation exchanged no memory: nothing was tested"
+        model(x).square().sum().backward()
+        assert bucket.owns_every_tensor()
+        if replace:
+            model[1].bias.data = model[1].bias.detach().clone()
+            assert not bucket.owns_every_tensor()
+        opt.second_step()
+        assert bucket.owns_every_tensor() and model[0].weight.data_ptr() == home
+        assert model[1].bias.data_ptr() == bucket.param.data_ptr() + bucket.slots[-1].offset * 4
+
+
 @pytest.mark.parametrize("base", ["rmsprop", "sgd-per-tensor"])
 def test_past_the_stream_threshold_sams_restore_exchanges_the_memory_back_where_the_base_step_is_not_fused(base):
     """Where the base step is the base optimizer's own (RMSprop, which is never fused; SGD with

@@ -119,6 +119,38 @@ def test_stale_or_replaced_gradients_are_never_read(backend, device):
 
 
 @pytest.mark.parametrize("backend,device", FUSED)
+def test_the_sync_passes_over_a_bucket_at_once_exactly_when_every_tensor_is_ours(backend, device):
+    """The sync's common case (``Bucket.owns_every_tensor``) holds after a step with gradients in place and fails for
+    each thing the per-parameter path mends: a replaced ``.data``, a ``.grad`` of None or another tensor."""
+    model = tiny_resnet(device=device)
+    opt = SAM(model, torch.optim.SGD, backend=backend, **SGD_KW)
+    (bucket,) = _buckets(opt)
+    xy = batches(1, device=device)[0]
+
+    def step():
+        opt.zero_grad(set_to_none=False)
+        loss_fn(model, xy).backward()
+        opt.first_step()
+        loss_fn(model, xy).backward()
+        opt.second_step()
+
+    step()
+    assert bucket.owns_every_tensor()
+    for change in (
+        lambda: setattr(model.fc.weight, "data", model.fc.weight.detach().clone()),
+        lambda: setattr(model.fc.bias, "grad", None),
+        lambda: setattr(model.fc.bias, "grad", model.fc.bias.grad.detach().clone()),
+        lambda: setattr(model.fc.bias, "grad", model.fc.bias.grad.detach()),  # another object over our memory
+    ):
+        change()
+        assert not bucket.owns_every_tensor()
+        step()  # the per-parameter path puts it back (the first zero_grad gives fc.bias a gradient again)
+        assert bucket.owns_every_tensor()
+        bias = next(slot for slot in bucket.slots if slot.name == "fc.bias")
+        assert _in_buffer(model.fc.weight, bucket.param) and model.fc.bias.grad is bias.grad_view
+
+
+@pytest.mark.parametrize("backend,device", FUSED)
 def test_replaced_parameter_data_is_rehomed_and_a_moved_one_is_refused(backend, device):
     model = tiny_resnet(device=device)
     opt = SAM(model, NoStep, backend=backend)
