@@ -56,20 +56,11 @@ QUICK_SIZES = [100_000]
 
 
 def cache_bytes(level: int | None) -> int | None:
-    """The size sysfs gives for cpu0's cache of ``level`` (None: the highest level), data or unified; None if none."""
-    best = None
-    for index in sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*")):
-        try:
-            found = int((index / "level").read_text())
-            kind, size = (index / "type").read_text().strip(), (index / "size").read_text().strip()
-        except (OSError, ValueError):
-            continue
-        if kind == "Instruction" or (level is not None and found != level):
-            continue
-        value = int(size.rstrip("KMG")) << {"K": 10, "M": 20, "G": 30}.get(size[-1], 0)
-        if best is None or found > best[0]:
-            best = (found, value)
-    return None if best is None else best[1]
+    """The size of cpu0's data or unified cache of ``level`` (None: the highest level), None where sysfs gives none."""
+    from gearsam_fused.app.machine import cpu_caches  # imports torch: only when a run starts
+
+    caches = cpu_caches()
+    return caches.get(max(caches) if level is None and caches else level)
 
 
 def measure(n: int, base: str, threshold: int | None, warm_up: int, steps: int) -> dict:

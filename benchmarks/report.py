@@ -91,7 +91,8 @@ def step_intervals(marks: list[float]) -> list[float]:
 
 
 def _where(row: dict) -> str:
-    place = row["gpu"] or f"CPU {row['cpu']} ({row['cpu_count']} cores)"
+    caches = ", ".join(f"{level} {size / 2**20:g} MiB" for level, size in row.get("cpu_caches", {}).items())
+    place = row["gpu"] or f"CPU {row['cpu']} ({row['cpu_count']} cores{f'; {caches}' if caches else ''})"
     return (
         f"{place}, {row['date']}, commit {row['commit']}, torch {row['torch']}, triton {row['triton']}"
         f"{f', transparent huge pages {pages}' if (pages := row.get('huge_pages')) else ''}"

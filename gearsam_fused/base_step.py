@@ -307,8 +307,9 @@ class FlatBaseStep:
 
     @staticmethod
     def _missing_gradient(bucket: Bucket, synced: bool = False) -> str:
-        """Why ``bucket`` cannot be updated for a missing gradient ("" when every parameter has one); ``synced``: as
-        the layout's sync, which has just looked at every gradient, found (:attr:`~gearsam_fused.flat.Bucket.missing_grad`)."""
+        """Why ``bucket`` cannot be updated for a missing gradient ("" when every parameter has one). ``synced``: the
+        layout's sync has just looked at every gradient, and what it found
+        (:attr:`~gearsam_fused.flat.Bucket.missing_grad`) is the answer."""
         if synced:
             return _no_gradient(bucket.missing_grad)
         return _no_gradient(next((slot.name for slot in bucket.slots if slot.param.grad is None), None))

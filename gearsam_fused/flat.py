@@ -199,11 +199,11 @@ class Bucket:
         return self._counts
 
     def owns_every_tensor(self) -> bool:
-        """Whether every parameter is still a view of :attr:`param` and every ``.grad`` the view we installed: the common
-        case of :meth:`FlatLayout.sync_now`, tested a list at a time rather than a slot at a time."""
+        """Whether every parameter is still a view of :attr:`param` and every ``.grad`` the view we installed: the
+        common case of :meth:`FlatLayout.sync_now`, tested a list at a time rather than a slot at a time."""
         shift = self.shift
         addresses = self._addresses.get(shift)
-        if addresses is None:  # shift takes two values at most (the exchange), so this runs twice at most
+        if addresses is None:  # one list per shift seen: the exchange (csrc/cpu/exchange.h) alternates two
             addresses = self._addresses[shift] = [slot.view.data_ptr() for slot in self.slots]
         params = self._params
         return list(map(_data_ptr, params)) == addresses and all(

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from gearsam_fused import GEARSAM, SAM
+from gearsam_fused.app.machine import cpu_caches
 from gearsam_fused.backends import cpp_ops, resolve_backend_name
 from gearsam_fused.backends.cpp_ops import cpp_built_with_cuda, cpp_installed
 
@@ -208,21 +209,6 @@ def test_any_number_of_threads_gives_bitwise_identical_kernels():
         torch.set_num_threads(previous)
 
 
-def _private_cache_bytes() -> int | None:
-    """The level-2 data or unified cache's size under cpu0 in Linux's sysfs (e.g. ``2048K``), None where none is
-    given."""
-    for index in sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*")):
-        try:
-            level, kind = int((index / "level").read_text()), (index / "type").read_text().strip()
-            size = (index / "size").read_text().strip()
-        except (OSError, ValueError):
-            continue
-        value = int(size.rstrip("KMG")) << {"K": 10, "M": 20, "G": 30}.get(size[-1], 0)
-        if level == 2 and kind != "Instruction" and value > 0:
-            return value
-    return None
-
-
 @needs_cpp
 @pytest.mark.skipif(os.uname().machine != "x86_64", reason="non-temporal stores are the x86-64 kernels' only")
 @pytest.mark.skipif("GEARSAM_STREAM_THRESHOLD_BYTES" in os.environ, reason="the threshold is set from outside")
@@ -231,7 +217,7 @@ def test_the_stream_threshold_is_a_cores_private_cache_from_sysfs():
     sysfs with C stdio (1 MiB where sysfs gives none): the same size as read here."""
     from gearsam_fused import _C
 
-    expected = _private_cache_bytes()
+    expected = cpu_caches().get(2)  # read by Python, apart from the kernels' reading of the same files
     assert _C.cpu_stream_threshold_bytes() == (1 << 20 if expected is None else expected)
 
 

@@ -33,7 +33,25 @@ def describe_machine(device: str | torch.device = "cpu") -> dict:
         "triton": triton_version,
         "platform": platform.platform(),
         "huge_pages": huge_page_setting(),
+        "cpu_caches": {f"L{level}": size for level, size in cpu_caches().items()},
     }
+
+
+def cpu_caches() -> dict[int, int]:
+    """The bytes of each level of cpu0's data or unified caches, by level, as Linux's sysfs gives them (``2048K``);
+    empty where it gives none. Level 2 is a core's private cache on the CPUs we run on, the highest level the shared
+    one: the first is the CPU kernels' stream threshold (``csrc/cpu/stream.h``), which reads the same files."""
+    sizes = {}
+    for index in sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*")):
+        try:
+            level, kind = int((index / "level").read_text()), (index / "type").read_text().strip()
+            size = (index / "size").read_text().strip()
+            value = int(size.rstrip("KMG")) << {"K": 10, "M": 20, "G": 30}.get(size[-1:], 0)
+        except (OSError, ValueError):
+            continue
+        if kind != "Instruction" and value > 0:
+            sizes[level] = value
+    return dict(sorted(sizes.items()))
 
 
 # The package's own folder: a source checkout's commit is the one its code was run from.
