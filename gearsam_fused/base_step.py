@@ -264,7 +264,8 @@ class FlatBaseStep:
                 return self._decline(reason)
         keys = self._state_keys(hyper)
         scalars = self._scalars.get(id(bucket))
-        adoption = Adoption.KEPT if settled else self._adopt(bucket, keys)
+        entries = None if settled else self._entries(bucket)  # one lookup for the state's checks and Adam's counts
+        adoption = Adoption.KEPT if settled else self._adopt(bucket, keys, entries)
         if adoption is Adoption.DECLINED:
             return None
         if self.kind == "sgd":
@@ -277,7 +278,7 @@ class FlatBaseStep:
         if settled:
             counts = 0 if self.capturable else bucket.counted
         else:
-            counts = self._adopt_counts(bucket, fresh=adoption is Adoption.FRESH)
+            counts = self._adopt_counts(bucket, fresh=adoption is Adoption.FRESH, entries=entries)
         if counts is None:
             return None
         state = [bucket.state_buffer(k)[0] for k in keys] + ([] if hyper["amsgrad"] else [None])
@@ -316,17 +317,19 @@ class FlatBaseStep:
 
     def _entries(self, bucket: Bucket) -> list[dict | None]:
         """Each of ``bucket``'s parameters' state entry, None where it has none. Looked up by ``id``: a lookup by the
-        tensor calls ``Tensor.__hash__``, a Python function, for every parameter of every step."""
+        tensor calls ``Tensor.__hash__``, a Python function, for every parameter of every step. The methods that take
+        ``entries`` look them up where they are not given."""
         state = self.optimizer.state
         if torch.compiler.is_compiling():  # a trace looks each one up by the tensor, as it traces torch's optimizers
             return [state.get(slot.param) for slot in bucket.slots]
         by_id = {id(p): entry for p, entry in state.items()}
         return list(map(by_id.get, bucket.param_ids))
 
-    def _foreign_state(self, bucket: Bucket, views: dict[str, list[torch.Tensor] | None]) -> str | None:
+    def _foreign_state(self, bucket: Bucket, views: dict[str, list[torch.Tensor] | None],
+                       entries: list[dict | None] | None = None) -> str | None:  # fmt: skip
         """The name of the first parameter of ``bucket`` whose state tensor of a key of ``views`` is not its view
         there (every parameter's, where the views are None), None when there is none."""
-        entries = self._entries(bucket)
+        entries = self._entries(bucket) if entries is None else entries
         # the common case, every state tensor already ours, costs one identity test per tensor and key
         if (
             None not in views.values()
@@ -381,14 +384,14 @@ class FlatBaseStep:
             return ["momentum_buffer"] if hyper["momentum"] != 0 else []
         return ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if hyper["amsgrad"] else [])
 
-    def _adopt(self, bucket: Bucket, keys: list[str]) -> Adoption:
+    def _adopt(self, bucket: Bucket, keys: list[str], entries: list[dict | None] | None = None) -> Adoption:
         """Make every parameter's state tensors views of the bucket's flat buffers (copying in any state that was
         replaced, e.g. by ``load_state_dict``); see :class:`Adoption` for the outcomes."""
         views = {key: bucket.state_buffer(key)[1] for key in keys}
-        if self._foreign_state(bucket, views) is None:
+        entries = self._entries(bucket) if entries is None else entries
+        if self._foreign_state(bucket, views, entries) is None:
             return Adoption.KEPT
         state = self.optimizer.state
-        entries = self._entries(bucket)
         have = [bool(e) and all(e.get(k) is not None for k in keys) for e in entries]
         if not keys:
             return Adoption.KEPT if any(have) else Adoption.FRESH
@@ -408,12 +411,13 @@ class FlatBaseStep:
                     entry[key] = view
         return Adoption.FRESH if fresh else Adoption.KEPT
 
-    def _adopt_counts(self, bucket: Bucket, fresh: bool) -> int | None:
+    def _adopt_counts(self, bucket: Bucket, fresh: bool, entries: list[dict | None] | None = None) -> int | None:
         """Adam's step count, the same for every parameter of the bucket (declined otherwise), after making each
         ``state[p]["step"]`` a view of the bucket's CPU count vector."""
         counts, views = bucket.step_counts(_step_dtype())
         state = self.optimizer.state
-        entries = self._entries(bucket)
+        # given entries lack those _adopt has just made, which it makes only for a fresh start: not ours anyway
+        entries = self._entries(bucket) if entries is None else entries
         ours = (
             not fresh
             and None not in entries
