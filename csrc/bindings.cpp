@@ -5,6 +5,7 @@
 
 #include "cpu/stream.h"
 #include "gearsam.h"
+#include "host_checks.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() =
@@ -14,4 +15,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "The CPU kernels write outputs they do not read (backup, restored or updated parameter) with non-temporal "
         "stores where the output is larger than this many bytes (a core's private cache); -1 where they never do.");
   m.def("built_with_cuda", &gearsam::built_with_cuda, "Whether this build contains the CUDA kernels.");
+  gearsam::host::bind(m);
 }

@@ -47,13 +47,12 @@ step at about two thirds of the memory's rate.)
 from __future__ import annotations
 
 import enum
-import itertools
 import math
-import operator
 from dataclasses import dataclass
 
 import torch
 
+from . import host_checks
 from .compat import graph_may_break, step_post_hooks, step_pre_hooks
 from .flat import Bucket, FlatLayout
 
@@ -316,14 +315,14 @@ class FlatBaseStep:
         return _no_gradient(next((slot.name for slot in bucket.slots if slot.param.grad is None), None))
 
     def _entries(self, bucket: Bucket) -> list[dict | None]:
-        """Each of ``bucket``'s parameters' state entry, None where it has none. Looked up by ``id``: a lookup by the
-        tensor calls ``Tensor.__hash__``, a Python function, for every parameter of every step. The methods that take
-        ``entries`` look them up where they are not given."""
+        """Each of ``bucket``'s parameters' state entry, None where it has none, found by identity
+        (:func:`~gearsam_fused.host_checks.state_entries`): a lookup by the tensor calls ``Tensor.__hash__``, a Python
+        function, for every parameter of every step. The methods that take ``entries`` look them up where they are
+        not given."""
         state = self.optimizer.state
         if torch.compiler.is_compiling():  # a trace looks each one up by the tensor, as it traces torch's optimizers
             return [state.get(slot.param) for slot in bucket.slots]
-        by_id = {id(p): entry for p, entry in state.items()}
-        return list(map(by_id.get, bucket.param_ids))
+        return host_checks.state_entries(state, bucket.params)
 
     def _foreign_state(self, bucket: Bucket, views: dict[str, list[torch.Tensor] | None],
                        entries: list[dict | None] | None = None) -> str | None:  # fmt: skip
@@ -331,11 +330,7 @@ class FlatBaseStep:
         there (every parameter's, where the views are None), None when there is none."""
         entries = self._entries(bucket) if entries is None else entries
         # the common case, every state tensor already ours, costs one identity test per tensor and key
-        if (
-            None not in views.values()
-            and None not in entries
-            and all(all(map(operator.is_, map(dict.get, entries, itertools.repeat(k)), vs)) for k, vs in views.items())
-        ):
+        if None not in views.values() and host_checks.entries_hold(entries, views):
             return None
         for i, (slot, entry) in enumerate(zip(bucket.slots, entries)):
             if entry is None or any(vs is None or entry.get(key) is not vs[i] for key, vs in views.items()):
@@ -418,11 +413,7 @@ class FlatBaseStep:
         state = self.optimizer.state
         # given entries lack those _adopt has just made, which it makes only for a fresh start: not ours anyway
         entries = self._entries(bucket) if entries is None else entries
-        ours = (
-            not fresh
-            and None not in entries
-            and all(map(operator.is_, map(dict.get, entries, itertools.repeat("step")), views))
-        )
+        ours = not fresh and host_checks.entries_hold(entries, {"step": views})
         if ours and self.capturable:
             return 0  # the kernels read the count on the device; the host does not know it
         if ours and bucket.counted is not None and torch.compiler.is_compiling():

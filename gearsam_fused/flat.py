@@ -26,13 +26,13 @@ are read and puts the values back in place (re-homing the tensor), so a kernel n
 
 from __future__ import annotations
 
-import operator
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 
+from . import host_checks
 from .checks import check_dense_grad
 from .host_ops import host_op
 from .memory import flat_empty, flat_zeros
@@ -42,10 +42,6 @@ from .partition import Block
 ALIGN = 64
 #: Kernel tile in elements; block ranges are padded to a multiple of it. A power of two (Triton's ``tl.arange``).
 TILE = 2048
-
-
-_data_ptr = torch.Tensor.data_ptr
-_grad_of = operator.attrgetter("grad")
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -133,6 +129,9 @@ class Bucket:
         self.missing_grad: str | None = None
         #: the value every entry of :meth:`step_counts` held after the base step last read or advanced it (None before)
         self.counted: int | None = None
+        #: every slot's gradient region may be non-zero (as if each :attr:`_Slot.dirty`): set where all of them are,
+        #: so that the common case of a sync sets one flag instead of one per slot; see :meth:`slots_dirty`
+        self.all_dirty = False
 
         self.slots: list[_Slot] = []
         self._addresses: dict[int, list[int]] = {}  # by shift: where each slot's parameter lives (owns_every_tensor)
@@ -148,9 +147,8 @@ class Bucket:
                     p.grad = grad_view
                     slot.dirty = True
                 self.slots.append(slot)
-        self._params = [slot.param for slot in self.slots]
-        #: ``id`` of every slot's parameter, in slot order
-        self.param_ids = [id(p) for p in self._params]
+        #: every slot's parameter, in slot order
+        self.params = [slot.param for slot in self.slots]
         self._grad_views = [slot.grad_view for slot in self.slots]
 
     @property
@@ -205,10 +203,16 @@ class Bucket:
         addresses = self._addresses.get(shift)
         if addresses is None:  # one list per shift seen: the exchange (csrc/cpu/exchange.h) alternates two
             addresses = self._addresses[shift] = [slot.view.data_ptr() for slot in self.slots]
-        params = self._params
-        return list(map(_data_ptr, params)) == addresses and all(
-            map(operator.is_, map(_grad_of, params), self._grad_views)
-        )
+        return host_checks.owns_every_tensor(self.params, addresses, self._grad_views)
+
+    def slots_dirty(self) -> list[_Slot]:
+        """The slots, with :attr:`all_dirty` moved onto each one's ``dirty`` (and cleared), for a pass that reads or
+        sets them one at a time."""
+        if self.all_dirty:
+            for slot in self.slots:
+                slot.dirty = True
+            self.all_dirty = False
+        return self.slots
 
     @property
     def counts(self) -> torch.Tensor | None:
@@ -289,14 +293,13 @@ class FlatLayout:
         for bucket in self.buckets:
             bucket.missing_grad = None
             if bucket.owns_every_tensor():
-                for slot in bucket.slots:
-                    slot.dirty = True
+                bucket.all_dirty = True
                 continue
             stale: list[torch.Tensor] = []
             targets: list[torch.Tensor] = []
             sources: list[torch.Tensor] = []
             shift = bucket.shift
-            for slot in bucket.slots:
+            for slot in bucket.slots_dirty():
                 p = slot.param
                 if p.data_ptr() - shift != slot.view_address:
                     self._rehome_param(bucket, slot, rehome)
@@ -343,6 +346,7 @@ class FlatLayout:
     def zero_grads_(self) -> None:
         """``zero_grad(set_to_none=False)``: one fill per bucket; gradients that exist become zeroed views."""
         for bucket in self.buckets:
+            bucket.all_dirty = False  # set per slot below
             for slot in bucket.slots:
                 g = slot.param.grad
                 if g is not None and g is not slot.grad_view:

@@ -20,6 +20,7 @@ else:
     torch.backends.cudnn.allow_tf32 = False
     torch.backends.cuda.matmul.allow_tf32 = False
 
+from gearsam_fused import host_checks  # noqa: E402
 from gearsam_fused.backends.cpp_ops import cpp_built_with_cuda, cpp_installed  # noqa: E402
 from gearsam_fused.backends.triton_ops import interpreter_enabled, triton_installed  # noqa: E402
 from gearsam_fused.models import ResNet  # noqa: E402
@@ -64,6 +65,18 @@ def _thread_count_restored():
     threads = torch.get_num_threads()
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(params=host_checks.IMPLEMENTATIONS)
+def host_checks_in(request):
+    """Each implementation of the host's checks in turn (``gearsam_fused.host_checks``), skipped where it is not
+    built."""
+    try:
+        host_checks.implementation(request.param)
+    except ValueError as exc:
+        pytest.skip(str(exc))
+    with host_checks.using(request.param):
+        yield request.param
 
 
 def on_device(backend: str, device: str):

@@ -618,3 +618,24 @@ def test_the_stream_threshold_benchmark_compares_two_thresholds_on_the_same_weig
     rows = [line for line in out.read_text().splitlines() if line.startswith("| 0.1M |")]
     assert [row.split(" | ")[1] for row in rows] == ["SGD", "AdamW"]
     assert all(len(row.strip("|").split("|")) == 5 and row.endswith("x |") for row in rows), rows
+
+
+def test_the_host_checks_benchmark_compares_the_two_implementations_on_the_same_weights(tmp_path):
+    """``bench_host_checks.py --quick``: the whole step with the host's checks in C++ and in Python, alternated in
+    one process; the script fails where the two leave different weights, and writes one row per base optimizer with
+    both times, their ratio and the difference per tensor. No time is looked at."""
+    from gearsam_fused import host_checks
+
+    try:
+        host_checks.implementation("cpp")
+    except ValueError as exc:
+        pytest.skip(str(exc))
+    out = tmp_path / "table.md"
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "bench_host_checks.py"), "--quick", "--report", str(out)],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = [line for line in out.read_text().splitlines() if line.startswith("| 2048 small tensors")]
+    assert [row.split(" | ")[2] for row in rows] == ["SGD", "AdamW"]
+    assert all(len(row.strip("|").split("|")) == 7 and " | 2048 | " in row for row in rows), rows

@@ -364,7 +364,7 @@ def test_past_the_stream_threshold_param_and_backup_exchange_their_memory_instea
 
 
 @needs_cpp
-def test_past_the_stream_threshold_the_sync_passes_over_a_bucket_whose_memory_was_exchanged():
+def test_past_the_stream_threshold_the_sync_passes_over_a_bucket_whose_memory_was_exchanged(host_checks_in):
     """The sync's common case (``Bucket.owns_every_tensor``) follows the parameters into the backup's memory: between
     the perturbation, which exchanged the buffers' memory, and the fused AdamW step, with the gradients in place, it
     holds, and a parameter replaced there still fails it and is re-homed by the per-parameter path."""

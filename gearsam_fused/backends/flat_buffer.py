@@ -174,8 +174,7 @@ class FlatBufferBackend(Backend):
 
     def _touched(self, bucket: Bucket) -> None:
         # the regions of parameters without a gradient may have changed: the next sync must zero them again
-        for slot in bucket.slots:
-            slot.dirty = True
+        bucket.all_dirty = True
 
     @torch.no_grad()
     def kept_energy(self) -> torch.Tensor:
