@@ -2,10 +2,12 @@
 whole step (``first_step`` + ``second_step``, ``cpp`` backend, the base step fused) with each implementation, on the
 sets where the checks are most of a step (many small tensors) and on a network's shapes.
 
-One process. Each implementation steps its own copy of the set (same seed, same gradients); a round times
-``steps`` whole steps of each, one after the other, the order turned each round, and a row gives each one's best
-median over the rounds, their ratio, and the difference per tensor and step. After the last round the two copies'
-weights must be equal bit for bit (the checks decide nothing about the values; the script fails otherwise).
+One process. Each implementation steps its own copy of the set (same seed, same gradients), and a third copy steps
+with the C++ checks again, a control: how far two copies of one setting drift apart in this process (memory
+placement, the host's noise). A round times ``steps`` whole steps of each copy, one after the other, the order turned
+each round; a row gives each copy's best median over the rounds, the ratios to the first, and the difference per
+tensor and step. After the last round the copies' weights must be equal bit for bit (the checks decide nothing about
+the values; the script fails otherwise).
 
     python benchmarks/bench_host_checks.py [--quick] [--rounds N] [--report PATH]
 """
@@ -42,8 +44,13 @@ def timed_median(opt, steps: int) -> float:
     return statistics.median(times) * 1e3
 
 
-def measure_set(key: str, base: str, names: list[str], rounds: int, warm_up: int, steps: int, quick: bool) -> dict:
-    """One row: {set, tensors, parameters, base, ms: {implementation: best median}}."""
+#: the copies a row steps: label -> the implementation of the checks it steps with
+COPIES = {"cpp": "cpp", "python": "python", "cpp, control": "cpp"}
+
+
+def measure_set(key: str, base: str, copies: dict[str, str], rounds: int, warm_up: int, steps: int,
+                quick: bool) -> dict:  # fmt: skip
+    """One row: {set, tensors, parameters, base, ms: {label: best median}}."""
     import torch
 
     from gearsam_fused import SAM, host_checks
@@ -52,50 +59,53 @@ def measure_set(key: str, base: str, names: list[str], rounds: int, warm_up: int
 
     cls = torch.optim.SGD if base == "SGD" else torch.optim.AdamW
     runs = {}
-    for name in names:
+    for label in copies:
         built = param_sets.build(key, "cpu", quick)  # the same seed: the same weights and gradients for each
         opt = SAM(built.model, cls, rho=0.05, backend="cpp", base_step="fused", foreach=True, **BASES[base])
-        runs[name] = built, opt
-    medians: dict[str, list[float]] = {name: [] for name in names}
-    for name, (_, opt) in runs.items():
-        with host_checks.using(name):
+        runs[label] = built, opt
+    labels = list(copies)
+    medians: dict[str, list[float]] = {label: [] for label in labels}
+    for label, (_, opt) in runs.items():
+        with host_checks.using(copies[label]):
             for _ in range(warm_up):
                 whole_step(opt)
             if opt.base_step_mode != "fused":
                 raise AssertionError(f"{key}, {base}: the base step is {opt.base_step_mode!r}, not fused")
     for r in range(rounds):
-        for name in names[:: 1 if r % 2 == 0 else -1]:
-            with host_checks.using(name):
-                medians[name].append(timed_median(runs[name][1], steps))
+        for label in labels[:: 1 if r % 2 == 0 else -1]:
+            with host_checks.using(copies[label]):
+                medians[label].append(timed_median(runs[label][1], steps))
     weights = [torch.cat([p.detach().flatten() for p in built.model.parameters()]) for built, _ in runs.values()]
     if not all(torch.equal(weights[0], w) for w in weights[1:]):
         raise AssertionError(f"{key}, {base}: the implementations' weights differ after the same steps")
-    built = runs[names[0]][0]
+    built = runs[labels[0]][0]
     params = list(built.model.parameters())
     return {
         "set": built.name, "tensors": len(params), "parameters": sum(p.numel() for p in params), "base": base,
-        "ms": {name: min(values) for name, values in medians.items()},
+        "ms": {label: min(values) for label, values in medians.items()},
     }  # fmt: skip
 
 
-def render(rows: list[dict], names: list[str], machine: dict, rounds: int, steps: int) -> str:
-    first, second = names
+def render(rows: list[dict], labels: list[str], machine: dict, rounds: int, steps: int) -> str:
+    first, second, control = labels
     lines = [
         f"Measured on CPU {machine['cpu']} ({machine['cpu_count']} cores), {machine['date']}, commit "
         f"{machine['commit']}, torch {machine['torch']}. Whole step of the `cpp` backend, SAM with the base step "
-        f"fused, the host's checks in each implementation; each one's best median of {steps} steps over {rounds} "
-        "rounds, alternated in one process, the weights equal after them.",
+        f"fused, the host's checks in each implementation, and a control (`{control}`: a third copy, the checks in "
+        f"C++ again); each copy's best median of {steps} steps over {rounds} rounds, alternated in one process, the "
+        "weights equal after them.",
         "",
-        f"| set | tensors | base | checks in {first}, ms | checks in {second}, ms | {first} / {second} | "
-        f"{second} - {first}, µs per tensor |",
-        "|---|---:|---|---:|---:|---:|---:|",
+        f"| set | tensors | base | checks in {first}, ms | checks in {second}, ms | {control}, ms | "
+        f"{first} / {second} | {first} / {control} | {second} - {first}, µs per tensor |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
     for row in rows:
         ms = row["ms"]
         per_tensor = (ms[second] - ms[first]) * 1e3 / row["tensors"]
         lines.append(
             f"| {row['set']} ({row['parameters'] / 1e6:.1f}M) | {row['tensors']} | {row['base']} | {ms[first]:.3f} | "
-            f"{ms[second]:.3f} | {ms[first] / ms[second]:.2f}x | {per_tensor:.2f} |"
+            f"{ms[second]:.3f} | {ms[control]:.3f} | {ms[first] / ms[second]:.2f}x | {ms[first] / ms[control]:.2f}x | "
+            f"{per_tensor:.2f} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -114,14 +124,13 @@ def main(argv: list[str] | None = None) -> None:
         host_checks.implementation("cpp")
     except ValueError as exc:
         sys.exit(f"nothing to compare: {exc}")
-    names = ["cpp", "python"]
     rounds, warm_up, steps = (1, 1, 3) if args.quick else (args.rounds, 5, 20)
     rows = []
     for key in QUICK_SETS if args.quick else SETS:
         for base in BASES:
-            rows.append(measure_set(key, base, names, rounds, warm_up, steps, args.quick))
+            rows.append(measure_set(key, base, COPIES, rounds, warm_up, steps, args.quick))
             print(rows[-1], flush=True)
-    table = render(rows, names, describe_machine("cpu"), rounds, steps)
+    table = render(rows, list(COPIES), describe_machine("cpu"), rounds, steps)
     print(table)
     if args.report:
         args.report.write_text(table)

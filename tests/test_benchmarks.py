@@ -621,9 +621,9 @@ def test_the_stream_threshold_benchmark_compares_two_thresholds_on_the_same_weig
 
 
 def test_the_host_checks_benchmark_compares_the_two_implementations_on_the_same_weights(tmp_path):
-    """``bench_host_checks.py --quick``: the whole step with the host's checks in C++ and in Python, alternated in
-    one process; the script fails where the two leave different weights, and writes one row per base optimizer with
-    both times, their ratio and the difference per tensor. No time is looked at."""
+    """``bench_host_checks.py --quick``: the whole step with the host's checks in C++, in Python and in C++ again (a
+    control), alternated in one process; the script fails where the copies leave different weights, and writes one
+    row per base optimizer with the three times, two ratios and the difference per tensor. No time is looked at."""
     from gearsam_fused import host_checks
 
     try:
@@ -638,4 +638,4 @@ def test_the_host_checks_benchmark_compares_the_two_implementations_on_the_same_
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     rows = [line for line in out.read_text().splitlines() if line.startswith("| 2048 small tensors")]
     assert [row.split(" | ")[2] for row in rows] == ["SGD", "AdamW"]
-    assert all(len(row.strip("|").split("|")) == 7 and " | 2048 | " in row for row in rows), rows
+    assert all(len(row.strip("|").split("|")) == 9 and " | 2048 | " in row for row in rows), rows
