@@ -92,6 +92,11 @@ def implementation(name: str):
     raise ValueError(f"no implementation of the host's checks is named {name!r}; choose one of {IMPLEMENTATIONS}")
 
 
+def available() -> list[str]:
+    """The names of the implementations this install has: "python" always, "cpp" where the extension is built."""
+    return [name for name in IMPLEMENTATIONS if name == "python" or _extension()[0] is not None]
+
+
 @contextlib.contextmanager
 def using(name: str) -> Iterator[None]:
     """Run the checks in implementation ``name`` inside the ``with`` block (for tests and benchmarks)."""
