@@ -25,6 +25,8 @@ from gearsam_fused.backends.cpp_ops import cpp_built_with_cuda, cpp_installed  #
 from gearsam_fused.backends.triton_ops import interpreter_enabled, triton_installed  # noqa: E402
 from gearsam_fused.models import ResNet  # noqa: E402
 
+pytest_plugins = ["tiers"]  # the default and the full tier (tests/tiers.py)
+
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "cuda: needs a CUDA GPU (skipped without one)")
