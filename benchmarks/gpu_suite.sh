@@ -37,7 +37,8 @@ Runs the suite's phases on a CUDA machine, in this order:
   build     pip install --no-build-isolation --no-deps --use-pep517 -e . with GEARSAM_BUILD_CUDA=1,
             then checks that gearsam_fused._C has its CUDA kernels          -> build.log
   tests     the cpp backend's CPU tests with the extension built here      -> cpp-cpu-tests.log
-            python -m pytest -m cuda tests, with a per-test timeout       -> cuda-tests.log, cuda-tests.xml
+            python -m pytest --full -m cuda tests (the full tier), with a
+            per-test timeout                                              -> cuda-tests.log, cuda-tests.xml
   sanitize  compute-sanitizer memcheck and racecheck over kernels_once.py   -> kernels.txt, sanitize-TOOL.log
   bench     benchmarks/run.py on CUDA                                       -> bench.log, bench-runs.jsonl, bench.md
   models    benchmarks/bench_models.py: training steps of ResNet-50, ViT-B/16, GPT-2 small and the CIFAR
@@ -232,13 +233,13 @@ phase_tests() {
   [ "$WORKERS" -gt 0 ] && parallel=(-n "$WORKERS")
   # the extension built here may link differently from a CPU machine's build (the C++ standard library statically,
   # as on the H200 of 2026-11-26, where its CPU kernels crashed): its CPU side runs here too, first, as it is quick
-  step "cpp on this CPU" cpp-cpu-tests.log "$PYTHON" -m pytest -m "not cuda" tests/test_library_ops.py \
-    tests/test_cpp.py -k "not hopper" -q -rfEs "${parallel[@]}" -p no:cacheprovider --timeout="$TEST_TIMEOUT"
+  step "cpp on this CPU" cpp-cpu-tests.log "$PYTHON" -m pytest --full -m "not cuda" tests/kernels/test_cpp_ops.py \
+    tests/kernels/test_cpp_extension.py -k "not hopper" -q -rfEs "${parallel[@]}" -p no:cacheprovider --timeout="$TEST_TIMEOUT"
   # an XML left by an earlier run would be counted if this one stops before writing its own
   dry || rm -f "$RESULTS_DIR/cuda-tests.xml"
   # xunit1 keeps record_property: the AMP tests write the errors they measured into the XML. -v: each test's name is
   # logged as it finishes, so a phase stopped at its limit still says which tests did not finish (no XML then)
-  step "pytest -m cuda" cuda-tests.log "$PYTHON" -m pytest -m cuda tests -v -rfEs "${parallel[@]}" \
+  step "pytest -m cuda" cuda-tests.log "$PYTHON" -m pytest --full -m cuda tests -v -rfEs "${parallel[@]}" \
     -p no:cacheprovider --timeout="$TEST_TIMEOUT" --durations=15 -o junit_family=xunit1 \
     --junitxml="$RESULTS_DIR/cuda-tests.xml" "${PYTEST_ARGS_WORDS[@]}"
 }

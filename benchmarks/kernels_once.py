@@ -277,7 +277,7 @@ def check_base_steps(name: str) -> None:
             where = f"{name} adam_step_ {dtype} tile={tile} x {n_tiles} offset={offset}"
             assert torch.equal(m_d.cpu(), adamw.state[p]["exp_avg"]), where
             assert torch.equal(v_d.cpu(), adamw.state[p]["exp_avg_sq"]), where
-            # the square root is correctly rounded on CUDA and may be an ulp off on the CPU (see tests/test_base_step)
+            # the square root is correctly rounded on CUDA and may be an ulp off on the CPU (see tests/kernels/test_base_step)
             eps = torch.finfo(dtype).eps
             torch.testing.assert_close(param_d.cpu(), p.detach(), rtol=2 * eps, atol=4 * eps * lr / (1 - beta1**step),
                                        msg=lambda msg: f"{where}: {msg}")  # fmt: skip

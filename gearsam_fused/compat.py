@@ -1,7 +1,7 @@
 """Every private torch internal the package touches, in one place.
 
 Each entry says what it is for and which torch releases it was checked on (2.11 with CUDA, 2.13 on CPU), and
-``tests/test_compat.py`` checks each one against the installed torch, so that a torch release which changes one fails
+``tests/library/test_compat.py`` checks each one against the installed torch, so that a torch release which changes one fails
 there, by name, rather than somewhere inside a step. Nothing else in the package reaches into torch's private names.
 """
 

@@ -10,7 +10,7 @@ Each has two implementations with the same answers: in C++ (``csrc/host_checks.c
 and inside a trace of ``torch.compile``. The C++ one costs a few pointer comparisons per tensor where Python spends
 a call or two: on 2048 small tensors the checks in Python were more than half of an eager step on the CPU
 (``docs/performance.md``, "The host's checks"). :func:`using` picks one, for tests and benchmarks;
-``tests/test_host_checks.py`` holds both to the same answers.
+``tests/kernels/test_host_checks.py`` holds both to the same answers.
 """
 
 from __future__ import annotations

@@ -91,7 +91,7 @@ def on_device(backend: str, device: str):
         if device == "cpu":
             marks.append(pytest.mark.skipif(not interpreter_enabled(), reason="triton on CPU needs TRITON_INTERPRET=1"))
     if backend == "cpp":
-        # test_cpp.py fails when a compiler was there to build it: this skip cannot hide a broken build
+        # kernels/test_cpp_extension.py fails when a compiler was there to build it: this skip cannot hide a broken build
         marks.append(pytest.mark.skipif(not cpp_installed(), reason="the C++ extension is not built"))
         if device == "cuda":
             marks.append(pytest.mark.skipif(not cpp_built_with_cuda(), reason="the C++ extension has no CUDA kernels"))

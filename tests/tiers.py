@@ -35,7 +35,9 @@ def pytest_addoption(parser):
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "heavy: a slow test (processes, trainers, builds): the default tier runs one case")
+    config.addinivalue_line(
+        "markers", "heavy: a slow test (processes, trainers, builds): the default tier runs one case"
+    )
     config.addinivalue_line("markers", "full: runs in the full tier only")
 
 
@@ -70,6 +72,8 @@ def pairwise_cover(cases: Sequence[Sequence], chosen: Iterable[int] = ()) -> lis
         best = max(range(len(cases)), key=lambda i: (len(held[i] & missing), -i))
         picked.append(best)
         missing -= held[best]
+    if cases and not picked:  # cases without parameters: one of them holds everything there is
+        picked.append(0)
     return sorted(picked)
 
 
@@ -81,9 +85,16 @@ def _runs_here(item) -> bool:
 
 
 def _values(item) -> list[tuple[str, str]]:
-    """A case's (parameter, value) items: the value's repr, which tells apart the values of one parameter."""
+    """A case's (parameter, value) items, the value as its repr, which tells apart the values of one parameter. A
+    named tuple's fields count as parameters of their own: a test over a list of configurations is a product too."""
     callspec = getattr(item, "callspec", None)
-    return sorted((name, repr(value)) for name, value in callspec.params.items()) if callspec is not None else []
+    if callspec is None:
+        return []
+    out = []
+    for name, value in callspec.params.items():
+        fields = getattr(value, "_fields", None) if isinstance(value, tuple) else None
+        out += [(f"{name}.{f}", repr(getattr(value, f))) for f in fields] if fields else [(name, repr(value))]
+    return sorted(out)
 
 
 def default_tier(items: Sequence, regressions: set[str]) -> list:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _pip_install(tmp_path: Path, **env) -> tuple[subprocess.CompletedProcess, Path]:
@@ -35,6 +35,7 @@ def _environ() -> dict:
     return {k: v for k, v in os.environ.items() if not k.startswith("GEARSAM_BUILD")}
 
 
+@pytest.mark.heavy  # a pip install a case: the default tier runs one
 @pytest.mark.parametrize("cxx, why", [("no-such-compiler", "no C++ compiler"), ("false", "the build failed")])
 def test_without_a_working_compiler_the_install_is_pure_python(tmp_path, cxx, why):
     done, package = _pip_install(tmp_path, CXX=cxx)
@@ -44,6 +45,7 @@ def test_without_a_working_compiler_the_install_is_pure_python(tmp_path, cxx, wh
     assert not list(package.glob("_C*.so"))
 
 
+@pytest.mark.full  # a build or a benchmark run beyond the representative one the default tier keeps
 @pytest.mark.parametrize(
     "env, message",
     [
@@ -66,6 +68,7 @@ def test_a_forced_part_that_cannot_be_built_fails_and_says_why(tmp_path, env, me
     assert not package.exists()
 
 
+@pytest.mark.full  # a build or a benchmark run beyond the representative one the default tier keeps
 def test_a_compiler_without_openmp_gets_no_openmp_flag(tmp_path):
     """-fopenmp is passed only where the compiler accepts it. The stand-in compiler records its arguments, refuses
     -fopenmp, answers version queries as the real one and fails every compile, so the install ends pure-Python."""

@@ -1,6 +1,6 @@
 """Compile every Triton kernel variant of ``gearsam_fused.triton_kernels`` for a CUDA architecture, without a GPU.
 
-    python tests/compile_kernels.py [capability]      # default 90 (Hopper)
+    python tests/kernels/compile_kernels.py [capability]      # default 90 (Hopper)
 
 Prints one JSON object: for each variant, the length of its PTX and how many atomic instructions it contains.
 Run it in a process where TRITON_INTERPRET is unset (under the interpreter, kernels are not compilable objects).

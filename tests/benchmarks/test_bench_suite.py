@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 def _load(name: str):
@@ -596,6 +596,7 @@ def test_a_report_gives_what_the_floor_kinds_allow_a_step_of_its_passes():
     assert report.pass_bound_line([{**row("SGD", 36), "floor_start_gbps": {"read": 40.0, "copy": 90.0}}]) == []
 
 
+@pytest.mark.full  # a build or a benchmark run beyond the representative one the default tier keeps
 def test_the_stream_threshold_benchmark_compares_two_thresholds_on_the_same_weights(tmp_path):
     """``bench_stream_threshold.py --quick --against 0``: the kernels' own threshold (the set's buffers are under a
     core's private cache) against streaming every output, each in its own process; the script fails where the two
@@ -620,6 +621,7 @@ def test_the_stream_threshold_benchmark_compares_two_thresholds_on_the_same_weig
     assert all(len(row.strip("|").split("|")) == 5 and row.endswith("x |") for row in rows), rows
 
 
+@pytest.mark.full  # a build or a benchmark run beyond the representative one the default tier keeps
 def test_the_host_checks_benchmark_compares_the_two_implementations_on_the_same_weights(tmp_path):
     """``bench_host_checks.py --quick``: the whole step with the host's checks in C++, in Python and in C++ again (a
     control), alternated in one process; the script fails where the copies leave different weights, and writes one

@@ -269,7 +269,7 @@ def test_resume_in_a_fresh_process_continues_bitwise(tmp_path, backend, device):
     torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, tmp_path / "checkpoint.pt")
     for xy in data[4:]:
         sam_step(opt, model, xy)
-    tests = str(__import__("pathlib").Path(__file__).parent)
+    tests = str(__import__("pathlib").Path(__file__).parents[1])
     script = RESUME_SCRIPT.format(
         tests=tests, path=str(tmp_path / "checkpoint.pt"), backend=backend, out=str(tmp_path / "out.pt")
     )

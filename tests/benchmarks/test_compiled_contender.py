@@ -15,8 +15,10 @@ from gearsam_fused import GEARSAM, SAM, partition
 
 from conftest import FP32_STEP_RTOL, flat, rel_err
 
+pytestmark = pytest.mark.heavy  # a torch.compile a case: the default tier runs one
+
 _spec = importlib.util.spec_from_file_location(
-    "benchmarks_test_contenders", Path(__file__).resolve().parent.parent / "benchmarks" / "contenders.py"
+    "benchmarks_test_contenders", Path(__file__).resolve().parents[2] / "benchmarks" / "contenders.py"
 )
 contenders = importlib.util.module_from_spec(_spec)
 sys.modules[_spec.name] = contenders  # torch.compile looks the compiled method's module up by name

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 MODELS = {"resnet50": ("ResNet-50", "torchvision"), "vit_b16": ("ViT-B/16", "timm"),
           "gpt2_small": ("GPT-2 small", "transformers"), "cifar_resnet18": ("CIFAR ResNet-18", None)}  # fmt: skip
 CONTENDERS = ["base optimizer", "per-tensor loop SAM", "pytorch_optimizer", "compiled foreach SAM", "SAM", "GEAR-SAM"]
@@ -111,6 +111,7 @@ def test_the_tables_render_the_newest_run(quick_run, tmp_path):
     assert "| SAM | " in text and "| GEAR-SAM | " in text and "| fused |" in text
 
 
+@pytest.mark.full  # a build or a benchmark run beyond the representative one the default tier keeps
 def test_without_pytorch_optimizer_its_rows_are_skipped_with_the_note(tmp_path):
     (tmp_path / "pytorch_optimizer.py").write_text('raise ImportError("not installed, for this test")\n')
     path = os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH", "")) if p)

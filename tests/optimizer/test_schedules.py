@@ -108,7 +108,7 @@ def test_the_reference_backend_follows_the_formulas(rule, schedule):
         assert rel_err(flat(model), want) <= FP32_STEP_RTOL
 
 
-# Triton runs through its interpreter here: float32 only (its float64 kernels are checked in test_kernels.py)
+# Triton runs through its interpreter here: float32 only (its float64 kernels are checked in kernels/test_sam_kernels.py)
 BACKEND_DTYPES = [
     pytest.param(*case.values, dtype, marks=case.marks, id=f"{case.id}-{name}")
     for case in ALL
@@ -418,11 +418,11 @@ def test_bad_schedules_are_refused_by_name():
 @pytest.mark.parametrize("rule", list(RULES))
 @pytest.mark.parametrize("schedule", list(SCHEDULES))
 def test_no_step_reads_a_device_value_on_the_host(backend, rule, schedule):
-    """As tests/test_no_sync.py checks full steps: skipped steps, LookSAM's decomposition and correction, and the
+    """As tests/optimizer/test_no_host_sync.py checks full steps: skipped steps, LookSAM's decomposition and correction, and the
     schedules' decisions stay on the device. Adaptive's decision for the next step is a device value by nature: it
     is read when ``sam_step`` is asked, between steps (on CUDA from pinned memory the step copied it to)."""
     pytest.importorskip("gearsam_fused._C") if backend == "cpp" else None
-    from test_no_sync import HostReads, host_by_design
+    from test_no_host_sync import HostReads, host_by_design
 
     model, opt = build(rule, SCHEDULES[schedule](), backend)
     reads, taken = [], []

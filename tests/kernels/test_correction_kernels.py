@@ -639,9 +639,10 @@ print("ok", compiled)
 """
 
 
+@pytest.mark.full  # a build or a benchmark run beyond the representative one the default tier keeps
 def test_corrected_triton_kernels_compile_for_hopper():
     """The corrected twins compiled for sm_90 (no GPU needed) at their three levels (LookSAM's correction, the mix
-    with grad_scale, the mix with WSAM's sharpness step), as tests/compile_kernels.py compiles the others: they lower,
+    with grad_scale, the mix with WSAM's sharpness step), as tests/kernels/compile_kernels.py compiles the others: they lower,
     and every division and root stays correctly rounded."""
     pytest.importorskip("triton")
     try:

@@ -1,7 +1,7 @@
 """The compiled extension (``gearsam_fused._C``, sources in ``csrc/``): that it is built, that its CPU results do not
 depend on the number of threads, that a missing build says how to build it, what its operators do with tensors they
 have no kernel for, and that every CUDA source compiles for Hopper. The operators' schemas and fakes are tested in
-test_library_ops.py; their parity with the reference backend runs with the other backends in test_kernels.py and
+test_cpp_ops.py; their parity with the reference backend runs with the other backends in test_sam_kernels.py and
 test_engine.py."""
 
 import ast
@@ -26,7 +26,7 @@ from gearsam_fused.backends.cpp_ops import cpp_built_with_cuda, cpp_installed
 
 from conftest import SGD_KW, correctly_rounded_sqrt, flat, stream_threshold_elements
 
-CSRC = Path(__file__).resolve().parents[1] / "csrc"
+CSRC = Path(__file__).resolve().parents[2] / "csrc"
 needs_cpp = pytest.mark.skipif(not cpp_installed(), reason="the C++ extension is not built")
 
 

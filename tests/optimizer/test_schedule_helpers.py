@@ -86,10 +86,10 @@ def test_sam_step_equals_the_manual_loop_and_skips_the_second_call(name, cls, m_
     if cls is not GEARSAM and name == "adaptive" and m_sharpness:
         pytest.skip("one Adaptive case with m-sharpness, GEAR-SAM's, is enough")
     if cls not in (SAM, GEARSAM) and schedule.corrects:
-        pytest.skip("LookSAM's correction is refused with the SAM family (tests/test_family.py)")
+        pytest.skip("LookSAM's correction is refused with the SAM family (tests/optimizer/test_family.py)")
     if cls is FriendlySAM and schedule.reads_energy:
         pytest.skip(
-            "a schedule that reads the first gradient's energy is refused with an ascent (tests/test_family.py)"
+            "a schedule that reads the first gradient's energy is refused with an ascent (tests/optimizer/test_family.py)"
         )
     batches = data()
     want, decisions = manual(schedule, batches, cls)

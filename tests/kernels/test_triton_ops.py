@@ -6,7 +6,7 @@ On CPU the kernels run through Triton's interpreter, so buffers are small: tiles
 opcheck runs every one of its checks here (schema, autograd registration, fake tensors, AOT dispatch with static and
 dynamic shapes): none is inapplicable under the interpreter. opcheck compares a compiled call's outputs, not what it
 mutates, so a second test compiles each op and compares every buffer it writes with an eager call's. The base steps'
-bits against torch.optim are asserted by tests/test_base_step.py and tests/test_correction_kernels.py, which call
+bits against torch.optim are asserted by tests/kernels/test_base_step.py and tests/kernels/test_correction_kernels.py, which call
 these same ops.
 
 The device arguments (``scalars``: the lr and step count, or rho, read by the kernels; ``found_inf``: GradScaler's

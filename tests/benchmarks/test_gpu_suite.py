@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 BENCHMARKS = ROOT / "benchmarks"
 SCRIPT = BENCHMARKS / "gpu_suite.sh"
 PHASES = ["info", "build", "tests", "sanitize", "bench", "models", "train"]
@@ -106,8 +106,8 @@ def test_the_dry_run_lists_every_phase_in_order_with_its_commands(tmp_path):
         "GEARSAM_BUILD_CUDA=1",
         "pip install --no-build-isolation --no-deps --no-index --use-pep517 -e .",
         "_C.built_with_cuda()",
-        "-m pytest -m 'not cuda' tests/test_library_ops.py tests/test_cpp.py -k 'not hopper'",
-        "-m pytest -m cuda tests -v",
+        "-m pytest --full -m 'not cuda' tests/kernels/test_cpp_ops.py tests/kernels/test_cpp_extension.py -k 'not hopper'",
+        "-m pytest --full -m cuda tests -v",
         "--timeout=300",
         f"--junitxml={out}/cuda-tests.xml",
         "--tool memcheck --error-exitcode 99",
@@ -121,7 +121,8 @@ def test_the_dry_run_lists_every_phase_in_order_with_its_commands(tmp_path):
     ]:
         assert fragment in text, fragment
     assert text.index("--tool memcheck") < text.index("--tool racecheck")
-    assert text.index("tests/test_library_ops.py") < text.index("-m pytest -m cuda")  # the quick CPU side first
+    # the quick CPU side first
+    assert text.index("tests/kernels/test_cpp_ops.py") < text.index("-m pytest --full -m cuda")
     assert text.index("benchmarks/bench_models.py --results") < text.index(f"bench_models.py {out}/models-runs.jsonl")
     assert not out.exists()  # nothing ran
 
@@ -179,7 +180,7 @@ def test_the_default_limits_fit_the_split_runs_into_10_minutes_each():
 def _collect(*args: str) -> subprocess.CompletedProcess:
     """pytest's collection of this file with ``args``, in a process of its own."""
     return subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
-                           "tests/test_gpu_suite.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=120)  # fmt: skip
+                           "tests/benchmarks/test_gpu_suite.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=120)  # fmt: skip
 
 
 def _collected(*args: str) -> list[str]:

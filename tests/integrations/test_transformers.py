@@ -16,6 +16,8 @@ import pytest
 import torch
 from torch import nn
 
+pytestmark = pytest.mark.heavy  # a trainer's whole loop a case: the default tier runs one
+
 transformers = pytest.importorskip("transformers")
 from transformers import (  # noqa: E402
     GPT2Config,

@@ -13,6 +13,8 @@ import pytest
 import torch
 from torch import nn
 
+pytestmark = pytest.mark.heavy  # a trainer's whole loop a case: the default tier runs one
+
 L = pytest.importorskip("lightning.pytorch")
 transformers = pytest.importorskip("transformers")
 
