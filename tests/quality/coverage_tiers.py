@@ -3,6 +3,7 @@ tier, compared: what the default tier leaves out must cost no coverage.
 
     python tests/quality/coverage_tiers.py                      # runs both tiers under coverage, then compares
     python tests/quality/coverage_tiers.py --full-data PATH     # reuses a full tier's combined data file
+    python tests/quality/coverage_tiers.py tests/library        # both tiers of part of the suite
 
 Needs ``coverage`` (the settings are ``pyproject.toml``'s: branches, every subprocess and gloo rank measured). Writes
 ``tests/quality/coverage.md``: each tier's totals, and every file and line the full tier reaches and the default tier
@@ -26,11 +27,11 @@ ROOT = Path(__file__).resolve().parents[2]
 OUT = Path(__file__).with_name("coverage.md")
 
 
-def run_tier(tier: str, data_dir: Path) -> tuple[Path, float]:
-    """The tier's tests under coverage; returns the combined data file and the minutes the run took."""
+def run_tier(tier: str, data_dir: Path, paths: list[str]) -> tuple[Path, float]:
+    """The tier's tests in ``paths`` under coverage; returns the combined data file and the minutes the run took."""
     data = data_dir / ".coverage"
     env = dict(os.environ, COVERAGE_FILE=str(data))
-    command = [sys.executable, "-m", "coverage", "run", "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests"]
+    command = [sys.executable, "-m", "coverage", "run", "-m", "pytest", "-q", "-p", "no:cacheprovider", *paths]
     start = time.perf_counter()
     done = subprocess.run(command + (["--full"] if tier == "full" else []), cwd=ROOT, env=env)
     minutes = (time.perf_counter() - start) / 60
@@ -92,7 +93,7 @@ def gaps(default: dict[str, dict], full: dict[str, dict]) -> list[tuple[str, lis
     return out
 
 
-def render(default: dict, full: dict, minutes: dict[str, float | None], full_source: str) -> str:
+def render(default: dict, full: dict, minutes: dict[str, float | None], arguments: str) -> str:
     d, f = totals(default), totals(full)
     rows = []
     for tier, t in (("default", d), ("full", f)):
@@ -112,7 +113,7 @@ def render(default: dict, full: dict, minutes: dict[str, float | None], full_sou
             "",
             f"{datetime.date.today().isoformat()}, {platform.processor() or platform.machine()}, "
             f"{os.cpu_count()} cores, Python {platform.python_version()}, commit {commit()}.",
-            f"Made by `python tests/quality/coverage_tiers.py{full_source}` (coverage.py, branch coverage of "
+            f"Made by `python tests/quality/coverage_tiers.py{arguments}` (coverage.py, branch coverage of "
             "`gearsam_fused/` and `triton_kernels/`, subprocesses and gloo ranks included; no GPU here, so the "
             "CUDA-only code is missed by both tiers alike).",
             "",
@@ -138,8 +139,10 @@ def commit() -> str:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("paths", nargs="*", default=["tests"], help="the tests to run (default: all of tests/)")
     parser.add_argument("--full-data", type=Path, help="a combined coverage data file of the full tier to reuse")
     parser.add_argument("--default-data", type=Path, help="a combined coverage data file of the default tier to reuse")
+    parser.add_argument("--out", type=Path, default=OUT, help=f"where the report goes (default: {OUT.name} here)")
     args = parser.parse_args(argv)
     minutes: dict[str, float | None] = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -150,12 +153,12 @@ def main(argv=None) -> None:
                 data[tier], minutes[tier] = given.resolve(), None
             else:
                 (Path(tmp) / tier).mkdir()
-                data[tier], minutes[tier] = run_tier(tier, Path(tmp) / tier)
-        reused = "".join(
+                data[tier], minutes[tier] = run_tier(tier, Path(tmp) / tier, args.paths)
+        arguments = "".join(f" {p}" for p in args.paths if p != "tests") + "".join(
             f" --{t}-data PATH" for t, g in (("full", args.full_data), ("default", args.default_data)) if g
         )
-        text = render(files_of(data["default"]), files_of(data["full"]), minutes, reused)
-    OUT.write_text(text)
+        text = render(files_of(data["default"]), files_of(data["full"]), minutes, arguments)
+    args.out.write_text(text)
     print(text)
 
 
