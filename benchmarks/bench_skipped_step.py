@@ -112,7 +112,7 @@ def test_skipped_step(benchmark, record, quick, floor, contender, base):
         bare_step()
         synchronize()
 
-    warm_up(synchronised_step, min_steps=2, min_seconds=0.1) if quick else warm_up(synchronised_step)
+    warm_up(synchronised_step)
     bare = PairedRounds(synchronised_bare)  # each round's bare base step, just before the contender's step
     extra = {}
     if ours:  # not timing: the row must measure the fused path its name says

@@ -322,7 +322,7 @@ def measure(benchmark, record, quick, floor, params, opt, step, contender: str, 
         synchronize()
 
     # kernel compilation, allocator, re-homing of the gradients, the optimizer's state (a quick run only smoke-tests)
-    warm_up(synchronised_step, min_steps=2, min_seconds=0.1) if quick else warm_up(synchronised_step)
+    warm_up(synchronised_step)
     if timer is not None:  # the first steps recompile (step counts): warm up until a whole step compiles nothing
         for _ in range(MAX_SETTLING_STEPS):
             calls = timer.compiling_calls

@@ -33,6 +33,13 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 #: the run's id and machine, made at its first row; the rows this process appended
 _RUN: dict = {}
 _APPENDED: list[str] = []
+#: a quick run (``--quick``), read by helpers that have no fixture to ask
+_QUICK = False
+
+
+def pytest_configure(config):
+    global _QUICK
+    _QUICK = config.getoption("--quick")
 
 
 def pytest_addoption(parser):
@@ -62,7 +69,10 @@ def synchronize() -> None:
 
 def warm_up(step, min_steps: int = 3, min_seconds: float = 0.5) -> None:
     """Run ``step`` until both limits are reached: first calls compile kernels, fill allocator caches and pick
-    library algorithms, and the first benchmark of a process pays for all of that."""
+    library algorithms, and the first benchmark of a process pays for all of that. A quick run is a smoke run whose
+    times are not for reading: two steps (a compiled step's compile and its first run) do there."""
+    if _QUICK:
+        min_steps, min_seconds = min(min_steps, 2), 0.0
     start = time.perf_counter()
     done = 0
     while done < min_steps or time.perf_counter() - start < min_seconds:

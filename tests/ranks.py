@@ -88,3 +88,14 @@ def run_ranks_once(fn, *args, world: int = 2) -> list:
     if not ok:
         raise value
     return value
+
+
+def selected_values(request, param: str) -> set:
+    """The values ``param`` takes over the cases of the calling test's module that this run selected (after the
+    tiers, ``-k`` and ``--part``): what a multi-process run shared by the module's tests must compute, and no more."""
+    values = set()
+    for item in request.session.items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if getattr(item, "module", None) is request.module and param in params:
+            values.add(params[param])
+    return values

@@ -24,6 +24,9 @@ import pytest
 
 REGRESSIONS = Path(__file__).with_name("regressions.txt")
 ENV = "GEARSAM_TESTS"
+#: whether this run is the full tier: known once pytest is configured, before any test module is imported, for what a
+#: module settles as it is imported (how many examples a property-based test draws)
+FULL = False
 
 
 def pytest_addoption(parser):
@@ -35,6 +38,8 @@ def pytest_addoption(parser):
 
 
 def pytest_configure(config):
+    global FULL
+    FULL = full_tier(config)
     config.addinivalue_line(
         "markers", "heavy: a slow test (processes, trainers, builds): the default tier runs one case"
     )

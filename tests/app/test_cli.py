@@ -1,11 +1,15 @@
-"""The command line, run as a user runs it: in a subprocess, on tiny settings, checking what it writes."""
+"""The command line, run as a user runs it, on tiny settings, checking what it writes: mostly in this process, and in
+a process of its own where the process is what is tested (the import path, an interrupt, the installed script)."""
 
+import contextlib
 import io
 import json
 import math
+import os
 import pickle
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -41,9 +45,42 @@ def fixed():
 
 
 def gearsam(*args, cwd=None, script=False) -> subprocess.CompletedProcess:
-    """``script``: as the installed ``gearsam`` script runs, without the current directory on the import path."""
-    command = [sys.executable, *(["-P"] if script else []), "-m", "gearsam_fused", *map(str, args)]
-    return subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=cwd)
+    """``gearsam ARGS``, with its exit code, stdout and stderr. In this process (the command starts in seconds, not
+    after a fresh interpreter imports torch), leaving the process as it found it; ``script``: in a process of its own,
+    as the installed ``gearsam`` script runs, without the current directory on the import path."""
+    argv = list(map(str, args))
+    if script:
+        command = [sys.executable, "-P", "-m", "gearsam_fused", *argv]
+        return subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=cwd)
+    out, err = io.StringIO(), io.StringIO()
+    with in_this_process(cwd), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(argv)
+        except SystemExit as exc:  # argparse's --help, --version and usage errors
+            code = exc.code if isinstance(exc.code, int) else 2
+    return subprocess.CompletedProcess(["gearsam", *argv], code, out.getvalue(), err.getvalue())
+
+
+@contextlib.contextmanager
+def in_this_process(cwd):
+    """Runs the body in ``cwd`` and puts back what a command changes for the rest of its process: the working
+    directory, the import path and the user's modules imported from it, torch's thread count and random state (the
+    thread count here too: a module's fixture runs a command before any test's own fixtures see the count)."""
+    start, import_path, modules = os.getcwd(), list(sys.path), set(sys.modules)
+    threads, rng = torch.get_num_threads(), torch.get_rng_state()
+    os.chdir(cwd or start)
+    try:
+        yield
+    finally:
+        os.chdir(start)
+        sys.path[:] = import_path
+        if cwd is not None:  # a user's modules imported from there: another test's folder may hold others so named
+            here = str(Path(cwd).resolve())
+            for name in set(sys.modules) - modules:
+                if (getattr(sys.modules[name], "__file__", None) or "").startswith(here):
+                    del sys.modules[name]
+        torch.set_num_threads(threads)
+        torch.set_rng_state(rng)
 
 
 def ok(result: subprocess.CompletedProcess) -> str:
@@ -757,6 +794,24 @@ def test_top_level_help_version_and_plot_help():
     assert "Start with `gearsam demo`" in ok(gearsam("--help"))
     helped = ok(gearsam("plot", "--help"))
     assert "a run directory (curves.png, block_shares.png) or a study directory" in " ".join(helped.split())
+
+
+def test_bench_runs_the_checkouts_benchmark_runner_quick_unless_full(tmp_path, monkeypatch):
+    """What ``gearsam bench`` runs (the runner itself: tests/benchmarks/test_bench_suite.py) and that it passes the
+    runner's exit status on."""
+    from gearsam_fused.app import cli
+
+    ran = []
+    monkeypatch.setattr(
+        cli.subprocess, "run", lambda command: ran.append(command) or subprocess.CompletedProcess(command, 3)
+    )
+    assert gearsam("bench", "--results", tmp_path / "runs.jsonl").returncode == 3
+    assert gearsam("bench", "--full").returncode == 3
+    runner = str(Path(cli.__file__).resolve().parents[2] / "benchmarks" / "run.py")
+    assert ran == [
+        [sys.executable, runner, "--quick", "--results", str(tmp_path / "runs.jsonl")],
+        [sys.executable, runner],
+    ]
 
 
 def test_exports_record_threads_units_and_version_and_one_seed_has_no_spread(tmp_path, monkeypatch):

@@ -1,5 +1,6 @@
 """The benchmark suite's quick mode, run by ``gearsam bench``, goes end to end (a smoke test: no timing is asserted)
-and writes rows that carry what the report and the README rely on; the report's arithmetic on made-up rows."""
+and writes rows that carry what the report and the README rely on (the default tier runs one benchmark of it, the full
+tier all); the report's arithmetic on made-up rows."""
 
 import importlib.util
 import json
@@ -48,20 +49,44 @@ WHOLE_STEP_FIELDS = (SAM_STEP_FIELDS - {"rule", "held_bytes"}) | {"base"}
 BYTES_PER_PARAM = {"SGD": 36, "AdamW": 44}  # a fused step's floor: energy 4 + perturb 12 + restore-and-update 20 or 28
 
 
-def test_quick_run_appends_rows_and_prints_the_report(tmp_path):
+def quick_run(tmp_path, command: list[str], pytest_args: tuple[str, ...] = ()) -> tuple[list[dict], str]:
+    """Runs ``command`` (a quick run writing to ``tmp_path``'s results file, running pytest with ``pytest_args``);
+    returns its rows and its stdout."""
     results = tmp_path / "runs.jsonl"
     results.write_text("")  # an existing file is appended to, not replaced
     done = subprocess.run(
-        [sys.executable, "-m", "gearsam_fused", "bench", "--results", str(results)],  # `gearsam bench`: quick mode
-        capture_output=True, text=True, timeout=1800,  # about 3 minutes alone; far more on a loaded machine
+        [*command, "--results", str(results), *(["--", *pytest_args] if pytest_args else [])],
+        capture_output=True, text=True, timeout=1800,  # about two minutes alone; far more on a loaded machine
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     rows = [json.loads(line) for line in results.read_text().splitlines()]
-    assert len({r["run"] for r in rows}) == 1 and all(r["quick"] for r in rows)
-    family = [r for r in rows if "variant" in r]  # the SAM family's rows, checked below
+    assert rows and len({r["run"] for r in rows}) == 1 and all(r["quick"] for r in rows)
+    return rows, done.stdout
+
+
+def test_a_quick_run_of_the_sam_step_benchmark_appends_its_rows_and_prints_its_report(tmp_path):
+    """The harness end to end on one benchmark; the default tier's representative of the quick run below."""
+    rows, stdout = quick_run(
+        tmp_path, [sys.executable, str(BENCHMARKS / "run.py"), "--quick"], ("-k", "bench_sam_step")
+    )
+    assert {r["benchmark"] for r in rows} == {"bench_sam_step"}
+    check_sam_steps(rows, stdout)
+    check_family(rows, stdout, {"bench_sam_step": {None: 16}})
+
+
+@pytest.mark.full  # the whole quick run; the default tier keeps the SAM step's run above
+def test_quick_run_appends_rows_and_prints_the_report(tmp_path):
+    rows, stdout = quick_run(tmp_path, [sys.executable, "-m", "gearsam_fused", "bench"])  # `gearsam bench`: quick
+    check_sam_steps(rows, stdout)
+    check_train_steps(rows, stdout)
+    check_whole_steps(rows, stdout)
+    check_skipped_steps(rows, stdout)
+    check_family(rows, stdout, {"bench_sam_step": {None: 16}, "bench_whole_step": {"SGD": 36}})  # quick: SGD only
+    check_trainers(rows, stdout)
+
+
+def check_sam_steps(rows: list[dict], stdout: str) -> None:
     steps = [r for r in rows if r["benchmark"] == "bench_sam_step" and "variant" not in r]
-    trains = [r for r in rows if r["benchmark"] == "bench_train_step"]
-    wholes = [r for r in rows if r["benchmark"] == "bench_whole_step" and "variant" not in r]
     for row in steps:
         assert MACHINE_FIELDS | TIMING_FIELDS | SAM_STEP_FIELDS <= row.keys(), row.keys()
         assert row["median_ms"] > 0 and row["gbps"] > 0 and row["held_bytes"] > 0
@@ -76,6 +101,12 @@ def test_quick_run_appends_rows_and_prints_the_report(tmp_path):
         ("torch", "sam"),
         ("torch", "gear-sam"),
     } <= contenders
+    assert all(r["parameters"] >= 2048 and r["tensors"] >= 62 for r in steps)
+    assert "**SAM step, ResNet-18" in stdout
+
+
+def check_train_steps(rows: list[dict], stdout: str) -> None:
+    trains = [r for r in rows if r["benchmark"] == "bench_train_step"]
     schedule_rows = {f"{rule} {schedule}" for rule in ("SAM", "GEAR-SAM")
                      for schedule in ("every-5", "LookSAM-5", "every-2", "adaptive")}  # fmt: skip
     assert {r["contender"] for r in trains} == {
@@ -104,8 +135,11 @@ def test_quick_run_appends_rows_and_prints_the_report(tmp_path):
         } <= row.keys()
         assert row["beyond_q1_ms"] <= row["beyond_ms"] <= row["beyond_q3_ms"]
     assert {r["base_step_mode"] for r in sam_rows if r["contender"] in ("SAM", "GEAR-SAM")} == {"fused"}
-    assert all(r["parameters"] >= 2048 and r["tensors"] >= 62 for r in steps)
-    # the whole step: quick mode's sets, both base optimizers, and for each set and base every contender
+    assert "SAM tax" in stdout and "vs per-tensor loop SAM" in stdout
+
+
+def check_whole_steps(rows: list[dict], stdout: str) -> None:
+    wholes = [r for r in rows if r["benchmark"] == "bench_whole_step" and "variant" not in r]
     for row in wholes:
         assert MACHINE_FIELDS | TIMING_FIELDS | WHOLE_STEP_FIELDS <= row.keys(), row.keys()
         assert row["median_ms"] > 0 and row["gbps"] > 0
@@ -137,11 +171,11 @@ def test_quick_run_appends_rows_and_prints_the_report(tmp_path):
     assert ours and all(
         r["base_step_mode"] == ("per-tensor" if r["contender"].endswith(", base per tensor") else "fused") for r in ours
     )
-    assert (
-        "**SAM step, ResNet-18" in done.stdout and "SAM tax" in done.stdout and "vs per-tensor loop SAM" in done.stdout
-    )
-    assert "**Whole step, SGD, ResNet-18" in done.stdout and "**Whole step, AdamW, 2000 tensors x 512" in done.stdout
-    assert "/ bare base step" in done.stdout
+    assert "**Whole step, SGD, ResNet-18" in stdout and "**Whole step, AdamW, 2000 tensors x 512" in stdout
+    assert "/ bare base step" in stdout
+
+
+def check_skipped_steps(rows: list[dict], stdout: str) -> None:
     # a step the schedule skips, against the bare base step, on ResNet-18's shapes with both base optimizers
     skipped = [r for r in rows if r["benchmark"] == "bench_skipped_step"]
     assert {r["base"] for r in skipped} == {"SGD", "AdamW"}
@@ -155,16 +189,21 @@ def test_quick_run_appends_rows_and_prints_the_report(tmp_path):
         assert row["bytes_counted"] == floor * row["parameters"] and row["gbps"] > 0
         assert row["over_paired_bare_q1"] <= row["over_paired_bare"] <= row["over_paired_bare_q3"]
     assert all(r["base_step_mode"] == "fused" for r in skipped if r["contender"] != "bare base step")
-    assert "**Skipped step, AdamW, ResNet-18" in done.stdout and "same round" in done.stdout
+    assert "**Skipped step, AdamW, ResNet-18" in stdout and "same round" in stdout
+
+
+def check_family(rows: list[dict], stdout: str, benchmarks: dict[str, dict]) -> None:
+    """The SAM family's rows of ``benchmarks`` (each mapped to its bases and their floors in bytes per parameter)."""
+    family = [r for r in rows if "variant" in r]
     # the SAM family on ResNet-18's shapes: each variant ours (one backend) and the peer's (its foreach path) where it
     # has it, in both benchmarks, counted at SAM's bytes plus the variant's passes
-    ours_backend = "cpp" if any(r["contender"] == "cpp" for r in wholes) else "torch"
+    ours_backend = "cpp" if any(r["contender"] == "cpp" for r in rows if "variant" not in r) else "torch"
     expected = {(v, c) for v in ("SAM", "GSAM", "WSAM", "F-SAM", "GEAR-SAM", "GEAR-SAM + GSAM")
                 for c in (ours_backend, "pytorch_optimizer") if c == ours_backend or "GEAR" not in v}  # fmt: skip
     extra = {"SAM": 0, "GSAM": 24, "WSAM": 32, "F-SAM": 12, "GEAR-SAM": 0, "GEAR-SAM + GSAM": 24}
     # a whole step's fused base update takes GSAM's mix and WSAM's sharpness step: g read, not passes of their own
     folded = {"GSAM": 8, "GEAR-SAM + GSAM": 8, "WSAM": 24}
-    for benchmark, bases in (("bench_sam_step", {None: 16}), ("bench_whole_step", {"SGD": 36})):  # quick: SGD only
+    for benchmark, bases in benchmarks.items():
         for base, floor in bases.items():
             these = [r for r in family if r["benchmark"] == benchmark and r.get("base") == base]
             assert {(r["variant"], r["contender"]) for r in these} == expected, (benchmark, base)
@@ -180,9 +219,12 @@ def test_quick_run_appends_rows_and_prints_the_report(tmp_path):
                 )
                 if benchmark == "bench_whole_step" and row["contender"] == ours_backend:
                     assert row["base_step_mode"] == "fused"
-    assert {r.get("base") for r in family} == {None, "SGD"}
-    assert "**SAM family, SAM step, ResNet-18" in done.stdout and "**SAM family, whole step, SGD" in done.stdout
-    assert "/ own SAM" in done.stdout
+    assert {r.get("base") for r in family} == {base for bases in benchmarks.values() for base in bases}
+    assert "**SAM family, SAM step, ResNet-18" in stdout and "/ own SAM" in stdout
+    assert ("**SAM family, whole step, SGD" in stdout) == ("bench_whole_step" in benchmarks)
+
+
+def check_trainers(rows: list[dict], stdout: str) -> None:
     # the Hugging Face Trainer's step, plain and with SAMTrainer
     trainers = [r for r in rows if r["benchmark"] == "bench_trainer"]
     assert {r["contender"] for r in trainers} == {
@@ -195,8 +237,8 @@ def test_quick_run_appends_rows_and_prints_the_report(tmp_path):
     optims = {r["contender"]: r["optim"] for r in trainers}
     assert optims["Trainer"] == "adamw_torch_fused" and optims["SAMTrainer sam"] == "adamw_torch"
     assert {r["base_step_mode"] for r in trainers if r["contender"] not in ("Trainer", "LightningModule")} == {"fused"}
-    assert "**Hugging Face Trainer step" in done.stdout and "/ Trainer |" in done.stdout
-    assert "**Lightning step" in done.stdout and "/ LightningModule |" in done.stdout
+    assert "**Hugging Face Trainer step" in stdout and "/ Trainer |" in stdout
+    assert "**Lightning step" in stdout and "/ LightningModule |" in stdout
 
 
 # ------------------------------------------------------------------------------ the report's arithmetic

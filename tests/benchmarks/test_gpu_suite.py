@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+import conftest  # tests/conftest.py: the --part option
+
 ROOT = Path(__file__).resolve().parents[2]
 BENCHMARKS = ROOT / "benchmarks"
 SCRIPT = BENCHMARKS / "gpu_suite.sh"
@@ -189,6 +191,7 @@ def _collected(*args: str) -> list[str]:
     return [line for line in done.stdout.splitlines() if "::" in line]
 
 
+@pytest.mark.full  # the wiring in a real collection; the default tier keeps the selection's own tests below
 def test_the_parts_of_a_selection_run_each_of_its_tests_once():
     """``--part K/N`` (what the README's split runs pass in PYTEST_ARGS): N parts of the selected tests that hold each
     of them once, their sizes within one of each other."""
@@ -198,12 +201,41 @@ def test_the_parts_of_a_selection_run_each_of_its_tests_once():
     assert all(abs(len(part) - len(whole) / 3) < 1 for part in parts), [len(part) for part in parts]
 
 
-@pytest.mark.parametrize("part", ["0/2", "3/2", "1", "a/b", "1/0"])
+@pytest.mark.parametrize("n", [1, 2, 3, 7])
+def test_the_parts_hold_every_selected_test_once_in_turn(n):
+    """The selection of ``--part K/N`` on 10 tests: every N-th from the K-th, what it drops reported as deselected."""
+
+    class Config:
+        def __init__(self, k):
+            self.part, self.dropped = f"{k}/{n}", []
+            self.hook = type("Hook", (), {"pytest_deselected": lambda _, items: self.dropped.extend(items)})()
+
+        def getoption(self, name):
+            assert name == "--part"
+            return self.part
+
+    parts = []
+    for k in range(1, n + 1):
+        items, config = list(range(10)), Config(k)
+        conftest.pytest_collection_modifyitems(config, items)
+        assert sorted(items + config.dropped) == list(range(10)) and items == list(range(k - 1, 10, n))
+        parts.append(items)
+    assert sorted(sum(parts, [])) == list(range(10))
+
+
+@pytest.mark.parametrize("part", ["0/2", "3/2", "1", "a/b", "1/0", "1/-2"])
 def test_a_part_out_of_range_is_refused_naming_it(part):
-    done = _collect("--part", part)
-    assert done.returncode != 0 and f"--part must be K/N with 1 <= K <= N (whole numbers), got {part!r}" in done.stderr
+    with pytest.raises(pytest.UsageError) as refused:
+        conftest.parse_part(part)
+    assert str(refused.value) == f"--part must be K/N with 1 <= K <= N (whole numbers), got {part!r}"
 
 
+def test_the_command_line_refuses_a_bad_part_naming_it():
+    done = _collect("--part", "3/2")
+    assert done.returncode != 0 and "--part must be K/N with 1 <= K <= N (whole numbers), got '3/2'" in done.stderr
+
+
+@pytest.mark.full  # the script's phase run on CPU; the dry runs above and below test the script's logic
 def test_the_models_phase_runs_the_model_benchmark_and_writes_its_tables(tmp_path):
     # quick mode on CPU, one row: the phase's two commands from the repository root, as on a GPU machine
     done = suite(str(tmp_path), "--only", "models", MODELS_ARGS="--quick -k cifar_resnet18-SAM", timeout=300)

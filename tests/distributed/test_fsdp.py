@@ -29,14 +29,14 @@ from gearsam_fused.models import resnet18
 
 from conftest import FP32_STEP_RTOL, rel_err
 from doc_blocks import needs_block
-from ranks import run_ranks, run_ranks_once
+from ranks import run_ranks, run_ranks_once, selected_values
 
 pytest.importorskip("torch.distributed.fsdp")
 import torch.distributed as dist  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: E402
 
-WORLDS = (2, 4)
+WORLDS = (4, 2)  # 4 first: the one case of each test the default tier runs splits the layers unevenly
 PER_RANK = 2  # samples per rank and step
 STEPS = 10
 SEED = 3
@@ -175,10 +175,11 @@ def rank_data(rank: int, world: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
             for x, y in batches(world)]  # fmt: skip
 
 
-def _on_every_rank(rank: int, world: int) -> dict:
+def _on_every_rank(rank: int, world: int, names: tuple[str, ...]) -> dict:
     data = rank_data(rank, world)
     out = {}
-    for name, scenario in SCENARIOS.items():
+    for name in names:
+        scenario = SCENARIOS[name]
         model = shard(make_net(), scenario)
         opt = make_optimizer(model, scenario)
         trajectory = train(model, opt, data, scenario.driver)
@@ -201,9 +202,11 @@ def _on_every_rank(rank: int, world: int) -> dict:
     return out
 
 
-def everything(world: int) -> list[dict]:
-    """Every rank's results for ``world`` ranks, computed on the first call; its failure fails every caller."""
-    return run_ranks_once(_on_every_rank, world, world=world)
+def everything(request, world: int) -> list[dict]:
+    """Every rank's results for ``world`` ranks, computed on the first call; its failure fails every caller. The
+    scenarios: those the run's selected cases name, and the two the bf16 comparison and the blocks' check read."""
+    names = selected_values(request, "name") | {"gear-sam", "gear-sam-bf16"}
+    return run_ranks_once(_on_every_rank, world, tuple(n for n in SCENARIOS if n in names), world=world)
 
 
 def single_process(name: str, world: int) -> dict:
@@ -218,10 +221,11 @@ def single_process(name: str, world: int) -> dict:
 EXACT = [name for name, s in SCENARIOS.items() if not s.mixed_precision]
 
 
+@pytest.mark.heavy  # processes: the default tier's one case runs on 4 ranks
 @pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("name", EXACT)
-def test_trajectory_equals_one_process_on_the_whole_batch(name, world):
-    ranks = everything(world)
+def test_trajectory_equals_one_process_on_the_whole_batch(request, name, world):
+    ranks = everything(request, world)
     want = single_process(name, world)
     for step in range(STEPS):
         err = rel_err(ranks[0][name]["w"][step].double(), want["w"][step].double())
@@ -230,10 +234,11 @@ def test_trajectory_equals_one_process_on_the_whole_batch(name, world):
     torch.testing.assert_close(ranks[0][name]["radius"], want["radius"], rtol=1e-5, atol=0)
 
 
+@pytest.mark.heavy  # processes: the default tier's one case runs on 4 ranks
 @pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("name", list(SCENARIOS))
-def test_every_rank_holds_the_same_bits(name, world):
-    ranks = everything(world)
+def test_every_rank_holds_the_same_bits(request, name, world):
+    ranks = everything(request, world)
     first = ranks[0][name]
     assert all(torch.isfinite(w).all() for w in first["w"])
     for other in ranks[1:]:
@@ -282,14 +287,15 @@ def single_process_bf16(world: int, bf16=(True, True)) -> dict:
     return {"w": trajectory, "ema": state["ema"], "radius": state["radius"]}
 
 
+@pytest.mark.heavy  # processes: the default tier's one case runs on 4 ranks
 @pytest.mark.parametrize("world", WORLDS)
-def test_bf16_mixed_precision_equals_its_single_process_computation(world):
+def test_bf16_mixed_precision_equals_its_single_process_computation(request, world):
     """param_dtype=bf16 computes forward and backward in bf16 (reduce_dtype=float32) and the step runs on the float32
         shards: bit for bit what one process computes that way for each rank's slice (:func:`single_process_bf16`). The
         ranks' gradients differ from one process's only in the order they are summed in, and each is a bfloat16 value (8
         significant bits) divided by a power of two, so their float32 sum over 2 or 4 ranks is exact, whatever the order,
     for these gradients (a sum of values whose exponents span more than float32's extra 16 bits would not be)."""
-    ranks = everything(world)
+    ranks = everything(request, world)
     got, want = ranks[0]["gear-sam-bf16"], single_process_bf16(world)
     assert got["w"][-1].dtype == torch.float32
     for step in range(STEPS):
@@ -298,30 +304,35 @@ def test_bf16_mixed_precision_equals_its_single_process_computation(world):
     assert rel_err(got["w"][-1].double(), ranks[0]["gear-sam"]["w"][-1].double()) > 1e-4  # bfloat16 is not float32
 
 
+@pytest.mark.heavy  # processes: the default tier's one case runs on 4 ranks
 @pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("plain_pass", ["first", "second"])
-def test_the_bf16_check_catches_a_pass_run_in_float32(world, plain_pass):
+def test_the_bf16_check_catches_a_pass_run_in_float32(request, world, plain_pass):
     """Had one pass run in float32, the run would differ from the bf16 computation from the first step on, by far
     more than a rounding: the bit-for-bit comparison above fails for it."""
-    got = everything(world)[0]["gear-sam-bf16"]["w"]
+    got = everything(request, world)[0]["gear-sam-bf16"]["w"]
     one = single_process_bf16(world, bf16=(plain_pass == "second", plain_pass == "first"))["w"]
     assert rel_err(got[0].double(), one[0].double()) > 1e-5
     assert not any(torch.equal(a, b) for a, b in zip(got, one))
 
 
+@pytest.mark.heavy  # processes: the default tier's one case runs on 4 ranks
 @pytest.mark.parametrize("world", WORLDS)
-def test_blocks_are_the_bare_models_and_auto_picks_the_sharded_backend(world):
-    ranks = everything(world)
+def test_blocks_are_the_bare_models_and_auto_picks_the_sharded_backend(request, world):
+    ranks = everything(request, world)
     for name, scenario in SCENARIOS.items():
+        if name not in ranks[0]:
+            continue  # a scenario no selected case reads was not run
         assert ranks[0][name]["blocks"] == single_process(name, world)["blocks"]
         assert ranks[0][name]["backend"] == ("sharded" if scenario.backend == "auto" else scenario.backend)
     # FSDP2's classes looked through, the frozen unit in no block
     assert ranks[0]["gear-sam"]["blocks"] == ["stem", "stage", "extra", "classifier"]
 
 
+@pytest.mark.heavy  # processes: the default tier's one case runs on 4 ranks
 @pytest.mark.parametrize("world", WORLDS)
-def test_flat_buffer_backends_and_m_sharpness_are_refused_on_shards(world):
-    refused = everything(world)[0]["refused"]
+def test_flat_buffer_backends_and_m_sharpness_are_refused_on_shards(request, world):
+    refused = everything(request, world)[0]["refused"]
     assert set(refused) == {"torch", "cpp", "m_sharpness"}
     for backend in ("torch", "cpp"):
         assert "re-homes parameters into flat buffers" in refused[backend] and "FSDP2" in refused[backend]

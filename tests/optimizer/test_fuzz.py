@@ -10,10 +10,11 @@ through the public API. Every step it compares, with the tolerances derived belo
 * the weights after ``second_step``: bitwise equal to the reference's (the restore is exact and the base optimizer
   sees the same gradients), and to the weights before the step when the base optimizer does nothing.
 
-Profiles (environment variable ``GEARSAM_FUZZ_PROFILE``):
+Profiles (environment variable ``GEARSAM_FUZZ_PROFILE``), the first two of a fixed set of examples (derandomized):
 
-* ``ci`` (default): a fixed set of examples per test (derandomized), well under a minute on two CPU cores;
-* ``long``: ten times more examples, drawn afresh every run, steered towards the tolerances.
+* ``default`` (the default tier's): 40 examples per test;
+* ``full`` (the full tier's): 150 examples per test;
+* ``long``: 1,500 examples, drawn afresh every run, steered towards the tolerances.
 """
 
 from __future__ import annotations
@@ -31,20 +32,22 @@ from gearsam_fused import GEARSAM, SAM
 from gearsam_fused.allocation import GEAR_RULE, RULES
 from gearsam_fused.flat import TILE
 
+import tiers
 from conftest import ALL, FUSED, SGD_KW, NoStep
 
-settings.register_profile(
-    "ci", max_examples=150, deadline=None, derandomize=True, database=None, print_blob=True,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-    # hill-climbing towards the tolerances would spend a small budget on variations of one example
-    phases=[Phase.explicit, Phase.generate, Phase.shrink, Phase.explain],
-)  # fmt: skip
+for name, examples in (("default", 40), ("full", 150)):
+    settings.register_profile(
+        name, max_examples=examples, deadline=None, derandomize=True, database=None, print_blob=True,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+        # hill-climbing towards the tolerances would spend a small budget on variations of one example
+        phases=[Phase.explicit, Phase.generate, Phase.shrink, Phase.explain],
+    )  # fmt: skip
 settings.register_profile(
     "long", max_examples=1500, deadline=None, database=None, print_blob=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )  # fmt: skip
 # Applied per test rather than loaded globally, so other test modules keep hypothesis' defaults.
-PROFILE = settings.get_profile(os.environ.get("GEARSAM_FUZZ_PROFILE", "ci"))
+PROFILE = settings.get_profile(os.environ.get("GEARSAM_FUZZ_PROFILE", "full" if tiers.FULL else "default"))
 
 #: The Triton interpreter runs every tile in Python: keep each example small.
 MAX_ELEMENTS = 20_000
