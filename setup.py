@@ -163,6 +163,7 @@ setup(
         "test": [
             "pytest",
             "pytest-benchmark",
+            "pytest-xdist",  # the README's test command spreads the tests over the cores
             "pytorch_optimizer==4.1.0",  # pinned: the peer-parity tests bound the difference from this release
             "scikit-learn",
             "matplotlib",

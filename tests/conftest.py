@@ -7,6 +7,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+if "PYTEST_XDIST_WORKER" in os.environ and not torch.cuda.is_available():
+    # One of several test processes (pytest -n) sharing the CPU: a thread each, or their threads wait on one another.
+    # The processes the tests start inherit the count, so that they compute what this process computes; and they are
+    # not xdist's workers (pytest-benchmark would stop measuring in a benchmark run they start).
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    for name in [name for name in os.environ if name.startswith("PYTEST_XDIST_")]:
+        del os.environ[name]
+
 CUDA = torch.cuda.is_available()
 if not CUDA:
     # Triton kernels run on CPU tensors through the interpreter; it must be chosen before triton is imported.

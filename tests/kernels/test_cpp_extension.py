@@ -6,6 +6,7 @@ test_engine.py."""
 
 import ast
 import copy
+import functools
 import math
 import os
 import re
@@ -220,15 +221,33 @@ def test_the_stream_threshold_is_a_cores_private_cache_from_sysfs():
     assert _C.cpu_stream_threshold_bytes() == (1 << 20 if expected is None else expected)
 
 
+THRESHOLD_VALUES = ["12345", "0", "5k", "-1", ""]
+
+
+@functools.cache
+def threshold_processes() -> dict[str, subprocess.CompletedProcess]:
+    """A process for each of ``THRESHOLD_VALUES`` (the threshold is read once a process), all started at once:
+    the cases below read their own."""
+    code = "import torch, gearsam_fused\nfrom gearsam_fused import _C\nprint(_C.cpu_stream_threshold_bytes())\n"
+    started = {
+        value: subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env={**os.environ, "GEARSAM_STREAM_THRESHOLD_BYTES": value})
+        for value in THRESHOLD_VALUES
+    }  # fmt: skip
+    done = {}
+    for value, process in started.items():
+        stdout, stderr = process.communicate(timeout=300)
+        done[value] = subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+    return done
+
+
 @needs_cpp
 @pytest.mark.skipif(os.uname().machine != "x86_64", reason="non-temporal stores are the x86-64 kernels' only")
-@pytest.mark.parametrize("value", ["12345", "0", "5k", "-1", ""])
+@pytest.mark.parametrize("value", THRESHOLD_VALUES)
 def test_the_environment_sets_the_stream_threshold_or_is_refused_by_name(value):
     """``GEARSAM_STREAM_THRESHOLD_BYTES`` replaces the threshold read from sysfs (0: every output streams); anything
     but a whole number of bytes is an error that names the variable and the value, at the first kernel that asks."""
-    code = "import torch, gearsam_fused\nfrom gearsam_fused import _C\nprint(_C.cpu_stream_threshold_bytes())\n"
-    env = {**os.environ, "GEARSAM_STREAM_THRESHOLD_BYTES": value}
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=False)
+    done = threshold_processes()[value]
     if value in ("12345", "0"):
         assert done.returncode == 0, done.stderr
         assert done.stdout.strip() == value

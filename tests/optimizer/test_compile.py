@@ -177,6 +177,7 @@ def test_per_tensor_base_step_compiles_with_the_graph_breaks_of_torchs_own_step(
         assert rel_err(a, b) <= FP32_STEP_RTOL
 
 
+@pytest.mark.heavy  # a build: a model's forward and backward compiled with the step
 @pytest.mark.parametrize("rule", list(RULES))
 def test_a_whole_training_step_compiles_and_matches_eager(rule):
     """forward, backward, first_step, forward, backward, second_step under one ``torch.compile`` (graph breaks

@@ -1,5 +1,7 @@
 """BlockTelemetry: the same numbers as ``block_stats()``, recorded without reading anything back from the device."""
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -119,7 +121,13 @@ def test_records_continue_the_step_count_and_keep_records_without_a_sink():
     sam_steps(opt, model, 3, telemetry.record)
     telemetry.flush()
     assert [r["step"] for r in telemetry.records] == [41, 42, 43]
-    assert all(r["score"] == [e**0.5 for e in r["energy"]] for r in telemetry.records)  # SAM's implicit score
+    # SAM's implicit score, the root of the energy: within one unit in the last place of the correctly rounded root
+    # (torch's vectorised float64 root on the CPU is not always correctly rounded)
+    for r in telemetry.records:
+        assert all(
+            abs(s - math.sqrt(e)) <= math.ulp(math.sqrt(e)) for s, e in zip(r["score"], r["energy"], strict=True)
+        )
+    assert all(len(r["score"]) == len(opt.block_names) > 1 for r in telemetry.records)
 
 
 def test_rejects_bad_arguments():
