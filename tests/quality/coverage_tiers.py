@@ -31,8 +31,9 @@ def run_tier(tier: str, data_dir: Path, paths: list[str]) -> tuple[Path, float]:
     """The tier's tests in ``paths`` under coverage; returns the combined data file and the minutes the run took."""
     data = data_dir / ".coverage"
     env = dict(os.environ, COVERAGE_FILE=str(data))
-    command = [sys.executable, "-m", "coverage", "run", "-m", "pytest", "-q", "-p", "no:cacheprovider",
-               "-n", "auto", "--dist", "loadfile", *paths]  # fmt: skip  (as the README runs it; the workers measured too)
+    # as the README runs the tests, over the cores: coverage measures the workers as it measures any subprocess
+    pytest = ["pytest", "-q", "-p", "no:cacheprovider", "-n", "auto", "--dist", "loadfile", *paths]
+    command = [sys.executable, "-m", "coverage", "run", "-m", *pytest]
     start = time.perf_counter()
     done = subprocess.run(command + (["--full"] if tier == "full" else []), cwd=ROOT, env=env)
     minutes = (time.perf_counter() - start) / 60
