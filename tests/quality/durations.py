@@ -1,9 +1,10 @@
 """Where a tier's time goes: a pytest JUnit XML report summed per folder and per test function.
 
-    python -m pytest -q tests --junitxml=run.xml
+    python -m pytest -q -n auto --dist loadfile tests --junitxml=run.xml
     python tests/quality/durations.py run.xml "the default tier, fresh clone" > tests/quality/durations.md
 
-The times are pytest's per test (set-up, call and tear-down); collection and start-up are not in them.
+The times are pytest's per test (set-up, call and tear-down), summed over the workers where several shared the
+cores; the run's own duration (collection included) is the report's.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ def cases(report: Path) -> list[tuple[str, float, str]]:
 def render(report: Path, what: str) -> str:
     rows = cases(report)
     total = sum(seconds for _, seconds, _ in rows)
+    took = sum(float(suite.get("time", 0)) for suite in ET.parse(report).getroot().iter("testsuite"))
     folders, functions, counts = Counter(), Counter(), Counter()
     for name, seconds, _ in rows:
         folders["/".join(name.split("/")[:2])] += seconds
@@ -40,7 +42,8 @@ def render(report: Path, what: str) -> str:
         f"# Where the time goes: {what}",
         "",
         f"{platform.machine()}, Python {platform.python_version()}; {len(rows)} cases "
-        f"({', '.join(f'{n} {k}' for k, n in sorted(outcomes.items()))}), {total / 60:.1f} minutes in the tests "
+        f"({', '.join(f'{n} {k}' for k, n in sorted(outcomes.items()))}): the run took {took / 60:.1f} minutes, "
+        f"{total / 60:.1f} minutes of test time summed over its workers "
         f"(`python tests/quality/durations.py` over the run's JUnit report).",
         "",
         "| folder | minutes | share |",
