@@ -144,6 +144,9 @@ def main(argv=None) -> None:
     parser.add_argument("paths", nargs="*", default=["tests"], help="the tests to run (default: all of tests/)")
     parser.add_argument("--full-data", type=Path, help="a combined coverage data file of the full tier to reuse")
     parser.add_argument("--default-data", type=Path, help="a combined coverage data file of the default tier to reuse")
+    parser.add_argument(
+        "--full-minutes", type=float, help="the minutes the reused full tier's run took, for the report"
+    )
     parser.add_argument("--out", type=Path, default=OUT, help=f"where the report goes (default: {OUT.name} here)")
     args = parser.parse_args(argv)
     minutes: dict[str, float | None] = {}
@@ -152,7 +155,7 @@ def main(argv=None) -> None:
         for tier, given in (("default", args.default_data), ("full", args.full_data)):
             if given is not None:
                 combine(given.resolve())
-                data[tier], minutes[tier] = given.resolve(), None
+                data[tier], minutes[tier] = given.resolve(), args.full_minutes if tier == "full" else None
             else:
                 (Path(tmp) / tier).mkdir()
                 data[tier], minutes[tier] = run_tier(tier, Path(tmp) / tier, args.paths)
