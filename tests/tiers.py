@@ -123,7 +123,7 @@ def default_tier(items: Sequence, regressions: set[str]) -> list:
 
 @pytest.hookimpl(tryfirst=True)  # before -k, -m and --part select from the tier
 def pytest_collection_modifyitems(config, items):
-    if full_tier(config):
+    if FULL:
         return
     kept = default_tier(items, set(read_regressions()))
     kept_ids = {id(item) for item in kept}
@@ -132,6 +132,6 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_report_header(config):
-    if full_tier(config):
+    if FULL:
         return "tier: full (every case)"
     return f"tier: default (a pairwise covering subset; --full or {ENV}=full runs every case)"
