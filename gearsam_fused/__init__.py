@@ -1,4 +1,5 @@
-"""gearsam_fused: exact, fast sharpness-aware minimisation (SAM, ASAM, GEAR-SAM, GSAM, WSAM, F-SAM) for PyTorch."""
+"""gearsam_fused: exact, fast sharpness-aware minimisation (SAM, ASAM, GEAR-SAM, GSAM, WSAM, F-SAM, one-pass momentum
+SAM) for PyTorch."""
 
 from ._version import MIN_TORCH, __version__
 from .checks import check_torch_version
@@ -11,13 +12,14 @@ from .backends import available_backends  # noqa: E402
 from .bn import frozen_bn_stats  # noqa: E402
 from .family import FriendlyAscent, SurrogateGap, WeightedSharpness  # noqa: E402
 from .flat import compact_state_dict  # noqa: E402
+from .momentum import MomentumSAM  # noqa: E402
 from .optim import GEARSAM, GSAM, OPTIMIZERS, SAM, WSAM, FriendlySAM, SharpnessAware, StepStatistics  # noqa: E402
 from .partition import Block, format_partition, partition  # noqa: E402
 from .schedules import Adaptive, Every, LookSAM, Random, Schedule  # noqa: E402
 from .telemetry import BlockTelemetry  # noqa: E402
 
 __all__ = [
-    "SAM", "GEARSAM", "GSAM", "WSAM", "FriendlySAM", "FriendlyAscent", "SurrogateGap", "WeightedSharpness",
+    "SAM", "GEARSAM", "GSAM", "WSAM", "FriendlySAM", "MomentumSAM", "FriendlyAscent", "SurrogateGap", "WeightedSharpness",
     "SharpnessAware", "StepStatistics", "OPTIMIZERS", "partition", "Block", "format_partition",
     "available_backends", "BlockTelemetry", "SAMScaler", "ScaledStepReport", "frozen_bn_stats", "accumulated_step",
     "compact_state_dict", "Schedule", "Every", "LookSAM", "Random", "Adaptive", "__version__",

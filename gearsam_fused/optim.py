@@ -147,6 +147,8 @@ class SharpnessAware(torch.optim.Optimizer):
     #: and on the command line.
     rule = ""
     beta = 0.0  # EMA factor; only GEAR-SAM's rule reads it
+    #: Whether one gradient makes a step (:class:`~gearsam_fused.MomentumSAM`), which state dicts record.
+    one_pass = False
 
     def __init__(
         self,
@@ -422,15 +424,7 @@ class SharpnessAware(torch.optim.Optimizer):
             )
         self._refuse_family_compiled()
         rho = self._rho()
-        # any() stops at the first gradient it finds, so a normal step pays O(1) here.
-        if not any(p.grad is not None for block in self.blocks for p in block.params):
-            raise RuntimeError("first_step() found no gradients: call loss.backward() before first_step()")
-        for name, p in self._outside_blocks:
-            if p.grad is not None:
-                raise RuntimeError(
-                    f"parameter {name} has a gradient but was frozen when the optimizer was built, so it is in no "
-                    "block and would not be perturbed; build the optimizer after changing requires_grad"
-                )
+        self._check_gradients("first_step()")
         if found_inf is not None:
             if self._device is None:
                 raise ValueError(
@@ -471,6 +465,18 @@ class SharpnessAware(torch.optim.Optimizer):
         if zero_grad:
             self.zero_grad()
         return sam
+
+    def _check_gradients(self, caller: str) -> None:
+        """Refuse a step without gradients, or with a gradient on a parameter frozen when the optimizer was built."""
+        # any() stops at the first gradient it finds, so a normal step pays O(1) here.
+        if not any(p.grad is not None for block in self.blocks for p in block.params):
+            raise RuntimeError(f"{caller} found no gradients: call loss.backward() before {caller}")
+        for name, p in self._outside_blocks:
+            if p.grad is not None:
+                raise RuntimeError(
+                    f"parameter {name} has a gradient but was frozen when the optimizer was built, so it is in no "
+                    "block and would not be perturbed; build the optimizer after changing requires_grad"
+                )
 
     def _refuse_family_compiled(self, folds: bool = True) -> None:
         """Under torch.compile, refuse a SAM family part that writes the flat buffers with torch operations: the
@@ -898,8 +904,7 @@ class SharpnessAware(torch.optim.Optimizer):
         blocks, GEAR EMA, last energies and radii) under ``"gearsam"`` in the first param group: tools that keep only
         ``"state"`` and ``"param_groups"`` (``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict``)
         keep it too, and a plain torch optimizer that loads the dict ignores it."""
-        if self.perturbed:
-            raise RuntimeError("state_dict() between first_step() and second_step(): the weights hold w + eps")
+        self._refuse_mid_step("state_dict()")
         state = self.base_optimizer.state_dict()
         state["param_groups"][0][_STATE_KEY] = {
             "rule": self.rule,
@@ -913,7 +918,13 @@ class SharpnessAware(torch.optim.Optimizer):
         if self.schedule is not None:
             state["param_groups"][0][_STATE_KEY]["schedule"] = self._schedule_entry()
         state["param_groups"][0][_STATE_KEY].update(self._family_entry())
+        if self.one_pass:
+            state["param_groups"][0][_STATE_KEY]["one_pass"] = True
         return state
+
+    def _refuse_mid_step(self, caller: str) -> None:
+        if self.perturbed:
+            raise RuntimeError(f"{caller} between first_step() and second_step(): the weights hold w + eps")
 
     def _family_entry(self) -> dict:
         """The SAM family's parts in a state dict: their reprs, and F-SAM's EMA once it holds a gradient."""
@@ -976,8 +987,7 @@ class SharpnessAware(torch.optim.Optimizer):
                 t.copy_(saved)
 
     def load_state_dict(self, state_dict: dict) -> None:
-        if self.perturbed:
-            raise RuntimeError("load_state_dict() between first_step() and second_step(): the weights hold w + eps")
+        self._refuse_mid_step("load_state_dict()")
         state_dict, ours = _split_state(state_dict)
         if ours is None:
             self._load_plain_state_dict(state_dict)
@@ -985,6 +995,13 @@ class SharpnessAware(torch.optim.Optimizer):
         rule = ours["rule"]
         if rule != self.rule:
             saver = {r: cls.__name__ for r, cls in OPTIMIZERS.items()}.get(rule, repr(rule))
+            raise ValueError(f"state dict was saved by {saver}, cannot load it into {type(self).__name__}")
+        if bool(ours.get("one_pass", False)) != self.one_pass:
+            saver = (
+                "a one-pass MomentumSAM"
+                if ours.get("one_pass")
+                else "a two-pass optimizer (SAM's first_step/second_step)"
+            )
             raise ValueError(f"state dict was saved by {saver}, cannot load it into {type(self).__name__}")
         if list(ours["block_names"]) != self.block_names:
             raise ValueError(

@@ -17,11 +17,20 @@ or, in place of ``restore_()`` and the base optimizer's own step, where the back
 A step whose second pass a schedule skips (:mod:`gearsam_fused.schedules`) perturbs nothing and ends with
 ``update_(updates, correction_scale)``, the same update from the current weights; LookSAM adds ``keep_gradient_``,
 ``block_dot`` and ``orthogonalize_`` to a perturbing step.
+
+A one-pass step (:class:`~gearsam_fused.MomentumSAM`) perturbs along the base optimizer's momentum rather than the
+gradients, after the base update::
+
+    restore_and_update_(updates)                               # or update_(updates): no look-ahead yet
+    energy = direction_energy(momentum, adaptive, eta)         # of the new momentum
+    scale, radius = allocate(rule, energy, ema, rho, beta, delta)
+    perturb_along_(-scale, momentum, adaptive, eta)            # the look-ahead point w - r * v / ||v||
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -33,8 +42,19 @@ from ..sharding import local
 
 #: The buffers a backend may keep beside the parameters, laid out like the gradients: the kept gradient (LookSAM's
 #: g, then g_v; GSAM's and WSAM's first gradient) and F-SAM's EMA of the gradients (:mod:`gearsam_fused.family`).
-CORRECTION, MOMENTUM = "correction", "momentum"
-BUFFERS = (CORRECTION, MOMENTUM)
+#: ``direction``: a copy of a :class:`Direction` given per tensor, where a flat-buffer backend needs it flat.
+CORRECTION, MOMENTUM, DIRECTION = "correction", "momentum", "direction"
+BUFFERS = (CORRECTION, MOMENTUM, DIRECTION)
+
+
+class Direction(NamedTuple):
+    """A perturbation direction other than the gradients (the base optimizer's momentum): per block, one tensor or
+    None per parameter of the block (a parameter without one is not perturbed and adds no energy); and, where the
+    flat-buffer backends hold the direction as a flat buffer laid out like a bucket's gradient (the fused base step's
+    state), that buffer by ``id(bucket)``, which they read in place of the tensors."""
+
+    tensors: list[list[torch.Tensor | None]]
+    flat: dict[int, torch.Tensor] = {}
 
 
 class Backend:
@@ -105,6 +125,30 @@ class Backend:
                 self.keep_gradient_()
             self._perturb(scale, adaptive, eta)
         self.perturbed = True
+
+    def direction_energy(self, direction: Direction, adaptive: bool, eta: float) -> torch.Tensor:
+        """:meth:`block_energy` of ``direction``'s tensors in place of the gradients (the same reduction)."""
+        raise NotImplementedError
+
+    def perturb_along_(self, scale: torch.Tensor, direction: Direction, adaptive: bool, eta: float) -> None:
+        """:meth:`perturb_` along ``direction`` in place of the gradients: save the parameters, then
+        ``p += scale[b] * T_p**2 * d_p`` for every parameter with a direction tensor."""
+        if self.perturbed:
+            raise RuntimeError("perturb_along_ called twice without restore_: the parameters already hold w + eps")
+        self._perturb_along(scale, direction, adaptive, eta)
+        self.perturbed = True
+
+    def forget_(self) -> None:
+        """Drop the saved copy without putting it back: the parameters keep what they hold (a state dict being loaded
+        replaces both)."""
+        self._forget()
+        self.perturbed = False
+
+    def _forget(self) -> None:
+        """:meth:`forget_`'s work: nothing where the next :meth:`perturb_` overwrites the saved copy."""
+
+    def _perturb_along(self, scale: torch.Tensor, direction: Direction, adaptive: bool, eta: float) -> None:
+        raise NotImplementedError
 
     def restore_(self) -> None:
         """Put back, bit for bit, every parameter saved by the last :meth:`perturb_` (nothing if none is saved). The

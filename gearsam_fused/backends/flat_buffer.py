@@ -17,7 +17,7 @@ from ..allocation import GEAR_RULE, check_rule
 from ..base_step import BucketUpdate
 from ..family import Mix
 from ..flat import Bucket, FlatLayout
-from .base import CORRECTION, MOMENTUM, Backend, compute_dtype, friendly_ascent
+from .base import CORRECTION, DIRECTION, MOMENTUM, Backend, Direction, compute_dtype, friendly_ascent
 
 
 class FlatBufferBackend(Backend):
@@ -34,8 +34,9 @@ class FlatBufferBackend(Backend):
         raise NotImplementedError
 
     def _bucket_perturb(self, bucket: Bucket, scale: torch.Tensor, adaptive: bool, eta: float,
-                        kept: torch.Tensor | None = None) -> None:  # fmt: skip
-        """The bucket's perturbation; ``kept`` (only where :attr:`folds_keep`) receives its gradient as well."""
+                        kept: torch.Tensor | None = None, direction: torch.Tensor | None = None) -> None:  # fmt: skip
+        """The bucket's perturbation along its gradient, or along ``direction`` (a flat buffer laid out like it);
+        ``kept`` (only where :attr:`folds_keep`) receives the gradient as well."""
         raise NotImplementedError
 
     def _bucket_restore(self, bucket: Bucket) -> None:
@@ -75,6 +76,32 @@ class FlatBufferBackend(Backend):
         for bucket in self.layout.buckets:
             if bucket.n_tiles:
                 self._bucket_restore(bucket)
+
+    @torch.no_grad()
+    def direction_energy(self, direction: Direction, adaptive: bool, eta: float) -> torch.Tensor:
+        return self._per_block(
+            self._bucket_energy(bucket, adaptive, eta, self._flat_direction(bucket, direction))
+            for bucket in self._live_buckets()
+        )
+
+    def _perturb_along(self, scale: torch.Tensor, direction: Direction, adaptive: bool, eta: float) -> None:
+        for bucket in self._live_buckets():
+            flat = self._flat_direction(bucket, direction)
+            self._bucket_perturb(bucket, scale.to(bucket.device), adaptive, eta, direction=flat)
+
+    def _flat_direction(self, bucket: Bucket, direction: Direction) -> torch.Tensor:
+        """The bucket's part of ``direction`` as one flat buffer: its own where it has one, else its tensors copied
+        into the backend's ``direction`` buffer (zeros for a parameter without one)."""
+        flat = direction.flat.get(id(bucket))
+        if flat is not None:
+            return flat
+        flat = self._flat_buffer(DIRECTION, bucket)
+        tensors = {id(p): d for block, ds in zip(self.blocks, direction.tensors) for p, d in zip(block.params, ds)}
+        for slot in bucket.slots:
+            d = tensors.get(id(slot.param))
+            view = _slot_view(flat, slot)
+            view.zero_() if d is None else view.copy_(d)
+        return flat
 
     def _restore_and_update(self, updates: list[BucketUpdate], found_inf: torch.Tensor | None,
                             mix: Mix | None = None) -> None:  # fmt: skip
@@ -468,11 +495,11 @@ class KernelBackend(FlatBufferBackend):
             return self.kernels.allocate(energy, ema, gear=gear, rho=rho, beta=beta, delta=delta, **on_device)
 
     def _bucket_perturb(self, bucket: Bucket, scale: torch.Tensor, adaptive: bool, eta: float,
-                        kept: torch.Tensor | None = None) -> None:  # fmt: skip
+                        kept: torch.Tensor | None = None, direction: torch.Tensor | None = None) -> None:  # fmt: skip
         with _launching_on(bucket.device):
             self.kernels.perturb_(
                 bucket.param,
-                bucket.grad,
+                bucket.grad if direction is None else direction,
                 bucket.backup,
                 scale,
                 bucket.block_of_tile,

@@ -12,7 +12,7 @@ import torch
 
 from ..checks import check_dense_grad
 from ..sharding import local
-from .base import Backend, compute_dtype
+from .base import Backend, Direction, compute_dtype
 
 
 class ReferenceBackend(Backend):
@@ -22,19 +22,24 @@ class ReferenceBackend(Backend):
         super().__init__(blocks, device, param_group)
         self._saved: list[tuple[torch.Tensor, torch.Tensor]] = []
 
-    def _with_grads(self, block):
+    def _with_grads(self, b: int, direction: Direction | None = None):
+        """(parameter, its gradient or direction tensor) of block ``b``'s parameters that have one."""
         # a sharded parameter (DTensor) is worked on through its local shard; the optimizer sums the energies
+        block = self.blocks[b]
+        if direction is not None:
+            yield from ((local(p), local(d)) for p, d in zip(block.params, direction.tensors[b]) if d is not None)
+            return
         for name, p in zip(block.param_names, block.params):
             g = check_dense_grad(p.grad, repr(name))
             if g is not None:
                 yield local(p), local(g)
 
     @torch.no_grad()
-    def block_energy(self, adaptive: bool, eta: float) -> torch.Tensor:
+    def block_energy(self, adaptive: bool, eta: float, direction: Direction | None = None) -> torch.Tensor:
         energies = []
-        for block in self.blocks:
+        for b in range(len(self.blocks)):
             energy = torch.zeros((), dtype=torch.float64, device=self.device)
-            for p, g in self._with_grads(block):
+            for p, g in self._with_grads(b, direction):
                 v = g.double()
                 if adaptive:
                     v = (p.double().abs() + eta) * v
@@ -42,10 +47,19 @@ class ReferenceBackend(Backend):
             energies.append(energy)
         return torch.stack(energies)
 
+    def direction_energy(self, direction: Direction, adaptive: bool, eta: float) -> torch.Tensor:
+        return self.block_energy(adaptive, eta, direction)
+
+    def _perturb_along(self, scale: torch.Tensor, direction: Direction, adaptive: bool, eta: float) -> None:
+        self._perturb(scale, adaptive, eta, direction)
+
+    def _forget(self) -> None:
+        self._saved.clear()
+
     @torch.no_grad()
-    def _perturb(self, scale: torch.Tensor, adaptive: bool, eta: float) -> None:
-        for b, block in enumerate(self.blocks):
-            for p, g in self._with_grads(block):
+    def _perturb(self, scale: torch.Tensor, adaptive: bool, eta: float, direction: Direction | None = None) -> None:
+        for b in range(len(self.blocks)):
+            for p, g in self._with_grads(b, direction):
                 self._saved.append((p, p.detach().clone()))
                 dtype = compute_dtype(p)
                 w = p.to(dtype)

@@ -23,7 +23,7 @@ import torch
 
 from ..checks import check_dense_grad
 from ..sharding import local
-from .base import Backend, compute_dtype
+from .base import Backend, Direction, compute_dtype
 
 
 class _Group:
@@ -63,11 +63,12 @@ class ShardedBackend(Backend):
             self._tables[key] = torch.tensor(values, dtype=torch.int64, device=device)
         return self._tables[key]
 
-    def _groups(self) -> list[_Group]:
+    def _groups(self, direction: Direction | None = None) -> list[_Group]:
+        """The parameters with a gradient (or, given ``direction``, a direction tensor) by (device, dtype)."""
         groups: dict[tuple[torch.device, torch.dtype], _Group] = {}
         for b, block in enumerate(self.blocks):
-            for name, p in zip(block.param_names, block.params):
-                g = check_dense_grad(p.grad, repr(name))
+            for i, (name, p) in enumerate(zip(block.param_names, block.params)):
+                g = check_dense_grad(p.grad, repr(name)) if direction is None else direction.tensors[b][i]
                 if g is None:
                     continue
                 w = local(p)
@@ -78,9 +79,9 @@ class ShardedBackend(Backend):
         return list(groups.values())
 
     @torch.no_grad()
-    def block_energy(self, adaptive: bool, eta: float) -> torch.Tensor:
+    def block_energy(self, adaptive: bool, eta: float, direction: Direction | None = None) -> torch.Tensor:
         energy = torch.zeros(len(self.blocks), dtype=torch.float64, device=self.device)
-        for group in self._groups():
+        for group in self._groups(direction):
             v = group.flat(group.grads).double()
             if adaptive:
                 v = (group.flat(group.weights).double().abs() + eta) * v
@@ -93,9 +94,18 @@ class ShardedBackend(Backend):
             energy += per_block.to(self.device)
         return energy
 
+    def direction_energy(self, direction: Direction, adaptive: bool, eta: float) -> torch.Tensor:
+        return self.block_energy(adaptive, eta, direction)
+
+    def _perturb_along(self, scale: torch.Tensor, direction: Direction, adaptive: bool, eta: float) -> None:
+        self._perturb(scale, adaptive, eta, direction)
+
+    def _forget(self) -> None:
+        self._saved.clear()
+
     @torch.no_grad()
-    def _perturb(self, scale: torch.Tensor, adaptive: bool, eta: float) -> None:
-        for group in self._groups():
+    def _perturb(self, scale: torch.Tensor, adaptive: bool, eta: float, direction: Direction | None = None) -> None:
+        for group in self._groups(direction):
             backup = group.flat(group.weights)
             dtype = compute_dtype(backup)
             w = backup.to(dtype)

@@ -51,10 +51,11 @@ class TorchBackend(FlatBufferBackend):
         return torch.segment_reduce(partials.square_(), "sum", lengths=bucket.tile_count_of_block, unsafe=True)
 
     @torch.no_grad()
-    def _bucket_perturb(self, bucket: Bucket, scale: torch.Tensor, adaptive: bool, eta: float) -> None:
+    def _bucket_perturb(self, bucket: Bucket, scale: torch.Tensor, adaptive: bool, eta: float,
+                        direction: torch.Tensor | None = None) -> None:  # fmt: skip
         bucket.backup.copy_(bucket.param)
         w = self._tiles(bucket.param, bucket)
-        g = self._tiles(bucket.grad, bucket)
+        g = self._tiles(bucket.grad if direction is None else direction, bucket)
         dtype = compute_dtype(w)
         tile_scale = scale[bucket.block_of_tile].to(dtype).unsqueeze(1)
         skipped = tile_scale == 0  # a block skipped this step stays w, even where its gradient is inf or NaN
