@@ -235,8 +235,9 @@ class SharpnessAware(torch.optim.Optimizer):
         self.blocks: list[Block] = self._blocks(model, partition, optimized, label)
         if self.rule == GEAR_RULE and len(self.blocks) == 1 and isinstance(partition, str) and partition != "global":
             warnings.warn(
-                f"partition {partition!r} gives a single block ({self.blocks[0].name!r}), so GEARSAM is plain SAM here; "
-                "pass partition= a finer strategy, a mapping or a callable (`gearsam partition` shows the blocks)",
+                f"partition {partition!r} gives a single block ({self.blocks[0].name!r}), so GEAR-SAM's allocation is "
+                "plain SAM's here; pass partition= a finer strategy, a mapping or a callable (`gearsam partition` "
+                "shows the blocks)",
                 UserWarning,
                 stacklevel=4,
             )

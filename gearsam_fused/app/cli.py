@@ -34,6 +34,7 @@ from .training import (
     SettingWarning,
     call_factory,
     check_at_least,
+    known_optimizer,
     option,
     run_experiment,
 )
@@ -56,6 +57,16 @@ def _model_arg(text: str) -> tuple[str, object]:
         return key, value  # a bare word such as act=silu
 
 
+def _optimizer_name(text: str) -> str:
+    """``--optimizers``' values: a name of :data:`OPTIMIZER_NAMES`, or a one-pass name with its radius."""
+    try:
+        if known_optimizer(text):
+            return text
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    raise argparse.ArgumentTypeError(f"unknown optimizer {text!r}; choose from {', '.join(OPTIMIZER_NAMES)}")
+
+
 def _adder(parser: argparse.ArgumentParser, defaults: RunConfig):
     """``parser.add_argument`` that ends the help with the command's default. Options keep None as their own
     default, so that only the options given override the defaults (or a resumed run's settings)."""
@@ -74,15 +85,17 @@ def _adder(parser: argparse.ArgumentParser, defaults: RunConfig):
 def _training_options(parser: argparse.ArgumentParser, defaults: RunConfig) -> None:
     """Options shared by demo and train."""
     add = _adder(parser, defaults)
-    add("--optimizers", nargs="+", choices=OPTIMIZER_NAMES, help=f"which of {', '.join(OPTIMIZER_NAMES)} to train; gsam, wsam "
-        "and friendly-sam are GSAM, WSAM and F-SAM at their authors' defaults, gear-gsam GEAR-SAM with GSAM's "
-        "descent")  # fmt: skip
+    add("--optimizers", nargs="+", type=_optimizer_name, metavar="NAME", help=f"which of "
+        f"{', '.join(OPTIMIZER_NAMES)} to train; gsam, wsam and friendly-sam are GSAM, WSAM and F-SAM at their "
+        "authors' defaults, gear-gsam GEAR-SAM with GSAM's descent; momentum-sam and momentum-gear-sam one-pass "
+        "momentum SAM with SAM's or GEAR-SAM's allocation, at --momentum-rho or as NAME:RHO")  # fmt: skip
     add("--seeds", type=int, nargs="+", help="one run per optimizer and seed")
     resumable = "; with --resume, the run's new total (see --resume)" if defaults.command == "train" else ""
     add("--epochs", type=int, help="epochs of each run" + resumable)
     add("--batch-size", type=int, help="images per step")
     add("--lr", type=float, help="base learning rate (SGD with momentum 0.9)")
     add("--rho", type=float, help="global SAM radius, >= 0")
+    add("--momentum-rho", type=float, help="one-pass momentum SAM's look-ahead radius along the momentum, >= 0")
     add("--beta", type=float, help="GEAR-SAM's EMA factor")
     add("--partition", choices=STRATEGIES, help="GEAR-SAM's blocks")
     # no choices=: an unknown backend gets the library's own error, which lists them

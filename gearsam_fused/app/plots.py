@@ -23,16 +23,18 @@ from gearsam_fused.allocation import GEAR_RULE, SAM_RULE
 from .metrics import read_metrics
 
 _TITLES = {"sgd": "SGD", SAM_RULE: "SAM", GEAR_RULE: "GEAR-SAM", "gsam": "GSAM", "wsam": "WSAM",
-           "friendly-sam": "F-SAM", "gear-gsam": "GEAR-SAM + GSAM descent"}  # fmt: skip
+           "friendly-sam": "F-SAM", "gear-gsam": "GEAR-SAM + GSAM descent", "momentum-sam": "momentum SAM (one pass)",
+           "momentum-gear-sam": "momentum GEAR-SAM (one pass)"}  # fmt: skip
 # One colour per optimizer in every panel and figure, whichever optimizers a panel leaves out (SGD has no realized
 # sharpness): matplotlib's cycle would hand the next line the colour of the one skipped.
 _COLORS = {"sgd": "C0", SAM_RULE: "C1", GEAR_RULE: "C2", "gsam": "C3", "wsam": "C4", "friendly-sam": "C5",
-           "gear-gsam": "C6"}  # fmt: skip
+           "gear-gsam": "C6", "momentum-sam": "C7", "momentum-gear-sam": "C8"}  # fmt: skip
 
 
 def color_of(name: str) -> str:
-    """The colour of optimizer ``name`` in every plot; names beyond the known ones get the next colours of the cycle,
-    in a fixed order."""
+    """The colour of optimizer ``name`` in every plot (one-pass ``NAME:RHO`` takes its NAME's); names beyond the known
+    ones get the next colours of the cycle, in a fixed order."""
+    name = name.partition(":")[0]
     if name in _COLORS:
         return _COLORS[name]
     return f"C{(len(_COLORS) + sum(map(ord, name))) % 10}"
@@ -172,8 +174,9 @@ def study_figure(numbers: dict, where: str = "") -> Figure:
     return fig
 
 
-# The marker of each kind of second-pass schedule in the efficiency figure (its colour is the optimizer's).
-_SCHEDULE_MARKERS = {"always": "o", "every": "^", "looksam": "s", "random": "v", "adaptive": "D"}
+# The marker of each kind of second-pass schedule in the efficiency figure (its colour is the optimizer's), and of
+# one-pass momentum SAM, whose configurations are its radii.
+_SCHEDULE_MARKERS = {"always": "o", "every": "^", "looksam": "s", "random": "v", "adaptive": "D", "one pass": "P"}
 
 
 def efficiency_figure(numbers: dict, where: str = "") -> Figure:
@@ -189,15 +192,17 @@ def efficiency_figure(numbers: dict, where: str = "") -> Figure:
         if time is None:  # no baseline run of that seed yet: no time to set it against
             continue
         acc = accuracy[(value, name)]
-        kind = str(value).split(":")[0]
+        base, _, rho = name.partition(":")
+        kind = "one pass" if rho else str(value).split(":")[0]
         ax.errorbar(time["mean"], acc["mean"], xerr=_bar(time["std"]), yerr=_bar(acc["std"]), color=color_of(name),
                     marker=_SCHEDULE_MARKERS.get(kind, "o"), markersize=9 if value == reference else 7, capsize=3,
                     elinewidth=0.8, linestyle="none")  # fmt: skip
-        label = _TITLES.get(name, name) if value == reference else str(value)
+        label = f"ρ {rho}" if rho else _TITLES.get(name, name) if value == reference else str(value)
         ax.annotate(label, (time["mean"], acc["mean"]), textcoords="offset points", xytext=(6, 5), fontsize="small",
                     color=color_of(name))  # fmt: skip
-    names = list(dict.fromkeys(r["optimizer"] for r in numbers["costs"]))
-    kinds = list(dict.fromkeys(str(r["value"]).split(":")[0] for r in numbers["costs"] if r["optimizer"] != "sgd"))
+    names = list(dict.fromkeys(r["optimizer"].partition(":")[0] for r in numbers["costs"]))
+    kinds = list(dict.fromkeys("one pass" if ":" in r["optimizer"] else str(r["value"]).split(":")[0]
+                               for r in numbers["costs"] if r["optimizer"] != "sgd"))  # fmt: skip
     handles = [ax.plot([], [], "o", color=color_of(n), label=_TITLES.get(n, n))[0] for n in names]
     handles += [ax.plot([], [], _SCHEDULE_MARKERS.get(k, "o"), color="0.4", label=k)[0] for k in kinds]
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), title="optimizer / schedule")

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from gearsam_fused.analysis import hessian_spectrum, hessian_trace
 
 from .data import load_dataset
-from .training import RunConfig, SettingWarning, build_model, resolve_device
+from .training import RunConfig, SettingWarning, build_model, checkpoint_path, resolve_device
 
 ROWS = "hessian.jsonl"
 TABLE = "hessian.md"
@@ -47,7 +47,7 @@ def probe_run(run_dir: Path, settings: ProbeSettings, log=print) -> list[dict]:
         raise ValueError(f"{run_dir} is not a run directory: it has no config.json")
     cfg = RunConfig.load(run_dir / "config.json")
     runs = [(name, seed) for name in cfg.optimizers for seed in cfg.seeds]
-    checkpoints = [(name, seed, run_dir / "checkpoints" / f"{name}-seed{seed}.pt") for name, seed in runs]
+    checkpoints = [(name, seed, checkpoint_path(run_dir, name, seed)) for name, seed in runs]
     checkpoints = [c for c in checkpoints if c[2].is_file()]
     if not checkpoints:
         raise ValueError(f"{run_dir} has no checkpoints: train with --checkpoint-every N to probe its models")

@@ -7,7 +7,8 @@ the same seed gives two optimizers the same initial weights, batches and noisy l
 the comparison the seed spread does not blur — and ``study.json`` with every number. The plots draw ``study.png``.
 The ``hessian`` study trains each optimizer once, keeps the final weights and probes their Hessian spectrum. The
 ``efficiency`` study varies SAM's and GEAR-SAM's second-pass schedule and sets accuracy against cost: the share of
-steps that took the second pass and the training time against SGD's, trained once, at the reference value. The
+steps that took the second pass and the training time against SGD's, trained once, at the reference value, as is
+one-pass momentum SAM at each of its radii. The
 ``family`` study trains the SAM family's variants (:data:`~.training.FAMILY`) beside SGD, SAM and GEAR-SAM at one
 label noise.
 """
@@ -32,12 +33,14 @@ from .probe import ROWS, ProbeSettings, probe_run, spectrum_table
 from .training import (
     ALWAYS,
     FAMILY,
+    ONE_PASS,
     RESUMABLE,
     SGD,
     RunConfig,
     check_model,
     check_out,
     clear_dir,
+    one_pass,
     plural,
     run_experiment,
 )
@@ -62,10 +65,11 @@ class Study:
     baseline: str | None = None
 
     def trained_at(self, value, optimizers: tuple) -> tuple:
-        """The optimizers of ``optimizers`` that the study trains at ``value``."""
+        """The optimizers of ``optimizers`` that the study trains at ``value``: at a baseline study's other values,
+        not the baseline nor one-pass momentum SAM, which have no second pass to schedule."""
         if self.baseline is None or value == self.reference:
             return optimizers
-        return tuple(o for o in optimizers if o != self.baseline)
+        return tuple(o for o in optimizers if o != self.baseline and one_pass(o) is None)
 
 
 #: Every study's defaults beyond the demo's. With a constant lr the last epoch's accuracy on noisy labels swings by
@@ -75,6 +79,9 @@ DEFAULTS = {"schedule": "cosine", "seeds": [0, 1, 2, 3, 4], "checkpoint_every": 
 # On the clean digits every setting reaches about 99.4%: the studies of a setting train on 40% noisy labels instead.
 _NOISY = (("label_noise", 0.4),)
 
+
+#: The efficiency study's look-ahead radii of one-pass momentum SAM.
+MOMENTUM_RHOS = ("0.1", "0.3", "1", "3")
 
 STUDIES = {
     "label-noise": Study("label_noise", (0.0, 0.2, 0.4, 0.6, 0.8), (SGD, SAM_RULE, GEAR_RULE),
@@ -88,12 +95,13 @@ STUDIES = {
     "hessian": Study("label_noise", (), (SGD, SAM_RULE, GEAR_RULE),
                      "the Hessian spectrum of the trained models (paper: Top Eigenvalues of Hessian)",
                      (("seeds", [0, 1, 2]),)),
-    # SGD, the cost of one pass, trains once: it has no second pass to schedule. 8 epochs: its 85 runs take about
-    # 15 minutes on 2 shared CPU cores
+    # SGD and one-pass momentum SAM, at the cost of one pass, train once: they have no second pass to schedule. The
+    # one-pass radius moves along the momentum, on another scale than SAM's: a grid of its own finds its best value
     "efficiency": Study("second_pass", (ALWAYS, "every:2", "every:5", "every:10", "looksam:2", "looksam:5",
-                                        "looksam:10", "adaptive"), (SGD, SAM_RULE, GEAR_RULE),
-                        "second-pass schedules: accuracy against cost, next to full SAM/GEAR-SAM and SGD",
-                        (*_NOISY, ("epochs", 8)), ALWAYS, SGD),
+                                        "looksam:10", "adaptive"),
+                        (SGD, SAM_RULE, GEAR_RULE, *(f"{name}:{rho}" for name in ONE_PASS for rho in MOMENTUM_RHOS)),
+                        "second-pass schedules and one-pass momentum SAM: accuracy against cost, next to full "
+                        "SAM/GEAR-SAM and SGD", (*_NOISY, ("epochs", 8)), ALWAYS, SGD),
     # one value, the other studies' 40% noisy labels: SGD, SAM and GEAR-SAM first, so that the paired differences
     # set each variant against both
     "family": Study("label_noise", (0.4,), (SGD, SAM_RULE, GEAR_RULE, *FAMILY),

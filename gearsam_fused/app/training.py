@@ -9,6 +9,7 @@ measured with CUDA events on a GPU.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import inspect
@@ -39,6 +40,7 @@ from gearsam_fused import (
     Every,
     FriendlySAM,
     LookSAM,
+    MomentumSAM,
     Random,
     Schedule,
     SurrogateGap,
@@ -78,11 +80,39 @@ FAMILY = {
 #: Every sharpness-aware optimizer a run can train, by name: the library's by their rule, with their own step
 #: (no part), then the family.
 BUILDS = {**{rule: (cls, {}) for rule, cls in OPTIMIZERS.items()}, **FAMILY}
+#: One-pass momentum SAM (:class:`~gearsam_fused.MomentumSAM`) by name, with its allocation: SAM's global radius or
+#: GEAR-SAM's block-wise one. ``NAME:RHO`` trains it at look-ahead radius RHO, ``NAME`` at ``--momentum-rho``.
+ONE_PASS = {"momentum-sam": "sam", "momentum-gear-sam": "gear"}
 #: The paper's comparison, which the demo trains: the baseline, then the library's sharpness-aware optimizers by
 #: their rule.
 PAPER = (SGD, *OPTIMIZERS)
-#: The optimizers a run can train, by the names of ``--optimizers`` and the metrics rows: the demo's, then the family.
-OPTIMIZER_NAMES = (*PAPER, *FAMILY)
+#: The optimizers a run can train, by the names of ``--optimizers`` and the metrics rows: the demo's, the family,
+#: then one-pass momentum SAM.
+OPTIMIZER_NAMES = (*PAPER, *FAMILY, *ONE_PASS)
+
+
+def one_pass(name: str) -> tuple[str, float | None] | None:
+    """``(allocation, rho)`` of a one-pass name (``momentum-sam`` or ``momentum-sam:RHO``; rho None without one), None
+    for any other name; a ValueError for a one-pass name whose radius is not a number >= 0."""
+    base, colon, rho = name.partition(":")
+    if base not in ONE_PASS:
+        return None
+    if not colon:
+        return ONE_PASS[base], None
+    try:
+        value = float(rho)
+    except ValueError:
+        value = float("nan")
+    if not value >= 0 or not math.isfinite(value):
+        raise ValueError(f"optimizer {name!r}: write {base}:RHO with RHO a number >= 0, the look-ahead radius")
+    return ONE_PASS[base], value
+
+
+def known_optimizer(name: str) -> bool:
+    """Whether ``name`` is one of :data:`OPTIMIZER_NAMES` or a one-pass name with its radius."""
+    return name in OPTIMIZER_NAMES or one_pass(name) is not None
+
+
 SCHEDULES = ("constant", "cosine")
 #: Every step of a sharpness-aware optimizer takes the second forward and backward: ``--second-pass``'s default.
 ALWAYS = "always"
@@ -95,6 +125,7 @@ REAL_RANGES = {
     "momentum": {"low": 0.0, "high": 1.0},
     "weight_decay": {"low": 0.0},
     "rho": {"low": 0.0},
+    "momentum_rho": {"low": 0.0},
     "beta": {"low": 0.0, "high": 1.0},
     "label_noise": {"low": 0.0, "high": 1.0},  # the share of training labels replaced by another class
 }
@@ -196,6 +227,7 @@ class RunConfig:
     schedule: str = "constant"
     second_pass: str = ALWAYS  # which steps take the second pass: one of SECOND_PASS_FORMS
     rho: float = 0.05
+    momentum_rho: float = 1.0  # one-pass momentum SAM's look-ahead radius (a name's own :RHO takes precedence)
     beta: float = 0.9
     adaptive: bool = False
     partition: str = "coarse"
@@ -233,11 +265,15 @@ class RunConfig:
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{spell(name)} must be one of {allowed}, got {getattr(self, name)!r}")
-        unknown = [o for o in self.optimizers if o not in OPTIMIZER_NAMES]
+        unknown = [o for o in self.optimizers if not known_optimizer(o)]
         if unknown or not self.optimizers:
             raise ValueError(
-                f"{spell('optimizers')}: unknown {unknown}; expected a non-empty subset of {OPTIMIZER_NAMES}"
+                f"{spell('optimizers')}: unknown {unknown}; expected a non-empty subset of {OPTIMIZER_NAMES} (the "
+                "one-pass ones also as NAME:RHO)"
             )
+        twice = sorted({o for o in self.optimizers if self.optimizers.count(o) > 1})
+        if twice:
+            raise ValueError(f"{spell('optimizers')} names {twice} more than once")
         if not self.seeds:
             raise ValueError(f"{spell('seeds')} must name at least one seed")
         twice = sorted({seed for seed in self.seeds if self.seeds.count(seed) > 1})
@@ -264,7 +300,7 @@ class RunConfig:
         plain = [o for o in self.optimizers if o not in BUILDS]
         if plain:
             raise ValueError(f"{spell('second_pass')} {self.second_pass} schedules the second pass of the "
-                             f"sharpness-aware optimizers; {', '.join(plain)} has none: drop it from "
+                             f"two-pass sharpness-aware optimizers; {', '.join(plain)} has none: drop it from "
                              f"{spell('optimizers')} (or train it in a run of its own)")  # fmt: skip
         if schedule.corrects and self.adaptive:
             raise ValueError(f"{spell('second_pass')} {self.second_pass}: LookSAM's correction is defined for plain "
@@ -361,7 +397,8 @@ def check_model(cfg: RunConfig, data: Dataset) -> nn.Module:
 def warn_single_block(cfg: RunConfig, model: nn.Module) -> None:
     """A SettingWarning, in the command's words, when ``cfg.partition`` puts all of ``model`` in one block, which
     makes GEAR-SAM plain SAM (the library's own warning, in its API's words, is silenced in :func:`make_optimizer`)."""
-    if GEAR_RULE not in cfg.optimizers or cfg.partition == "global":
+    block_wise = [o for o in cfg.optimizers if o == GEAR_RULE or (one_pass(o) or ("",))[0] == "gear"]
+    if not block_wise or cfg.partition == "global":
         return
     blocks = blocks_of(model, cfg.partition)
     if len(blocks) == 1:
@@ -415,18 +452,23 @@ def make_optimizer(name: str, model: nn.Module, cfg: RunConfig, seed: int = 0) -
     base = dict(lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
     if name == SGD:
         return torch.optim.SGD(model.parameters(), **base)
-    if name not in BUILDS:
+    if one_pass(name) is not None:
+        allocation, rho = one_pass(name)
+        cls, hyper = MomentumSAM, dict(rho=cfg.momentum_rho if rho is None else rho, allocation=allocation)
+        hyper.update(beta=cfg.beta, adaptive=cfg.adaptive, backend=cfg.backend, **base)
+    elif name in BUILDS:
+        cls, part = BUILDS[name]
+        hyper = dict(rho=cfg.rho, adaptive=cfg.adaptive, backend=cfg.backend, **part, **base)
+        hyper["schedule"] = second_pass_schedule(cfg.second_pass, seed)
+        if "beta" in inspect.signature(cls).parameters:  # an EMA-based rule (GEAR-SAM); SAM refuses a beta
+            hyper["beta"] = cfg.beta
+    else:
         raise ValueError(f"unknown optimizer {name!r}; expected one of {OPTIMIZER_NAMES}")
-    sharpness_aware, part = BUILDS[name]
-    hyper = dict(rho=cfg.rho, adaptive=cfg.adaptive, backend=cfg.backend, **part, **base)
-    hyper["schedule"] = second_pass_schedule(cfg.second_pass, seed)
-    if "beta" in inspect.signature(sharpness_aware).parameters:  # an EMA-based rule (GEAR-SAM); SAM refuses a beta
-        hyper["beta"] = cfg.beta
     with warnings.catch_warnings():
         # the single-block warning speaks of the library's partition= argument; warn_single_block has said it in
         # the command's words, once for the whole run
         warnings.filterwarnings("ignore", message=".*pass partition=", category=UserWarning)
-        return sharpness_aware(model, torch.optim.SGD, partition=cfg.partition, **hyper)
+        return cls(model, torch.optim.SGD, partition=cfg.partition, **hyper)
 
 
 class Stopwatch:
@@ -545,6 +587,11 @@ class TrainingRun:
         SGD."""
         return self.name in BUILDS
 
+    @property
+    def one_pass(self) -> bool:
+        """Whether the run steps one-pass momentum SAM, whose parameters hold the look-ahead point between steps."""
+        return one_pass(self.name) is not None
+
 
 @torch.no_grad()
 def evaluate(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, cfg: RunConfig, batch: int = 1024):
@@ -662,9 +709,15 @@ def _check_extension(cfg: RunConfig, run_dir: Path) -> None:
         return
     log = MetricsLog(run_dir / "metrics.jsonl")
     finished = [(r["optimizer"], r["seed"]) for r in log.rows() if r["kind"] == "result"]
-    if any((run_dir / "checkpoints" / f"{name}-seed{seed}.pt").exists() for name, seed in finished):
+    if any(checkpoint_path(run_dir, name, seed).exists() for name, seed in finished):
         raise ValueError(f"the cosine schedule of {run_dir} has ended at lr 0, so more --epochs would not train; "
                          "start a new run")  # fmt: skip
+
+
+def checkpoint_path(run_dir: Path, name: str, seed: int) -> Path:
+    """Where the run of optimizer ``name`` under ``seed`` keeps its checkpoint (no colon in a file name:
+    ``momentum-sam:1`` is ``momentum-sam-rho1``)."""
+    return Path(run_dir) / "checkpoints" / f"{name.replace(':', '-rho')}-seed{seed}.pt"
 
 
 def cosine_factor(step: int, start: int, phase: float, total: int) -> float:
@@ -726,7 +779,7 @@ def _new_run(experiment: Experiment, name: str, seed: int) -> TrainingRun:
         cfg=cfg, name=name, seed=seed, device=device, train=train, test=test, augment=data.augment, model=model,
         optimizer=optimizer, scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, factor), cosine=cosine,
         steps_per_epoch=steps_per_epoch, metrics=experiment.metrics,
-        checkpoint=experiment.run_dir / "checkpoints" / f"{name}-seed{seed}.pt", in_optimizer=Stopwatch(device),
+        checkpoint=checkpoint_path(experiment.run_dir, name, seed), in_optimizer=Stopwatch(device),
         in_base_step=Stopwatch(device),
     )  # fmt: skip
 
@@ -739,6 +792,8 @@ def _restore_checkpoint(run: TrainingRun) -> None:
     saved = torch.load(run.checkpoint, map_location=run.device, weights_only=False)
     run.model.load_state_dict(saved["model"])
     run.optimizer.load_state_dict(saved["optimizer"])
+    if run.one_pass:
+        run.optimizer.train()  # saved in eval mode: back to the look-ahead point
     run.scheduler.load_state_dict(saved["scheduler"])
     run.epoch, run.step, run.seconds, run.sam_seconds = (saved[k] for k in ("epoch", "step", "seconds", "sam_seconds"))
     run.sam_steps, run.cpu_seconds = saved["sam_steps"], saved["cpu_seconds"]
@@ -748,7 +803,7 @@ def _restore_checkpoint(run: TrainingRun) -> None:
 def _start_instruments(run: TrainingRun, stream: TextIO | None) -> None:
     """The progress bar over the steps left and, for SAM/GEAR-SAM, the block telemetry (into the metrics log) and
     the hooks that time the base optimizer's step, so that ``sam_seconds`` leaves it out."""
-    if run.sharpness_aware:
+    if run.sharpness_aware or run.one_pass:
 
         def sink(records: list[dict]) -> None:
             # whether each step took the second pass, and the share of the run's steps so far that did: counted from
@@ -791,7 +846,8 @@ def _train_epoch(run: TrainingRun) -> None:
     epoch_seconds = time.perf_counter() - epoch_start
     run.seconds += epoch_seconds
     run.cpu_seconds += time.process_time() - cpu_start
-    test_loss, test_acc = (t.item() for t in evaluate(run.model, *run.test, run.cfg))
+    with _at_w(run):
+        test_loss, test_acc = (t.item() for t in evaluate(run.model, *run.test, run.cfg))
     run.epoch += 1
     run.sam_seconds = run.in_optimizer.seconds() - run.in_base_step.seconds()
     run.metrics.write([{
@@ -819,6 +875,8 @@ def _train_batch(run: TrainingRun, idx: torch.Tensor, order_gen: torch.Generator
         perturbed = _sam_step(run, xb, yb, loss)
         if perturbed is not None:
             batch_sharpness = (perturbed.float() - loss.detach().float()) * len(idx)
+    elif run.one_pass:
+        _one_pass_step(run)
     else:
         run.optimizer.step()
         run.optimizer.zero_grad()
@@ -856,23 +914,53 @@ def _sam_step(run: TrainingRun, xb: torch.Tensor, yb: torch.Tensor, loss: torch.
     return perturbed.detach()
 
 
+def _one_pass_step(run: TrainingRun) -> None:
+    """A one-pass momentum SAM step with the batch's gradient, taken at the look-ahead point: no second pass (the
+    telemetry records the look-ahead's energies and radii)."""
+    run.in_optimizer.start()
+    run.optimizer.step()
+    run.in_optimizer.stop()
+    run.decisions.append((False, run.sam_steps))
+    run.telemetry.record()
+    run.optimizer.zero_grad(set_to_none=False)
+
+
+@contextlib.contextmanager
+def _at_w(run: TrainingRun):
+    """The model at its weights ``w`` for what is inside (evaluation, a checkpoint): a one-pass run's parameters hold
+    the look-ahead point between steps, which is put back after."""
+    if not run.one_pass:
+        yield
+        return
+    run.optimizer.eval()
+    try:
+        yield
+    finally:
+        run.optimizer.train()
+
+
 def _save_checkpoint(run: TrainingRun) -> None:
     """Write what a resumed run needs to continue exactly: weights, optimizer and scheduler state, counters, the
     cosine schedule and the settings."""
-    state = {
-        "epoch": run.epoch, "step": run.step, "seconds": run.seconds, "sam_seconds": run.sam_seconds,
-        "cpu_seconds": run.cpu_seconds, "sam_steps": run.sam_steps, "model": run.model.state_dict(),
-        "optimizer": run.optimizer.state_dict(), "scheduler": run.scheduler.state_dict(), "cosine": dict(run.cosine), "config": dataclasses.asdict(run.cfg),
-    }  # fmt: skip
     run.checkpoint.parent.mkdir(parents=True, exist_ok=True)
     partial = run.checkpoint.with_suffix(".tmp")
-    torch.save(state, partial)
+    # a one-pass run saves w and its optimizer's eval-mode state, which train() resumes from; saved inside, since the
+    # model's state dict holds the parameters themselves, not copies
+    with _at_w(run):
+        state = {
+            "epoch": run.epoch, "step": run.step, "seconds": run.seconds, "sam_seconds": run.sam_seconds,
+            "cpu_seconds": run.cpu_seconds, "sam_steps": run.sam_steps, "model": run.model.state_dict(),
+            "optimizer": run.optimizer.state_dict(), "scheduler": run.scheduler.state_dict(),
+            "cosine": dict(run.cosine), "config": dataclasses.asdict(run.cfg),
+        }  # fmt: skip
+        torch.save(state, partial)
     partial.replace(run.checkpoint)  # a crash while saving never leaves a truncated checkpoint behind
 
 
 def _write_result(run: TrainingRun) -> dict:
     """Evaluate the trained model on the test set and write the run's ``result`` row; returns it."""
-    test_loss, test_acc = (t.item() for t in evaluate(run.model, *run.test, run.cfg))
+    with _at_w(run):
+        test_loss, test_acc = (t.item() for t in evaluate(run.model, *run.test, run.cfg))
     result = {
         "kind": "result", **run.tag, "epochs": run.epoch, "step": run.step, "test_loss": test_loss,
         "test_acc": test_acc, "seconds": run.seconds, "sam_seconds": run.sam_seconds, "cpu_seconds": run.cpu_seconds,

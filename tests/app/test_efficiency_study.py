@@ -21,6 +21,8 @@ from gearsam_fused.app.training import RunConfig, run_experiment, second_pass_sc
 # The digits at 256 images a step: 6 steps an epoch (1438 training images), a second or two a run on one thread.
 TINY = ["--batch-size", "256", "--threads", "1"]
 STEPS_PER_EPOCH = math.ceil(1438 / 256)
+# one of the efficiency study's one-pass momentum SAM configurations
+ONE_PASS = "momentum-sam:1"
 
 
 @pytest.fixture(autouse=True)
@@ -75,8 +77,11 @@ def test_a_bad_second_pass_is_refused_by_name_before_anything_is_written(capsys,
 
 @pytest.mark.parametrize(("args", "message"), [
     (["train", "--optimizers", "sgd", "sam", "--second-pass", "every:2"],
-     "--second-pass every:2 schedules the second pass of the sharpness-aware optimizers; sgd has none: drop it from "
-     "--optimizers"),
+     "--second-pass every:2 schedules the second pass of the two-pass sharpness-aware optimizers; sgd has none: drop "
+     "it from --optimizers"),
+    (["train", "--optimizers", "sam", "momentum-sam", "--second-pass", "every:2"],
+     "--second-pass every:2 schedules the second pass of the two-pass sharpness-aware optimizers; momentum-sam has "
+     "none: drop it from --optimizers"),
     (["train", "--adaptive", "--second-pass", "looksam:2"],
      "--second-pass looksam:2: LookSAM's correction is defined for plain gradients, not ASAM's; drop --adaptive"),
     (["reproduce", "efficiency", "--second-pass", "every:2"],
@@ -144,7 +149,7 @@ def tiny_study(tmp_path_factory):
     threads = torch.get_num_threads()
     try:
         code = main(["reproduce", "efficiency", "--values", "always", "every:2", "--optimizers", "sgd", "sam",
-                     "--epochs", "1", "--seeds", "0", "1", *TINY, "--out", str(out)])  # fmt: skip
+                     ONE_PASS, "--epochs", "1", "--seeds", "0", "1", *TINY, "--out", str(out)])  # fmt: skip
     finally:
         torch.set_num_threads(threads)
     assert code == 0
@@ -159,12 +164,14 @@ def _results(study, value) -> dict:
 
 def test_efficiency_study_tables_the_runs_own_numbers(tiny_study):
     full, every = _results(tiny_study, "always"), _results(tiny_study, "every:2")
-    assert sorted(full) == [("sam", 0), ("sam", 1), ("sgd", 0), ("sgd", 1)]  # SGD at the reference only
+    # SGD and one-pass momentum SAM, which have no second pass to schedule, at the reference only
+    assert sorted(full) == [(ONE_PASS, 0), (ONE_PASS, 1), ("sam", 0), ("sam", 1), ("sgd", 0), ("sgd", 1)]
     assert sorted(every) == [("sam", 0), ("sam", 1)]
     assert not (tiny_study / "second_pass=every:2").exists()  # no colon in a path
     numbers = json.loads((tiny_study / "study.json").read_text())
     assert numbers["complete"] and numbers["machines"][0]["cpu_count"] >= 1 and numbers["machines"][0]["date"]
-    configurations = {("always", "sgd"): full, ("always", "sam"): full, ("every:2", "sam"): every}
+    configurations = {("always", "sgd"): full, ("always", "sam"): full, ("always", ONE_PASS): full,
+                      ("every:2", "sam"): every}  # fmt: skip
     accuracy = {(r["value"], r["optimizer"]): r for r in numbers["accuracy"]}
     costs = {(r["value"], r["optimizer"]): r for r in numbers["costs"]}
     assert list(accuracy) == list(configurations) and list(costs) == list(configurations)
@@ -183,6 +190,7 @@ def test_efficiency_study_tables_the_runs_own_numbers(tiny_study):
         assert f"{statistics.mean(accs):.2f} ± {statistics.stdev(accs):.2f}" in text.split(row)[1].splitlines()[0]
     assert costs[("always", "sgd")]["second_passes"]["mean"] == 0.0
     assert costs[("always", "sam")]["second_passes"]["mean"] == 1.0
+    assert costs[("always", ONE_PASS)]["second_passes"]["mean"] == 0.0
     assert costs[("every:2", "sam")]["second_passes"]["mean"] == pytest.approx(3 / STEPS_PER_EPOCH)  # steps 0, 2, 4
     pairs = {(r["value"], r["pair"]): r for r in numbers["paired_differences"]}
     differences = {
@@ -191,6 +199,10 @@ def test_efficiency_study_tables_the_runs_own_numbers(tiny_study):
         ("every:2", "sam - sgd at second_pass=always"): [every[("sam", s)]["test_acc"] - full[("sgd", s)]["test_acc"]
                                                          for s in (0, 1)],
         ("always", "sam - sgd"): [full[("sam", s)]["test_acc"] - full[("sgd", s)]["test_acc"] for s in (0, 1)],
+        ("always", f"{ONE_PASS} - sgd"): [full[(ONE_PASS, s)]["test_acc"] - full[("sgd", s)]["test_acc"]
+                                         for s in (0, 1)],
+        ("always", f"{ONE_PASS} - sam"): [full[(ONE_PASS, s)]["test_acc"] - full[("sam", s)]["test_acc"]
+                                         for s in (0, 1)],
     }  # fmt: skip
     assert set(pairs) == set(differences)
     for key, per_seed in differences.items():
@@ -220,6 +232,12 @@ def test_the_efficiency_study_trains_sgd_once_and_every_schedule_of_both_rules()
     assert study.setting == "second_pass" and study.reference == "always" and study.baseline == "sgd"
     assert set(study.values) >= {"always", "every:2", "every:5", "every:10", "looksam:2", "looksam:5", "looksam:10",
                                  "adaptive"}  # fmt: skip
+    one_pass = [o for o in study.optimizers if o.startswith("momentum-")]
+    radii = {float(o.partition(":")[2]) for o in one_pass}
+    assert {o.partition(":")[0] for o in one_pass} == {"momentum-sam", "momentum-gear-sam"}
+    assert min(radii) <= 0.1 and max(radii) >= 3  # wide enough to find the best radius on either side of 1
     for value in study.values:
         second_pass_schedule(value)  # every value is a valid --second-pass
-        assert ("sgd" in study.trained_at(value, study.optimizers)) == (value == "always")
+        trained = study.trained_at(value, study.optimizers)
+        assert ("sgd" in trained) == (value == "always")
+        assert all((o in trained) == (value == "always") for o in one_pass)

@@ -278,8 +278,8 @@ def test_param_groups_dicts_and_module_params():
     assert [g["lr"] for g in opt.param_groups] == [0.1, 0.01]
     # a model with parameters the optimizer does not own: blocks keep only the owned ones, empty blocks are dropped,
     # and a single block (GEAR-SAM = SAM) is pointed out
-    with pytest.warns(UserWarning, match=r"partition 'coarse' gives a single block \('classifier'\), so GEARSAM is "
-                                         r"plain SAM here; pass partition= a finer strategy"):  # fmt: skip
+    with pytest.warns(UserWarning, match=r"partition 'coarse' gives a single block \('classifier'\), so GEAR-SAM's "
+                                         r"allocation is plain SAM's here; pass partition= a finer strategy"):  # fmt: skip
         head_only = GEARSAM(model.fc.parameters(), torch.optim.SGD, model=model, lr=0.1)
     assert head_only.block_names == ["classifier"] and len(head_only.blocks[0].params) == 2
     sam_step(head_only, model, batches(1)[0])
@@ -600,8 +600,9 @@ def test_a_mapping_that_misses_a_parameter_names_it():
 
 def test_a_single_gear_block_is_pointed_out():
     unit = nn.Sequential(nn.Linear(4, 2), nn.LayerNorm(2))  # one parametered unit: a layer and its norm
-    with pytest.warns(UserWarning, match=r"partition 'coarse' gives a single block \('model'\), so GEARSAM is plain "
-                                         r"SAM here; pass partition= a finer strategy.*`gearsam partition`"):  # fmt: skip
+    with pytest.warns(UserWarning, match=r"partition 'coarse' gives a single block \('model'\), so GEAR-SAM's "
+                                         r"allocation is plain SAM's here; pass partition= a finer strategy.*`gearsam "
+                                         r"partition`"):  # fmt: skip
         GEARSAM(unit, torch.optim.SGD, lr=0.1)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # asked for, or not GEAR-SAM: nothing to point out
