@@ -4,7 +4,7 @@ the documentation stays true. Each page runs in a namespace of its own."""
 import pytest
 import torch
 
-from gearsam_fused import GSAM
+from gearsam_fused import GSAM, MomentumSAM
 from gearsam_fused.models import resnet18
 
 from doc_blocks import NEEDS, README, name, needs_blocks, pages, python_blocks
@@ -54,6 +54,9 @@ def check_usage(namespace):
     assert torch.isfinite(namespace["loss_at_perturbed_point"])
     assert len(namespace["top"]) == 2 and namespace["top"][0] >= namespace["top"][1]
     assert isinstance(namespace["gsam"], GSAM)
+    msam = namespace["msam"]
+    assert isinstance(msam, MomentumSAM) and msam.training and msam.step_statistics.rho == 1.0
+    assert torch.isfinite(namespace["test_loss"])
 
 
 def check_training(namespace):
