@@ -21,6 +21,11 @@ even with m-sharpness (the base optimizer's update is made with that gradient, w
 and ``first_step`` makes the update. Every rank takes the same decisions: :class:`~gearsam_fused.schedules.Every`,
 ``LookSAM`` and ``Random`` (with one seed) decide from the step count, ``Adaptive`` from a statistic averaged over
 the ranks.
+
+:class:`~gearsam_fused.MomentumSAM` takes one gradient a step, at the look-ahead point the parameters hold, so it
+needs no helper: ``loss.backward()`` through the DDP module all-reduces that gradient, and every rank then computes the
+same update and the same look-ahead point (``sam_step`` refuses it). On a ``fully_shard`` (FSDP2) model its momentum's
+block energies are summed over the ranks, as SAM's are.
 """
 
 from __future__ import annotations
@@ -54,6 +59,13 @@ def _multi_process() -> bool:
 def _check_step(optimizer: SharpnessAware, model: nn.Module, closure, m_sharpness: bool) -> bool:
     """Refuse what :func:`sam_step` cannot do right, each by name; returns whether ``model`` is a DDP module."""
     check_sharpness_aware(optimizer)
+    if optimizer.one_pass:
+        # refused before the closure runs: its forward and backward would be spent, and its gradient left behind
+        raise TypeError(
+            f"sam_step runs SAM's two passes; {type(optimizer).__name__} takes one gradient a step: call "
+            "loss.backward() through the DDP or fully_shard model, then optimizer.step(), which needs nothing more "
+            "on several processes"
+        )
     if not callable(closure):
         raise TypeError(
             f"closure must be callable (forward + backward, returning the loss), got {type(closure).__name__}"
