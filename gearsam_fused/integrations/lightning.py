@@ -18,6 +18,10 @@ makes the base update with the (clipped) first gradient, as a plain optimizer's 
 
 ``configure_optimizers`` returns a :class:`~gearsam_fused.SAM` or :class:`~gearsam_fused.GEARSAM` (with LR schedulers
 if wanted); checkpoints hold its state dict, so ``ckpt_path=`` resumes the GEAR EMA too.
+
+One-pass momentum SAM (:class:`~gearsam_fused.MomentumSAM`) needs no mixin: its ``step(closure)`` runs Lightning's
+closure (the one forward and backward, at the look-ahead point ``w~``) and then steps, as any torch optimizer's does.
+:class:`MomentumSAMCallback` makes validation, checkpoints and the module after ``fit`` see the weights ``w``.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+from lightning.pytorch import Callback
 
 from ..bn import frozen_bn_stats
 from ..optim import SharpnessAware
@@ -49,6 +54,12 @@ class SharpnessAwareMixin:
             raise TypeError(
                 f"SharpnessAwareMixin needs configure_optimizers to return a SAM or GEARSAM optimizer, got "
                 f"{type(sam).__name__}"
+            )
+        if sam.one_pass:
+            raise TypeError(
+                f"SharpnessAwareMixin adds SAM's second pass, which {type(sam).__name__} does not take: leave the mixin "
+                "out (Lightning's own optimizer_step steps it with its closure) and add MomentumSAMCallback() to the "
+                "Trainer's callbacks"
             )
         if getattr(self.trainer.precision_plugin, "scaler", None) is not None:
             raise ValueError(
@@ -88,6 +99,65 @@ class SharpnessAwareMixin:
                 for name, share in zip(sam.block_names, shares.unbind()):
                     self.log(f"sam/share/{name}", share)
         return super().on_before_optimizer_step(optimizer)
+
+
+class MomentumSAMCallback(Callback):
+    """Validation, checkpoints and the module after ``fit`` see the weights ``w`` of a
+    :class:`~gearsam_fused.MomentumSAM` (or of another optimizer with its ``eval()``/``train()`` protocol) that
+    ``configure_optimizers`` returns; training runs at the look-ahead point::
+
+        trainer = L.Trainer(max_epochs=10, callbacks=[MomentumSAMCallback()])
+
+    - ``on_validation_start`` (the sanity check's too): ``optimizer.eval()``, so validation runs at ``w``;
+    - reading the module's state dict during ``fit`` calls ``optimizer.eval()`` first. Lightning's checkpoint
+      (``trainer.save_checkpoint``, whichever ``ModelCheckpoint`` hook saves it) collects the module's state dict
+      before anything else, ahead of every ``on_save_checkpoint`` hook, so that hook would come too late; this way the
+      checkpoint holds ``w`` and the optimizer's state in eval mode, and ``ckpt_path=`` resumes exactly;
+    - ``on_train_batch_start``: ``optimizer.train()``, back to the look-ahead point (bit for bit the one left);
+    - ``on_train_end``: ``optimizer.eval()``: after ``fit`` the module holds ``w`` for ``test``, ``predict``, saving
+      or use; another ``fit`` moves back to the look-ahead point.
+
+    BatchNorm running statistics are gathered at the look-ahead point; :func:`gearsam_fused.recompute_bn_stats` gathers
+    them at ``w`` (e.g. in the module's ``on_validation_start``, which runs after this callback's).
+    """
+
+    def __init__(self):
+        self._optimizers: list = []
+        self._hook = None
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        self._optimizers = [opt for opt in trainer.optimizers if callable(getattr(opt, "eval", None))
+                            and callable(getattr(opt, "train", None))]  # fmt: skip
+        if not self._optimizers:
+            names = ", ".join(type(opt).__name__ for opt in trainer.optimizers) or "none"
+            raise TypeError(
+                f"MomentumSAMCallback needs configure_optimizers to return an optimizer with eval() and train(), such "
+                f"as MomentumSAM; got {names}"
+            )
+        if self._hook is None:
+            self._hook = pl_module.register_state_dict_pre_hook(self._weights_read)
+
+    def _weights_read(self, module, prefix, keep_vars) -> None:
+        self._eval()
+
+    def _eval(self) -> None:
+        for opt in self._optimizers:
+            opt.eval()
+
+    def on_validation_start(self, trainer, pl_module) -> None:
+        self._eval()
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        for opt in self._optimizers:
+            opt.train()
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self._eval()
+
+    def teardown(self, trainer, pl_module, stage: str) -> None:
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
 
 
 @contextlib.contextmanager

@@ -19,6 +19,14 @@ decay on the Trainer's decay parameters only) and wrapped in SAM or GEAR-SAM; th
 GEAR EMA (and the schedule's position). ``rho``, each block's share of the radius, the share of the step time SAM's
 own work took and the fraction of the steps since the last log that were SAM steps go into the Trainer's logs
 (``sam/rho``, ``sam/share/<block>``, ``sam/overhead``, ``sam/sam_fraction``), and so into its reporting integrations.
+
+One-pass momentum SAM (:class:`~gearsam_fused.MomentumSAM`, ``sam="momentum-sam"`` or ``"momentum-gear-sam"``) takes
+one gradient per step with the optimizer's own ``step()``, so the Trainer's loop is left as it is; between steps the
+parameters hold the look-ahead point ``w~`` and ``optimizer.eval()`` puts the weights ``w`` in them. The Trainer
+itself calls ``optimizer.eval()`` at the start of every evaluation and ``optimizer.train()`` in every training step
+(its support for schedule-free optimizers), but nothing before it saves the model: :class:`MomentumSAMCallback` adds
+that, so that checkpoints, ``save_model()`` and the model after ``train()`` hold ``w``. It works in any Trainer given
+the optimizer as ``optimizers=(opt, None)``; :class:`SAMTrainer` adds it itself for the momentum flavours.
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ from transformers import Trainer, TrainerCallback
 
 from .. import timing
 from ..bn import frozen_bn_stats
+from ..momentum import MomentumSAM
 from ..optim import GEARSAM, GSAM, SAM, WSAM, FriendlySAM, SharpnessAware
 
 #: The flavours :class:`SAMTrainer` accepts: optimizer class and whether it is adaptive (ASAM). The SAM family's
@@ -39,7 +48,13 @@ from ..optim import GEARSAM, GSAM, SAM, WSAM, FriendlySAM, SharpnessAware
 FLAVOURS = {
     "sam": (SAM, False), "asam": (SAM, True), "gear-sam": (GEARSAM, False), "gsam": (GSAM, False),
     "wsam": (WSAM, False), "friendly-sam": (FriendlySAM, False),
+    "momentum-sam": (MomentumSAM, False), "momentum-gear-sam": (MomentumSAM, False),
 }  # fmt: skip
+#: The one-pass flavours and MomentumSAM's ``allocation``: SAM's global radius or GEAR-SAM's per-block radii.
+ONE_PASS = {"momentum-sam": "sam", "momentum-gear-sam": "gear"}
+#: ``rho`` where none is given: SAM's radius, or the look-ahead radius of the momentum flavours (the ``gearsam``
+#: command's ``--momentum-rho``), whose scale is not SAM's.
+DEFAULT_RHO = {"two-pass": 0.05, "one-pass": 1.0}
 
 
 class SecondStep(torch.optim.Optimizer):
@@ -83,13 +98,21 @@ class SAMTrainer(Trainer):
     Besides the Trainer's own arguments:
 
     Args:
-        sam: one of :data:`FLAVOURS`: ``"sam"``, ``"asam"``, ``"gear-sam"``, ``"gsam"``, ``"wsam"`` or ``"friendly-sam"``.
-        rho: the radius; ``beta``: GEAR-SAM's EMA factor; ``eta``: ASAM's ``T = |w| + eta``.
+        sam: one of :data:`FLAVOURS`: ``"sam"``, ``"asam"``, ``"gear-sam"``, ``"gsam"``, ``"wsam"``,
+            ``"friendly-sam"``, or one-pass momentum SAM, ``"momentum-sam"`` or ``"momentum-gear-sam"``
+            (:class:`~gearsam_fused.MomentumSAM` with SAM's or GEAR-SAM's allocation; the base optimizer must keep a
+            momentum: ``optim="adamw_torch"``, or ``optim="sgd"`` with ``optim_args="momentum=0.9"``).
+        rho: the radius (default 0.05; for the momentum flavours the look-ahead radius, default 1.0); ``beta``:
+            GEAR-SAM's EMA factor; ``eta``: ASAM's ``T = |w| + eta``.
         partition: the blocks (:func:`gearsam_fused.partition`; GEAR-SAM allocates over them, SAM reports them).
         backend: as :class:`gearsam_fused.SAM`'s.
         schedule: which steps take the second pass (:mod:`gearsam_fused.schedules`; None: every step). A step the
             schedule skips runs the first pass only (over the whole window), and the Trainer's ``optimizer.step()``
-            makes the base update with the clipped first gradient.
+            makes the base update with the clipped first gradient. Not with the momentum flavours.
+
+    With a momentum flavour (or a :class:`~gearsam_fused.MomentumSAM` given as ``optimizers=(opt, None)``) each step is
+    the Trainer's own, with the one gradient taken at the look-ahead point, and :class:`MomentumSAMCallback` keeps
+    evaluation, checkpoints and the model after training at ``w``; ``sam/rho`` and ``sam/share/<block>`` are logged.
 
     Gradient accumulation, ``max_grad_norm`` (applied to the second gradient), bf16, fp16 with the Trainer's loss
     scaler, LR schedulers and checkpoints work as in the Trainer. BatchNorm running statistics see the first pass
@@ -98,19 +121,28 @@ class SAMTrainer(Trainer):
     the scaler skip ``optimizer.step()``, and the perturbation is undone (weights, GEAR EMA) right after.
     """
 
-    def __init__(self, *args, sam: str = "gear-sam", rho: float = 0.05, beta: float = 0.9, eta: float = 0.01,
+    def __init__(self, *args, sam: str = "gear-sam", rho: float | None = None, beta: float = 0.9, eta: float = 0.01,
                  partition="coarse", backend: str = "auto", schedule=None, **kwargs):  # fmt: skip
         if sam not in FLAVOURS:
             raise ValueError(f"sam must be one of {list(FLAVOURS)}, got {sam!r}")
+        if sam in ONE_PASS and schedule is not None:
+            raise ValueError(f"sam={sam!r} takes one gradient every step: a schedule of second passes does not apply")
+        if rho is None:
+            rho = DEFAULT_RHO["one-pass" if sam in ONE_PASS else "two-pass"]
         self.sam_settings = dict(sam=sam, rho=rho, beta=beta, eta=eta, partition=partition, backend=backend,
                                  schedule=schedule)  # fmt: skip
         self._sam_steps = [0, 0]  # SAM steps and steps since the last training log
         self._window: list[tuple[dict, object]] = []  # the micro-batches of the current accumulation window
         self._second_step: SecondStep | None = None  # what the Trainer steps (it may wrap it: accelerate does)
+        self._one_pass: MomentumSAM | None = None  # or this, stepped by the Trainer as it is
         self._clock = _StepClock()
         super().__init__(*args, **kwargs)
         self.add_callback(_UndoSkippedStep(self))
-        if isinstance(self.optimizer, SharpnessAware):
+        if isinstance(self.optimizer, MomentumSAM) or (self.optimizer is None and sam in ONE_PASS):
+            self.add_callback(MomentumSAMCallback())
+        if isinstance(self.optimizer, MomentumSAM):
+            self._one_pass = self.optimizer
+        elif isinstance(self.optimizer, SharpnessAware):
             self.optimizer = self._second_step = SecondStep(self.optimizer)
         elif isinstance(self.optimizer, SecondStep):
             self._second_step = self.optimizer
@@ -122,7 +154,9 @@ class SAMTrainer(Trainer):
 
     @property
     def sam(self) -> SharpnessAware:
-        """The SAM / GEAR-SAM optimizer (after ``create_optimizer``)."""
+        """The SAM / GEAR-SAM / MomentumSAM optimizer (after ``create_optimizer``)."""
+        if self._one_pass is not None:
+            return self._one_pass
         if self._second_step is None:
             raise RuntimeError("the optimizer is built when training starts (or by create_optimizer())")
         return self._second_step.sam
@@ -130,7 +164,11 @@ class SAMTrainer(Trainer):
     def create_optimizer(self, model: nn.Module | None = None):
         if self.optimizer is None:
             model = self.model if model is None else model
-            self.optimizer = self._second_step = SecondStep(self._build_sam(model))
+            sam = self._build_sam(model)
+            if isinstance(sam, MomentumSAM):
+                self.optimizer = self._one_pass = sam
+            else:
+                self.optimizer = self._second_step = SecondStep(sam)
         return self.optimizer
 
     def _build_sam(self, model: nn.Module) -> SharpnessAware:
@@ -153,12 +191,17 @@ class SAMTrainer(Trainer):
                 )
         s = self.sam_settings
         cls, adaptive = FLAVOURS[s["sam"]]
+        if cls is MomentumSAM:
+            return MomentumSAM(groups, base, model=model, rho=s["rho"], allocation=ONE_PASS[s["sam"]], beta=s["beta"],
+                               partition=s["partition"], backend=s["backend"], **kwargs)  # fmt: skip
         extra = {"beta": s["beta"]} if cls is GEARSAM else {}
         return cls(groups, base, model=model, rho=s["rho"], adaptive=adaptive, eta=s["eta"] if adaptive else 0.0,
                    partition=s["partition"], backend=s["backend"], schedule=s["schedule"], **extra,
                    **kwargs)  # fmt: skip
 
     def training_step(self, model: nn.Module, inputs: dict, num_items_in_batch=None) -> torch.Tensor:
+        if self._one_pass is not None:  # the Trainer's own step: the one gradient, then optimizer.step()
+            return super().training_step(model, inputs, num_items_in_batch)
         if not self._window:
             self._clock.mark("start", self.args.device)
         loss = super().training_step(model, inputs, num_items_in_batch)
@@ -193,7 +236,7 @@ class SAMTrainer(Trainer):
                     super().training_step(model, inputs, num_items_in_batch)
 
     def log(self, logs: dict[str, float], *args, **kwargs) -> None:
-        if "loss" in logs and self._second_step is not None:  # a training log
+        if "loss" in logs and (self._second_step is not None or self._one_pass is not None):  # a training log
             stats = self.sam.block_stats()  # one synchronisation, at logging time only
             logs["sam/rho"] = self.sam.step_statistics.rho
             for name, share in zip(self.sam.block_names, stats["share"].tolist()):
@@ -206,6 +249,57 @@ class SAMTrainer(Trainer):
                 logs["sam/sam_fraction"] = sam_steps / steps
                 self._sam_steps = [0, 0]
         super().log(logs, *args, **kwargs)
+
+
+class MomentumSAMCallback(TrainerCallback):
+    """Evaluation, checkpoints and the model after training see the weights ``w`` of a
+    :class:`~gearsam_fused.MomentumSAM` (or of another optimizer with its ``eval()``/``train()`` protocol) that the
+    Trainer steps; training runs at the look-ahead point. For any ``transformers.Trainer`` (or subclass) given the
+    optimizer as ``optimizers=(opt, None)``::
+
+        trainer = Trainer(model=model, args=args, train_dataset=data, optimizers=(opt, None),
+                          callbacks=[MomentumSAMCallback()])
+
+    The Trainer already calls ``optimizer.eval()`` at the start of each evaluation (``evaluation_loop``) and
+    ``optimizer.train()`` in each ``training_step``. This callback adds:
+
+    - while training, reading the model's state dict (each checkpoint's ``save_model``, a ``save_pretrained``) calls
+      ``optimizer.eval()`` first, so the saved weights are ``w`` and the optimizer's checkpoint is saved in eval mode
+      (``resume_from_checkpoint`` continues exactly); the next training step moves back to the look-ahead point;
+    - at the end of training, ``optimizer.eval()``: the model then holds ``w`` for ``save_model()``, ``evaluate()``,
+      ``push_to_hub()`` or use; a later ``train()`` call moves back to the look-ahead point.
+
+    ``load_best_model_at_end`` loads into ``w``: it needs an evaluation strategy, and the Trainer evaluates on the last
+    step (or at the end of the last epoch) before it loads the best checkpoint.
+
+    BatchNorm running statistics are gathered at the look-ahead point; :func:`gearsam_fused.recompute_bn_stats` gathers
+    them at ``w``.
+    """
+
+    def __init__(self):
+        self._optimizer = None
+        self._hook = None
+
+    def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+        inner = getattr(optimizer, "optimizer", optimizer)  # accelerate wraps the optimizer
+        if not (callable(getattr(inner, "eval", None)) and callable(getattr(inner, "train", None))):
+            raise TypeError(
+                f"MomentumSAMCallback needs an optimizer with eval() and train(), such as MomentumSAM, given to the "
+                f"Trainer as optimizers=(opt, None); got {type(inner).__name__}"
+            )
+        self._optimizer = inner
+        if self._hook is None:
+            self._hook = model.register_state_dict_pre_hook(self._weights_read)
+
+    def _weights_read(self, module, prefix, keep_vars) -> None:
+        self._optimizer.eval()
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self._optimizer is not None:
+            self._optimizer.eval()
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
 
 
 class _UndoSkippedStep(TrainerCallback):

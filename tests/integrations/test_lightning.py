@@ -2,7 +2,9 @@
 (:class:`gearsam_fused.integrations.lightning.SharpnessAwareMixin`): a fit equals the manual two-pass loop over the
 same micro-batches bit for bit, with and without gradient accumulation and clipping, for a tiny GPT-2 and a small CNN
 with BatchNorm, in float32 and with ``precision="bf16-mixed"`` (against the loop with both passes under autocast); a fit resumed from a checkpoint equals the uninterrupted one, and a fit switched to SAM from a plain
-module's checkpoint equals the manual loop continued from it; the blocks' shares are logged."""
+module's checkpoint equals the manual loop continued from it; the blocks' shares are logged. One-pass momentum SAM
+(MomentumSAM) with MomentumSAMCallback and no mixin: training runs at the hand-written loop's look-ahead points,
+validation and checkpoints see w, and a fit resumed from a checkpoint equals the uninterrupted one."""
 
 from __future__ import annotations
 
@@ -18,8 +20,8 @@ pytestmark = pytest.mark.heavy  # a trainer's whole loop a case: the default tie
 L = pytest.importorskip("lightning.pytorch")
 transformers = pytest.importorskip("transformers")
 
-from gearsam_fused import GEARSAM, SAM, FriendlySAM, SurrogateGap, frozen_bn_stats  # noqa: E402
-from gearsam_fused.integrations.lightning import SharpnessAwareMixin  # noqa: E402
+from gearsam_fused import GEARSAM, SAM, FriendlySAM, MomentumSAM, SurrogateGap, frozen_bn_stats  # noqa: E402
+from gearsam_fused.integrations.lightning import MomentumSAMCallback, SharpnessAwareMixin  # noqa: E402
 from gearsam_fused.models import resnet18  # noqa: E402
 
 from conftest import flat, rel_err  # noqa: E402
@@ -284,12 +286,22 @@ class PlainOptimizer(Module):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
+class MomentumWithMixin(Module):
+    def configure_optimizers(self):
+        return momentum_sam(self.net)
+
+
 def test_an_optimizer_that_is_not_sam_is_refused():
-    fit = trainer(max_steps=1)
+    loader = torch.utils.data.DataLoader(batches("cnn", 1), batch_size=None)
     with pytest.raises(TypeError, match="needs configure_optimizers to return a SAM or GEARSAM"):
-        fit.fit(
-            PlainOptimizer("cnn", "sam"),
-            train_dataloaders=torch.utils.data.DataLoader(batches("cnn", 1), batch_size=None),
+        trainer(max_steps=1).fit(PlainOptimizer("cnn", "sam"), train_dataloaders=loader)
+    # one-pass momentum SAM takes no second pass: the mixin refuses it, and the callback refuses an optimizer without
+    # eval() and train()
+    with pytest.raises(TypeError, match="second pass, which MomentumSAM does not take: leave the mixin out"):
+        trainer(max_steps=1).fit(MomentumWithMixin("cnn", "sam"), train_dataloaders=loader)
+    with pytest.raises(TypeError, match="MomentumSAMCallback needs .* eval.. and train.*; got SGD"):
+        trainer(max_steps=1, callbacks=[MomentumSAMCallback()]).fit(
+            PlainOptimizer("cnn", "sam"), train_dataloaders=loader
         )
 
 
@@ -313,3 +325,103 @@ def test_the_readme_example_runs():
     assert fit.global_step == 4  # 2 epochs of 4 micro-batches, 2 per step
     assert module.optimizers().optimizer.block_names == ["stem", "layer1", "layer2", "layer3", "layer4", "classifier"]
     assert "sam/share/layer4" in fit.callback_metrics
+
+
+# ------------------------------------------------------------------------------ one-pass momentum SAM
+def momentum_sam(net: nn.Module) -> MomentumSAM:
+    return MomentumSAM(net, torch.optim.SGD, rho=0.5, lr=0.05, momentum=0.9, weight_decay=5e-4)
+
+
+class Momentum(L.LightningModule):
+    """A CNN with BatchNorm trained with MomentumSAM and Lightning's own optimizer_step; records the weights every
+    training forward ran at and every validation saw (with the step it came after)."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = CNN()
+        self.trained_at, self.validated_at = [], []
+
+    def training_step(self, batch, batch_idx):
+        self.trained_at.append(flat(self.net).clone())
+        return loss_of("cnn", self.net, batch)
+
+    def validation_step(self, batch, batch_idx):
+        self.validated_at.append((self.trainer.global_step, flat(self.net).clone()))
+        return loss_of("cnn", self.net, batch)
+
+    def configure_optimizers(self):
+        opt = momentum_sam(self.net)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": schedule(opt), "interval": "step"}}
+
+
+def momentum_loop(data: list, steps: int) -> tuple[list, list, nn.Module]:
+    """The one-call loop by hand: the look-ahead point before each step and after the last, w after each step (from
+    ``opt.eval()``, then ``opt.train()`` again), and the network holding the last w."""
+    net = CNN()
+    opt = momentum_sam(net)
+    sched = schedule(opt)
+    lookahead, w = [], [flat(net).clone()]
+    for batch in data[:steps]:
+        lookahead.append(flat(net).clone())
+        opt.zero_grad()
+        loss_of("cnn", net, batch).backward()
+        opt.step()
+        sched.step()
+        opt.eval()
+        w.append(flat(net).clone())
+        opt.train()
+    lookahead.append(flat(net).clone())
+    opt.eval()
+    return lookahead, w, net
+
+
+def test_momentum_sam_validates_and_checkpoints_w_and_trains_at_the_lookahead_point(tmp_path):
+    """Two epochs of 3 steps, a validation before training (the sanity check) and after each epoch, a checkpoint every
+    2 steps (at the end of a training batch, in train mode). Each training forward runs at the hand-written loop's
+    look-ahead point (so each move to w and back was exact), each validation sees w, the checkpoints hold w and the
+    optimizer's state in eval mode, and after fit the module holds w, BatchNorm statistics included."""
+    data = batches("cnn", STEPS)
+    module = Momentum()
+    saving = L.callbacks.ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=-1)
+    fit = trainer(max_epochs=2, num_sanity_val_steps=1, enable_checkpointing=True,
+                  callbacks=[MomentumSAMCallback(), saving])  # fmt: skip
+    loader = torch.utils.data.DataLoader(data[:3], batch_size=None)
+    fit.fit(module, train_dataloaders=loader, val_dataloaders=torch.utils.data.DataLoader(data[3:4], batch_size=None))
+    lookahead, w, net = momentum_loop(data[:3] * 2, STEPS)
+
+    assert len(module.trained_at) == STEPS
+    assert all(torch.equal(a, b) for a, b in zip(module.trained_at, lookahead[:STEPS], strict=True))
+    assert [step for step, _ in module.validated_at] == [0, 3, 6]
+    for step, weights in module.validated_at:
+        assert torch.equal(weights, w[step]) and not (step and torch.equal(weights, lookahead[step]))
+    for step in (2, 4, 6):
+        (path,) = tmp_path.glob(f"*step={step}.ckpt")
+        saved = torch.load(path, weights_only=False)
+        weights = torch.cat([saved["state_dict"][f"net.{k}"].flatten() for k, _ in net.named_parameters()])
+        assert torch.equal(weights, w[step]) and not torch.equal(weights, lookahead[step])
+        assert saved["optimizer_states"][0]["param_groups"][0]["gearsam"]["training"] is False
+    assert not fit.optimizers[0].training and torch.equal(flat(module.net), flat(net))
+    assert torch.equal(module.net.stem[1].running_mean, net.stem[1].running_mean)
+
+
+def test_momentum_sam_resumes_from_a_checkpoint_exactly(tmp_path):
+    """One epoch of 3 steps saved after fit (the module at w, the optimizer in eval mode), loaded by a fresh module
+    with other weights with ``ckpt_path=``: the second epoch ends bit for bit where the uninterrupted fit ended."""
+    loader = torch.utils.data.DataLoader(batches("cnn", 3), batch_size=None)
+    whole = Momentum()
+    trainer(max_epochs=2, callbacks=[MomentumSAMCallback()]).fit(whole, train_dataloaders=loader)
+    first = trainer(max_epochs=1, callbacks=[MomentumSAMCallback()])
+    first.fit(Momentum(), train_dataloaders=loader)
+    first.save_checkpoint(tmp_path / "epoch1.ckpt")
+    saved = torch.load(tmp_path / "epoch1.ckpt", weights_only=False)
+    assert saved["optimizer_states"][0]["param_groups"][0]["gearsam"]["training"] is False  # fit ended at w
+    resumed = Momentum()
+    with torch.no_grad():
+        for p in resumed.parameters():
+            p.add_(1.0)  # other weights: everything must come from the checkpoint
+    again = trainer(max_epochs=2, callbacks=[MomentumSAMCallback()])
+    again.fit(resumed, train_dataloaders=loader, ckpt_path=tmp_path / "epoch1.ckpt")
+    assert again.global_step == 6
+    assert torch.equal(flat(resumed.net), flat(whole.net))
+    assert torch.equal(resumed.trained_at[0], whole.trained_at[3])  # the look-ahead point, restored from w
+    assert torch.equal(resumed.net.stem[1].running_var, whole.net.stem[1].running_var)

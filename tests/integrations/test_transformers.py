@@ -1,8 +1,10 @@
 """Hugging Face ``Trainer`` with SAM, ASAM and GEAR-SAM (:class:`gearsam_fused.integrations.transformers.SAMTrainer`):
 the Trainer's run equals the manual two-pass loop over the same micro-batches bit for bit, with and without gradient
 accumulation and clipping, in float32 and with ``bf16=True`` (against the loop with both passes under autocast); a run resumed from a checkpoint equals the uninterrupted one, and a run switched to SAM from a plain
-Trainer's checkpoint equals the manual loop continued from it; the blocks of the architectures it trains. Tiny models
-built from configs, synthetic tokens, nothing downloaded."""
+Trainer's checkpoint equals the manual loop continued from it; the blocks of the architectures it trains. One-pass
+momentum SAM (MomentumSAM) in a plain Trainer with MomentumSAMCallback and in SAMTrainer: evaluation, checkpoints and
+the model after training hold w, training runs at the look-ahead point as the hand-written loop does, a resumed run
+equals the uninterrupted one. Tiny models built from configs, synthetic tokens, nothing downloaded."""
 
 from __future__ import annotations
 
@@ -28,8 +30,8 @@ from transformers import (  # noqa: E402
     get_scheduler,
 )
 
-from gearsam_fused import GEARSAM, SAM, partition  # noqa: E402
-from gearsam_fused.integrations.transformers import FLAVOURS, SAMTrainer  # noqa: E402
+from gearsam_fused import GEARSAM, SAM, Every, MomentumSAM, partition  # noqa: E402
+from gearsam_fused.integrations.transformers import FLAVOURS, ONE_PASS, MomentumSAMCallback, SAMTrainer  # noqa: E402
 
 from conftest import flat, rel_err  # noqa: E402
 from doc_blocks import needs_block  # noqa: E402
@@ -134,7 +136,7 @@ def manual_run(
     return model
 
 
-@pytest.mark.parametrize("sam", list(FLAVOURS))
+@pytest.mark.parametrize("sam", [name for name in FLAVOURS if name not in ONE_PASS])
 @pytest.mark.parametrize("ga,clip", [(1, 0.0), (3, 0.0), (2, 0.05)], ids=["plain", "accumulation", "acc-clip"])
 def test_trainer_equals_the_manual_two_pass_loop(tmp_path, sam, ga, clip):
     steps = 6
@@ -298,6 +300,16 @@ def test_what_cannot_work_is_refused_with_the_reason(tmp_path):
         model = gpt2()
         SAMTrainer(model=model, args=arguments(tmp_path), train_dataset=Tokens(),
                    optimizers=(torch.optim.SGD(model.parameters(), lr=0.1), None))  # fmt: skip
+    with pytest.raises(ValueError, match="takes one gradient every step: a schedule"):
+        SAMTrainer(
+            model=gpt2(), args=arguments(tmp_path), train_dataset=Tokens(), sam="momentum-sam", schedule=Every(2)
+        )
+    model = gpt2()
+    adamw = torch.optim.AdamW(model.parameters())
+    plain = Trainer(model=model, args=arguments(tmp_path, max_steps=1), train_dataset=Tokens(),
+                    optimizers=(adamw, None), callbacks=[MomentumSAMCallback()])  # fmt: skip
+    with pytest.raises(TypeError, match="MomentumSAMCallback needs an optimizer with eval.. and train.., .*got AdamW"):
+        plain.train()
 
 
 # ------------------------------------------------------------------------------ a small CNN through the Trainer
@@ -419,3 +431,100 @@ def test_importing_the_library_imports_no_trainer_framework():
     code = "import sys, gearsam_fused; print(sorted({'transformers', 'lightning', 'accelerate'} & set(sys.modules)))"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout + done.stderr
+
+
+# ------------------------------------------------------------------------------ one-pass momentum SAM
+class Watching(Trainer):
+    """Records every micro-batch with its token count, the weights each training forward ran at, and the weights each
+    evaluation saw (with the step it came after)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.seen, self.trained_at, self.evaluated_at = [], [], []
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        self.seen.append(({k: v.clone() for k, v in inputs.items()}, num_items_in_batch))
+        return super().training_step(model, inputs, num_items_in_batch)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        weights = flat(model).clone()
+        if model.training:
+            self.trained_at.append(weights)
+        else:
+            self.evaluated_at.append((self.state.global_step, weights))
+        return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+
+def momentum_sam(model: nn.Module, **kw) -> MomentumSAM:
+    return MomentumSAM(model, torch.optim.AdamW, rho=0.5, lr=3e-3, weight_decay=0.01, **kw)
+
+
+def momentum_loop(seen: list, steps: int) -> tuple[list, list]:
+    """The one-call loop by hand over the Trainer's micro-batches (one per step), with the Trainer's linear schedule:
+    the look-ahead point before each step and after the last, and after each step w from ``opt.eval()`` (then
+    ``opt.train()`` again)."""
+    model = gpt2()
+    opt = momentum_sam(model)
+    schedule = get_scheduler("linear", opt, num_warmup_steps=0, num_training_steps=steps)
+    lookahead, w = [], []
+    for inputs, num_items in seen:
+        lookahead.append(flat(model).clone())
+        model(**inputs, num_items_in_batch=num_items).loss.backward()
+        opt.step()
+        schedule.step()
+        opt.zero_grad()
+        opt.eval()
+        w.append(flat(model).clone())
+        opt.train()
+    return [*lookahead, flat(model).clone()], w
+
+
+def test_momentum_sam_in_a_plain_trainer_evaluates_and_saves_w_and_trains_at_the_lookahead_point(tmp_path):
+    """MomentumSAM given to a plain Trainer with MomentumSAMCallback; evaluation at steps 4 and 6 (the last), checkpoints
+    at 3 and 6. Each evaluation sees w (the Trainer's own optimizer.eval()), the checkpoint of step 3, where nothing was
+    evaluated, holds w (the callback), every training forward runs at the look-ahead point of the hand-written loop
+    (so each move to w and back was exact), and after training the model holds w."""
+    steps = 6
+    model = gpt2()
+    opt = momentum_sam(model)
+    args = arguments(tmp_path, max_steps=steps, eval_strategy="steps", eval_steps=4, save_strategy="steps",
+                     save_steps=3, per_device_eval_batch_size=N_SEQ, logging_steps=steps)  # fmt: skip
+    trainer = Watching(model=model, args=args, train_dataset=Tokens(), eval_dataset=Tokens(), optimizers=(opt, None),
+                       callbacks=[MomentumSAMCallback()])  # fmt: skip
+    trainer.train()
+    lookahead, w = momentum_loop(trainer.seen, steps)
+
+    assert len(trainer.trained_at) == steps
+    assert all(torch.equal(a, b) for a, b in zip(trainer.trained_at, lookahead[:steps], strict=True))
+    assert [step for step, _ in trainer.evaluated_at] == [4, 6]
+    for step, weights in trainer.evaluated_at:
+        assert torch.equal(weights, w[step - 1]) and not torch.equal(weights, lookahead[step])  # w, not w~
+    saved = GPT2LMHeadModel.from_pretrained(tmp_path / "checkpoint-3")
+    assert torch.equal(flat(saved), w[2]) and not torch.equal(flat(saved), lookahead[3])
+    state = torch.load(tmp_path / "checkpoint-3" / "optimizer.pt", weights_only=True)
+    assert state["param_groups"][0]["gearsam"]["training"] is False  # saved in eval mode, with the model's w
+    assert not opt.training and torch.equal(flat(model), w[-1])
+
+
+def test_momentum_sam_trainer_resumes_from_a_checkpoint_exactly(tmp_path):
+    """SAMTrainer(sam="momentum-gear-sam") builds MomentumSAM from the TrainingArguments (GEAR-SAM's allocation) and
+    adds the callback; saved at step 3 of 6, resumed by a new Trainer on a model with other weights: the weights after
+    training are the uninterrupted run's w, bit for bit (the resumed run saves nothing: w comes from the end of
+    training), and the logs carry rho and the blocks' shares."""
+    common = dict(max_steps=6, gradient_accumulation_steps=2, max_grad_norm=0.05, optim="adamw_torch",
+                  save_strategy="steps", save_steps=3)  # fmt: skip
+    model = gpt2()
+    whole = SAMTrainer(model=model, args=arguments(tmp_path / "run", **common), train_dataset=Tokens(),
+                       sam="momentum-gear-sam", rho=0.5)  # fmt: skip
+    whole.train()
+    assert isinstance(whole.sam, MomentumSAM) and whole.sam.rule == "gear-sam" and not whole.sam.training
+    logs = [entry for entry in whole.state.log_history if "loss" in entry]
+    assert all(entry["sam/rho"] == 0.5 for entry in logs) and len(logs) == 6
+    assert sum(logs[-1][f"sam/share/{name}"] for name in whole.sam.block_names) == pytest.approx(1.0, abs=1e-6)
+    torch.manual_seed(123)
+    resumed = GPT2LMHeadModel(gpt2().config)
+    trainer = SAMTrainer(model=resumed, args=arguments(tmp_path / "resumed", **{**common, "save_strategy": "no"}),
+                         train_dataset=Tokens(), sam="momentum-gear-sam", rho=0.5)  # fmt: skip
+    trainer.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-3"))
+    assert torch.equal(flat(resumed), flat(model)) and not trainer.sam.training
+    assert rel_err(flat(model), flat(GPT2LMHeadModel.from_pretrained(tmp_path / "run" / "checkpoint-3"))) > 1e-4
