@@ -39,7 +39,7 @@ from .allocation import GEAR_RULE, RULES, SAM_RULE, check_rule
 from .backends.base import Direction
 from .base_step import FUSED, PER_TENSOR
 from .checks import check_real
-from .optim import _STATE_KEY, SharpnessAware, _own_graph
+from .optim import _STATE_KEY, SharpnessAware, _own_graph, _split_state
 from .sharding import sum_over
 
 #: The base optimizers MomentumSAM perturbs along, and the state that holds their momentum.
@@ -186,6 +186,10 @@ class MomentumSAM(SharpnessAware):
     def second_step(self, *args, **kwargs):
         raise RuntimeError(_ONE_CALL)
 
+    def _score(self, energy: torch.Tensor, ema: torch.Tensor) -> torch.Tensor:
+        # block_stats()'s allocation score is the rule's, as SAM's and GEARSAM's: sqrt(e_b), or the EMA
+        return ema if self.rule == GEAR_RULE else energy.sqrt()
+
     # ------------------------------------------------------------------ the weights a user sees
     @property
     def training(self) -> bool:
@@ -238,10 +242,17 @@ class MomentumSAM(SharpnessAware):
         saved look-ahead point at once (from the saved ``w``); in eval mode they are left to the model's state dict
         (``w``) and :meth:`train` moves to the look-ahead point. A plain optimizer's state dict starts without a
         look-ahead, in the current mode."""
+        saved = _split_state(state_dict)[1]
+        if saved is not None and saved.get("one_pass") and saved["rule"] != self.rule:
+            names = {SAM_RULE: "sam", GEAR_RULE: "gear"}
+            raise ValueError(
+                f"state dict was saved by MomentumSAM with allocation={names.get(saved['rule'], saved['rule'])!r}, "
+                f"this optimizer has allocation={names[self.rule]!r}"
+            )
+        super().load_state_dict(state_dict)  # first: a refused state dict leaves w and the look-ahead as they were
         self._backend.forget_()  # the loaded state replaces the weights the saved copy belongs to
         self._run.looking_ahead = False
         self._run.lookahead.zero_()
-        super().load_state_dict(state_dict)
         entry = state_dict.get("param_groups", [{}])[0].get(_STATE_KEY)
         if entry is None:
             return

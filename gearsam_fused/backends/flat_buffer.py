@@ -81,13 +81,21 @@ class FlatBufferBackend(Backend):
     def direction_energy(self, direction: Direction, adaptive: bool, eta: float) -> torch.Tensor:
         return self._per_block(
             self._bucket_energy(bucket, adaptive, eta, self._flat_direction(bucket, direction))
-            for bucket in self._live_buckets()
+            for bucket in self._direction_buckets(direction)
         )
 
     def _perturb_along(self, scale: torch.Tensor, direction: Direction, adaptive: bool, eta: float) -> None:
-        for bucket in self._live_buckets():
+        for bucket in self._direction_buckets(direction):
             flat = self._flat_direction(bucket, direction)
             self._bucket_perturb(bucket, scale.to(bucket.device), adaptive, eta, direction=flat)
+
+    def _direction_buckets(self, direction: Direction) -> list[Bucket]:
+        """The buckets to read or move along ``direction``. A flat direction is the fused base step's state, whose
+        plan has just synced the layout: a second sync in one compiled step would be handed copies of the gradient
+        buffers. A direction given per tensor may come with parameters replaced since the last step: synced first."""
+        if direction.flat:
+            return [bucket for bucket in self.layout.buckets if bucket.n_tiles]
+        return self._live_buckets()
 
     def _flat_direction(self, bucket: Bucket, direction: Direction) -> torch.Tensor:
         """The bucket's part of ``direction`` as one flat buffer: its own where it has one, else its tensors copied

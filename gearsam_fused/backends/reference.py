@@ -63,11 +63,11 @@ class ReferenceBackend(Backend):
                 self._saved.append((p, p.detach().clone()))
                 dtype = compute_dtype(p)
                 w = p.to(dtype)
-                direction = g.to(dtype)
+                v = g.to(dtype)  # not `direction`: the next block's parameters are read from that
                 if adaptive:
-                    direction = (w.abs() + eta).square() * direction
+                    v = (w.abs() + eta).square() * v
                 s = scale[b].to(device=p.device, dtype=dtype)
-                p.copy_(torch.where(s == 0, w, w + direction * s))  # a skipped block stays w, even where g is inf
+                p.copy_(torch.where(s == 0, w, w + v * s))  # a skipped block stays w, even where g is inf
 
     @torch.no_grad()
     def _restore(self) -> None:
