@@ -32,6 +32,8 @@ schedule-free optimizers do: evaluate and save the model in eval mode.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -39,7 +41,7 @@ from .allocation import GEAR_RULE, RULES, SAM_RULE, check_rule
 from .backends.base import Direction
 from .base_step import FUSED, PER_TENSOR
 from .checks import check_real
-from .optim import _STATE_KEY, SharpnessAware, _own_graph, _split_state
+from .optim import _STATE_KEY, SharpnessAware, _check_base_optimizer, _own_graph, _split_state
 from .sharding import sum_over
 
 #: The base optimizers MomentumSAM perturbs along, and the state that holds their momentum.
@@ -96,6 +98,7 @@ class MomentumSAM(SharpnessAware):
             raise ValueError(f"allocation must be one of {sorted(ALLOCATIONS)}, got {allocation!r}")
         self.rule = check_rule(ALLOCATIONS[allocation])
         self.beta = check_real("beta", beta, low=0.0, high=1.0) if self.rule == GEAR_RULE else 0.0
+        _check_base_optimizer(base_optimizer)  # an instance, ZeRO: SAM's own errors, before the momentum's
         self.momentum_key = _momentum_key(base_optimizer)
         if partition is None:
             partition = "coarse" if isinstance(params, nn.Module) or model is not None else "global"
@@ -249,6 +252,12 @@ class MomentumSAM(SharpnessAware):
                 f"state dict was saved by MomentumSAM with allocation={names.get(saved['rule'], saved['rule'])!r}, "
                 f"this optimizer has allocation={names[self.rule]!r}"
             )
+        if saved is not None and saved.get("training") and saved.get("looking_ahead") and "weights" not in saved:
+            raise ValueError(
+                "state dict was saved in train mode but holds no copy of w (torch.distributed.checkpoint loads only "
+                "the entries a fresh optimizer's state dict has): save it in eval mode, after opt.eval(), to resume "
+                "from the model's own weights"
+            )
         super().load_state_dict(state_dict)  # first: a refused state dict leaves w and the look-ahead as they were
         self._backend.forget_()  # the loaded state replaces the weights the saved copy belongs to
         self._run.looking_ahead = False
@@ -273,10 +282,12 @@ _ONE_CALL = (
 
 
 def _momentum_key(base_optimizer) -> str:
-    """The state name of the base optimizer's momentum, or an error naming what is supported."""
-    if isinstance(base_optimizer, type):
-        for cls, key in MOMENTUM_STATE.items():
-            if issubclass(base_optimizer, cls):
+    """The state name of the base optimizer's momentum, or an error naming what is supported. A
+    ``functools.partial`` of a class is that class."""
+    cls = base_optimizer.func if isinstance(base_optimizer, functools.partial) else base_optimizer
+    if isinstance(cls, type):
+        for base, key in MOMENTUM_STATE.items():
+            if issubclass(cls, base):
                 return key
     name = getattr(base_optimizer, "__name__", repr(base_optimizer))
     raise ValueError(

@@ -994,15 +994,15 @@ class SharpnessAware(torch.optim.Optimizer):
             self._load_plain_state_dict(state_dict)
             return
         rule = ours["rule"]
-        if rule != self.rule:
-            saver = {r: cls.__name__ for r, cls in OPTIMIZERS.items()}.get(rule, repr(rule))
-            raise ValueError(f"state dict was saved by {saver}, cannot load it into {type(self).__name__}")
         if bool(ours.get("one_pass", False)) != self.one_pass:
             saver = (
                 "a one-pass MomentumSAM"
                 if ours.get("one_pass")
                 else "a two-pass optimizer (SAM's first_step/second_step)"
             )
+            raise ValueError(f"state dict was saved by {saver}, cannot load it into {type(self).__name__}")
+        if rule != self.rule:
+            saver = {r: cls.__name__ for r, cls in OPTIMIZERS.items()}.get(rule, repr(rule))
             raise ValueError(f"state dict was saved by {saver}, cannot load it into {type(self).__name__}")
         if list(ours["block_names"]) != self.block_names:
             raise ValueError(

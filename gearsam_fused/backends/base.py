@@ -126,9 +126,11 @@ class Backend:
             self._perturb(scale, adaptive, eta)
         self.perturbed = True
 
+    # The per-tensor backends' block_energy and _perturb take a direction in place of the gradients as a last
+    # argument; the flat-buffer backends read it as a flat buffer per bucket instead.
     def direction_energy(self, direction: Direction, adaptive: bool, eta: float) -> torch.Tensor:
         """:meth:`block_energy` of ``direction``'s tensors in place of the gradients (the same reduction)."""
-        raise NotImplementedError
+        return self.block_energy(adaptive, eta, direction)
 
     def perturb_along_(self, scale: torch.Tensor, direction: Direction, adaptive: bool, eta: float) -> None:
         """:meth:`perturb_` along ``direction`` in place of the gradients: save the parameters, then
@@ -148,7 +150,7 @@ class Backend:
         """:meth:`forget_`'s work: nothing where the next :meth:`perturb_` overwrites the saved copy."""
 
     def _perturb_along(self, scale: torch.Tensor, direction: Direction, adaptive: bool, eta: float) -> None:
-        raise NotImplementedError
+        self._perturb(scale, adaptive, eta, direction)
 
     def restore_(self) -> None:
         """Put back, bit for bit, every parameter saved by the last :meth:`perturb_` (nothing if none is saved). The

@@ -47,12 +47,6 @@ class ReferenceBackend(Backend):
             energies.append(energy)
         return torch.stack(energies)
 
-    def direction_energy(self, direction: Direction, adaptive: bool, eta: float) -> torch.Tensor:
-        return self.block_energy(adaptive, eta, direction)
-
-    def _perturb_along(self, scale: torch.Tensor, direction: Direction, adaptive: bool, eta: float) -> None:
-        self._perturb(scale, adaptive, eta, direction)
-
     def _forget(self) -> None:
         self._saved.clear()
 

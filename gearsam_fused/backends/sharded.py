@@ -94,12 +94,6 @@ class ShardedBackend(Backend):
             energy += per_block.to(self.device)
         return energy
 
-    def direction_energy(self, direction: Direction, adaptive: bool, eta: float) -> torch.Tensor:
-        return self.block_energy(adaptive, eta, direction)
-
-    def _perturb_along(self, scale: torch.Tensor, direction: Direction, adaptive: bool, eta: float) -> None:
-        self._perturb(scale, adaptive, eta, direction)
-
     def _forget(self) -> None:
         self._saved.clear()
 
@@ -109,12 +103,12 @@ class ShardedBackend(Backend):
             backup = group.flat(group.weights)
             dtype = compute_dtype(backup)
             w = backup.to(dtype)
-            direction = group.flat(group.grads).to(dtype)
+            v = group.flat(group.grads).to(dtype)
             if adaptive:
-                direction = (w.abs() + eta).square() * direction
+                v = (w.abs() + eta).square() * v
             per_tensor = scale.to(w.device)[self._table(tuple(group.blocks), w.device)].to(dtype)
             s = per_tensor.repeat_interleave(self._table(group.sizes(), w.device), output_size=w.numel())
-            group.scatter_(torch.where(s == 0, w, w + direction * s).to(backup.dtype))
+            group.scatter_(torch.where(s == 0, w, w + v * s).to(backup.dtype))
             self._saved.append((group, backup))
 
     @torch.no_grad()

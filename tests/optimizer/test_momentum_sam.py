@@ -16,6 +16,7 @@ sums and ``addcmul``'s contraction move a look-ahead point by an ulp. Where a te
 """
 
 import copy
+import functools
 import io
 import math
 import warnings
@@ -535,6 +536,11 @@ def test_bad_input_is_refused_with_clear_messages():
         MomentumSAM(model, torch.optim.Adam, rho=RHO, lr=0.1, betas=(0.0, 0.99))
     with pytest.raises(ValueError, match=r"momentum of torch.optim.SGD \(momentum > 0\), Adam or AdamW; got RMSprop"):
         MomentumSAM(model, torch.optim.RMSprop, rho=RHO, lr=0.1, momentum=0.9)
+    with pytest.raises(TypeError, match=r"base_optimizer must be an optimizer class \(or factory\) such as "
+                                        r"torch.optim.SGD.*got an instance of SGD"):  # fmt: skip
+        MomentumSAM(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), rho=RHO)
+    factory = functools.partial(torch.optim.SGD, momentum=0.9)  # a factory of a supported class: its momentum
+    assert MomentumSAM(mlp(), factory, rho=RHO, lr=0.1).momentum_key == "momentum_buffer"
     with pytest.raises(ValueError, match=r"allocation must be one of \['gear', 'gear-sam', 'sam'\], got 'looksam'"):
         MomentumSAM(model, torch.optim.SGD, rho=RHO, allocation="looksam", lr=0.1, momentum=0.9)
     with pytest.raises(ValueError, match=r"rho must lie in \[0.0, inf\)"):
