@@ -149,11 +149,10 @@ class MomentumSAM(SharpnessAware):
         self._check_momentum()
         updates = self._plan()
         if updates is None:
+            self._backend.restore_()  # the base optimizer's own step updates w (and a refusal leaves w, not w~)
             if self.base_step == FUSED:
-                self._backend.restore_()  # w, not the look-ahead point, stays in the model
                 self._run.looking_ahead = False
                 raise RuntimeError(f"base_step='fused' cannot be honoured this step: {self._flat_step.reason}")
-            self._backend.restore_()
             self._per_tensor_base_step()
         else:
             self._fused_base_step(updates, perturbed=self.perturbed)
