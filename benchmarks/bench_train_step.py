@@ -12,6 +12,9 @@ with momentum and weight decay, ``foreach=True``, its faster path on CPU and GPU
   under ``torch.compile``; the row records ``compile_s``, the seconds of the warm-up's calls that compiled
 * ``SAM``, ``GEAR-SAM``    gearsam_fused, ``backend="auto"``, ``zero_grad(set_to_none=False)``; the SGD step runs fused
   into the restore where the backend can (the row's ``base_step_mode`` says which path ran)
+* ``MomentumSAM``          :class:`gearsam_fused.MomentumSAM` with SGD, ``backend="auto"``: one forward+backward
+  per step, at the look-ahead point, then ``step()`` (the SGD step fused with the restore, then the look-ahead),
+  ``zero_grad(set_to_none=False)``, stepping as the ``SGD`` row does
 * ``SAM every-5``, ``GEAR-SAM LookSAM-5``, ...  the same under a schedule (:data:`SCHEDULES`: ``Every(5)``,
   ``LookSAM(5)``, ``Every(2)``, ``Adaptive()``), stepping by the public protocol: ``loss.backward()``, then
   ``if opt.first_step(zero_grad=True):`` the second forward+backward and ``opt.second_step(zero_grad=True)``. A round
@@ -29,6 +32,12 @@ model) and then the SAM step, and from each round
 and for a schedule's round of k steps with p second passes, per training step: step = round / k, beyond = (round -
 (k + p) x (forward+backward)) / k, tax = (round - k x SGD step - p x (forward+backward)) / k. Every SAM row also
 records its step over the same round's SGD step (``over_sgd``, median and quartiles).
+
+Each round of the ``MomentumSAM`` row also times, after that SGD step, one step of full SAM (``SAM``, as its row
+builds it) on a third copy of the model: ``over_sgd`` is MomentumSAM's step over the SGD step of the same round,
+``sam_over_sgd`` SAM's over the same SGD step, and ``over_paired_sam`` MomentumSAM's over that SAM step (each the
+median and quartiles over the rounds). With one pass per step its ``beyond`` is step - (forward+backward) and its
+tax step - SGD step.
 
 ``beyond`` is everything in a SAM step that is not one of its two passes: the gradient norm, perturbation and restore,
 the base optimizer's update (fused into the restore for ours, torch's ``foreach`` step for the others) and two
@@ -49,12 +58,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gearsam_fused import GEARSAM, SAM, Adaptive, Every, LookSAM, partition
+from gearsam_fused import GEARSAM, SAM, Adaptive, Every, LookSAM, MomentumSAM, partition
 from gearsam_fused.models import resnet18
 
 import contenders
 from conftest import DEVICE, synchronize, warm_up
-from report import sam_parts
+from report import quartiles, sam_parts
 
 SGD_KW = {"lr": 0.05, "momentum": 0.9, "weight_decay": 5e-4, "foreach": True}
 PARTS = ["forward+backward", "base step", "SGD"]
@@ -63,7 +72,9 @@ SCHEDULES = {"every-5": (Every(5), 5), "LookSAM-5": (LookSAM(5), 5), "every-2": 
              "adaptive": (Adaptive(), 10)}  # fmt: skip
 SCHEDULE_ROWS = [f"{rule} {schedule}" for schedule in SCHEDULES for rule in ("SAM", "GEAR-SAM")]
 COMPILED_ROWS = {contenders.COMPILED: "sam", contenders.COMPILED_GEAR: "gear-sam"}  # name -> rule
-SAM_ROWS = ["per-tensor loop SAM", "pytorch_optimizer", *COMPILED_ROWS, "SAM", "GEAR-SAM", *SCHEDULE_ROWS]
+MOMENTUM_SAM = "MomentumSAM"  # one forward+backward per step: the SGD step's protocol
+SAM_ROWS = ["per-tensor loop SAM", "pytorch_optimizer", *COMPILED_ROWS, "SAM", "GEAR-SAM", MOMENTUM_SAM,
+            *SCHEDULE_ROWS]  # fmt: skip
 ROWS = PARTS + SAM_ROWS
 
 
@@ -119,6 +130,16 @@ def _step_function(name: str, model, x, y, autocast):
         holder = model
     elif name in SCHEDULE_ROWS:
         return _schedule_round(name, model, forward_backward)
+    elif name == MOMENTUM_SAM:
+        opt = MomentumSAM(model, torch.optim.SGD, rho=0.05, **SGD_KW)
+
+        def one_pass_step():
+            opt.zero_grad(set_to_none=False)
+            forward_backward()
+            opt.step()
+
+        one_pass_step.optimizer = opt
+        return one_pass_step
     else:
         cls = SAM if name == "SAM" else GEARSAM
         opt = holder = cls(model, torch.optim.SGD, rho=0.05, **SGD_KW)
@@ -155,6 +176,12 @@ def _schedule_round(name: str, model, forward_backward):
     return sam_round
 
 
+def _ratio_fields(name: str, ratios: list[float]) -> dict[str, float]:
+    """``name`` and ``name_q1``/``name_q3``: the median and quartiles of per-round ``ratios``."""
+    q1, median, q3 = quartiles(ratios)
+    return {name: median, f"{name}_q1": q1, f"{name}_q3": q3}
+
+
 def _timed(function) -> float:
     start = time.perf_counter()
     function()
@@ -182,16 +209,22 @@ def test_train_step(benchmark, record, quick, name):
     passes = getattr(step, "second_passes", None)
     if passes is not None:
         passes.clear()  # the warm-up's rounds are not counted
-    extra, parts = {}, {"forward+backward": [], "SGD": []}
+    extra, parts = {}, {"forward+backward": [], "SGD": [], "SAM": []}
     setup = None
     if name in SAM_ROWS:
         own_pass = _step_function("forward+backward", model, x, y, autocast)
         sgd_step = _step_function("SGD", reference, x, y, autocast)
         warm_up(sgd_step)
+        # MomentumSAM's rounds also time full SAM, on a copy of its own, for both ratios to the same SGD steps
+        sam_step = _step_function("SAM", copy.deepcopy(reference), x, y, autocast) if name == MOMENTUM_SAM else None
+        if sam_step is not None:
+            warm_up(sam_step)
 
         def setup():  # not timed by the benchmark: the parts of this round, just before its SAM step
             parts["forward+backward"].append(_timed(own_pass))
             parts["SGD"].append(_timed(sgd_step))
+            if sam_step is not None:
+                parts["SAM"].append(_timed(sam_step))
             if passes is not None:  # the protocol's first backward finds no gradient, as after zero_grad=True
                 model.zero_grad(set_to_none=True)
             return (), {}
@@ -209,7 +242,14 @@ def test_train_step(benchmark, record, quick, name):
         extra.update(compile_s=compiled, compile_cache_hits=cache["hits"], compile_cache_misses=cache["misses"])
     if name in SAM_ROWS:
         cycle = {} if passes is None else {"steps": [steps] * len(passes), "second_passes": passes}
-        extra.update(sam_parts(benchmark.stats.stats.data, parts["forward+backward"], parts["SGD"], **cycle))
+        round_s = benchmark.stats.stats.data
+        if name == MOMENTUM_SAM:  # one step and no second pass per round
+            cycle = {"steps": [1] * len(round_s), "second_passes": [0] * len(round_s)}
+            sam_s, sgd_s = parts["SAM"], parts["SGD"]
+            extra.update(_ratio_fields("sam_over_sgd", [a / b for a, b in zip(sam_s, sgd_s, strict=True)]))
+            extra.update(_ratio_fields("over_paired_sam", [a / b for a, b in zip(round_s, sam_s, strict=True)]))
+            extra.update(paired_sam_ms=1e3 * quartiles(sam_s)[1], one_pass=True)
+        extra.update(sam_parts(round_s, parts["forward+backward"], parts["SGD"], **cycle))
     if passes is not None:
         extra.update(schedule=repr(step.optimizer.schedule), steps_per_round=steps,
                      sam_fraction=sum(passes) / (steps * len(passes)))  # fmt: skip

@@ -290,7 +290,14 @@ class MemoryFloor:
 
         return measure_then_setup
 
-    def fields(self, counted: int, round_s: list[float], parameters: int, what: str, read_only: int = 0) -> dict:
+    def around_rounds(self) -> list[FloorSample]:
+        """The measurements :meth:`interleaved` took before each round and one taken now, after the last: what
+        :meth:`fields` compares rounds with, for several rows that shared those rounds."""
+        samples, self.samples = self.samples, []
+        return [*samples, self._sample()]
+
+    def fields(self, counted: int, round_s: list[float], parameters: int, what: str, read_only: int = 0,
+               samples: list[FloorSample] | None = None) -> dict:  # fmt: skip
         """A row's rate and floor fields, for ``counted`` bytes moved in each of its timed rounds ``round_s`` (in the
         order they ran, each just after a floor measurement of :meth:`interleaved`; one more is taken here, after the
         last round). ``gbps`` is the rate of the median round; ``floor_row_kind`` the kind fastest over the row's
@@ -303,13 +310,22 @@ class MemoryFloor:
 
         ``read_only``: how many of the ``counted`` bytes passes that only read move; where it is not 0,
         ``pct_traffic_floor`` is the median over the rounds of each round's rate over its traffic floor (the class's
-        docstring), measured around it as above."""
-        samples, self.samples = self.samples, []
-        if len(samples) != len(round_s):
-            raise ValueError(f"{what}: {len(round_s)} rounds timed but {len(samples)} floor measurements before them")
+        docstring), measured around it as above.
+
+        ``samples``: the measurements around the rounds, one before each and one after the last (:meth:`around_rounds`),
+        for rows whose rounds shared them (contenders stepped in turn within each round); by default those
+        :meth:`interleaved` took and one taken now."""
         if not 0 <= read_only <= counted:
             raise ValueError(f"{what}: {read_only} read-only bytes of {counted} counted")
-        samples.append(self._sample())
+        if samples is None:
+            samples, self.samples = self.samples, []
+            if len(samples) != len(round_s):
+                raise ValueError(
+                    f"{what}: {len(round_s)} rounds timed but {len(samples)} floor measurements before them"
+                )
+            samples = [*samples, self._sample()]
+        elif len(samples) != len(round_s) + 1:
+            raise ValueError(f"{what}: {len(round_s)} rounds timed but {len(samples)} floor measurements around them")
         gbps = counted / statistics.median(round_s) / 1e9
         kind = max(samples[0].rates, key=lambda k: statistics.median(sample.rates[k] for sample in samples))
         rates = [sample.rates[kind] for sample in samples]
@@ -372,6 +388,23 @@ def record(request, quick, benchmark):
             "benchmark": request.node.module.__name__.split(".")[-1], "test": request.node.name, "quick": quick,
             "device": DEVICE, "median_ms": stats.median * 1e3, "q1_ms": stats.q1 * 1e3, "q3_ms": stats.q3 * 1e3,
             "min_ms": stats.min * 1e3, "rounds": stats.rounds, **fields,
+        })  # fmt: skip
+
+    return add
+
+
+@pytest.fixture
+def record_rounds(request, quick):
+    """``record_rounds(round_s, **fields)``: :func:`record` for a row the benchmark timed itself rather than through
+    pytest-benchmark (several contenders stepped in turn within each round, so that their per-round ratios compare
+    the same moments): the timing fields from ``round_s``, the seconds of each of the row's rounds."""
+
+    def add(round_s: list[float], **fields):
+        q1, median, q3 = quartiles(round_s)
+        append_row(request.config.getoption("--results", default=""), {
+            "benchmark": request.node.module.__name__.split(".")[-1], "test": request.node.name, "quick": quick,
+            "device": DEVICE, "median_ms": median * 1e3, "q1_ms": q1 * 1e3, "q3_ms": q3 * 1e3,
+            "min_ms": min(round_s) * 1e3, "rounds": len(round_s), **fields,
         })  # fmt: skip
 
     return add

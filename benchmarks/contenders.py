@@ -19,6 +19,8 @@ contender                          what it is
                                    ``torch._foreach_*`` operations, the perturbation and the base optimizer's
                                    step each wrapped in ``torch.compile`` (the whole-step and training-step
                                    benchmarks; not the SAM-step one)
+``BACKEND, fused base step``       :class:`FusedBaseStep` below: our base optimizer's update alone over the flat
+                                   buffers, no SAM (the MomentumSAM benchmark's yardstick)
 =================================  ===========================================================================
 
 The peer's best path is not the same on every set and device, so the SAM-step benchmark times both and the report
@@ -224,6 +226,32 @@ class CompiledForeachSAM:
 
     def zero_grad(self, set_to_none: bool = True):
         self.base_optimizer.zero_grad(set_to_none=set_to_none)
+
+
+class FusedBaseStep:
+    """Our fused base step alone: the base optimizer's update over the flat buffers (the backend's ``update_``: w, g
+    and the state read, w and the state written, one pass per bucket), the update a step its schedule skips makes,
+    without that step's energy pass. No public call makes this update alone, so :meth:`step` drives the path a skipped
+    step takes (the base optimizer's step hooks, the staging of its state and step counts, ``update_``) through SAM's
+    private ``_plan`` and ``_fused_base_step``; one whole SAM step at construction makes the optimizer's state. The
+    yardstick of a step that adds passes to the base update (:mod:`bench_momentum_step`): the rate our update alone
+    reaches at the same moments."""
+
+    def __init__(self, model, base_optimizer, backend: str, rho: float = 0.05, **base_kwargs):
+        self.optimizer = SAM(model, base_optimizer, rho=rho, backend=backend, base_step="fused", **base_kwargs)
+        self.optimizer.first_step()
+        self.optimizer.second_step()
+
+    @torch.no_grad()
+    def step(self):
+        updates = self.optimizer._plan()
+        if updates is None:
+            raise AssertionError(f"the fused base step cannot run: {self.optimizer.base_step_reason}")
+        self.optimizer._fused_base_step(updates, perturbed=False)
+
+    @property
+    def base_step_mode(self) -> str:
+        return self.optimizer.base_step_mode
 
 
 def two_pass_step(opt, holder, forward_backward):

@@ -403,6 +403,58 @@ def skipped_step_tables(rows: list[dict]) -> list[str]:
     return lines
 
 
+def _per_round(row: dict, name: str) -> str:
+    """A per-round ratio of the row, median [quartiles]; "-" where the row has none."""
+    if name not in row:
+        return "-"
+    return f"{row[name]:.2f}x [{row[f'{name}_q1']:.2f}, {row[f'{name}_q3']:.2f}]"
+
+
+def momentum_step_tables(rows: list[dict]) -> list[str]:
+    """Per (set, base optimizer): MomentumSAM's step against our fused base step alone, a step a schedule skips and
+    torch's ``foreach`` step, all stepped in turn within each round, by the ratios of the same rounds."""
+    groups: dict[tuple[str, str], list[dict]] = defaultdict(list)
+    for row in rows:
+        if row["benchmark"] == "bench_momentum_step":
+            groups[(row["set"], row["base"])].append(row)
+    lines = []
+    for (name, base), group in groups.items():
+        first = group[0]
+        lines += [
+            f"**MomentumSAM step, {base}, {name}** ({first['parameters'] / 1e6:.1f}M parameters in {first['tensors']} "
+            f"tensors; {first['rounds']} rounds, the contenders stepped in turn within each; {floor_note(group)})",
+            "",
+            "| contender | bytes per parameter | median ms | IQR ms | GB/s | / fused base step, same round [IQR] | "
+            "/ its bytes at the fused base step's rate [IQR] | / its bytes at the skipped step's rate [IQR] | "
+            "/ bare base step, same round [IQR] | % of floor | % of traffic floor |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for r in group:
+            lines.append(
+                f"| {r['contender']} | {r['bytes_counted'] // r['parameters']} | {r['median_ms']:.3f} | "
+                f"{r['q3_ms'] - r['q1_ms']:.3f} | {r['gbps']:.1f} | {_per_round(r, 'over_base')} | "
+                f"{_per_round(r, 'over_allowed')} | {_per_round(r, 'over_allowed_skipped')} | "
+                f"{_per_round(r, 'over_bare')} | {pct_floor(r):.0f} | {pct_traffic_floor(r)} |"
+            )
+        lines.append("")
+    if lines:
+        lines += [
+            "MomentumSAM step = `step()`: restore and update in one pass, the energies of the new momentum, the "
+            "look-ahead along it. Fused base step: our update alone over the flat buffers (`update_`); SAM skipped "
+            "step: `first_step()` returning False under `Every(k)`, its energy pass and the update; bare base step: "
+            "torch's `step()` (`foreach=True`). Every ratio is per round, this step over another stepped in the same "
+            'round, median [quartiles] over the rounds: "/ fused base step" over our fused base step on the same '
+            "backend (the bare base step's: over the first backend's); \"/ its bytes at ... rate\" over the time "
+            "this row's counted bytes take at the rate that step reaches in the same round (1.00x: as fast per byte "
+            "as the update alone). Bytes per parameter: the update SGD 20 / AdamW 28 (w, g and the state in, w and "
+            "the state out; torch's `foreach` step counted the same, though it moves more), the energy pass 4 "
+            "(read-only), the look-ahead 16 (w and the momentum in, the saved copy and w out); % of traffic floor: "
+            "the rate over the floor of that traffic, the read-only 4 at the read rate measured beside it.",
+            "",
+        ]
+    return lines
+
+
 def trainer_tables(rows: list[dict]) -> list[str]:
     """The trainers' optimizer steps, plain and with SAM, on the same GPT-2: Hugging Face's, then Lightning's."""
     lines = []
@@ -479,6 +531,8 @@ def train_step_table(rows: list[dict]) -> list[str]:
         over = f"{r['over_sgd']:.2f}x [{r['over_sgd_q1']:.2f}, {r['over_sgd_q3']:.2f}]" if "over_sgd" in r else ""
         if cycle:
             passes = f"{r['sam_fraction']:.2f} of steps ({r['schedule']}, {r['steps_per_round']} steps per round)"
+        elif r.get("one_pass"):
+            passes = "none (one pass per step)"
         else:
             passes = "every step" if "tax_ms" in r else ""
         name = r["contender"] + (f" (compiling: {r['compile_s']:.0f} s)" if r.get("compile_s") is not None else "")
@@ -492,6 +546,24 @@ def train_step_table(rows: list[dict]) -> list[str]:
         'parts timed alone. "/ SGD step, same round": per round, the step over that round\'s SGD step.',
         "",
     ]
+    one_pass = [r for r in steps if r.get("one_pass")]
+    if one_pass:
+        lines += [
+            'A one-pass row (MomentumSAM) takes one forward+backward per step, as SGD does: its "step - 2 x '
+            '(fwd+bwd)" column holds step - (fwd+bwd), its tax step - SGD step. Each of its rounds also timed full '
+            "SAM (the `SAM` row's optimizer, on a copy of the model) after the SGD step:",
+            "",
+            "| row | median ms | / SGD step, same round [IQR] | full SAM / SGD step, same rounds [IQR] | / full SAM "
+            "step, same round [IQR] | SGD step ms | full SAM step ms |",
+            "|---|---:|---:|---:|---:|---:|---:|",
+        ]
+        for r in one_pass:
+            lines.append(
+                f"| {r['contender']} | {r['median_ms']:.2f} | {_per_round(r, 'over_sgd')} | "
+                f"{_per_round(r, 'sam_over_sgd')} | {_per_round(r, 'over_paired_sam')} | {r['sgd_ms']:.2f} | "
+                f"{r['paired_sam_ms']:.2f} |"
+            )
+        lines.append("")
     if any("steps_per_round" in r for r in steps):
         lines += [
             "Rows with a schedule (`Every(k)`, `LookSAM(k)`, `Adaptive()`) run the public protocol, `loss.backward(); "
@@ -589,6 +661,7 @@ def render(rows: list[dict], source: str) -> str:
         + whole_step_tables(rows)
         + family_tables(rows)
         + skipped_step_tables(rows)
+        + momentum_step_tables(rows)
         + train_step_table(rows)
         + trainer_tables(rows)
     )

@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     storage = tempfile.mkdtemp(prefix="gearsam-bench-")
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(HERE / "bench_sam_step.py"),
                str(HERE / "bench_whole_step.py"), str(HERE / "bench_skipped_step.py"),
-               str(HERE / "bench_train_step.py"), str(HERE / "bench_trainer.py"),
+               str(HERE / "bench_momentum_step.py"), str(HERE / "bench_train_step.py"), str(HERE / "bench_trainer.py"),
                f"--results={results}", "--benchmark-quiet", f"--benchmark-storage=file://{storage}",
                "-W", "ignore::DeprecationWarning",
                "--benchmark-disable-gc", *(["--quick"] if args.quick else []), *args.pytest_args]  # fmt: skip

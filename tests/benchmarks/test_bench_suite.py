@@ -64,14 +64,16 @@ def quick_run(tmp_path, command: list[str], pytest_args: tuple[str, ...] = ()) -
     return rows, done.stdout
 
 
-def test_a_quick_run_of_the_sam_step_benchmark_appends_its_rows_and_prints_its_report(tmp_path):
-    """The harness end to end on one benchmark; the default tier's representative of the quick run below."""
-    rows, stdout = quick_run(
-        tmp_path, [sys.executable, str(BENCHMARKS / "run.py"), "--quick"], ("-k", "bench_sam_step")
-    )
-    assert {r["benchmark"] for r in rows} == {"bench_sam_step"}
+def test_a_quick_run_of_the_sam_and_momentum_step_benchmarks_appends_its_rows_and_prints_its_report(tmp_path):
+    """The harness end to end on the SAM step's and MomentumSAM's benchmarks and MomentumSAM's training step; the
+    default tier's representative of the quick run below."""
+    selected = "bench_sam_step or bench_momentum_step or (bench_train_step and MomentumSAM)"
+    rows, stdout = quick_run(tmp_path, [sys.executable, str(BENCHMARKS / "run.py"), "--quick"], ("-k", selected))
+    assert {r["benchmark"] for r in rows} == {"bench_sam_step", "bench_momentum_step", "bench_train_step"}
     check_sam_steps(rows, stdout)
     check_family(rows, stdout, {"bench_sam_step": {None: 16}})
+    check_momentum_steps(rows, stdout)
+    check_momentum_train_step(rows, stdout)
 
 
 @pytest.mark.full  # the whole quick run; the default tier keeps the SAM step's run above
@@ -81,6 +83,7 @@ def test_quick_run_appends_rows_and_prints_the_report(tmp_path):
     check_train_steps(rows, stdout)
     check_whole_steps(rows, stdout)
     check_skipped_steps(rows, stdout)
+    check_momentum_steps(rows, stdout)
     check_family(rows, stdout, {"bench_sam_step": {None: 16}, "bench_whole_step": {"SGD": 36}})  # quick: SGD only
     check_trainers(rows, stdout)
 
@@ -111,8 +114,9 @@ def check_train_steps(rows: list[dict], stdout: str) -> None:
                      for schedule in ("every-5", "LookSAM-5", "every-2", "adaptive")}  # fmt: skip
     assert {r["contender"] for r in trains} == {
         "forward+backward", "base step", "SGD", "per-tensor loop SAM", "pytorch_optimizer", "SAM", "GEAR-SAM",
-        "compiled foreach SAM", "compiled foreach GEAR-SAM",
+        "compiled foreach SAM", "compiled foreach GEAR-SAM", "MomentumSAM",
     } | schedule_rows  # fmt: skip
+    check_momentum_train_step(rows, stdout)
     # every SAM row of the training step carries its parts, measured in its own rounds; ours say how SGD stepped
     sam_rows = [r for r in trains if r["contender"] in ("per-tensor loop SAM", "pytorch_optimizer", "SAM", "GEAR-SAM")]
     # the schedules' rows: whole cycles (one second pass in k steps under Every and LookSAM), numbers per step
@@ -136,6 +140,48 @@ def check_train_steps(rows: list[dict], stdout: str) -> None:
         assert row["beyond_q1_ms"] <= row["beyond_ms"] <= row["beyond_q3_ms"]
     assert {r["base_step_mode"] for r in sam_rows if r["contender"] in ("SAM", "GEAR-SAM")} == {"fused"}
     assert "SAM tax" in stdout and "vs per-tensor loop SAM" in stdout
+
+
+def check_momentum_train_step(rows: list[dict], stdout: str) -> None:
+    # MomentumSAM's training step: one pass, the SGD step fused; each round also timed an SGD step and a full SAM step
+    (row,) = [r for r in rows if r["benchmark"] == "bench_train_step" and r["contender"] == "MomentumSAM"]
+    assert row["one_pass"] is True and row["base_step_mode"] == "fused"
+    assert all(row[f"{n}_q1"] <= row[n] <= row[f"{n}_q3"] for n in ("over_sgd", "sam_over_sgd", "over_paired_sam"))
+    assert all(row[f"{n}_q1_ms"] <= row[f"{n}_ms"] <= row[f"{n}_q3_ms"] for n in ("beyond", "tax"))
+    assert row["over_sgd"] > 0 and row["sam_over_sgd"] > 0 and row["paired_sam_ms"] > 0 and row["sgd_ms"] > 0
+    assert "none (one pass per step)" in stdout and "full SAM / SGD step, same rounds" in stdout
+
+
+def check_momentum_steps(rows: list[dict], stdout: str) -> None:
+    # MomentumSAM's step against our fused base step, a skipped SAM step and torch's foreach step, stepped in turn
+    # within each round, on ResNet-18's shapes and 2048 small tensors with both base optimizers
+    steps = [r for r in rows if r["benchmark"] == "bench_momentum_step"]
+    groups = {(r["set"].split(" (")[0], r["base"]) for r in steps}
+    assert groups == {(s, b) for s in ("ResNet-18", "2048 small tensors") for b in ("SGD", "AdamW")}
+    ours = "cpp" if any(r["contender"].startswith("cpp, ") for r in steps) else "torch"  # quick: one backend
+    kinds = {"MomentumSAM": 20, "fused base step": 0, "SAM skipped step": 4}  # bytes beyond the update
+    for key in groups:
+        these = [r for r in steps if (r["set"].split(" (")[0], r["base"]) == key]
+        assert {r["contender"] for r in these} == {f"{ours}, {kind}" for kind in kinds} | {"bare base step"}, key
+        assert len({r["rounds"] for r in these}) == 1 and len({r["test"] for r in these}) == 1  # the same rounds
+    update = {"SGD": 20, "AdamW": 28}
+    for row in steps:
+        assert MACHINE_FIELDS | TIMING_FIELDS <= row.keys(), row.keys()
+        kind = row["contender"].removeprefix(f"{ours}, ")
+        counted = update[row["base"]] + kinds.get(kind, 0)
+        assert row["bytes_counted"] == counted * row["parameters"] and row["median_ms"] > 0 and row["gbps"] > 0
+        assert row["yardstick"] == f"{ours}, fused base step" and row["pct_floor"] > 0
+        for name in ("over_base", "over_bare"):
+            assert row[f"{name}_q1"] <= row[name] <= row[f"{name}_q3"], name
+        assert (row["contender"] == row["yardstick"]) == (row["over_base"] == 1.0)
+        if kind == "MomentumSAM":  # over the time its bytes take at the fused base step's rate of the same round
+            assert row["over_allowed"] == pytest.approx(row["over_base"] * update[row["base"]] / counted)
+            assert row["over_allowed_skipped_q1"] <= row["over_allowed_skipped"] <= row["over_allowed_skipped_q3"]
+        assert ("over_allowed" in row) == (kind == "MomentumSAM")
+        assert ("pct_traffic_floor" in row) == (kind in ("MomentumSAM", "SAM skipped step"))
+        assert row.get("base_step_mode") == (None if row["contender"] == "bare base step" else "fused")
+    assert "**MomentumSAM step, AdamW, 2048 small tensors" in stdout
+    assert "/ its bytes at the fused base step's rate" in stdout
 
 
 def check_whole_steps(rows: list[dict], stdout: str) -> None:
@@ -396,6 +442,54 @@ def test_the_skipped_step_table_compares_with_the_bare_base_step():
     assert "| bare base step | 28 | 4.000 | 2.000 | 1.00x | - |" in text
 
 
+def _ratios(name: str, median: float, q1: float | None = None, q3: float | None = None) -> dict[str, float]:
+    """A per-round ratio's fields: its median and quartiles (the median itself where not given)."""
+    return {name: median, f"{name}_q1": median if q1 is None else q1, f"{name}_q3": median if q3 is None else q3}
+
+
+def test_the_momentum_step_table_gives_the_ratios_of_the_same_rounds():
+    common = {"set": "ResNet-18", "base": "SGD", "parameters": 10, "tensors": 2, "device": "cpu", "floor_gbps": 40.0,
+              "floor_kind": "update", "gbps": 10.0, "pct_floor": 25.0, "rounds": 40}  # fmt: skip
+    rows = [
+        _row("bench_momentum_step", "cpp, MomentumSAM", 5.0, bytes_counted=400, **_ratios("over_base", 2.2, 2.1, 2.3),
+             **_ratios("over_allowed", 1.1, 1.05, 1.15), **_ratios("over_allowed_skipped", 0.9, 0.85, 0.95),
+             **_ratios("over_bare", 0.5, 0.45, 0.55), pct_traffic_floor=31.0, read_only_bytes=40, **common),
+        _row("bench_momentum_step", "cpp, fused base step", 2.0, bytes_counted=200, **_ratios("over_base", 1.0),
+             **_ratios("over_bare", 0.25), **common),
+        _row("bench_momentum_step", "bare base step", 8.0, bytes_counted=200, **_ratios("over_base", 4.0),
+             **_ratios("over_bare", 1.0), **common),
+    ]  # fmt: skip
+    text = "\n".join(report.momentum_step_tables(rows))
+    assert "**MomentumSAM step, SGD, ResNet-18** (0.0M parameters in 2 tensors; 40 rounds, the contenders" in text
+    assert (
+        "| cpp, MomentumSAM | 40 | 5.000 | 2.000 | 10.0 | 2.20x [2.10, 2.30] | 1.10x [1.05, 1.15] | 0.90x [0.85, 0.95] "
+        "| 0.50x [0.45, 0.55] | 25 | 31 |" in text
+    )
+    assert (
+        "| cpp, fused base step | 20 | 2.000 | 2.000 | 10.0 | 1.00x [1.00, 1.00] | - | - | 0.25x [0.25, 0.25] |" in text
+    )
+    assert (
+        "| bare base step | 20 | 8.000 | 2.000 | 10.0 | 4.00x [4.00, 4.00] | - | - | 1.00x [1.00, 1.00] | 25 | - |"
+        in text
+    )
+    assert report.momentum_step_tables([r for r in rows if r["benchmark"] != "bench_momentum_step"]) == []
+
+
+def test_the_train_step_table_shows_a_one_pass_row_beside_sgd_and_full_sam():
+    setting = {"width": 16, "batch": 32, "autocast": "None", "channels_last": False}
+    # one step and no second pass per round: beyond = step - pass (3, 3, 5 ms), tax = step - SGD step (2, 1, 2 ms)
+    parts = report.sam_parts([0.033, 0.031, 0.035], [0.030, 0.028, 0.030], [0.031, 0.030, 0.033], steps=[1] * 3,
+                             second_passes=[0] * 3)  # fmt: skip
+    assert parts["beyond_ms"] == pytest.approx(3.0) and parts["tax_ms"] == pytest.approx(2.0)
+    row = _row("bench_train_step", "MomentumSAM", 33.0, base_step_mode="fused", one_pass=True, paired_sam_ms=62.0,
+               **_ratios("sam_over_sgd", 1.9, 1.8, 2.0), **_ratios("over_paired_sam", 0.55, 0.5, 0.6), **parts,
+               **setting)  # fmt: skip
+    text = "\n".join(report.train_step_table([row]))
+    assert "| MomentumSAM | 33.00 | 2.00 | 3.00 [3.00, 4.00] |" in text and "| none (one pass per step) |" in text
+    over_sgd = f"{parts['over_sgd']:.2f}x [{parts['over_sgd_q1']:.2f}, {parts['over_sgd_q3']:.2f}]"
+    assert f"| MomentumSAM | 33.00 | {over_sgd} | 1.90x [1.80, 2.00] | 0.55x [0.50, 0.60] | 31.00 | 62.00 |" in text
+
+
 def test_the_trainer_table_shows_the_steps_alone():
     common = {"parameters": 930_000, "micro_batches": 2, "batch": 8, "seq": 64, "bf16": False, "steps": 10,
               "steps_timed": 45, "test": "test_trainer_step[x]"}  # fmt: skip
@@ -516,6 +610,27 @@ def test_a_row_above_the_floor_of_its_own_rounds_fails_where_no_cache_holds_it(m
         floor.fields(10**9, [1 / 12.5] * 3, 1_000_000, "row")
 
 
+def test_rows_stepped_in_the_same_rounds_share_the_floor_measured_around_them(monkeypatch):
+    """Contenders stepped in turn within each round: one floor measurement before each round and one after the last
+    serve every row, each round's rate over the mean of the measurements around it; no row measures the floor again."""
+    conftest = _load("conftest")
+    floor = conftest.MemoryFloor(2**16)
+
+    def samples(*fastest):
+        return [conftest.FloorSample({"copy": f, "read": 1.0}) for f in fastest]
+
+    after = iter(samples(12.0))  # one measurement after the last round, taken once
+    monkeypatch.setattr(floor, "_sample", lambda: next(after))
+    floor.samples = samples(10.0, 11.0, 11.0)
+    shared = floor.around_rounds()
+    assert [s.rates["copy"] for s in shared] == [10.0, 11.0, 11.0, 12.0] and floor.samples == []
+    for rate in (10.0, 12.0):  # around the rounds 10.5, 11 and 11.5: the median ratio is rate / 11
+        fields = floor.fields(10**9, [1 / rate] * 3, 1_000_000, "row", read_only=10**8, samples=shared)
+        assert fields["pct_floor"] == pytest.approx(100 * rate / 11.0) and fields["floor_gbps"] == 11.0
+    with pytest.raises(ValueError, match="3 rounds timed but 3 floor measurements around them"):
+        floor.fields(10**9, [0.1] * 3, 1_000_000, "row", samples=shared[:3])
+
+
 def test_the_traffic_floor_takes_the_read_only_bytes_at_the_read_rate(monkeypatch):
     """A row with read-only passes: its traffic floor is the rate of its bytes with the read-only ones at the read
     kind's rate and the rest at the fastest kind's, each the mean of the measurements around the round."""
@@ -578,8 +693,12 @@ def test_every_table_row_has_as_many_cells_as_its_header():
              plain_variant="SAM", **common, **traffic),
         _row("bench_sam_step", "cpp", 5.0, rule="sam", bytes_counted=280, variant="GSAM", peer_variant="GSAM",
              plain_variant="SAM", **common),
+        _row("bench_momentum_step", "cpp, MomentumSAM", 5.0, base="SGD", bytes_counted=400, rounds=3,
+             **_ratios("over_base", 2.0), **_ratios("over_allowed", 1.0), **common, **traffic),
+        _row("bench_momentum_step", "bare base step", 4.0, base="SGD", bytes_counted=200, rounds=3, **common),
     ]  # fmt: skip
-    tables = [report.sam_step_tables, report.whole_step_tables, report.skipped_step_tables, report.family_tables]
+    tables = [report.sam_step_tables, report.whole_step_tables, report.skipped_step_tables, report.family_tables,
+              report.momentum_step_tables]  # fmt: skip
     for render in tables:
         text = "\n".join(render(rows))
         blocks = [[line for line in block.splitlines() if line.startswith("|")] for block in text.split("\n\n")]
