@@ -26,7 +26,7 @@ import torch
 from ..base_step import BucketUpdate, adam_scalars
 from ..flat import Bucket
 from .base import compute_dtype
-from .flat_buffer import FlatBufferBackend
+from .flat_buffer import _CHUNK, FlatBufferBackend
 
 
 class TorchBackend(FlatBufferBackend):
@@ -60,7 +60,10 @@ class TorchBackend(FlatBufferBackend):
         tile_scale = scale[bucket.block_of_tile].to(dtype).unsqueeze(1)
         skipped = tile_scale == 0  # a block skipped this step stays w, even where its gradient is inf or NaN
         if not adaptive and w.dtype == dtype:
-            torch.where(skipped, w, w.addcmul(g, tile_scale), out=w)
+            rows = max(1, _CHUNK // bucket.tile)  # a bounded temporary, still in cache when it is written back
+            for start in range(0, bucket.n_tiles, rows):
+                part = slice(start, start + rows)
+                torch.where(skipped[part], w[part], w[part].addcmul(g[part], tile_scale[part]), out=w[part])
             return
         w_compute = w.to(dtype, copy=True)
         direction = g.to(dtype)

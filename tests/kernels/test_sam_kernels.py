@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch import nn
 
+from gearsam_fused import GEARSAM
 from gearsam_fused.allocation import GEAR_RULE, RULES, SAM_RULE, gear_allocate, sam_allocate
 from gearsam_fused.backends import BACKENDS
 from gearsam_fused.backends.reference import ReferenceBackend
@@ -290,3 +291,22 @@ def test_every_kernel_compiles_for_hopper_without_atomics():
     assert len(report) == 83
     # no atomics (fixed-order reductions), and every division and root correctly rounded, as the reference's
     assert all(v["ptx_lines"] > 10 and v["atomics"] == 0 and v["approx"] == 0 for v in report.values()), report
+
+
+def test_the_torch_backends_perturbation_in_pieces_is_the_whole_bucket_at_once():
+    """The ``torch`` backend perturbs a bucket a bounded piece at a time: over a bucket of several pieces (1614 tiles,
+    four blocks, one of them skipped), the bits of the formula applied to the whole bucket in one operation."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(1000, 1500), nn.Linear(1500, 1200))
+    opt = GEARSAM(list(model.parameters()), torch.optim.SGD, backend="torch", partition="tensor", model=model, lr=0.1)
+    model(torch.randn(8, 1000)).square().mean().backward()
+    backend = opt.backend
+    backend.layout.sync()
+    (bucket,) = backend.layout.buckets
+    assert bucket.n_tiles * bucket.tile > 3 * (1 << 20)  # several pieces
+    scale = torch.tensor([0.3, 0.0, -0.7, 1e-3], dtype=torch.float64)
+    w, g = (t.view(bucket.n_tiles, bucket.tile).clone() for t in (bucket.param, bucket.grad))
+    tile_scale = scale[bucket.block_of_tile].float().unsqueeze(1)
+    expected = torch.where(tile_scale == 0, w, w.addcmul(g, tile_scale)).view(-1)
+    backend._bucket_perturb(bucket, scale, False, 0.0)
+    assert torch.equal(bucket.param, expected) and torch.equal(bucket.backup, w.view(-1))
