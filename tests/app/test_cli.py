@@ -354,7 +354,7 @@ def test_train_validates_settings_before_writing_anything(tmp_path):
 
 def test_demo_rejects_bad_settings():
     bad = gearsam("demo", "--optimizers", "adamw")
-    assert bad.returncode == 2 and "invalid choice: 'adamw'" in bad.stderr
+    assert bad.returncode == 2 and "unknown optimizer 'adamw'; choose from sgd, sam, gear-sam" in bad.stderr
     failed(gearsam("demo", "--epochs", "0"), "--epochs must be at least 1, got 0")
 
 

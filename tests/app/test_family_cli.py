@@ -45,7 +45,17 @@ def test_each_name_builds_its_optimizer_with_its_part(name, cls, ascent, descent
 
 
 def test_the_family_is_offered_beside_the_existing_names_and_the_demo_trains_what_it_trained():
-    assert OPTIMIZER_NAMES == ("sgd", "sam", "gear-sam", "gsam", "wsam", "friendly-sam", "gear-gsam")
+    assert OPTIMIZER_NAMES == (
+        "sgd",
+        "sam",
+        "gear-sam",
+        "gsam",
+        "wsam",
+        "friendly-sam",
+        "gear-gsam",
+        "momentum-sam",
+        "momentum-gear-sam",
+    )
     assert set(FAMILY) == {"gsam", "wsam", "friendly-sam", "gear-gsam"}
     assert demo_config().optimizers == ["sgd", "sam", "gear-sam"]
 
