@@ -131,7 +131,7 @@ def _step_function(name: str, model, x, y, autocast):
     elif name in SCHEDULE_ROWS:
         return _schedule_round(name, model, forward_backward)
     elif name == MOMENTUM_SAM:
-        opt = MomentumSAM(model, torch.optim.SGD, rho=0.05, **SGD_KW)
+        opt = MomentumSAM(model, torch.optim.SGD, rho=1.0, **SGD_KW)  # the efficiency study's radius
 
         def one_pass_step():
             opt.zero_grad(set_to_none=False)

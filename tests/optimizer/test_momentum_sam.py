@@ -24,6 +24,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from test_capturable import set_rho
 from torch import nn
 
 from gearsam_fused import GEARSAM, SAM, MomentumSAM
@@ -740,15 +741,6 @@ def test_micro_batches_equal_one_large_batch(backend, device, set_to_none):
         runs.append(trajectory)
     for step, (a, b) in enumerate(zip(*runs)):
         assert rel_err(a, b) <= FP32_STEP_RTOL, f"step {step}"
-
-
-def set_rho(opt, value: float) -> None:
-    """As a user changes rho: assigned to a default optimizer, written into the tensor of a capturable one."""
-    for group in opt.param_groups:
-        if isinstance(group["rho"], torch.Tensor):
-            group["rho"].fill_(value)
-        else:
-            group["rho"] = value
 
 
 @pytest.mark.parametrize("allocation", ["sam", "gear"])
