@@ -94,6 +94,12 @@ class MomentumSAM(SharpnessAware):
         capturable: bool = False,
         **base_kwargs,
     ):
+        given = sorted(_TWO_PASS_OPTIONS & base_kwargs.keys())
+        if given:  # else the base optimizer would refuse them as keywords of its own
+            raise TypeError(
+                f"MomentumSAM takes no {', '.join(given)}: a step schedule skips second passes and the SAM family's "
+                "parts choose the second pass's ascent and descent, while MomentumSAM takes one pass, along the momentum"
+            )
         if allocation not in ALLOCATIONS:
             raise ValueError(f"allocation must be one of {sorted(ALLOCATIONS)}, got {allocation!r}")
         self.rule = check_rule(ALLOCATIONS[allocation])
@@ -273,6 +279,9 @@ class MomentumSAM(SharpnessAware):
                 p.copy_(w)
             self._backend.perturb_along_(self._run.lookahead, self._direction(None), self.adaptive, self.eta)
 
+
+#: The two-pass optimizers' options that a one-pass step has no use for.
+_TWO_PASS_OPTIONS = frozenset({"schedule", "ascent", "descent"})
 
 _ONE_CALL = (
     "MomentumSAM takes one gradient per step: call loss.backward() and then step() (first_step() and second_step() "

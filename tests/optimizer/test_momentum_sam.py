@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from test_capturable import set_rho
 from torch import nn
 
-from gearsam_fused import GEARSAM, SAM, MomentumSAM
+from gearsam_fused import GEARSAM, SAM, Every, MomentumSAM, SurrogateGap
 from gearsam_fused.backends.cpp_ops import cpp_installed
 
 from conftest import FP32_STEP_RTOL, mlp, mlp_data, mse, on_device, rel_err, stream_threshold_elements
@@ -540,6 +540,8 @@ def test_bad_input_is_refused_with_clear_messages():
     with pytest.raises(TypeError, match=r"base_optimizer must be an optimizer class \(or factory\) such as "
                                         r"torch.optim.SGD.*got an instance of SGD"):  # fmt: skip
         MomentumSAM(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), rho=RHO)
+    with pytest.raises(TypeError, match=r"MomentumSAM takes no descent, schedule: a step schedule skips second passes"):
+        MomentumSAM(model, torch.optim.SGD, rho=RHO, lr=0.1, momentum=0.9, schedule=Every(2), descent=SurrogateGap())
     factory = functools.partial(torch.optim.SGD, momentum=0.9)  # a factory of a supported class: its momentum
     assert MomentumSAM(mlp(), factory, rho=RHO, lr=0.1).momentum_key == "momentum_buffer"
     with pytest.raises(ValueError, match=r"allocation must be one of \['gear', 'gear-sam', 'sam'\], got 'looksam'"):
