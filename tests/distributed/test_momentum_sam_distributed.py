@@ -380,18 +380,24 @@ def test_ddp_equals_the_all_reduce_done_by_hand(request, backend):
                     assert torch.equal(run[what][step], want[what][step]), f"{method}, rank {rank}, step {step}: {what}"
 
 
+def _assert_same_trajectory(run: dict, want: dict, method: str) -> None:
+    """Step by step, the look-ahead points and w within float32's tolerance per step, the energies and radii within
+    1e-5 (sums of squares over other splits of the same numbers)."""
+    for step in range(STEPS):
+        for what in ("lookahead", "w"):
+            err = rel_err(run[what][step].double(), want[what][step].double())
+            assert err <= FP32_STEP_RTOL, f"{method}, step {step}, {what}: relative error {err:.3g}"
+        torch.testing.assert_close(run["energy"][step], want["energy"][step], rtol=1e-5, atol=0)
+        torch.testing.assert_close(run["radius"][step], want["radius"][step], rtol=1e-5, atol=0)
+
+
 @pytest.mark.heavy  # processes: the default tier's one case runs the torch backend, both allocations
 @pytest.mark.parametrize("backend", BACKEND_CASES)
 def test_ddp_equals_one_process_on_the_whole_batch(request, backend):
     rank0 = everything(request)[0]["ddp"]
     for method in METHODS:
         run, want = rank0[backend, method], _ddp_whole_batch(backend, method)
-        for step in range(STEPS):
-            for what in ("lookahead", "w"):
-                err = rel_err(run[what][step].double(), want[what][step].double())
-                assert err <= FP32_STEP_RTOL, f"{method}, step {step}, {what}: relative error {err:.3g}"
-            torch.testing.assert_close(run["energy"][step], want["energy"][step], rtol=1e-5, atol=0)
-            torch.testing.assert_close(run["radius"][step], want["radius"][step], rtol=1e-5, atol=0)
+        _assert_same_trajectory(run, want, method)
         assert rel_err(want["w"][-1].double(), _weights(_mlp(SEED)).double()) > 1e-2  # the runs really moved
 
 
@@ -422,12 +428,7 @@ def test_fsdp_trajectory_equals_one_process_on_the_unsharded_model(request):
     rank0 = everything(request)[0]["fsdp"]
     for method in METHODS:
         run, want = rank0[method], _fsdp_reference(method)
-        for step in range(STEPS):
-            for what in ("lookahead", "w"):
-                err = rel_err(run[what][step].double(), want[what][step].double())
-                assert err <= FP32_STEP_RTOL, f"{method}, step {step}, {what}: relative error {err:.3g}"
-            torch.testing.assert_close(run["energy"][step], want["energy"][step], rtol=1e-5, atol=0)
-            torch.testing.assert_close(run["radius"][step], want["radius"][step], rtol=1e-5, atol=0)
+        _assert_same_trajectory(run, want, method)
         assert rel_err(want["w"][-1].double(), want["w"][0].double()) > 1e-3  # the run really moved
 
 
