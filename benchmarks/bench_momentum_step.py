@@ -2,10 +2,11 @@
 
 :class:`gearsam_fused.MomentumSAM` takes one gradient per step, at a look-ahead point along the base optimizer's
 momentum. Its ``step()`` makes, per flat bucket on a fused backend, ``restore_and_update_`` (w put back from the
-saved copy and the base optimizer's update in one pass), ``direction_energy`` of the new momentum (one read of it),
-the allocation on the ``[B]`` blocks, and ``perturb_along_`` (the parameters and the momentum read, the saved copy and
-the look-ahead point written). Against a plain optimizer it adds two passes to the update; this benchmark measures
-what they cost at the speed our update alone runs at the same moments.
+saved copy and the base optimizer's update in one pass, which on the kernel backends also sums the new momentum's
+block energies tile by tile as it writes it; the ``torch`` backend reads the momentum again for them), the allocation
+on the ``[B]`` blocks, and ``perturb_along_`` (the parameters and the momentum read, the saved copy and the look-ahead
+point written). Against a plain optimizer it adds one pass to the update (two on ``torch``); this benchmark measures
+what that costs at the speed our update alone runs at the same moments.
 
 Contenders, each on its own copy of the set (the same seed: the same weights and gradients), around torch's SGD
 (momentum 0.9, weight decay 5e-4) or AdamW (weight decay 0.01), every torch optimizer with ``foreach=True``:
@@ -33,10 +34,11 @@ machine, which moves every contender of a round alike, stays out of them:
 * ``over_bare``: over torch's ``foreach`` step.
 
 Counted bytes per float32 parameter: the update reads w (the saved copy), g and the state and writes w and the state,
-SGD with momentum 20, AdamW 28; ``direction_energy`` reads the momentum, 4, read-only; ``perturb_along_`` reads w and
-the momentum and writes the saved copy and w, 16. MomentumSAM: 40 (SGD) and 48 (AdamW), 4 of them read-only; the fused
-base step and the bare base step the update's 20 and 28 (torch's ``foreach`` step moves more than that); the skipped
-step 24 and 32, 4 read-only. GB/s is a row's counted bytes over its median time; ``pct_floor`` and
+SGD with momentum 20, AdamW 28; ``perturb_along_`` reads w and the momentum and writes the saved copy and w, 16; on the
+``torch`` backend ``direction_energy`` reads the momentum once more, 4, read-only. MomentumSAM: 36 (SGD) and 44
+(AdamW) on ``cpp`` and ``triton``, 40 and 48 on ``torch``, 4 of them read-only; the fused base step and the bare base
+step the update's 20 and 28 (torch's ``foreach`` step moves more than that); the skipped step 24 and 32 (its energy
+pass reads the gradients, 4, read-only). GB/s is a row's counted bytes over its median time; ``pct_floor`` and
 ``pct_traffic_floor`` compare it with the floor measured before each round, as in the other benchmarks.
 
 The sets: ResNet-18's shapes (62 tensors) and 2048 small tensors (:mod:`param_sets`). Quick mode, a smoke run, scales
@@ -65,6 +67,8 @@ SET_KEYS = ["resnet18", "small_tensors"]
 UPDATE_BYTES = {"SGD": 20, "AdamW": 28}
 #: perturb_along_: w and the momentum in, the saved copy and w out
 LOOK_AHEAD_BYTES = 16
+#: the backends whose update sums the new momentum's energies as it writes it, reading nothing more
+SUMMED_BY_THE_UPDATE = ("cpp", "triton")
 NEVER = 10**9  # the skipped step's schedule: after its step 0, every step is skipped
 MOMENTUM_SAM, FUSED_BASE, SKIPPED = "MomentumSAM", "fused base step", "SAM skipped step"
 
@@ -82,6 +86,8 @@ def momentum_step_contenders(device: str, quick: bool = False) -> list[str]:
 def bytes_per_param(contender: str, base: str) -> tuple[int, int]:
     """(counted, read-only) bytes per parameter of the contender's step."""
     if contender.endswith(MOMENTUM_SAM):
+        if contender.partition(", ")[0] in SUMMED_BY_THE_UPDATE:
+            return UPDATE_BYTES[base] + LOOK_AHEAD_BYTES, 0
         return UPDATE_BYTES[base] + ENERGY_BYTES + LOOK_AHEAD_BYTES, ENERGY_BYTES
     if contender.endswith(SKIPPED):
         return ENERGY_BYTES + UPDATE_BYTES[base], ENERGY_BYTES

@@ -439,16 +439,17 @@ def momentum_step_tables(rows: list[dict]) -> list[str]:
         lines.append("")
     if lines:
         lines += [
-            "MomentumSAM step = `step()`: restore and update in one pass, the energies of the new momentum, the "
-            "look-ahead along it. Fused base step: our update alone over the flat buffers (`update_`); SAM skipped "
+            "MomentumSAM step = `step()`: restore and update in one pass (which on `cpp` and `triton` also sums the "
+            "new momentum's energies as it writes it; `torch` reads the momentum again for them), the look-ahead "
+            "along it. Fused base step: our update alone over the flat buffers (`update_`); SAM skipped "
             "step: `first_step()` returning False under `Every(k)`, its energy pass and the update; bare base step: "
             "torch's `step()` (`foreach=True`). Every ratio is per round, this step over another stepped in the same "
             'round, median [quartiles] over the rounds: "/ fused base step" over our fused base step on the same '
             "backend (the bare base step's: over the first backend's); \"/ its bytes at ... rate\" over the time "
             "this row's counted bytes take at the rate that step reaches in the same round (1.00x: as fast per byte "
             "as the update alone). Bytes per parameter: the update SGD 20 / AdamW 28 (w, g and the state in, w and "
-            "the state out; torch's `foreach` step counted the same, though it moves more), the energy pass 4 "
-            "(read-only), the look-ahead 16 (w and the momentum in, the saved copy and w out); % of traffic floor: "
+            "the state out; torch's `foreach` step counted the same, though it moves more), an energy pass 4 "
+            "(read-only: the skipped step's, and MomentumSAM's on `torch`), the look-ahead 16 (w and the momentum in, the saved copy and w out); % of traffic floor: "
             "the rate over the floor of that traffic, the read-only 4 at the read rate measured beside it.",
             "",
         ]

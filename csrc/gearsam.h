@@ -29,7 +29,8 @@
 //
 // backup is None for a step from the current weights (no perturbation to undo): w is then read from param itself,
 // each element before it is written. Both steps optionally correct the gradient first (LookSAM):
-// g = fma(C(correction_scale[block]), correction, grad).
+// g = fma(C(correction_scale[block]), correction, grad). Both optionally return the block energies of the momentum
+// they write (MomentumEnergyArgs below), each tile summed as it is written on the CPU: MomentumSAM's one pass.
 //
 // On the CPU past the stream threshold, param and backup trade their memory where each is the whole of its own
 // storage (cpu/exchange.h): perturb_ writes w + eps into backup and exchanges the two, and the base steps exchange them
@@ -48,7 +49,7 @@
 //               radius 0 and leaves ema unwritten; a base step writes param = backup (nothing where backup is None)
 //               and nothing else, and does not read grad (it may hold inf or NaN).
 //
-// library.cpp registers these ten as the operators torch.ops.gearsam_fused.<name> (schemas there). ops.cpp checks
+// library.cpp registers these eleven as the operators torch.ops.gearsam_fused.<name> (schemas there). ops.cpp checks
 // the arguments and calls the implementation for the tensors' device: namespace cpu (cpu/*.cpp) or namespace cuda
 // (cuda/*.cu, declared and compiled only when WITH_CUDA is defined). Every implementation receives tensors that
 // ops.cpp has already checked, and allocates nothing.
@@ -148,14 +149,24 @@ struct DeviceStepArgs {
   c10::optional<at::Tensor> scalars, found_inf;
 };
 
+// The block energies of the new momentum (SGD's momentum_buffer, Adam's exp_avg) as a base step may sum them while
+// it writes the momentum (MomentumSAM's look-ahead): first_tile_of_block (int64 [B + 1]), partials (float64, one per
+// tile, overwritten) and momentum_energy (float64 [B], written), all three or none; momentum_energy then holds
+// block_energy(momentum, adaptive=False), bit for bit. Not with found_inf: a skipped step writes no momentum.
+struct MomentumEnergyArgs {
+  c10::optional<at::Tensor> first_tile_of_block, partials, momentum_energy;
+};
+
 // backup: the weights w to step from, or nullopt for param's own (a step with no perturbation to undo).
 void sgd_step_(const at::Tensor& param, const at::Tensor& grad, const c10::optional<at::Tensor>& backup,
                const c10::optional<at::Tensor>& momentum_buffer, int64_t tile, const SgdOptions& options,
-               const CorrectionArgs& correction = {}, const DeviceStepArgs& device_step = {});
+               const CorrectionArgs& correction = {}, const DeviceStepArgs& device_step = {},
+               const MomentumEnergyArgs& momentum_energy = {});
 void adam_step_(const at::Tensor& param, const at::Tensor& grad, const c10::optional<at::Tensor>& backup,
                 const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
                 const c10::optional<at::Tensor>& max_exp_avg_sq, int64_t tile, const AdamOptions& options,
-                const CorrectionArgs& correction = {}, const DeviceStepArgs& device_step = {});
+                const CorrectionArgs& correction = {}, const DeviceStepArgs& device_step = {},
+                const MomentumEnergyArgs& momentum_energy = {});
 
 // The checked correction the implementations receive: g = fma(C(scale[block]), values, C(grad_scale[block]) * grad)
 // for the elements of tile t, block = block_of_tile[t], C rounding once to the buffers' type; grad_scale undefined
@@ -175,6 +186,12 @@ GEARSAM_HOST_DEVICE inline double sharpness_step(double lr, double sharpness) { 
 // are CPU tensors there), the CUDA kernels from device memory, without a synchronisation.
 struct DeviceStep {
   at::Tensor scalars, found_inf;
+};
+
+// The checked momentum energy outputs (MomentumEnergyArgs), all undefined where the step sums none.
+struct MomentumEnergy {
+  at::Tensor first_tile_of_block, partials, energy;
+  bool given() const { return energy.defined(); }
 };
 
 // The options with every scalar rounded once to the buffers' type T, as torch rounds a Python-scalar alpha or value
@@ -243,11 +260,11 @@ struct AdamConstants {
                        int64_t tile, bool adaptive, double eta, double sigma, double lmbda, bool first);             \
   void sgd_step(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& backup,                           \
                 const at::Tensor& momentum_buffer, int64_t tile, const SgdOptions& options,                          \
-                const Correction& correction, const DeviceStep& device_step);                                        \
+                const Correction& correction, const DeviceStep& device_step, const MomentumEnergy& energy);          \
   void adam_step(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& backup,                          \
                  const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq, const at::Tensor& max_exp_avg_sq,          \
                  int64_t tile, const AdamOptions& options, const Correction& correction,                             \
-                 const DeviceStep& device_step);
+                 const DeviceStep& device_step, const MomentumEnergy& energy);
 
 namespace cpu {
 GEARSAM_DEVICE_IMPLEMENTATIONS

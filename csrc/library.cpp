@@ -1,4 +1,4 @@
-// The ten kernels as operators of torch.library: torch.ops.gearsam_fused.<name>, with the names and keyword arguments
+// The eleven kernels as operators of torch.library: torch.ops.gearsam_fused.<name>, with the names and keyword arguments
 // of the Triton launchers (gearsam_fused.triton_kernels), so one backend class drives both. As operators they pass
 // through the dispatcher, so torch.compile, fake tensors and functionalisation see them: each schema declares the
 // inputs it writes (Tensor(a!)), and gearsam_fused/backends/cpp_library.py registers their fake implementations
@@ -23,10 +23,12 @@ void sgd_step(const at::Tensor& param, const at::Tensor& grad, const OptionalTen
               double dampening, bool nesterov, bool maximize, bool first, const OptionalTensor& correction,
               const OptionalTensor& correction_scale, const OptionalTensor& block_of_tile,
               const OptionalTensor& scalars, const OptionalTensor& found_inf, const OptionalTensor& grad_scale,
-              double sharpness) {
+              double sharpness, const OptionalTensor& first_tile_of_block, const OptionalTensor& partials,
+              const OptionalTensor& momentum_energy) {
   gearsam::sgd_step_(param, grad, backup, momentum_buffer, tile,
                      {lr, weight_decay, momentum, dampening, nesterov, maximize, first},
-                     {correction, correction_scale, block_of_tile, grad_scale, sharpness}, {scalars, found_inf});
+                     {correction, correction_scale, block_of_tile, grad_scale, sharpness}, {scalars, found_inf},
+                     {first_tile_of_block, partials, momentum_energy});
 }
 
 // step_size, bias_correction2_sqrt and decay are derived from lr and k = step where the constants are built
@@ -37,10 +39,12 @@ void adam_step(const at::Tensor& param, const at::Tensor& grad, const OptionalTe
                bool amsgrad, bool maximize, double lr, int64_t step, const OptionalTensor& correction,
                const OptionalTensor& correction_scale, const OptionalTensor& block_of_tile,
                const OptionalTensor& scalars, const OptionalTensor& found_inf, const OptionalTensor& grad_scale,
-               double sharpness) {
+               double sharpness, const OptionalTensor& first_tile_of_block, const OptionalTensor& partials,
+               const OptionalTensor& momentum_energy) {
   gearsam::adam_step_(param, grad, backup, exp_avg, exp_avg_sq, max_exp_avg_sq, tile,
                       {beta1, beta2, eps, weight_decay, decoupled, amsgrad, maximize, lr, static_cast<double>(step)},
-                      {correction, correction_scale, block_of_tile, grad_scale, sharpness}, {scalars, found_inf});
+                      {correction, correction_scale, block_of_tile, grad_scale, sharpness}, {scalars, found_inf},
+                      {first_tile_of_block, partials, momentum_energy});
 }
 
 void register_kernels(torch::Library& m) {
@@ -115,12 +119,15 @@ TORCH_LIBRARY(gearsam_fused, m) {
   // float64 [2], holds (lr, k), k the step count (first = k == 1; then lr=0.0 and first=False); found_inf, float32
   // with one element, nonzero writes param = backup (nothing without backup) and nothing else, without reading grad.
   // backup is written too: on the CPU past the stream threshold param and backup first exchange their memory and the
-  // step updates param in place (csrc/cpu/exchange.h), which leaves backup holding param's old values.
+  // step updates param in place (csrc/cpu/exchange.h), which leaves backup holding param's old values. With
+  // first_tile_of_block, partials and momentum_energy (all or none; not with found_inf), momentum_energy receives
+  // block_energy(momentum_buffer, adaptive=False) of the new buffer, bit for bit (gearsam.h, MomentumEnergyArgs).
   m.def(
       "sgd_step_(Tensor(a!) param, Tensor grad, Tensor(c!)? backup, Tensor(b!)? momentum_buffer, *, int tile, "
       "float lr, float weight_decay, float momentum, float dampening, bool nesterov, bool maximize, bool first, "
       "Tensor? correction=None, Tensor? correction_scale=None, Tensor? block_of_tile=None, Tensor? scalars=None, "
-      "Tensor? found_inf=None, Tensor? grad_scale=None, float sharpness=0.) -> ()");
+      "Tensor? found_inf=None, Tensor? grad_scale=None, float sharpness=0., Tensor? first_tile_of_block=None, "
+      "Tensor(d!)? partials=None, Tensor(e!)? momentum_energy=None) -> ()");
   // param = backup (or param's own values) after one step of torch.optim.Adam (AdamW when decoupled) on grad, bit for
   // bit with a correctly rounded square root (gearsam_fused/base_step.py); exp_avg, exp_avg_sq and max_exp_avg_sq
   // (given iff amsgrad) are updated in place. step is the step count k of this update (1 for the first), a SymInt so
@@ -128,13 +135,15 @@ TORCH_LIBRARY(gearsam_fused, m) {
   // (1 - beta2^k)^0.5 and decay = 1 - lr * weight_decay are derived from them as torch derives them in Python;
   // correction, correction_scale, block_of_tile, grad_scale and sharpness as for sgd_step_. Capturable: scalars,
   // float64 [2], holds (lr, k) (then lr=0.0 and step=0), from which the same operations derive the three; found_inf as
-  // for sgd_step_ (exp_avg, exp_avg_sq and max_exp_avg_sq keep their bits); backup as for sgd_step_.
+  // for sgd_step_ (exp_avg, exp_avg_sq and max_exp_avg_sq keep their bits); backup as for sgd_step_; the momentum
+  // energy as for sgd_step_, of exp_avg.
   m.def(
       "adam_step_(Tensor(a!) param, Tensor grad, Tensor(e!)? backup, Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq, "
       "Tensor(d!)? max_exp_avg_sq, *, int tile, float beta1, float beta2, float eps, float weight_decay, "
       "bool decoupled, bool amsgrad, bool maximize, float lr, SymInt step, "
       "Tensor? correction=None, Tensor? correction_scale=None, Tensor? block_of_tile=None, Tensor? scalars=None, "
-      "Tensor? found_inf=None, Tensor? grad_scale=None, float sharpness=0.) -> ()");
+      "Tensor? found_inf=None, Tensor? grad_scale=None, float sharpness=0., Tensor? first_tile_of_block=None, "
+      "Tensor(f!)? partials=None, Tensor(g!)? momentum_energy=None) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(gearsam_fused, CPU, m) { register_kernels(m); }

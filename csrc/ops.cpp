@@ -360,9 +360,39 @@ at::Tensor friendly_energy_(const at::Tensor& grad, const at::Tensor& momentum, 
   return energy;
 }
 
+namespace {
+
+// A base step's momentum energy outputs (gearsam.h, MomentumEnergyArgs): all three or none, beside a momentum and
+// without found_inf, checked as block_energy checks its own. Same words as gearsam_fused/checks.py.
+MomentumEnergy check_momentum_energy(const MomentumEnergyArgs& args, bool has_momentum, const DeviceStep& step,
+                                     const at::Tensor& param, int64_t tile) {
+  const int given_count = given(args.first_tile_of_block) + given(args.partials) + given(args.momentum_energy);
+  if (given_count == 0) return {};
+  TORCH_CHECK_VALUE(given_count == 3,
+                    "first_tile_of_block, partials and momentum_energy are given together or not at all");
+  TORCH_CHECK_VALUE(has_momentum, "momentum_energy sums the momentum the step writes: this step keeps none");
+  TORCH_CHECK_VALUE(!step.found_inf.defined(),
+                    "momentum_energy is not taken with found_inf: a skipped step writes no momentum");
+  const MomentumEnergy e{*args.first_tile_of_block, *args.partials, *args.momentum_energy};
+  check_flat("first_tile_of_block", e.first_tile_of_block, 0, at::kLong, &param);
+  check_flat("partials", e.partials, 0, at::kDouble, &param);
+  check_flat("momentum_energy", e.energy, 0, at::kDouble, &param);
+  const int64_t n_tiles = param.numel() / tile;
+  TORCH_CHECK_VALUE(e.partials.numel() == n_tiles, "partials has ", e.partials.numel(), " entries for ", n_tiles,
+                    " tiles");
+  TORCH_CHECK_VALUE(e.first_tile_of_block.numel() >= 1,
+                    "first_tile_of_block needs at least one entry (B + 1 for B blocks)");
+  TORCH_CHECK_VALUE(e.energy.numel() == e.first_tile_of_block.numel() - 1, "momentum_energy has ", e.energy.numel(),
+                    " entries for ", e.first_tile_of_block.numel() - 1, " blocks");
+  return e;
+}
+
+}  // namespace
+
 void sgd_step_(const at::Tensor& param, const at::Tensor& grad, const c10::optional<at::Tensor>& backup,
                const c10::optional<at::Tensor>& momentum_buffer, int64_t tile, const SgdOptions& options,
-               const CorrectionArgs& correction, const DeviceStepArgs& device_step) {
+               const CorrectionArgs& correction, const DeviceStepArgs& device_step,
+               const MomentumEnergyArgs& momentum_energy) {
   check_tile(tile);
   check_flat("param", param, tile);
   check_base_step_dtype(param);
@@ -375,15 +405,20 @@ void sgd_step_(const at::Tensor& param, const at::Tensor& grad, const c10::optio
   // host values beside the scalars would be silently ignored
   TORCH_CHECK_VALUE(!step.scalars.defined() || (options.lr == 0.0 && !options.first),
                     "lr and first are read from scalars when it is given; pass lr=0.0 and first=False");
-  if (param.numel() == 0) return;
+  const MomentumEnergy e = check_momentum_energy(momentum_energy, given(momentum_buffer), step, param, tile);
+  if (param.numel() == 0) {
+    if (e.given()) e.energy.zero_();
+    return;
+  }
   GEARSAM_ON_DEVICE_OF(param, sgd_step, param, grad, w, momentum_buffer.value_or(at::Tensor()), tile, options, c,
-                       step);
+                       step, e);
 }
 
 void adam_step_(const at::Tensor& param, const at::Tensor& grad, const c10::optional<at::Tensor>& backup,
                 const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
                 const c10::optional<at::Tensor>& max_exp_avg_sq, int64_t tile, const AdamOptions& options,
-                const CorrectionArgs& correction, const DeviceStepArgs& device_step) {
+                const CorrectionArgs& correction, const DeviceStepArgs& device_step,
+                const MomentumEnergyArgs& momentum_energy) {
   check_tile(tile);
   check_flat("param", param, tile);
   check_base_step_dtype(param);
@@ -396,9 +431,13 @@ void adam_step_(const at::Tensor& param, const at::Tensor& grad, const c10::opti
   const DeviceStep step = check_device_step(device_step, "adam_step_", 2, "lr, step", param);
   TORCH_CHECK_VALUE(!step.scalars.defined() || (options.lr == 0.0 && options.k == 0.0),  // as in sgd_step_
                     "lr and step are read from scalars when it is given; pass lr=0.0 and step=0");
-  if (param.numel() == 0) return;
+  const MomentumEnergy e = check_momentum_energy(momentum_energy, true, step, param, tile);
+  if (param.numel() == 0) {
+    if (e.given()) e.energy.zero_();
+    return;
+  }
   GEARSAM_ON_DEVICE_OF(param, adam_step, param, grad, w, exp_avg, exp_avg_sq,
-                       max_exp_avg_sq.value_or(at::Tensor()), tile, options, c, step);
+                       max_exp_avg_sq.value_or(at::Tensor()), tile, options, c, step, e);
 }
 
 bool built_with_cuda() {

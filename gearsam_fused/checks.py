@@ -174,6 +174,35 @@ def check_correction(param: torch.Tensor, tile: int, correction: torch.Tensor | 
     return 1 if grad_scale is None else 2 if sharpness == 0.0 else 3
 
 
+def check_momentum_energy(param: torch.Tensor, tile: int, has_momentum: bool, found_inf: torch.Tensor | None,
+                          first_tile_of_block: torch.Tensor | None, partials: torch.Tensor | None,
+                          momentum_energy: torch.Tensor | None) -> bool:  # fmt: skip
+    """A base step's momentum energy outputs: ``first_tile_of_block``, ``partials`` and ``momentum_energy`` all or
+    none, beside a momentum the step writes and without ``found_inf`` (a skipped step writes none), checked as
+    ``block_energy`` checks its own. Whether they are given. Same words as csrc/ops.cpp; reads no data."""
+    given = [t is not None for t in (first_tile_of_block, partials, momentum_energy)]
+    if not any(given):
+        return False
+    if not all(given):
+        raise ValueError("first_tile_of_block, partials and momentum_energy are given together or not at all")
+    if not has_momentum:
+        raise ValueError("momentum_energy sums the momentum the step writes: this step keeps none")
+    if found_inf is not None:
+        raise ValueError("momentum_energy is not taken with found_inf: a skipped step writes no momentum")
+    check_flat("first_tile_of_block", first_tile_of_block, dtype=torch.int64, device=param.device)
+    check_flat("partials", partials, dtype=torch.float64, device=param.device)
+    check_flat("momentum_energy", momentum_energy, dtype=torch.float64, device=param.device)
+    n_tiles = param.numel() // tile
+    if partials.numel() != n_tiles:
+        raise ValueError(f"partials has {partials.numel()} entries for {n_tiles} tiles")
+    if first_tile_of_block.numel() < 1:
+        raise ValueError("first_tile_of_block needs at least one entry (B + 1 for B blocks)")
+    n_blocks = first_tile_of_block.numel() - 1
+    if momentum_energy.numel() != n_blocks:
+        raise ValueError(f"momentum_energy has {momentum_energy.numel()} entries for {n_blocks} blocks")
+    return True
+
+
 #: What each kernel operator of a capturable step reads from its ``scalars``, in order (gearsam_fused.capturable).
 DEVICE_SCALARS = {"allocate": ("rho",), "sgd_step_": ("lr", "step"), "adam_step_": ("lr", "step")}
 

@@ -9,7 +9,9 @@ The caller takes the one gradient of the step there, ``g = grad L(w~)``, and :me
    optimizer's update with ``g``, in one pass where the base step is fused (``restore_and_update_``);
 2. takes the block energies of the new momentum, ``e_b = sum_{p in b} ||v_p||^2`` (ASAM's ``||T_p v_p||^2`` with
    ``adaptive``), and allocates the radius by the optimizer's rule: SAM's global ``rho`` or GEAR-SAM's per-block
-   radii from the EMA of these energies (:mod:`gearsam_fused.allocation`);
+   radii from the EMA of these energies (:mod:`gearsam_fused.allocation`). The kernel backends sum the plain energies
+   tile by tile in the update's pass, as it writes the momentum; ASAM's, which read the new ``w``, take a pass of
+   their own;
 3. moves to the new look-ahead point, ``p <- w - scale_b * T_p**2 * v_p`` (``perturb_along_`` with the negated scale).
 
 In the design's terms the ascent direction is ``-v``, the allocation is SAM's or GEAR-SAM's, and the descent gradient is
@@ -160,16 +162,20 @@ class MomentumSAM(SharpnessAware):
                 self._run.looking_ahead = False
                 raise RuntimeError(f"base_step='fused' cannot be honoured this step: {self._flat_step.reason}")
             self._per_tensor_base_step()
+            energy = None
         else:
-            self._fused_base_step(updates, perturbed=self.perturbed)
+            # the plain energies are summed as the update writes the momentum; ASAM's read w, so take their own pass
+            energy = self._fused_base_step(updates, perturbed=self.perturbed, momentum_energy=not self.adaptive)
         self._run.last_base_step = FUSED if updates is not None else PER_TENSOR
-        self._look_ahead(rho, self._direction(updates))
+        self._look_ahead(rho, self._direction(updates), energy)
         self._run.steps_done += 1
         self._mark_stepped(base=False)
 
-    def _look_ahead(self, rho, direction: Direction) -> None:
-        """Allocate by the direction's energies and move the parameters to ``w - scale * T**2 * v``."""
-        energy = self._backend.direction_energy(direction, self.adaptive, self.eta)
+    def _look_ahead(self, rho, direction: Direction, energy: torch.Tensor | None) -> None:
+        """Allocate by the direction's energies (``energy``, where the update summed them) and move the parameters to
+        ``w - scale * T**2 * v``."""
+        if energy is None:
+            energy = self._backend.direction_energy(direction, self.adaptive, self.eta)
         energy = sum_over(self._shard_groups, energy)
         if self._device is not None:
             self._device.last_rho.copy_(rho)

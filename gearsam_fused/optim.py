@@ -654,11 +654,13 @@ class SharpnessAware(torch.optim.Optimizer):
             self.base_optimizer.step()
 
     def _fused_base_step(self, updates: list, correction: torch.Tensor | None = None, perturbed: bool = True,
-                         found_inf: torch.Tensor | None = None, mix: Mix | None = None) -> None:  # fmt: skip
+                         found_inf: torch.Tensor | None = None, mix: Mix | None = None,
+                         momentum_energy: bool = False) -> torch.Tensor | None:  # fmt: skip
         """Restore and update (``perturbed``), or update the current weights, over the flat buffers, between the base
         optimizer's step hooks as its ``step()`` would run them (a pre-hook may hand the step a closure, which runs
         first, as in torch's step). Where ``found_inf`` is set, the update restores ``w`` and nothing else; ``mix``:
-        the SAM family's descent gradient (:meth:`~gearsam_fused.backends.base.Backend.restore_and_update_`)."""
+        the SAM family's descent gradient; ``momentum_energy``: returns the new momentum's block energies
+        (:meth:`~gearsam_fused.backends.base.Backend.restore_and_update_`)."""
         try:
             args, kwargs = run_pre_hooks(self.base_optimizer)
             closure = step_closure(self.base_optimizer, args, kwargs)
@@ -675,12 +677,13 @@ class SharpnessAware(torch.optim.Optimizer):
             raise
         self._flat_step.stage(updates)
         if perturbed:
-            self._backend.restore_and_update_(updates, found_inf, mix)
+            energy = self._backend.restore_and_update_(updates, found_inf, mix, momentum_energy)
         else:
-            self._backend.update_(updates, correction)
+            energy = self._backend.update_(updates, correction, momentum_energy)
         self._flat_step.finish(updates, found_inf)
         self._mark_stepped(base=True)  # as the base optimizer's step() would have: a scheduler may be attached to it
         run_post_hooks(self.base_optimizer, args, kwargs)
+        return energy
 
     def _plan(self) -> list | None:
         """The fused base step's plan of this step (None: the base optimizer's own step). The buckets that a step

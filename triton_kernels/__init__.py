@@ -18,8 +18,9 @@ mix_gradient\\_          g = fma(c[block], correction, a[block] * g)            
 exchange_sharpness\\_    (g, correction) = (correction, g - correction)              1
 friendly_ascent\\_       (g, m) = (fma(-sigma, m, g), lerp(m, g, 1 - lmbda))         1
 friendly_energy\\_       friendly_ascent\\_, then energies of the new g in one read   2 (tiles, then blocks)
-sgd_step\\_              w = backup, then torch's SGD step on w and its momentum     1
-adam_step\\_             w = backup, then torch's Adam(W) step on w and its moments  1
+sgd_step\\_              w = backup, then torch's SGD step on w and its momentum     1 (2 with the momentum's
+                                                                                    energies: tiles, blocks)
+adam_step\\_             w = backup, then torch's Adam(W) step on w and its moments  1 (as sgd_step\\_)
 ======================  ==========================================================  =====================
 
 Kernels that do arithmetic are launched with ``enable_fp_fusion=False``: no multiply-add is contracted into an FMA,
@@ -41,8 +42,8 @@ mix_gradient\\_          grad
 exchange_sharpness\\_    grad, correction
 friendly_ascent\\_       grad, momentum
 friendly_energy\\_       grad, momentum, partials
-sgd_step\\_              param, momentum_buffer
-adam_step\\_             param, exp_avg, exp_avg_sq, max_exp_avg_sq
+sgd_step\\_              param, momentum_buffer, partials, momentum_energy
+adam_step\\_             param, exp_avg, exp_avg_sq, max_exp_avg_sq, partials, momentum_energy
 ======================  ==============================================
 
 Its kernels are launched through ``torch.library.wrap_triton``. Functionalisation keeps each op whole
@@ -51,8 +52,8 @@ make_fx or aot_eager graphs, ``enable_fp_fusion=False`` reaches Triton's launch 
 on), but Inductor compiles a traced user kernel itself with its own options, takes nothing of the launch's, and
 leaves Triton's default FMA contraction on. Kept whole, a compiled graph calls the op, and the op launches its
 kernels as eager code does. A tensor argument of an op cannot be keyword-only, so the base steps take
-``correction``, ``correction_scale``, ``block_of_tile``, ``scalars`` and ``found_inf`` positionally or by keyword,
-before the scalars (``allocate`` its ``scalars`` and ``found_inf`` likewise): ``scalars`` holds values the kernels read on
+``correction``, ``correction_scale``, ``block_of_tile``, ``scalars``, ``found_inf``, ``grad_scale`` and the momentum
+energy's ``first_tile_of_block``, ``partials`` and ``momentum_energy`` positionally or by keyword, before the scalars (``allocate`` its ``scalars`` and ``found_inf`` likewise): ``scalars`` holds values the kernels read on
 the device (lr and the step count, or rho) and ``found_inf`` GradScaler's overflow flag, which skips the step on the
 device, so that a step runs without a host synchronisation and can be captured in a CUDA graph.
 

@@ -16,6 +16,7 @@ from ..checks import (  # noqa: F401  (the launchers' checks, worded once)
     check_device_step,
     check_flat,
     check_friendly,
+    check_momentum_energy,
     check_other,
     check_partials,
     check_real,

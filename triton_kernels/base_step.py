@@ -26,7 +26,9 @@ is libdevice's.
 One program per tile; the state tensors a configuration does not use are never loaded or stored. A step without a
 correction runs kernels that have no correction arguments at all; one with it (with or without ``grad_scale``: the
 CORRECTED level, see ``_step_grad``) runs the ``_corrected`` twins; one with either device argument runs the
-``_device`` kernel (correction or not); all share the same body.
+``_device`` kernel (correction or not); all share the same body. Asked for the new momentum's block energies
+(MomentumSAM), each program also stores its tile's sum of the momentum's squares as it writes it (``ENERGY``), and the
+launcher sums them per block with the energy's second stage (:mod:`triton_kernels.energy`).
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from ._common import (
     check_correction,
     check_device_step,
     check_flat,
+    check_momentum_energy,
     check_same,
     compute_type,
     host_scalar,
@@ -53,6 +56,7 @@ from ._common import (
     launches,
     pairs,
 )
+from .energy import _block_sums
 
 
 @triton.jit
@@ -153,12 +157,19 @@ def _sharpened(w_new, grad_ptr, corr_ptr, scalars_ptr, offsets, sharpness_step32
 
 
 @triton.jit
+def _momentum_partial(m, partial_ptr):
+    """partial[tile] = the tile's sum of m**2 (m as stored: the base steps compute in their buffers' type), the partial
+    block_energy's first stage takes of the stored momentum: _square_sum's operations on the same values."""
+    tl.store(partial_ptr + tl.program_id(0), tl.sum(m * m, axis=0).to(tl.float64))
+
+
+@triton.jit
 def _sgd_update(param_ptr, grad_ptr, backup_ptr, buf_ptr, corr_ptr, cscale_ptr, gscale_ptr, block_of_tile_ptr,
                 scalars_ptr, offsets, neg_lr32, neg_lr64, weight_decay32, weight_decay64, momentum32, momentum64,
                 one_minus_dampening32, one_minus_dampening64, sharpness_step32, sharpness_step64, sharpness64,
                 HAS_WEIGHT_DECAY: tl.constexpr, HAS_MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr,
                 MAXIMIZE: tl.constexpr, FIRST: tl.constexpr, CORRECTED: tl.constexpr, HAS_SCALARS: tl.constexpr,
-                COMPUTE: tl.constexpr):  # fmt: skip
+                COMPUTE: tl.constexpr, partial_ptr, ENERGY: tl.constexpr):  # fmt: skip
     """The tile's SGD update (see _sgd_tile); with HAS_SCALARS, lr and k are read from scalars_ptr: neg_lr is
     C(-lr) and the first step is k == 1, decided at run time (FIRST is then False)."""
     w = tl.load(backup_ptr + offsets)  # loaded before param is stored: backup_ptr is param_ptr for backup=None
@@ -188,6 +199,8 @@ def _sgd_update(param_ptr, grad_ptr, backup_ptr, buf_ptr, corr_ptr, cscale_ptr, 
                 tl.load(buf_ptr + offsets) * momentum,
             )
         tl.store(buf_ptr + offsets, buf)
+        if ENERGY:
+            _momentum_partial(buf, partial_ptr)
         if NESTEROV:
             g = tl.fma(momentum, buf, g)
         else:
@@ -208,7 +221,7 @@ def _sgd_tile(param_ptr, grad_ptr, backup_ptr, buf_ptr, corr_ptr, cscale_ptr, gs
               HAS_WEIGHT_DECAY: tl.constexpr, HAS_MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr,
               MAXIMIZE: tl.constexpr, FIRST: tl.constexpr, CORRECTED: tl.constexpr, HAS_SCALARS: tl.constexpr,
               HAS_FOUND_INF: tl.constexpr, HAS_BACKUP: tl.constexpr, TILE: tl.constexpr,
-              COMPUTE: tl.constexpr):  # fmt: skip
+              COMPUTE: tl.constexpr, partial_ptr, ENERGY: tl.constexpr):  # fmt: skip
     """w = backup;  g = grad, corrected if CORRECTED (see _step_grad);  g = -g if MAXIMIZE;
     g = fma(weight_decay, w, g) if HAS_WEIGHT_DECAY; with HAS_MOMENTUM: buf = g if FIRST else
     fma(one_minus_dampening, g, buf * momentum), d = fma(momentum, buf, g) if NESTEROV else buf;  without: d = g.
@@ -228,13 +241,13 @@ def _sgd_tile(param_ptr, grad_ptr, backup_ptr, buf_ptr, corr_ptr, cscale_ptr, gs
                         scalars_ptr, offsets, neg_lr32, neg_lr64, weight_decay32, weight_decay64, momentum32,
                         momentum64, one_minus_dampening32, one_minus_dampening64, sharpness_step32, sharpness_step64,
                         sharpness64, HAS_WEIGHT_DECAY, HAS_MOMENTUM, NESTEROV, MAXIMIZE, FIRST, CORRECTED, HAS_SCALARS,
-                        COMPUTE)  # fmt: skip
+                        COMPUTE, partial_ptr, ENERGY)  # fmt: skip
     else:
         _sgd_update(param_ptr, grad_ptr, backup_ptr, buf_ptr, corr_ptr, cscale_ptr, gscale_ptr, block_of_tile_ptr,
                     scalars_ptr, offsets, neg_lr32, neg_lr64, weight_decay32, weight_decay64, momentum32, momentum64,
                     one_minus_dampening32, one_minus_dampening64, sharpness_step32, sharpness_step64, sharpness64,
                     HAS_WEIGHT_DECAY, HAS_MOMENTUM, NESTEROV, MAXIMIZE, FIRST, CORRECTED, HAS_SCALARS,
-                    COMPUTE)  # fmt: skip
+                    COMPUTE, partial_ptr, ENERGY)  # fmt: skip
 
 
 @triton.jit
@@ -242,13 +255,13 @@ def _sgd_kernel(param_ptr, grad_ptr, backup_ptr, buf_ptr, neg_lr32: tl.float32, 
                 weight_decay32: tl.float32, weight_decay64: tl.float64, momentum32: tl.float32, momentum64: tl.float64,
                 one_minus_dampening32: tl.float32, one_minus_dampening64: tl.float64, HAS_WEIGHT_DECAY: tl.constexpr,
                 HAS_MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr, FIRST: tl.constexpr,
-                TILE: tl.constexpr, COMPUTE: tl.constexpr):  # fmt: skip
+                TILE: tl.constexpr, COMPUTE: tl.constexpr, partial_ptr, ENERGY: tl.constexpr):  # fmt: skip
     """_sgd_tile without a correction or device arguments (grad_ptr stands in for their pointers, never
     dereferenced)."""
     _sgd_tile(param_ptr, grad_ptr, backup_ptr, buf_ptr, grad_ptr, grad_ptr, grad_ptr, grad_ptr, grad_ptr, grad_ptr,
               neg_lr32, neg_lr64, weight_decay32, weight_decay64, momentum32, momentum64, one_minus_dampening32,
               one_minus_dampening64, neg_lr32, neg_lr64, neg_lr64, HAS_WEIGHT_DECAY, HAS_MOMENTUM, NESTEROV, MAXIMIZE,
-              FIRST, False, False, False, False, TILE, COMPUTE)  # fmt: skip
+              FIRST, False, False, False, False, TILE, COMPUTE, partial_ptr, ENERGY)  # fmt: skip
 
 
 @triton.jit
@@ -259,13 +272,13 @@ def _sgd_corrected_kernel(param_ptr, grad_ptr, backup_ptr, buf_ptr, corr_ptr, cs
                           sharpness_step32: tl.float32, sharpness_step64: tl.float64, sharpness64: tl.float64,
                           HAS_WEIGHT_DECAY: tl.constexpr, HAS_MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr,
                           MAXIMIZE: tl.constexpr, FIRST: tl.constexpr, CORRECTED: tl.constexpr, TILE: tl.constexpr,
-                          COMPUTE: tl.constexpr):  # fmt: skip
+                          COMPUTE: tl.constexpr, partial_ptr, ENERGY: tl.constexpr):  # fmt: skip
     """_sgd_tile with a correction (CORRECTED 1 to 3, see _step_grad), without device arguments."""
     _sgd_tile(param_ptr, grad_ptr, backup_ptr, buf_ptr, corr_ptr, cscale_ptr, gscale_ptr, block_of_tile_ptr, grad_ptr,
               grad_ptr, neg_lr32, neg_lr64, weight_decay32, weight_decay64, momentum32, momentum64,
               one_minus_dampening32, one_minus_dampening64, sharpness_step32, sharpness_step64, sharpness64,
               HAS_WEIGHT_DECAY, HAS_MOMENTUM, NESTEROV, MAXIMIZE, FIRST, CORRECTED, False, False, False, TILE,
-              COMPUTE)  # fmt: skip
+              COMPUTE, partial_ptr, ENERGY)  # fmt: skip
 
 
 @triton.jit
@@ -277,14 +290,14 @@ def _sgd_device_kernel(param_ptr, grad_ptr, backup_ptr, buf_ptr, corr_ptr, cscal
                        HAS_WEIGHT_DECAY: tl.constexpr, HAS_MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr,
                        MAXIMIZE: tl.constexpr, FIRST: tl.constexpr, CORRECTED: tl.constexpr, HAS_SCALARS: tl.constexpr,
                        HAS_FOUND_INF: tl.constexpr, HAS_BACKUP: tl.constexpr, TILE: tl.constexpr,
-                       COMPUTE: tl.constexpr):  # fmt: skip
+                       COMPUTE: tl.constexpr, partial_ptr, ENERGY: tl.constexpr):  # fmt: skip
     """_sgd_tile with scalars and/or found_inf, with or without a correction (absent pointers stand in as other
     buffers, never dereferenced)."""
     _sgd_tile(param_ptr, grad_ptr, backup_ptr, buf_ptr, corr_ptr, cscale_ptr, gscale_ptr, block_of_tile_ptr,
               scalars_ptr, found_inf_ptr, neg_lr32, neg_lr64, weight_decay32, weight_decay64, momentum32, momentum64,
               one_minus_dampening32, one_minus_dampening64, sharpness_step32, sharpness_step64, sharpness64,
               HAS_WEIGHT_DECAY, HAS_MOMENTUM, NESTEROV, MAXIMIZE, FIRST, CORRECTED, HAS_SCALARS, HAS_FOUND_INF,
-              HAS_BACKUP, TILE, COMPUTE)  # fmt: skip
+              HAS_BACKUP, TILE, COMPUTE, partial_ptr, ENERGY)  # fmt: skip
 
 
 @triton.jit
@@ -307,7 +320,7 @@ def _adam_update(param_ptr, grad_ptr, backup_ptr, exp_avg_ptr, exp_avg_sq_ptr, m
                  decay32, decay64, neg_step_size32, neg_step_size64, bias_correction2_sqrt32, bias_correction2_sqrt64,
                  sharpness_step32, sharpness_step64, sharpness64, HAS_WEIGHT_DECAY: tl.constexpr,
                  DECOUPLED: tl.constexpr, AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr, LERP_SMALL: tl.constexpr,
-                 CORRECTED: tl.constexpr, HAS_SCALARS: tl.constexpr, COMPUTE: tl.constexpr):  # fmt: skip
+                 CORRECTED: tl.constexpr, HAS_SCALARS: tl.constexpr, COMPUTE: tl.constexpr, partial_ptr, ENERGY: tl.constexpr):  # fmt: skip
     """The tile's Adam update (see _adam_tile); with HAS_SCALARS, neg_step_size, bias_correction2_sqrt and decay come
     from _adam_device_scalars instead of the host's pairs."""
     neg_step_size, bias_correction2_sqrt, decay = 0.0, 0.0, 0.0  # derived from scalars if HAS_SCALARS
@@ -335,6 +348,8 @@ def _adam_update(param_ptr, grad_ptr, backup_ptr, exp_avg_ptr, exp_avg_sq_ptr, m
     v = tl.load(exp_avg_sq_ptr + offsets) * host_scalar(beta2_32, beta2_64, COMPUTE)
     v = tl.fma(host_scalar(one_minus_beta2_32, one_minus_beta2_64, COMPUTE) * g, g, v)
     tl.store(exp_avg_ptr + offsets, m)
+    if ENERGY:
+        _momentum_partial(m, partial_ptr)
     tl.store(exp_avg_sq_ptr + offsets, v)
     second = v
     if AMSGRAD:
@@ -363,7 +378,7 @@ def _adam_tile(param_ptr, grad_ptr, backup_ptr, exp_avg_ptr, exp_avg_sq_ptr, max
                sharpness_step32, sharpness_step64, sharpness64, HAS_WEIGHT_DECAY: tl.constexpr, DECOUPLED: tl.constexpr,
                AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr, LERP_SMALL: tl.constexpr, CORRECTED: tl.constexpr,
                HAS_SCALARS: tl.constexpr, HAS_FOUND_INF: tl.constexpr, HAS_BACKUP: tl.constexpr, TILE: tl.constexpr,
-               COMPUTE: tl.constexpr):  # fmt: skip
+               COMPUTE: tl.constexpr, partial_ptr, ENERGY: tl.constexpr):  # fmt: skip
     """w = backup;  g = grad, corrected if CORRECTED (see _step_grad);  g = -g if MAXIMIZE;  with HAS_WEIGHT_DECAY:
     w = w * decay if DECOUPLED else g = fma(weight_decay, w, g);
     m = fma(lerp_weight, g - m, m) if LERP_SMALL else fma(lerp_weight - 1, g - m, g);
@@ -387,7 +402,7 @@ def _adam_tile(param_ptr, grad_ptr, backup_ptr, exp_avg_ptr, exp_avg_sq_ptr, max
                          weight_decay32, weight_decay64, decay32, decay64, neg_step_size32, neg_step_size64,
                          bias_correction2_sqrt32, bias_correction2_sqrt64, sharpness_step32, sharpness_step64,
                          sharpness64, HAS_WEIGHT_DECAY, DECOUPLED, AMSGRAD, MAXIMIZE, LERP_SMALL, CORRECTED,
-                         HAS_SCALARS, COMPUTE)  # fmt: skip
+                         HAS_SCALARS, COMPUTE, partial_ptr, ENERGY)  # fmt: skip
     else:
         _adam_update(param_ptr, grad_ptr, backup_ptr, exp_avg_ptr, exp_avg_sq_ptr, max_exp_avg_sq_ptr, corr_ptr,
                      cscale_ptr, gscale_ptr, block_of_tile_ptr, scalars_ptr, offsets, beta1_64, lerp_weight32,
@@ -395,7 +410,7 @@ def _adam_tile(param_ptr, grad_ptr, backup_ptr, exp_avg_ptr, exp_avg_sq_ptr, max
                      weight_decay32, weight_decay64, decay32, decay64, neg_step_size32, neg_step_size64,
                      bias_correction2_sqrt32, bias_correction2_sqrt64, sharpness_step32, sharpness_step64, sharpness64,
                      HAS_WEIGHT_DECAY, DECOUPLED, AMSGRAD, MAXIMIZE, LERP_SMALL, CORRECTED, HAS_SCALARS,
-                     COMPUTE)  # fmt: skip
+                     COMPUTE, partial_ptr, ENERGY)  # fmt: skip
 
 
 @triton.jit
@@ -406,7 +421,7 @@ def _adam_kernel(param_ptr, grad_ptr, backup_ptr, exp_avg_ptr, exp_avg_sq_ptr, m
                  neg_step_size32: tl.float32, neg_step_size64: tl.float64, bias_correction2_sqrt32: tl.float32,
                  bias_correction2_sqrt64: tl.float64, HAS_WEIGHT_DECAY: tl.constexpr, DECOUPLED: tl.constexpr,
                  AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr, LERP_SMALL: tl.constexpr, TILE: tl.constexpr,
-                 COMPUTE: tl.constexpr):  # fmt: skip
+                 COMPUTE: tl.constexpr, partial_ptr, ENERGY: tl.constexpr):  # fmt: skip
     """_adam_tile without a correction or device arguments (grad_ptr stands in for their pointers, never
     dereferenced; beta1_64 is only read with scalars)."""
     _adam_tile(param_ptr, grad_ptr, backup_ptr, exp_avg_ptr, exp_avg_sq_ptr, max_exp_avg_sq_ptr, grad_ptr, grad_ptr,
@@ -414,7 +429,7 @@ def _adam_kernel(param_ptr, grad_ptr, backup_ptr, exp_avg_ptr, exp_avg_sq_ptr, m
                one_minus_beta2_32, one_minus_beta2_64, eps32, eps64, weight_decay32, weight_decay64, decay32, decay64,
                neg_step_size32, neg_step_size64, bias_correction2_sqrt32, bias_correction2_sqrt64, neg_step_size32,
                neg_step_size64, neg_step_size64, HAS_WEIGHT_DECAY, DECOUPLED, AMSGRAD, MAXIMIZE, LERP_SMALL, False,
-               False, False, False, TILE, COMPUTE)  # fmt: skip
+               False, False, False, TILE, COMPUTE, partial_ptr, ENERGY)  # fmt: skip
 
 
 @triton.jit
@@ -429,14 +444,14 @@ def _adam_corrected_kernel(param_ptr, grad_ptr, backup_ptr, exp_avg_ptr, exp_avg
                            sharpness_step64: tl.float64, sharpness64: tl.float64, HAS_WEIGHT_DECAY: tl.constexpr,
                            DECOUPLED: tl.constexpr, AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr,
                            LERP_SMALL: tl.constexpr, CORRECTED: tl.constexpr, TILE: tl.constexpr,
-                           COMPUTE: tl.constexpr):  # fmt: skip
+                           COMPUTE: tl.constexpr, partial_ptr, ENERGY: tl.constexpr):  # fmt: skip
     """_adam_tile with a correction (CORRECTED 1 to 3, see _step_grad), without device arguments."""
     _adam_tile(param_ptr, grad_ptr, backup_ptr, exp_avg_ptr, exp_avg_sq_ptr, max_exp_avg_sq_ptr, corr_ptr, cscale_ptr,
                gscale_ptr, block_of_tile_ptr, grad_ptr, grad_ptr, lerp_weight64, lerp_weight32, lerp_weight64, beta2_32,
                beta2_64, one_minus_beta2_32, one_minus_beta2_64, eps32, eps64, weight_decay32, weight_decay64, decay32,
                decay64, neg_step_size32, neg_step_size64, bias_correction2_sqrt32, bias_correction2_sqrt64,
                sharpness_step32, sharpness_step64, sharpness64, HAS_WEIGHT_DECAY, DECOUPLED, AMSGRAD, MAXIMIZE,
-               LERP_SMALL, CORRECTED, False, False, False, TILE, COMPUTE)  # fmt: skip
+               LERP_SMALL, CORRECTED, False, False, False, TILE, COMPUTE, partial_ptr, ENERGY)  # fmt: skip
 
 
 @triton.jit
@@ -451,7 +466,7 @@ def _adam_device_kernel(param_ptr, grad_ptr, backup_ptr, exp_avg_ptr, exp_avg_sq
                         sharpness64: tl.float64, HAS_WEIGHT_DECAY: tl.constexpr, DECOUPLED: tl.constexpr,
                         AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr, LERP_SMALL: tl.constexpr,
                         CORRECTED: tl.constexpr, HAS_SCALARS: tl.constexpr, HAS_FOUND_INF: tl.constexpr,
-                        HAS_BACKUP: tl.constexpr, TILE: tl.constexpr, COMPUTE: tl.constexpr):  # fmt: skip
+                        HAS_BACKUP: tl.constexpr, TILE: tl.constexpr, COMPUTE: tl.constexpr, partial_ptr, ENERGY: tl.constexpr):  # fmt: skip
     """_adam_tile with scalars and/or found_inf, with or without a correction (absent pointers stand in as other
     buffers, never dereferenced)."""
     _adam_tile(param_ptr, grad_ptr, backup_ptr, exp_avg_ptr, exp_avg_sq_ptr, max_exp_avg_sq_ptr, corr_ptr, cscale_ptr,
@@ -459,7 +474,7 @@ def _adam_device_kernel(param_ptr, grad_ptr, backup_ptr, exp_avg_ptr, exp_avg_sq
                beta2_32, beta2_64, one_minus_beta2_32, one_minus_beta2_64, eps32, eps64, weight_decay32, weight_decay64,
                decay32, decay64, neg_step_size32, neg_step_size64, bias_correction2_sqrt32, bias_correction2_sqrt64,
                sharpness_step32, sharpness_step64, sharpness64, HAS_WEIGHT_DECAY, DECOUPLED, AMSGRAD, MAXIMIZE,
-               LERP_SMALL, CORRECTED, HAS_SCALARS, HAS_FOUND_INF, HAS_BACKUP, TILE, COMPUTE)  # fmt: skip
+               LERP_SMALL, CORRECTED, HAS_SCALARS, HAS_FOUND_INF, HAS_BACKUP, TILE, COMPUTE, partial_ptr, ENERGY)  # fmt: skip
 
 
 def _check_base_buffers(param: torch.Tensor, tile: int, **buffers: torch.Tensor | None) -> None:
@@ -521,12 +536,13 @@ def _device_pointers(param: torch.Tensor, corrected: tuple, scalars: torch.Tenso
 
 
 @kept_whole
-@triton_op(f"{NAMESPACE}::sgd_step_", mutates_args=("param", "momentum_buffer"))
+@triton_op(f"{NAMESPACE}::sgd_step_", mutates_args=("param", "momentum_buffer", "partials", "momentum_energy"))
 def sgd_step_(param: torch.Tensor, grad: torch.Tensor, backup: torch.Tensor | None,
               momentum_buffer: torch.Tensor | None, correction: torch.Tensor | None = None,
               correction_scale: torch.Tensor | None = None, block_of_tile: torch.Tensor | None = None,
               scalars: torch.Tensor | None = None, found_inf: torch.Tensor | None = None,
-              grad_scale: torch.Tensor | None = None, *, tile: int, lr: float,
+              grad_scale: torch.Tensor | None = None, first_tile_of_block: torch.Tensor | None = None,
+              partials: torch.Tensor | None = None, momentum_energy: torch.Tensor | None = None, *, tile: int, lr: float,
               weight_decay: float, momentum: float, dampening: float, nesterov: bool, maximize: bool,
               first: bool, sharpness: float = 0.0) -> None:  # fmt: skip
     """``param`` <- torch's SGD step taken from ``backup`` (from ``param`` itself if ``backup`` is None);
@@ -539,7 +555,10 @@ def sgd_step_(param: torch.Tensor, grad: torch.Tensor, backup: torch.Tensor | No
     decoupled sharpness step, ``fma(C(-lr * sharpness), grad - correction, param)``. With ``scalars`` (float64 ``[2]``: lr and the step count k, read on the device; then
     ``lr=0.0`` and ``first=False``) the step is lr's and the first is k == 1. With ``found_inf`` (float32, one
     element) nonzero, ``param`` <- ``backup`` (untouched without backup) and nothing else is written or ``grad``
-    read. Tensors are positional-or-keyword: a registered op takes no keyword-only tensor."""
+    read. With ``first_tile_of_block``, ``partials`` and ``momentum_energy`` (all or none; not with ``found_inf``),
+    ``momentum_energy`` (float64 ``[B]``) receives the block energies of the new momentum buffer, each tile's partial
+    summed by the program that writes it: :func:`~triton_kernels.energy.block_energy` of the buffer, bit for bit.
+    Tensors are positional-or-keyword: a registered op takes no keyword-only tensor."""
     _check_base_buffers(param, tile, grad=grad, backup=backup, momentum_buffer=momentum_buffer)
     if (momentum_buffer is None) != (momentum == 0):
         raise ValueError(
@@ -549,10 +568,23 @@ def sgd_step_(param: torch.Tensor, grad: torch.Tensor, backup: torch.Tensor | No
     level = check_correction(param, tile, correction, correction_scale, block_of_tile, grad_scale, sharpness)
     corrected = _correction_pointers(correction, correction_scale, block_of_tile, grad_scale)
     check_device_step("sgd_step_", param, scalars, found_inf, lr=lr, first=first)
+    energy = check_momentum_energy(param, tile, momentum_buffer is not None, found_inf, first_tile_of_block, partials,
+                                   momentum_energy)  # fmt: skip
     kernel, device_args = _pick(_sgd_kernel, _sgd_corrected_kernel, _sgd_device_kernel, corrected, scalars, found_inf)
     n_tiles = param.numel() // tile
-    if not n_tiles or not launches(kernel, param):
-        return
+    if n_tiles and launches(kernel, param):
+        _launch_sgd(kernel, param, grad, backup, momentum_buffer, corrected, level, device_args, scalars, found_inf,
+                    partials if energy else None, tile=tile, lr=lr, weight_decay=weight_decay, momentum=momentum,
+                    dampening=dampening, nesterov=nesterov, maximize=maximize, first=first, sharpness=sharpness)  # fmt: skip
+    if energy:
+        _block_sums(partials, first_tile_of_block, momentum_energy, n_tiles, 1)
+
+
+def _launch_sgd(kernel, param, grad, backup, momentum_buffer, corrected, level, device_args, scalars, found_inf,
+                partials, *, tile, lr, weight_decay, momentum, dampening, nesterov, maximize, first, sharpness):  # fmt: skip
+    """sgd_step_'s launch of the picked kernel over every tile (partials: where each tile's momentum energy goes, or
+    None)."""
+    n_tiles = param.numel() // tile
     # the differences are taken in double, as torch takes them, and rounded to C in the kernel
     neg_lr, one_minus_dampening = -lr, 1.0 - dampening
     pointers = (
@@ -575,17 +607,23 @@ def sgd_step_(param: torch.Tensor, grad: torch.Tensor, backup: torch.Tensor | No
         **device_flags,
         TILE=tile,
         COMPUTE=compute_type(param.dtype),
+        partial_ptr=param if partials is None else partials,  # a placeholder pointer without, never dereferenced
+        ENERGY=partials is not None,
         enable_fp_fusion=False,
     )
 
 
 @kept_whole
-@triton_op(f"{NAMESPACE}::adam_step_", mutates_args=("param", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"))
+@triton_op(
+    f"{NAMESPACE}::adam_step_",
+    mutates_args=("param", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "partials", "momentum_energy"),
+)
 def adam_step_(param: torch.Tensor, grad: torch.Tensor, backup: torch.Tensor | None, exp_avg: torch.Tensor,
                exp_avg_sq: torch.Tensor, max_exp_avg_sq: torch.Tensor | None, correction: torch.Tensor | None = None,
                correction_scale: torch.Tensor | None = None, block_of_tile: torch.Tensor | None = None,
                scalars: torch.Tensor | None = None, found_inf: torch.Tensor | None = None,
-               grad_scale: torch.Tensor | None = None, *, tile: int,
+               grad_scale: torch.Tensor | None = None, first_tile_of_block: torch.Tensor | None = None,
+               partials: torch.Tensor | None = None, momentum_energy: torch.Tensor | None = None, *, tile: int,
                beta1: float, beta2: float, eps: float, weight_decay: float, decoupled: bool, amsgrad: bool,
                maximize: bool, lr: float, step: int, sharpness: float = 0.0) -> None:  # fmt: skip
     """``param`` <- torch's Adam (AdamW if ``decoupled``) ``step``-th step (1 for the first) taken from ``backup``
@@ -593,8 +631,8 @@ def adam_step_(param: torch.Tensor, grad: torch.Tensor, backup: torch.Tensor | N
     updated in place. ``step_size``, ``bias_correction2_sqrt`` and ``decay`` (AdamW's) are derived from ``lr`` and
     ``step`` as torch does (:func:`gearsam_fused.base_step.adam_scalars`): on the host, or, with ``scalars``
     (float64 ``[2]``: lr and k; then ``lr=0.0`` and ``step=0``), by the same float64 operations on the device.
-    ``correction``, ``correction_scale``, ``block_of_tile``, ``grad_scale``, ``sharpness`` and ``found_inf`` as for
-    :func:`sgd_step_`."""
+    ``correction``, ``correction_scale``, ``block_of_tile``, ``grad_scale``, ``sharpness``, ``found_inf`` and the
+    momentum energy (of ``exp_avg``) as for :func:`sgd_step_`."""
     state = dict(exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, max_exp_avg_sq=max_exp_avg_sq)
     _check_base_buffers(param, tile, grad=grad, backup=backup, **state)
     if (max_exp_avg_sq is None) == bool(amsgrad):
@@ -605,12 +643,25 @@ def adam_step_(param: torch.Tensor, grad: torch.Tensor, backup: torch.Tensor | N
     level = check_correction(param, tile, correction, correction_scale, block_of_tile, grad_scale, sharpness)
     corrected = _correction_pointers(correction, correction_scale, block_of_tile, grad_scale)
     check_device_step("adam_step_", param, scalars, found_inf, lr=lr, step=step)
+    energy = check_momentum_energy(param, tile, True, found_inf, first_tile_of_block, partials, momentum_energy)
     kernel, device_args = _pick(
         _adam_kernel, _adam_corrected_kernel, _adam_device_kernel, corrected, scalars, found_inf
     )
     n_tiles = param.numel() // tile
-    if not n_tiles or not launches(kernel, param):
-        return
+    if n_tiles and launches(kernel, param):
+        _launch_adam(kernel, param, grad, backup, exp_avg, exp_avg_sq, max_exp_avg_sq, corrected, level, device_args,
+                     scalars, found_inf, partials if energy else None, tile=tile, beta1=beta1, beta2=beta2, eps=eps,
+                     weight_decay=weight_decay, decoupled=decoupled, amsgrad=amsgrad, maximize=maximize, lr=lr,
+                     step=step, sharpness=sharpness)  # fmt: skip
+    if energy:
+        _block_sums(partials, first_tile_of_block, momentum_energy, n_tiles, 1)
+
+
+def _launch_adam(kernel, param, grad, backup, exp_avg, exp_avg_sq, max_exp_avg_sq, corrected, level, device_args,
+                 scalars, found_inf, partials, *, tile, beta1, beta2, eps, weight_decay, decoupled, amsgrad, maximize,
+                 lr, step, sharpness):  # fmt: skip
+    """adam_step_'s launch of the picked kernel over every tile (partials as for _launch_sgd)."""
+    n_tiles = param.numel() // tile
     if scalars is None:
         step_size, bias_correction2_sqrt, decay = adam_scalars(lr, beta1, beta2, weight_decay, step)
     else:  # derived in the kernel; these are not read
@@ -640,5 +691,7 @@ def adam_step_(param: torch.Tensor, grad: torch.Tensor, backup: torch.Tensor | N
         **device_flags,
         TILE=tile,
         COMPUTE=compute_type(param.dtype),
+        partial_ptr=param if partials is None else partials,  # as in _launch_sgd
+        ENERGY=partials is not None,
         enable_fp_fusion=False,
     )

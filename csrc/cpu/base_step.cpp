@@ -17,6 +17,10 @@
 // store: on the benchmarks' host, while its memory was fast, a standalone copy of the SGD loop ran 20% slower that way,
 // and the SGD step past the caches up to 7% slower.
 //
+// Asked for the new momentum's block energies (MomentumEnergy, gearsam.h), a step sums each tile's momentum by
+// tile_sum (tile_sum.h) as soon as the tile's runs have written it, while it is in cache (TileEnergy), then the
+// blocks' sums: block_energy's bits without a read of the momentum from memory.
+//
 // Capturable arguments (gearsam.h) are CPU tensors here, read on the host before the step: scalars' (lr, k) replace
 // the options' through at_step, so the constants are those of the host call with the same lr and k; found_inf
 // nonzero turns the step into restore (param = backup, nothing where backup is param itself) and touches no state.
@@ -30,6 +34,7 @@
 #include "../gearsam.h"
 #include "exchange.h"
 #include "stream.h"
+#include "tile_sum.h"
 #include "tiles.h"
 #include "vec.h"
 
@@ -124,16 +129,39 @@ T* offset(T* p, int64_t i) {
   return p ? p + i : nullptr;
 }
 
+// The momentum's partial energy of each tile, taken right after the step has written the tile's momentum, while it is
+// in cache: tile_sum's square sum (tile_sum.h), so the partials are block_energy's bits. Nothing without partials.
+template <typename scalar_t>
+struct TileEnergy {
+  const scalar_t* momentum;
+  double* partials;  // null: the step sums nothing
+  int64_t tile;
+  bool avx2;
+
+  TileEnergy(const at::Tensor& momentum_state, const MomentumEnergy& e, int64_t tile_size)
+      : momentum(e.given() ? momentum_state.const_data_ptr<scalar_t>() : nullptr),
+        partials(e.given() ? e.partials.mutable_data_ptr<double>() : nullptr),
+        tile(tile_size),
+        avx2(cpu_has_fma()) {}
+  void operator()(int64_t t) const {
+    if (!partials) return;
+    const scalar_t* m = momentum + t * tile;
+    partials[t] = tile_sum_here<Term::kSquare>(avx2, m, m, tile, at::opmath_type<scalar_t>(0));
+  }
+};
+
 // Calls run(g, start, n, scratch) for every run [start, start + n) of at most kScratch elements of each tile, the
-// tiles split between threads; g is the run's gradient source and scratch a run's worth of the thread's memory.
+// tiles split between threads, and then energy(t) for the tile; g is the run's gradient source and scratch a run's
+// worth of the thread's memory.
 template <typename scalar_t, typename Run>
 void for_each_run(int64_t n_tiles, int64_t tile, const CorrectionData<scalar_t>& correction, const scalar_t* g_in,
-                  const Run& run) {
+                  const TileEnergy<scalar_t>& energy, const Run& run) {
   for_each_tile(n_tiles, tile, [&](int64_t t) {
     const TileGrad<scalar_t> g = correction.tile(g_in, t);
     scalar_t scratch[kScratch];
     for (int64_t start = t * tile; start < (t + 1) * tile; start += kScratch)
       run(g.at(start), start, std::min(kScratch, (t + 1) * tile - start), scratch);
+    energy(t);
   });
 }
 
@@ -237,9 +265,10 @@ GEARSAM_FMA_CLONE void sgd_vector(scalar_t* out, const TileGrad<scalar_t> g_in, 
 // those lines were just read, so a plain store reads nothing more.
 template <typename scalar_t, bool kMomentum, bool kFirst, bool kCorrected, bool kSharpened>
 void sgd_tiles(scalar_t* out, const scalar_t* g_in, const CorrectionData<scalar_t>& correction, const scalar_t* w_in,
-               scalar_t* buf, int64_t n_tiles, int64_t tile, bool past, const SgdConstants<scalar_t>& c) {
+               scalar_t* buf, int64_t n_tiles, int64_t tile, bool past, const SgdConstants<scalar_t>& c,
+               const TileEnergy<scalar_t>& energy) {
   const bool fma = cpu_has_fma(), stream = past && w_in != out;
-  for_each_run(n_tiles, tile, correction, g_in, [&](const TileGrad<scalar_t>& g, int64_t start, int64_t n,
+  for_each_run(n_tiles, tile, correction, g_in, energy, [&](const TileGrad<scalar_t>& g, int64_t start, int64_t n,
                                                      scalar_t* scratch) {
 #if defined(GEARSAM_VEC)
     if (past && vec_streams(out + start, n))
@@ -260,7 +289,8 @@ void sgd_tiles(scalar_t* out, const scalar_t* g_in, const CorrectionData<scalar_
 
 template <typename scalar_t>
 void sgd_tiles(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& backup,
-               const at::Tensor& momentum_buffer, int64_t tile, const SgdOptions& o, const Correction& correction) {
+               const at::Tensor& momentum_buffer, int64_t tile, const SgdOptions& o, const Correction& correction,
+               const MomentumEnergy& e) {
   const SgdConstants<scalar_t> c(o);
   scalar_t* out = param.mutable_data_ptr<scalar_t>();
   const scalar_t* g_in = grad.const_data_ptr<scalar_t>();
@@ -269,14 +299,15 @@ void sgd_tiles(const at::Tensor& param, const at::Tensor& grad, const at::Tensor
   scalar_t* buf = c.with_momentum ? momentum_buffer.mutable_data_ptr<scalar_t>() : nullptr;
   const int64_t n_tiles = param.numel() / tile;
   const bool past = stream_stores(param.nbytes());
+  const TileEnergy<scalar_t> energy(momentum_buffer, e, tile);
   with_correction_flags(correction, [&](auto corrected, auto sharpened) {
     constexpr bool kC = decltype(corrected)::value, kS = decltype(sharpened)::value;
     if (!c.with_momentum)
-      sgd_tiles<scalar_t, false, false, kC, kS>(out, g_in, cd, w_in, buf, n_tiles, tile, past, c);
+      sgd_tiles<scalar_t, false, false, kC, kS>(out, g_in, cd, w_in, buf, n_tiles, tile, past, c, energy);
     else if (c.first)
-      sgd_tiles<scalar_t, true, true, kC, kS>(out, g_in, cd, w_in, buf, n_tiles, tile, past, c);
+      sgd_tiles<scalar_t, true, true, kC, kS>(out, g_in, cd, w_in, buf, n_tiles, tile, past, c, energy);
     else
-      sgd_tiles<scalar_t, true, false, kC, kS>(out, g_in, cd, w_in, buf, n_tiles, tile, past, c);
+      sgd_tiles<scalar_t, true, false, kC, kS>(out, g_in, cd, w_in, buf, n_tiles, tile, past, c, energy);
   });
 }
 
@@ -380,9 +411,9 @@ GEARSAM_FMA_CLONE void adam_vector(scalar_t* out, const TileGrad<scalar_t> g_in,
 template <typename scalar_t, bool kAmsgrad, bool kCorrected, bool kSharpened>
 void adam_tiles(scalar_t* out, const scalar_t* g_in, const CorrectionData<scalar_t>& correction,
                 const scalar_t* w_in, scalar_t* m, scalar_t* v, scalar_t* vmax, int64_t n_tiles, int64_t tile,
-                bool past, const AdamConstants<scalar_t>& c) {
+                bool past, const AdamConstants<scalar_t>& c, const TileEnergy<scalar_t>& energy) {
   const bool fma = cpu_has_fma(), stream = past && w_in != out;
-  for_each_run(n_tiles, tile, correction, g_in, [&](const TileGrad<scalar_t>& g, int64_t start, int64_t n,
+  for_each_run(n_tiles, tile, correction, g_in, energy, [&](const TileGrad<scalar_t>& g, int64_t start, int64_t n,
                                                      scalar_t* scratch) {
     scalar_t* vmax_at = offset(vmax, start);
 #if defined(GEARSAM_VEC)
@@ -406,7 +437,7 @@ void adam_tiles(scalar_t* out, const scalar_t* g_in, const CorrectionData<scalar
 template <typename scalar_t>
 void adam_tiles(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& backup, const at::Tensor& exp_avg,
                 const at::Tensor& exp_avg_sq, const at::Tensor& max_exp_avg_sq, int64_t tile,
-                const AdamOptions& o, const Correction& correction) {
+                const AdamOptions& o, const Correction& correction, const MomentumEnergy& e) {
   const AdamConstants<scalar_t> c(o);
   scalar_t* out = param.mutable_data_ptr<scalar_t>();
   const scalar_t* g_in = grad.const_data_ptr<scalar_t>();
@@ -417,10 +448,11 @@ void adam_tiles(const at::Tensor& param, const at::Tensor& grad, const at::Tenso
   scalar_t* vmax = c.amsgrad ? max_exp_avg_sq.mutable_data_ptr<scalar_t>() : nullptr;
   const int64_t n_tiles = param.numel() / tile;
   const bool past = stream_stores(param.nbytes());
+  const TileEnergy<scalar_t> energy(exp_avg, e, tile);
   with_correction_flags(correction, [&](auto corrected, auto sharpened) {
     with_flag(c.amsgrad, [&](auto amsgrad) {
       constexpr bool kA = decltype(amsgrad)::value, kC = decltype(corrected)::value, kS = decltype(sharpened)::value;
-      adam_tiles<scalar_t, kA, kC, kS>(out, g_in, cd, w_in, m, v, vmax, n_tiles, tile, past, c);
+      adam_tiles<scalar_t, kA, kC, kS>(out, g_in, cd, w_in, m, v, vmax, n_tiles, tile, past, c, energy);
     });
   });
 }
@@ -451,24 +483,27 @@ Options step_options(const Options& options, const DeviceStep& device_step) {
 
 void sgd_step(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& backup,
               const at::Tensor& momentum_buffer, int64_t tile, const SgdOptions& options,
-              const Correction& correction, const DeviceStep& device_step) {
+              const Correction& correction, const DeviceStep& device_step, const MomentumEnergy& energy) {
   if (skip_step(param, backup, device_step)) return;
   const SgdOptions o = step_options(options, device_step);
   const at::Tensor& w = weights_in_place(param, backup);
   AT_DISPATCH_FLOATING_TYPES(param.scalar_type(), "gearsam_sgd_step_cpu", [&] {
-    sgd_tiles<scalar_t>(param, grad, w, momentum_buffer, tile, o, correction);
+    sgd_tiles<scalar_t>(param, grad, w, momentum_buffer, tile, o, correction, energy);
   });
+  if (energy.given()) block_sums(energy.partials, energy.first_tile_of_block, energy.energy, param.numel() / tile);
 }
 
 void adam_step(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& backup, const at::Tensor& exp_avg,
                const at::Tensor& exp_avg_sq, const at::Tensor& max_exp_avg_sq, int64_t tile,
-               const AdamOptions& options, const Correction& correction, const DeviceStep& device_step) {
+               const AdamOptions& options, const Correction& correction, const DeviceStep& device_step,
+               const MomentumEnergy& energy) {
   if (skip_step(param, backup, device_step)) return;
   const AdamOptions o = step_options(options, device_step);
   const at::Tensor& w = weights_in_place(param, backup);
   AT_DISPATCH_FLOATING_TYPES(param.scalar_type(), "gearsam_adam_step_cpu", [&] {
-    adam_tiles<scalar_t>(param, grad, w, exp_avg, exp_avg_sq, max_exp_avg_sq, tile, o, correction);
+    adam_tiles<scalar_t>(param, grad, w, exp_avg, exp_avg_sq, max_exp_avg_sq, tile, o, correction, energy);
   });
+  if (energy.given()) block_sums(energy.partials, energy.first_tile_of_block, energy.energy, param.numel() / tile);
 }
 
 }  // namespace gearsam::cpu

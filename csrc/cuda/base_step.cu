@@ -230,11 +230,20 @@ void launch_adam(const at::Tensor& param, const at::Tensor& grad, const at::Tens
 // Data pointer of an optional buffer, null where it is absent (null is aligned, so it never blocks vector access).
 const void* data_or_null(const at::Tensor& t) { return t.defined() ? t.const_data_ptr() : nullptr; }
 
+// The new momentum's block energies, where the step was asked for them: block_energy's two stages on the momentum,
+// launched after the step on the same stream. A second read of the momentum: these kernels walk the bucket in a
+// grid-stride over vectors, the energy's first stage one thread block per tile.
+void sum_momentum(const at::Tensor& momentum, const MomentumEnergy& energy, int64_t tile) {
+  if (energy.given())
+    block_energy(momentum, momentum, energy.first_tile_of_block, energy.partials, energy.energy, tile, false, 0.0,
+                 at::Tensor());
+}
+
 }  // namespace
 
 void sgd_step(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& backup,
               const at::Tensor& momentum_buffer, int64_t tile, const SgdOptions& options,
-              const Correction& correction, const DeviceStep& device_step) {
+              const Correction& correction, const DeviceStep& device_step, const MomentumEnergy& energy) {
   const c10::cuda::CUDAGuard guard(param.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES(param.scalar_type(), "gearsam_sgd_step_cuda", [&] {
@@ -246,11 +255,13 @@ void sgd_step(const at::Tensor& param, const at::Tensor& grad, const at::Tensor&
          : launch_sgd<scalar_t, 1>(param, grad, backup, momentum_buffer, options, correction, device_step, tile,
                                    stream);
   });
+  sum_momentum(momentum_buffer, energy, tile);
 }
 
 void adam_step(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& backup, const at::Tensor& exp_avg,
                const at::Tensor& exp_avg_sq, const at::Tensor& max_exp_avg_sq, int64_t tile,
-               const AdamOptions& options, const Correction& correction, const DeviceStep& device_step) {
+               const AdamOptions& options, const Correction& correction, const DeviceStep& device_step,
+               const MomentumEnergy& energy) {
   const c10::cuda::CUDAGuard guard(param.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES(param.scalar_type(), "gearsam_adam_step_cuda", [&] {
@@ -263,6 +274,7 @@ void adam_step(const at::Tensor& param, const at::Tensor& grad, const at::Tensor
          : launch_adam<scalar_t, 1>(param, grad, backup, exp_avg, exp_avg_sq, max_exp_avg_sq, options, correction,
                                     device_step, tile, stream);
   });
+  sum_momentum(exp_avg, energy, tile);
 }
 
 }  // namespace gearsam::cuda

@@ -159,8 +159,8 @@ class Backend:
             self._restore()
         self.perturbed = False
 
-    def restore_and_update_(self, updates: list, found_inf: torch.Tensor | None = None,
-                            mix: Mix | None = None) -> None:  # fmt: skip
+    def restore_and_update_(self, updates: list, found_inf: torch.Tensor | None = None, mix: Mix | None = None,
+                            momentum_energy: bool = False) -> torch.Tensor | None:  # fmt: skip
         """:meth:`restore_` and the base optimizer's update in one pass per bucket: for each
         :class:`~gearsam_fused.base_step.BucketUpdate`, ``w <- update(backup, grad, state)`` written to the
         parameters and the state (the parameters' perturbed values are never read). Where ``found_inf`` (a float32
@@ -170,7 +170,14 @@ class Backend:
         its scales (the SAM family's descent gradient), bit for bit. Where the backend :attr:`folds_mix`, the update
         computes it as it reads ``grad`` and the gradients keep ``h``; elsewhere :meth:`mix_gradient_` writes it into
         the gradients first. Its ``sharpness`` step, only where the backend folds the mix, follows the update in the
-        same pass: ``w <- fma(C(-lr * sharpness), h - g, w)`` with ``h - g`` rounded on its own, lr the bucket's."""
+        same pass: ``w <- fma(C(-lr * sharpness), h - g, w)`` with ``h - g`` rounded on its own, lr the bucket's.
+
+        ``momentum_energy`` (not with ``found_inf``: a skipped step writes no momentum): returns the block energies of
+        the new momentum, each update's first state buffer (SGD's momentum buffer, Adam's ``exp_avg``), float64
+        ``[B]``: :meth:`direction_energy` of it (``adaptive`` False), bit for bit. The kernel backends sum each tile as
+        the update writes it (MomentumSAM's one pass); the others read the momentum again after the update."""
+        if momentum_energy and found_inf is not None:
+            raise ValueError("momentum_energy is not taken with found_inf: a skipped step writes no momentum")
         if not self.perturbed:
             raise RuntimeError("restore_and_update_ without perturb_: there is no saved w to update from")
         if found_inf is not None and not self.capturable:
@@ -183,18 +190,22 @@ class Backend:
                 )
             self.mix_gradient_(mix.grad_scale, mix.kept_scale)
             mix = None
-        self._restore_and_update(updates, found_inf, mix)
+        energy = self._restore_and_update(updates, found_inf, mix, momentum_energy)
         self.perturbed = False
+        return energy
 
-    def update_(self, updates: list, correction_scale: torch.Tensor | None = None) -> None:
+    def update_(self, updates: list, correction_scale: torch.Tensor | None = None,
+                momentum_energy: bool = False) -> torch.Tensor | None:  # fmt: skip
         """The base optimizer's update of the current weights, without a perturbation to undo (a step whose second
-        pass a schedule skipped), one pass per bucket; with ``correction_scale`` (float64 ``[B]``) the gradient is
-        ``g + correction_scale[b] * correction`` (LookSAM). As :meth:`restore_and_update_` otherwise."""
+        pass a schedule skipped, or MomentumSAM's first step), one pass per bucket; with ``correction_scale`` (float64
+        ``[B]``) the gradient is ``g + correction_scale[b] * correction`` (LookSAM). As :meth:`restore_and_update_`
+        otherwise, ``momentum_energy`` included."""
         if self.perturbed:
             raise RuntimeError("update_ while the parameters hold w + eps: restore them first")
-        self._update(updates, correction_scale)
+        return self._update(updates, correction_scale, momentum_energy)
 
-    def _update(self, updates: list, correction_scale: torch.Tensor | None) -> None:
+    def _update(self, updates: list, correction_scale: torch.Tensor | None,
+                momentum_energy: bool = False) -> torch.Tensor | None:  # fmt: skip
         raise NotImplementedError(f"backend {self.name!r} does not fuse the base optimizer's step")
 
     # LookSAM's direction (gearsam_fused.schedules.LookSAM): one buffer the size of the parameters holds the first
@@ -339,8 +350,8 @@ class Backend:
         buffers = self.buffer_bytes()
         return {**report, **buffers, "total": report["total"] + sum(buffers.values())}
 
-    def _restore_and_update(self, updates: list, found_inf: torch.Tensor | None,
-                            mix: Mix | None = None) -> None:  # fmt: skip
+    def _restore_and_update(self, updates: list, found_inf: torch.Tensor | None, mix: Mix | None = None,
+                            momentum_energy: bool = False) -> torch.Tensor | None:  # fmt: skip
         """:meth:`restore_and_update_`'s tensor work (``mix`` only where :attr:`folds_mix`)."""
         raise NotImplementedError(f"backend {self.name!r} does not fuse the base optimizer's step")
 

@@ -4,7 +4,7 @@
 Each one applies the argument checks of ``csrc/ops.cpp`` that need no data, in the same order and with the same
 messages, then gives outputs of the right shape, dtype and device without computing anything: the energy
 (``block_energy``, ``friendly_energy_``) is float64 ``[first_tile_of_block.numel() - 1]`` on ``grad``'s device,
-``allocate``'s scale and radius are shaped like the energy, the other seven operators return nothing.
+``allocate``'s scale and radius are shaped like the energy, the other eight operators return nothing.
 ``register_fake`` also makes them the operators' Meta kernels.
 
 ``_C`` names this module as where its fakes live (``m.set_python_module``), so torch checks that they are registered
@@ -22,6 +22,7 @@ from ..checks import (
     check_device_step,
     check_flat,
     check_friendly,
+    check_momentum_energy,
     check_other,
     check_partials,
     check_same,
@@ -157,21 +158,24 @@ def _friendly_energy(grad, momentum, param, first_tile_of_block, partials, *, ti
 @torch.library.register_fake("gearsam_fused::sgd_step_")
 def _sgd_step(param, grad, backup, momentum_buffer, *, tile, lr, weight_decay, momentum, dampening, nesterov, maximize,
               first, correction=None, correction_scale=None, block_of_tile=None, scalars=None, found_inf=None,
-              grad_scale=None, sharpness=0.0):  # fmt: skip
+              grad_scale=None, sharpness=0.0, first_tile_of_block=None, partials=None, momentum_energy=None):  # fmt: skip
     _check_base_step(param, grad, backup, tile)
     _check_optional_state("momentum_buffer", momentum_buffer, momentum != 0, "momentum != 0", param)
     check_correction(param, tile, correction, correction_scale, block_of_tile, grad_scale, sharpness)
     check_device_step("sgd_step_", param, scalars, found_inf, lr=lr, first=first)
+    check_momentum_energy(param, tile, momentum_buffer is not None, found_inf, first_tile_of_block, partials,
+                          momentum_energy)  # fmt: skip
 
 
 @torch.library.register_fake("gearsam_fused::adam_step_")
 def _adam_step(param, grad, backup, exp_avg, exp_avg_sq, max_exp_avg_sq, *, tile, beta1, beta2, eps, weight_decay,
                decoupled, amsgrad, maximize, lr, step, correction=None,
                correction_scale=None, block_of_tile=None, scalars=None, found_inf=None, grad_scale=None,
-               sharpness=0.0):  # fmt: skip
+               sharpness=0.0, first_tile_of_block=None, partials=None, momentum_energy=None):  # fmt: skip
     _check_base_step(param, grad, backup, tile)
     check_same("exp_avg", exp_avg, "param", param)
     check_same("exp_avg_sq", exp_avg_sq, "param", param)
     _check_optional_state("max_exp_avg_sq", max_exp_avg_sq, amsgrad, "amsgrad=True", param)
     check_correction(param, tile, correction, correction_scale, block_of_tile, grad_scale, sharpness)
     check_device_step("adam_step_", param, scalars, found_inf, lr=lr, step=step)
+    check_momentum_energy(param, tile, True, found_inf, first_tile_of_block, partials, momentum_energy)

@@ -42,15 +42,18 @@ class FlatBufferBackend(Backend):
     def _bucket_restore(self, bucket: Bucket) -> None:
         raise NotImplementedError
 
-    def _bucket_restore_and_update(self, update: BucketUpdate, found_inf: torch.Tensor | None,
-                                   mix: Mix | None) -> None:  # fmt: skip
+    def _bucket_restore_and_update(self, update: BucketUpdate, found_inf: torch.Tensor | None, mix: Mix | None,
+                                   momentum_energy: bool = False) -> torch.Tensor | None:  # fmt: skip
         """The restore and update of one bucket; with ``mix`` (only where :attr:`folds_mix`), from the gradient
-        :meth:`mix_gradient_` would make, in the same pass."""
+        :meth:`mix_gradient_` would make, in the same pass. With ``momentum_energy``, the bucket's share of the new
+        momentum's block energies where the update summed them as it wrote it, else None (then read afterwards)."""
         raise NotImplementedError
 
-    def _bucket_update(self, update: BucketUpdate, scale: torch.Tensor | None):
+    def _bucket_update(self, update: BucketUpdate, scale: torch.Tensor | None,
+                       momentum_energy: bool = False) -> torch.Tensor | None:  # fmt: skip
         """The base update of the bucket's current weights with the gradient ``g + scale[b] * correction`` (``g``
-        when ``scale`` is None), ``correction`` the bucket's kept buffer."""
+        when ``scale`` is None), ``correction`` the bucket's kept buffer; ``momentum_energy`` as for
+        :meth:`_bucket_restore_and_update`."""
         raise NotImplementedError
 
     # ------------------------------------------------------------------ the Backend contract
@@ -111,16 +114,30 @@ class FlatBufferBackend(Backend):
             view.zero_() if d is None else view.copy_(d)
         return flat
 
-    def _restore_and_update(self, updates: list[BucketUpdate], found_inf: torch.Tensor | None,
-                            mix: Mix | None = None) -> None:  # fmt: skip
+    def _restore_and_update(self, updates: list[BucketUpdate], found_inf: torch.Tensor | None, mix: Mix | None = None,
+                            momentum_energy: bool = False) -> torch.Tensor | None:  # fmt: skip
+        parts = []
         for update in updates:
             on_device = None if mix is None else mix.to(update.bucket.device)
-            self._bucket_restore_and_update(update, found_inf, on_device)
+            parts.append(self._bucket_restore_and_update(update, found_inf, on_device, momentum_energy))
+        return self._momentum_energy(updates, parts) if momentum_energy else None
 
-    def _update(self, updates: list[BucketUpdate], correction_scale: torch.Tensor | None) -> None:
+    def _update(self, updates: list[BucketUpdate], correction_scale: torch.Tensor | None,
+                momentum_energy: bool = False) -> torch.Tensor | None:  # fmt: skip
+        parts = []
         for update in updates:
             scale = None if correction_scale is None else correction_scale.to(update.bucket.device)
-            self._bucket_update(update, scale)
+            parts.append(self._bucket_update(update, scale, momentum_energy))
+        return self._momentum_energy(updates, parts) if momentum_energy else None
+
+    def _momentum_energy(self, updates: list[BucketUpdate], parts: list) -> torch.Tensor:
+        """The new momentum's block energies, summed over the buckets as :meth:`direction_energy` sums them: each
+        bucket's share as its update summed it, or where it did not (None), read from its momentum now."""
+        return self._per_block(
+            self._bucket_energy(update.bucket, False, 0.0, update.state[0]) if part is None else part
+            for update, part in zip(updates, parts)
+            if update.bucket.n_tiles
+        )
 
     def zero_grad_(self) -> None:
         self.layout.zero_grads_()
@@ -368,12 +385,16 @@ class KernelModule(Protocol):
     # from param (no perturbation to undo), correction/correction_scale/block_of_tile add LookSAM's term to grad,
     # grad_scale beside them makes the step's gradient mix_gradient_'s, and sharpness beside grad_scale follows the
     # update with WSAM's decoupled sharpness step, param <- fma(C(-lr * sharpness), grad - correction, param).
+    # first_tile_of_block, partials and momentum_energy (all or none) make the step write block_energy of the new
+    # momentum (momentum_buffer, exp_avg) into momentum_energy, float64 [B], bit for bit.
     def sgd_step_(
         self, param: torch.Tensor, grad: torch.Tensor, backup: torch.Tensor | None, momentum_buffer: torch.Tensor | None, *,
         tile: int, lr: float, weight_decay: float, momentum: float, dampening: float, nesterov: bool, maximize: bool,
         first: bool, correction: torch.Tensor | None = None, correction_scale: torch.Tensor | None = None,
         block_of_tile: torch.Tensor | None = None, scalars: torch.Tensor | None = None,
         found_inf: torch.Tensor | None = None, grad_scale: torch.Tensor | None = None, sharpness: float = 0.0,
+        first_tile_of_block: torch.Tensor | None = None, partials: torch.Tensor | None = None,
+        momentum_energy: torch.Tensor | None = None,
     ) -> None: ...  # fmt: skip
 
     def adam_step_(
@@ -383,7 +404,8 @@ class KernelModule(Protocol):
         correction: torch.Tensor | None = None,
         correction_scale: torch.Tensor | None = None, block_of_tile: torch.Tensor | None = None,
         scalars: torch.Tensor | None = None, found_inf: torch.Tensor | None = None,
-        grad_scale: torch.Tensor | None = None, sharpness: float = 0.0,
+        grad_scale: torch.Tensor | None = None, sharpness: float = 0.0, first_tile_of_block: torch.Tensor | None = None,
+        partials: torch.Tensor | None = None, momentum_energy: torch.Tensor | None = None,
     ) -> None: ...  # fmt: skip
 
 
@@ -521,24 +543,38 @@ class KernelBackend(FlatBufferBackend):
         with _launching_on(bucket.device):
             self.kernels.restore_consuming_(bucket.param, bucket.backup, tile=bucket.tile)
 
-    def _bucket_restore_and_update(self, update: BucketUpdate, found_inf: torch.Tensor | None, mix) -> None:
+    def _bucket_restore_and_update(self, update: BucketUpdate, found_inf: torch.Tensor | None, mix,
+                                   momentum_energy: bool = False) -> torch.Tensor | None:  # fmt: skip
         bucket = update.bucket
         corrected = {}
         if mix is not None:
             sharpness = {"sharpness": mix.sharpness} if mix.sharpness != 0.0 else {}  # without it, the GSAM call
             corrected = self._corrected(bucket, mix.kept_scale, grad_scale=mix.grad_scale, **sharpness)
+        summed = self._momentum_outputs(bucket) if momentum_energy else {}
         with _launching_on(bucket.device):
             self._launcher(update)(bucket.param, bucket.grad, bucket.backup, *update.state, tile=bucket.tile,
-                                   **update.kernel_arguments(), **_on_device(found_inf=found_inf),
-                                   **corrected)  # fmt: skip
+                                   **update.kernel_arguments(), **_on_device(found_inf=found_inf), **corrected,
+                                   **summed)  # fmt: skip
+        return summed.get("momentum_energy")
 
-    def _bucket_update(self, update: BucketUpdate, scale) -> None:
+    def _bucket_update(self, update: BucketUpdate, scale, momentum_energy: bool = False) -> torch.Tensor | None:
         bucket = update.bucket
         corrected = {} if scale is None else self._corrected(bucket, scale)
+        summed = self._momentum_outputs(bucket) if momentum_energy else {}
         with _launching_on(bucket.device):
             # no backup: w is read from the parameters themselves, each element before it is written
             self._launcher(update)(bucket.param, bucket.grad, None, *update.state, tile=bucket.tile,
-                                   **update.kernel_arguments(), **corrected)  # fmt: skip
+                                   **update.kernel_arguments(), **corrected, **summed)  # fmt: skip
+        return summed.get("momentum_energy")
+
+    @staticmethod
+    def _momentum_outputs(bucket: Bucket) -> dict:
+        """The base step's arguments that make it sum the new momentum's block energies as it writes it: the
+        bucket's tile layout, its partials scratch, and the ``[B]`` output."""
+        n_blocks = bucket.first_tile_of_block.numel() - 1
+        energy = torch.empty(n_blocks, dtype=torch.float64, device=bucket.device)
+        return dict(first_tile_of_block=bucket.first_tile_of_block, partials=bucket.energy_partials,
+                    momentum_energy=energy)  # fmt: skip
 
     def _corrected(self, bucket: Bucket, correction_scale: torch.Tensor, **mix) -> dict:
         """The base step's correction arguments: the kept gradient scaled per block (and the mix's ``grad_scale`` and

@@ -76,13 +76,14 @@ class TorchBackend(FlatBufferBackend):
         bucket.param.copy_(bucket.backup)
 
     @torch.no_grad()
-    def _bucket_restore_and_update(self, update: BucketUpdate, found_inf: torch.Tensor | None, mix) -> None:
+    def _bucket_restore_and_update(self, update: BucketUpdate, found_inf: torch.Tensor | None, mix,
+                                   momentum_energy: bool = False) -> None:  # fmt: skip
         # w is read from the backup; the parameter buffer holds the intermediates until it receives the new w
         bucket = update.bucket
         self._base_update(update, bucket.backup, bucket.grad, scratch=bucket.param, out=bucket.param)
 
     @torch.no_grad()
-    def _bucket_update(self, update: BucketUpdate, scale) -> None:
+    def _bucket_update(self, update: BucketUpdate, scale, momentum_energy: bool = False) -> None:
         # w is the parameter buffer itself; the backup, unused on such a step, holds the intermediates
         bucket = update.bucket
         g = bucket.grad

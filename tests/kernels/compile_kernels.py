@@ -109,7 +109,8 @@ def variants():
 
 
 def base_step_variants():
-    """The fused base steps per storage dtype, with every optional branch compiled in."""
+    """The fused base steps per storage dtype, with every optional branch compiled in (the momentum's energies
+    included)."""
 
     def arguments(pointers, scalars, storage):
         pairs = {f"{n}{bits}": f"fp{bits}" for n in scalars for bits in ("32", "64")}
@@ -119,18 +120,21 @@ def base_step_variants():
         yield (
             f"sgd_step[{storage}]",
             base_step._sgd_kernel,
-            arguments(("param", "grad", "backup", "buf"), ("neg_lr", "weight_decay", "momentum", "one_minus_dampening"), storage),
+            {**arguments(("param", "grad", "backup", "buf"), ("neg_lr", "weight_decay", "momentum",
+                                                               "one_minus_dampening"), storage),
+             "partial_ptr": "*fp64"},
             {"HAS_WEIGHT_DECAY": True, "HAS_MOMENTUM": True, "NESTEROV": True, "MAXIMIZE": True, "FIRST": False,
-             "TILE": TILE, "COMPUTE": FLOATS[storage]},
+             "TILE": TILE, "COMPUTE": FLOATS[storage], "ENERGY": True},
         )  # fmt: skip
         yield (
             f"adam_step[{storage}]",
             base_step._adam_kernel,
-            arguments(("param", "grad", "backup", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"),
-                      ("lerp_weight", "beta2_", "one_minus_beta2_", "eps", "weight_decay", "decay", "neg_step_size",
-                       "bias_correction2_sqrt"), storage),
+            {**arguments(("param", "grad", "backup", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"),
+                         ("lerp_weight", "beta2_", "one_minus_beta2_", "eps", "weight_decay", "decay", "neg_step_size",
+                          "bias_correction2_sqrt"), storage),
+             "partial_ptr": "*fp64"},
             {"HAS_WEIGHT_DECAY": True, "DECOUPLED": True, "AMSGRAD": True, "MAXIMIZE": True, "LERP_SMALL": True,
-             "TILE": TILE, "COMPUTE": FLOATS[storage]},
+             "TILE": TILE, "COMPUTE": FLOATS[storage], "ENERGY": True},
         )  # fmt: skip
 
 

@@ -170,6 +170,103 @@ def test_kernels_refuse_what_they_cannot_update(backend, device):
         kernels.adam_step_(backup.clone(), grad, backup, grad.clone(), grad[:TILE].clone(), None, amsgrad=False, **adam)
 
 
+# ---------------------------------------------------------------------------------------------- the momentum's energies
+#: flat_buffers' three tiles in blocks of 0, 1 and 2 tiles (an empty block's energy is 0)
+MOMENTUM_BLOCKS = [0, 0, 1, 3]
+MOMENTUM_CASES = {
+    "sgd-first": ("sgd", dict(lr=0.1, momentum=0.9, first=True)),
+    "sgd-nesterov-dampening": ("sgd", dict(lr=0.05, momentum=0.9, dampening=0.1, nesterov=True, weight_decay=1e-3)),
+    "sgd-from-param": ("sgd", dict(lr=0.05, momentum=0.5, backup=None)),
+    "sgd-scalars": ("sgd", dict(lr=0.0, momentum=0.9, scalars=[0.05, 3.0])),
+    "adam": ("adam", dict(lr=1e-2, step=5)),
+    "adamw-amsgrad": ("adam", dict(lr=1e-3, step=1, weight_decay=0.05, decoupled=True, amsgrad=True)),
+    "adam-scalars": ("adam", dict(lr=0.0, step=0, scalars=[1e-2, 4.0])),
+}
+
+
+def _momentum_step(kernels, kind: str, kw: dict, dtype, device, **outputs):
+    """One base step of MOMENTUM_CASES' kind from fixed buffers: (param, state) after it."""
+    backup, grad = (t.to(device) for t in flat_buffers(dtype))
+    g = torch.Generator().manual_seed(2)
+    state = [0.1 * torch.randn(backup.shape, generator=g).to(dtype).to(device)]
+    kw = dict(kw)
+    param = backup.clone() if kw.get("backup", backup) is None else torch.full_like(backup, float("nan"))
+    backup = kw.pop("backup", backup)
+    if "scalars" in kw:
+        kw["scalars"] = torch.tensor(kw["scalars"], dtype=torch.float64, device=device)
+    if kind == "sgd":
+        kw = {"weight_decay": 0.0, "dampening": 0.0, "nesterov": False, "maximize": False, "first": False, **kw}
+        kernels.sgd_step_(param, grad, backup, state[0], tile=TILE, **kw, **outputs)
+    else:
+        state.append(0.01 * torch.rand(grad.shape, generator=g).to(dtype).to(device))
+        amsgrad = kw.pop("amsgrad", False)
+        state.append(state[1] * 1.5 if amsgrad else None)
+        kw = {"beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.0, "decoupled": False, "maximize": False,
+              **kw}  # fmt: skip
+        kernels.adam_step_(param, grad, backup, *state, tile=TILE, amsgrad=amsgrad, **kw, **outputs)
+    return param, state
+
+
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+@pytest.mark.parametrize("case", list(MOMENTUM_CASES))
+@pytest.mark.parametrize("backend,device", KERNELS)
+def test_base_steps_sum_the_new_momentum_as_block_energy_does(backend, device, case, dtype):
+    """Given first_tile_of_block, partials and momentum_energy, a base step writes what it writes without them and
+    momentum_energy holds block_energy of the momentum it wrote (SGD's buffer, Adam's exp_avg), bit for bit: the CPU
+    and Triton kernels sum each tile as they write it (MomentumSAM's one pass)."""
+    kernels = kernel_module(backend)
+    kind, kw = MOMENTUM_CASES[case]
+    param, state = _momentum_step(kernels, kind, kw, dtype, device)
+    outputs = dict(first_tile_of_block=torch.tensor(MOMENTUM_BLOCKS, device=device),
+                   partials=torch.full((3,), math.nan, dtype=torch.float64, device=device),
+                   momentum_energy=torch.full((3,), math.nan, dtype=torch.float64, device=device))  # fmt: skip
+    summed_param, summed_state = _momentum_step(kernels, kind, kw, dtype, device, **outputs)
+    assert torch.equal(summed_param, param)
+    for buffer, expected in zip(summed_state, state):
+        assert buffer is None or torch.equal(buffer, expected)
+    partials = torch.empty(3, dtype=torch.float64, device=device)
+    expected = kernels.block_energy(state[0], param, outputs["first_tile_of_block"], partials, tile=TILE,
+                                    adaptive=False, eta=0.0)  # fmt: skip
+    assert torch.equal(outputs["momentum_energy"], expected)
+    assert expected[0] == 0 and (expected[1:] > 0).all()
+
+
+@pytest.mark.parametrize("backend", ["cpp", "triton", "cpp-meta"])
+def test_momentum_energy_outputs_are_checked(backend):
+    """All three or none, beside a momentum the step writes, never with found_inf, and sized for the bucket: by the
+    kernels and by the compiled extension's fake implementations (meta tensors), in the same words."""
+    device = "meta" if backend.endswith("meta") else "cpu"
+    kernels = kernel_module(backend.removesuffix("-meta"))
+    backup, grad = (t.to(device) for t in flat_buffers(torch.float32))
+    sgd = dict(tile=TILE, lr=0.1, weight_decay=0.0, dampening=0.0, nesterov=False, maximize=False, first=False)
+    blocks = torch.tensor(MOMENTUM_BLOCKS, device=device)
+
+    def outputs(n_partials=3, n_energy=3):
+        return dict(first_tile_of_block=blocks, partials=torch.empty(n_partials, dtype=torch.float64, device=device),
+                    momentum_energy=torch.empty(n_energy, dtype=torch.float64, device=device))  # fmt: skip
+
+    def step(momentum=0.9, **kw):
+        buffer = torch.zeros_like(backup) if momentum else None
+        kernels.sgd_step_(backup.clone(), grad, backup, buffer, momentum=momentum, **sgd, **kw)
+
+    with pytest.raises(ValueError, match="given together or not at all"):
+        step(partials=outputs()["partials"])
+    with pytest.raises(ValueError, match="this step keeps none"):
+        step(momentum=0.0, **outputs())
+    with pytest.raises(ValueError, match="not taken with found_inf"):
+        step(found_inf=torch.zeros((), device=device), **outputs())
+    with pytest.raises(ValueError, match="partials has 2 entries for 3 tiles"):
+        step(**outputs(n_partials=2))
+    with pytest.raises(ValueError, match="momentum_energy has 4 entries for 3 blocks"):
+        step(**outputs(n_energy=4))
+    adam = dict(tile=TILE, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, decoupled=False, amsgrad=False,
+                maximize=False, lr=1e-3, step=1)  # fmt: skip
+    with pytest.raises(ValueError, match="momentum_energy has 2 entries for 3 blocks"):
+        kernels.adam_step_(
+            backup.clone(), grad, backup, grad.clone(), grad.clone(), None, **adam, **outputs(n_energy=2)
+        )
+
+
 # ---------------------------------------------------------------------------------------------- whole trajectories
 BASES = {f"sgd-{k}": (torch.optim.SGD, kw) for k, kw in SGD_FLAGS.items()} | ADAM_FLAGS
 

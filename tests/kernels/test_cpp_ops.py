@@ -131,6 +131,15 @@ def adam_args(dtype, device, flags: str, with_backup: bool, corrected: bool):
 
 
 # ------------------------------------------------------------------------------------------- opcheck
+def momentum_energy(device) -> dict:
+    """The base steps' momentum energy outputs for the test bucket (their bits: test_base_step.py)."""
+    first_tile_of_block = tables(device)[0]
+    return dict(first_tile_of_block=first_tile_of_block,
+                partials=torch.full((N // TILE,), float("nan"), dtype=torch.float64, device=device),
+                momentum_energy=torch.full((first_tile_of_block.numel() - 1,), float("nan"), dtype=torch.float64,
+                                           device=device))  # fmt: skip
+
+
 def opcheck(name: str, args, kwargs) -> None:
     torch.library.opcheck(getattr(ops(), name).default, args, kwargs)
 
@@ -202,7 +211,10 @@ def test_opcheck_allocate(gear, device):
 @pytest.mark.parametrize("flags", list(SGD_FLAGS))
 @pytest.mark.parametrize("dtype", BASE_FLOATS, ids=str)
 def test_opcheck_sgd_step(dtype, flags, with_backup, corrected, device):
-    opcheck("sgd_step_", *sgd_args(dtype, device, flags, with_backup, corrected))
+    args, kw = sgd_args(dtype, device, flags, with_backup, corrected)
+    opcheck("sgd_step_", args, kw)
+    if kw["momentum"] and not corrected:  # MomentumSAM's step: the new momentum's energies summed as written
+        opcheck("sgd_step_", args, {**kw, **momentum_energy(device)})
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -211,7 +223,10 @@ def test_opcheck_sgd_step(dtype, flags, with_backup, corrected, device):
 @pytest.mark.parametrize("flags", list(ADAM_FLAGS))
 @pytest.mark.parametrize("dtype", BASE_FLOATS, ids=str)
 def test_opcheck_adam_step(dtype, flags, with_backup, corrected, device):
-    opcheck("adam_step_", *adam_args(dtype, device, flags, with_backup, corrected))
+    args, kw = adam_args(dtype, device, flags, with_backup, corrected)
+    opcheck("adam_step_", args, kw)
+    if not corrected:  # as in test_opcheck_sgd_step
+        opcheck("adam_step_", args, {**kw, **momentum_energy(device)})
 
 
 # ------------------------------------------------------------------------------------------- the bits

@@ -76,8 +76,8 @@ def test_every_launcher_is_its_op(ops):
         "exchange_sharpness_": {"grad", "correction"},
         "friendly_ascent_": {"grad", "momentum"},
         "friendly_energy_": {"grad", "momentum", "partials"},
-        "sgd_step_": {"param", "momentum_buffer"},
-        "adam_step_": {"param", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"},
+        "sgd_step_": {"param", "momentum_buffer", "partials", "momentum_energy"},
+        "adam_step_": {"param", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "partials", "momentum_energy"},
     }
     assert set(kernels.__all__) == set(mutated)
     for name, args in mutated.items():
@@ -190,7 +190,18 @@ def base_step_args(dtype, device, backup: bool, corrected: bool | str) -> dict:
         scalars=None,
         found_inf=None,
         grad_scale=grad_scale if corrected in ("mix", "sharpness") else None,
+        first_tile_of_block=None,
+        partials=None,
+        momentum_energy=None,
     )
+
+
+def momentum_energy_args(device) -> dict:
+    """The base steps' momentum energy outputs for the test bucket (their bits: test_base_step.py)."""
+    _, first_tile_of_block, _ = tables(device)
+    return dict(first_tile_of_block=first_tile_of_block,
+                partials=torch.full((len(TILE_BLOCK),), float("nan"), dtype=torch.float64, device=device),
+                momentum_energy=torch.full((3,), float("nan"), dtype=torch.float64, device=device))  # fmt: skip
 
 
 def sharpness(corrected: bool | str) -> dict:
@@ -215,6 +226,8 @@ def test_opcheck_sgd_step(ops, backend, device, dtype, flags, backup, corrected)
     args = base_step_args(dtype, device, backup, corrected)
     args["momentum_buffer"] = randn(dtype, device, 4) if scalars["momentum"] else None
     opcheck_step(ops[0].sgd_step_.default, args, dict(scalars, **sharpness(corrected)))
+    if scalars["momentum"] and not corrected:  # MomentumSAM's step: the new momentum's energies summed as written
+        opcheck_step(ops[0].sgd_step_.default, {**args, **momentum_energy_args(device)}, scalars)
 
 
 @pytest.mark.parametrize("corrected", [False, True, "mix", "sharpness"], ids=["plain", "looksam", "mix", "sharpness"])
@@ -230,6 +243,8 @@ def test_opcheck_adam_step(ops, backend, device, dtype, flags, backup, corrected
     args["exp_avg_sq"] = 0.01 * randn(dtype, device, 5).square()
     args["max_exp_avg_sq"] = 1.5 * args["exp_avg_sq"] if kw["amsgrad"] else None
     opcheck_step(ops[0].adam_step_.default, args, dict(scalars, **sharpness(corrected)))
+    if not corrected:  # as in test_opcheck_sgd_step
+        opcheck_step(ops[0].adam_step_.default, {**args, **momentum_energy_args(device)}, scalars)
 
 
 # ------------------------------------------------------------------------------------------- bits

@@ -283,6 +283,37 @@ def test_every_backend_follows_the_reference(backend, device, base, allocation, 
         assert "bfloat16 parameters" in opt.base_step_reason
 
 
+class SeparateEnergy(MomentumSAM):
+    """MomentumSAM taking the new momentum's energies in a pass of their own after the update (as it does for ASAM),
+    not from the update that writes the momentum."""
+
+    def _fused_base_step(self, updates, *args, momentum_energy=False, **kwargs):
+        return super()._fused_base_step(updates, *args, **kwargs)
+
+
+@pytest.mark.parametrize("allocation", ["sam", "gear"])
+@pytest.mark.parametrize("base", ["sgd-nesterov-wd", "adamw"])
+@pytest.mark.parametrize("backend,device", [case for case in BACKENDS if case.values[0] != "sharded"])
+def test_the_energies_the_update_sums_are_those_of_their_own_pass(backend, device, base, allocation):
+    """Where the update sums the new momentum's block energies as it writes it (the kernel backends), the trajectory,
+    the radii and the energies are bit for bit those of energies read afterwards, in a pass of their own."""
+    runs = []
+    for cls in (MomentumSAM, SeparateEnergy):
+        model = Awkward(torch.float32).to(device)
+        opt_cls, kwargs = BASES[base]
+        opt = cls(model.parameters(), opt_cls, rho=RHO, allocation=allocation, partition=model.blocks(),
+                  backend=backend, **kwargs)  # fmt: skip
+        trajectory = []
+        for i, xy in enumerate(awkward_data(4, torch.float32, device)):
+            one_step(opt, model, xy, awkward_loss(i))
+            stats = opt.block_stats()
+            trajectory.append((snapshot(model), stats["energy"].clone(), stats["radius"].clone()))
+        runs.append(trajectory)
+    for step, (ours, theirs) in enumerate(zip(*runs)):
+        assert same_bits(ours[0], theirs[0]), f"step {step}"
+        assert torch.equal(ours[1], theirs[1]) and torch.equal(ours[2], theirs[2]), f"step {step}"
+
+
 # ------------------------------------------------------------------------------------------ w, bit for bit
 EXACT = [on_device(b, d) for d in ("cpu", "cuda") for b in ("reference", "torch", "cpp", "sharded")]
 EVERY = [on_device(b, d) for d in ("cpu", "cuda") for b in ("reference", "torch", "cpp", "triton", "sharded")]
