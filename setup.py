@@ -157,7 +157,7 @@ setup(
     package_dir={"gearsam_fused.triton_kernels": "triton_kernels"},
     install_requires=[f"torch>={ABOUT['MIN_TORCH']}", "numpy", "triton>=3.0; platform_system == 'Linux'"],
     extras_require={
-        "demo": ["scikit-learn", "matplotlib"],
+        "demo": ["scikit-learn", "matplotlib", "tqdm"],  # tqdm: the progress bar of a run on a terminal
         "transformers": ["transformers>=4.46", "accelerate>=1.0"],
         "lightning": ["lightning>=2.2"],
         "test": [
@@ -167,6 +167,7 @@ setup(
             "pytorch_optimizer==4.1.0",  # pinned: the peer-parity tests bound the difference from this release
             "scikit-learn",
             "matplotlib",
+            "tqdm",
             "hypothesis",
             "transformers>=4.46",
             "accelerate>=1.0",

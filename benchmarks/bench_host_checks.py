@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     from gearsam_fused import host_checks
-    from gearsam_fused.app.machine import describe_machine
+    from gearsam_fused.machine import describe_machine
 
     try:
         host_checks.implementation("cpp")
@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> None:
         for base in BASES:
             rows.append(measure_set(key, base, COPIES, rounds, warm_up, steps, args.quick))
             print(rows[-1], flush=True)
-    table = render(rows, list(COPIES), describe_machine("cpu"), rounds, steps)
+    table = render(rows, list(COPIES), describe_machine("cpu", checkout=HERE), rounds, steps)
     print(table)
     if args.report:
         args.report.write_text(table)

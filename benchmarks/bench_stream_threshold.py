@@ -57,7 +57,7 @@ QUICK_SIZES = [100_000]
 
 def cache_bytes(level: int | None) -> int | None:
     """The size of cpu0's data or unified cache of ``level`` (None: the highest level), None where sysfs gives none."""
-    from gearsam_fused.app.machine import cpu_caches  # imports torch: only when a run starts
+    from gearsam_fused.machine import cpu_caches  # imports torch: only when a run starts
 
     caches = cpu_caches()
     return caches.get(max(caches) if level is None and caches else level)
@@ -132,8 +132,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--report", type=Path, help="also write the table to this file")
     args = parser.parse_args(argv)
 
-    from gearsam_fused.app.machine import describe_machine
-    from gearsam_fused.backends.cpp_ops import cpp_stream_threshold_bytes
+    from gearsam_fused.backends.cpp_backend import cpp_stream_threshold_bytes
+    from gearsam_fused.machine import describe_machine
 
     own = cpp_stream_threshold_bytes()
     if own is None or own < 0:
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> None:
     settings.update({f"at {fmt_bytes(b)}": b for b in against})
     rounds, warm_up, steps = (1, 1, 2) if args.quick else (args.rounds, 3, 15)
     rows = run(QUICK_SIZES if args.quick else SIZES, settings, rounds, warm_up, steps)
-    table = render(rows, settings, describe_machine("cpu"), rounds, steps)
+    table = render(rows, settings, describe_machine("cpu", checkout=HERE), rounds, steps)
     print(table)
     if args.report:
         args.report.write_text(table)

@@ -111,9 +111,8 @@ QUICK_SET_KEYS = ["resnet18", "small_tensors", "tensors_4096"]
 
 #: the only set of a quick run with the compiled contenders (ours and the foreach SAM). A full run compiles them on
 #: every set, and on the sets of about 2000 tensors that dominates its time: dynamo traces, and inductor schedules and
-#: generates code for, every tensor of the lists. Measured with a cold inductor cache on 2 CPU cores, nothing else
-#: running (2026-11-27): the compiled foreach SAM with SGD over 2000 tensors x 4096 took 646 s (256 tensors 60 s, 512
-#: 116 s: linear in the tensors, the scheduler's fusion and code generation most of it), our compiled step 186 s.
+#: generates code for, every tensor of the lists, in a time linear in the tensors (benchmarks/README.md says how
+#: long on 2 CPU cores).
 COMPILED_QUICK_SET_KEYS = ["resnet18"]
 #: the test suite's relative error allowed per float32 step (tests/conftest.py)
 FP32_STEP_RTOL = 1e-6

@@ -17,8 +17,8 @@ from typing import NamedTuple
 import pytest
 import torch
 
-from gearsam_fused.app.machine import describe_machine
-from gearsam_fused.backends.cpp_ops import cpp_stream_threshold_bytes
+from gearsam_fused.backends.cpp_backend import cpp_stream_threshold_bytes
+from gearsam_fused.machine import describe_machine
 from gearsam_fused.memory import flat_empty
 
 from report import quartiles
@@ -374,7 +374,7 @@ def floor(quick) -> MemoryFloor:
 
 def machine() -> dict:
     """Where and with what a run was measured."""
-    return describe_machine(DEVICE)
+    return describe_machine(DEVICE, checkout=Path(__file__).resolve().parent)
 
 
 @pytest.fixture

@@ -232,8 +232,9 @@ class FusedBaseStep:
     """Our fused base step alone: the base optimizer's update over the flat buffers (the backend's ``update_``: w, g
     and the state read, w and the state written, one pass per bucket), the update a step its schedule skips makes,
     without that step's energy pass. No public call makes this update alone, so :meth:`step` drives the path a skipped
-    step takes (the base optimizer's step hooks, the staging of its state and step counts, ``update_``) through SAM's
-    private ``_plan`` and ``_fused_base_step``; one whole SAM step at construction makes the optimizer's state. The
+    step takes (the base optimizer's step hooks, the staging of its state and step counts, ``update_``) through the
+    optimizer's fused base step (its private ``_flat_step``: ``plan`` and ``run``); one whole SAM step at construction
+    makes the optimizer's state. The
     yardstick of a step that adds passes to the base update (:mod:`bench_momentum_step`): the rate our update alone
     reaches at the same moments."""
 
@@ -244,10 +245,11 @@ class FusedBaseStep:
 
     @torch.no_grad()
     def step(self):
-        updates = self.optimizer._plan()
+        flat_step = self.optimizer._flat_step
+        updates = flat_step.plan()
         if updates is None:
-            raise AssertionError(f"the fused base step cannot run: {self.optimizer.base_step_reason}")
-        self.optimizer._fused_base_step(updates, perturbed=False)
+            raise AssertionError(f"the fused base step cannot run: {flat_step.reason}")
+        flat_step.run(updates, self.optimizer.backend, perturbed=False)
 
     @property
     def base_step_mode(self) -> str:

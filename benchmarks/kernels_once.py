@@ -29,7 +29,7 @@ from torch import nn
 
 from gearsam_fused.allocation import GEAR_RULE, RULES
 from gearsam_fused.backends import BACKENDS, available_backends
-from gearsam_fused.backends.cpp_ops import cpp_built_with_cuda
+from gearsam_fused.backends.cpp_backend import cpp_built_with_cuda
 from gearsam_fused.backends.reference import ReferenceBackend
 from gearsam_fused.flat import TILE
 from gearsam_fused.partition import Block

@@ -1,24 +1,46 @@
 """Render the rows of a results file (JSONL, one row per benchmark, appended by every run) as Markdown.
 
     python benchmarks/report.py [RESULTS.jsonl] [--run ID] [--device cpu|cuda]
+    python benchmarks/report.py --reports [--check]     the per-machine reports in benchmarks/results/
+    python benchmarks/report.py --figures [--out DIR]   the documentation's figures (docs/figures/)
 
 Without ``--run`` it renders the newest full (non-quick) run for the device, or the newest run of any kind if there
 is no full one. Ratios are the headline: each fused contender against the per-tensor loop and against
 pytorch_optimizer, measured in the same run, and for the whole step (SAM with its base optimizer's update) against the
 base optimizer's step alone.
+
+``--reports`` rewrites one report per kind of machine (``cpu-amd-epyc.md``, ``gpu-h200.md``, ...) from every results
+file of ``benchmarks/results/``: ``runs.jsonl`` and the rows a GPU run keeps in its own folder (``gpu-*/*.jsonl``).
+A report is prose written by hand around blocks this script renders: each block between
+``<!-- report.py: run ID -->`` and ``<!-- /report.py -->`` is rendered again from that run's rows, everything else is
+kept as written, and a full run that the report does not name yet gets a section of its own at the end. ``--check``
+changes nothing and fails where a report is not what its rows render. ``--figures`` draws ``figures.FIGURES`` from the
+same files.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 from collections import defaultdict
 from pathlib import Path
 
 from gearsam_fused.allocation import GEAR_RULE, SAM_RULE
 
-DEFAULT_RESULTS = Path(__file__).resolve().parent / "results" / "runs.jsonl"
+from rows import (
+    COMPILED,
+    _peers,
+    best_peer,
+    counted_gbps,
+    floor_gbps,
+    machine_title,
+    pct_floor,
+)
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+DEFAULT_RESULTS = RESULTS_DIR / "runs.jsonl"
 
 
 def load_runs(path: Path) -> dict[str, list[dict]]:
@@ -100,36 +122,6 @@ def _where(row: dict) -> str:
     )
 
 
-#: bytes a copy moves per byte it is counted with, as runs before the floor counted it: on a CPU the copied-to line is
-#: read before it is written (write-allocate), so 12 bytes move per float32 element counted at 8
-COPY_MOVED_PER_COUNTED = {"cpu": 1.5, "cuda": 1.0}
-#: bytes per parameter of the base optimizer's own step (params, gradients, state in; params, state out)
-BARE_STEP_BYTES = {"SGD": 20, "AdamW": 28}
-
-
-def floor_gbps(row: dict) -> float:
-    """The memory floor of the row's run (conftest.MemoryFloor); for runs before it was measured, the copy bandwidth
-    they measured, counted by the bytes it moved."""
-    return row["floor_gbps"] if "floor_gbps" in row else row["copy_gbps"] * COPY_MOVED_PER_COUNTED[row["device"]]
-
-
-def counted_gbps(row: dict) -> float:
-    """The row's rate by its counted bytes. Whole-step runs before the bare base step was counted at its own bytes
-    counted it at the SAM step's: recounted here."""
-    if row["benchmark"] == "bench_whole_step" and row["contender"].startswith("bare base step"):
-        own = BARE_STEP_BYTES[row["base"]] * row["parameters"]
-        return row["gbps"] * own / row["bytes_counted"]
-    return row["gbps"]
-
-
-def pct_floor(row: dict) -> float:
-    """The row's counted-bytes rate as % of the floor: each round over the floor around it where the run paired them
-    (conftest.MemoryFloor.fields), else the median round's rate over the median floor."""
-    if "floor_paired" in row:
-        return row["pct_floor"] * counted_gbps(row) / row["gbps"]
-    return 100 * counted_gbps(row) / floor_gbps(row)
-
-
 def pct_traffic_floor(row: dict) -> str:
     """The row's % of its traffic floor (conftest.MemoryFloor: its read-only bytes at the read rate), where the run
     measured it; '-' otherwise."""
@@ -155,24 +147,6 @@ def floor_note(group: list[dict]) -> str:
 
 def _ratio(baseline: float | None, value: float) -> str:
     return f"{baseline / value:.2f}x" if baseline else "-"
-
-
-PEER_PATHS = ("pytorch_optimizer", "pytorch_optimizer, per tensor")  # as contenders.PEER_PATHS (no torch import here)
-
-
-def _peers(medians: dict[str, float]) -> dict[str, float]:
-    return {name: medians[name] for name in PEER_PATHS if name in medians}
-
-
-def best_peer(medians: dict[str, float]) -> tuple[str | None, float | None]:
-    """(name, median) of pytorch_optimizer's faster path among ``medians`` (contender -> median ms of one set and
-    run), or (None, None) when it did not run. Runs before both paths were timed hold one row named
-    ``pytorch_optimizer``: the per-tensor path in the SAM-step benchmark, ``foreach=True`` in the whole-step one."""
-    peers = _peers(medians)
-    if not peers:
-        return None, None
-    name = min(peers, key=peers.get)
-    return name, peers[name]
 
 
 def sam_step_tables(rows: list[dict]) -> list[str]:
@@ -215,9 +189,6 @@ def sam_step_tables(rows: list[dict]) -> list[str]:
             "",
         ]
     return lines
-
-
-COMPILED = "compiled foreach SAM"  # as contenders.COMPILED (no torch import here)
 
 
 def _compiled_note(group: list[dict]) -> str:
@@ -654,6 +625,57 @@ def pass_bound_line(rows: list[dict]) -> list[str]:
     ]
 
 
+def models_tables(rows: list[dict]) -> list[str]:
+    """The real models' training steps (``bench_models``), one table per model: every SAM contender's step around
+    the same base optimizer, what it adds beyond its two forward+backward passes and its tax (as bench_models.table
+    renders them, without importing torch)."""
+
+    def ms(row: dict, key: str) -> str:
+        if row.get(key) is None:
+            return ""
+        spread = (row.get(f"{key[:-3]}_q1_ms"), row.get(f"{key[:-3]}_q3_ms"))
+        return f"{row[key]:.2f}" + (f" ({spread[0]:.2f}–{spread[1]:.2f})" if None not in spread else "")
+
+    def number(value: float | None, form: str = "{:.1f}") -> str:
+        return "" if value is None else form.format(value)
+
+    steps = [r for r in rows if r["benchmark"] == "bench_models"]
+    lines = []
+    for model in dict.fromkeys(r["model"] for r in steps):
+        mine = [r for r in steps if r["model"] == model]
+        first = mine[0]
+        size = ", ".join(
+            f"{k} {first[k]}" for k in ("batch", "image", "tokens", "layers", "depth", "width") if k in first
+        )
+        autocast = f", autocast {first['autocast']}" if first.get("autocast") else ""
+        lines += [
+            f"**Training step, {model}** ({size}{', tiny' if first['tiny'] else ''}; base {first['base']}{autocast})",
+            "",
+            "| contender | step ms (IQR) | fwd+bwd ms | base step ms | beyond 2 passes ms (IQR) | SAM tax ms (IQR) | "
+            "tax % | / plain | peak MiB | held MiB | base step |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        ]
+        for r in mine:
+            lines.append(
+                f"| {r['contender']} | {r['median_ms']:.2f} ({r['q1_ms']:.2f}–{r['q3_ms']:.2f}) | "
+                f"{number(r.get('forward_backward_ms'), '{:.2f}')} | {number(r.get('base_step_ms'), '{:.2f}')} | "
+                f"{ms(r, 'beyond_ms')} | {ms(r, 'tax_ms')} | {number(r.get('tax_pct'))} | "
+                f"{number(r.get('over_plain'), '{:.2f}x')} | {number(r.get('peak_mib'), '{:.0f}')} | "
+                f"{number(r.get('held_mib'), '{:.0f}')} | {r.get('base_step_mode', '')} |"
+            )
+        lines.append("")
+    if lines:
+        lines += [
+            "Each round of a SAM row times one forward+backward pass, one base step and the SAM step back to back: "
+            "beyond 2 passes = step - 2 x (forward+backward), SAM tax = that minus the base step (median and quartiles "
+            'over the rounds, ms); "/ plain": per round, the step over that round\'s forward+backward plus base step '
+            "(median); peak and held MiB (CUDA): the allocator's peak during one step and what stays allocated after "
+            "it, both above what was allocated before the row built its model.",
+            "",
+        ]
+    return lines
+
+
 def render(rows: list[dict], source: str) -> str:
     lines = [f"Measured on {_where(rows[0])}. Source: `{source}`.", "", *floor_start_line(rows), *pass_bound_line(rows)]
     return "\n".join(
@@ -665,7 +687,91 @@ def render(rows: list[dict], source: str) -> str:
         + momentum_step_tables(rows)
         + train_step_table(rows)
         + trainer_tables(rows)
-    )
+        + models_tables(rows)
+    ).rstrip("\n")
+
+
+# ------------------------------------------------------------------------------ the per-machine reports
+
+
+def load_results(results_dir: Path = RESULTS_DIR) -> dict[str, tuple[list[dict], Path]]:
+    """run id -> (its rows, the file they are in), over ``runs.jsonl`` and every GPU run's own rows
+    (``*/*.jsonl``: a GPU run keeps its files together in a folder of its own). A run id in two files is an error."""
+    found: dict[str, tuple[list[dict], Path]] = {}
+    files = [results_dir / "runs.jsonl"] if (results_dir / "runs.jsonl").is_file() else []
+    for path in files + sorted(results_dir.glob("*/*.jsonl")):
+        for run, rows in load_runs(path).items():
+            if run in found:
+                raise SystemExit(f"run {run} has rows in both {found[run][1]} and {path}")
+            found[run] = (rows, path)
+    return found
+
+
+def machine_kind(row: dict) -> str:
+    """The kind of machine a row was measured on, as a file name: ``gpu-`` and the GPU's model (``gpu-h200``), or
+    ``cpu-`` and the CPU's vendor and family (``cpu-amd-epyc``, ``cpu-intel-xeon``)."""
+    if row["gpu"]:
+        words = [w for w in re.split(r"[^a-z0-9]+", row["gpu"].lower()) if w and w != "nvidia"]
+        return "gpu-" + words[0]
+    words = [w for w in re.split(r"[^a-z0-9]+", re.sub(r"\((r|tm)\)", " ", row["cpu"].lower())) if w]
+    return "cpu-" + "-".join([w for w in words if w not in ("processor", "cpu")][:2])
+
+
+BLOCK = re.compile(r"<!-- report\.py: run (\w+) -->\n.*?<!-- /report\.py -->", re.S)
+
+
+def _block(run: str, rows: list[dict], source: str) -> str:
+    return f"<!-- report.py: run {run} -->\n{render(rows, source)}\n<!-- /report.py -->"
+
+
+def update_report(text: str, kind: str, results: dict[str, tuple[list[dict], Path]], results_dir: Path) -> str:
+    """``text`` (a machine's report, or "" for a new one) with every rendered block rendered again from its run's rows,
+    and a section at its end for each full run of this kind of machine that it does not name."""
+
+    def source(path: Path) -> str:
+        return f"benchmarks/results/{path.relative_to(results_dir).as_posix()}"
+
+    def again(match: re.Match) -> str:
+        run = match.group(1)
+        if run not in results:
+            raise SystemExit(f"the report of {kind} renders run {run}, which no results file holds")
+        rows, path = results[run]
+        if machine_kind(rows[0]) != kind:
+            raise SystemExit(f"the report of {kind} renders run {run}, measured on {machine_kind(rows[0])}")
+        return _block(run, rows, source(path))
+
+    text = BLOCK.sub(again, text)
+    mine = [(run, rows, path) for run, (rows, path) in results.items() if machine_kind(rows[0]) == kind]
+    if not text:
+        text = f"# {machine_title(mine[0][1][0])}\n\nEvery full benchmark run on this kind of machine, oldest first.\n"
+    new = [(run, rows, path) for run, rows, path in mine if not rows[0]["quick"] and run not in text]
+    for run, rows, path in new:
+        text = text.rstrip("\n") + f"\n\n## Run `{run}`, {rows[0]['date']}\n\n{_block(run, rows, source(path))}\n"
+    return text
+
+
+def machine_reports(results_dir: Path = RESULTS_DIR) -> dict[Path, str]:
+    """Each machine kind's report path -> its text rendered again (the kinds with a full run or a report)."""
+    results = load_results(results_dir)
+    kinds = {machine_kind(rows[0]) for rows, _ in results.values() if not rows[0]["quick"]}
+    kinds |= {path.stem for path in results_dir.glob("*.md") if BLOCK.search(path.read_text(encoding="utf-8"))}
+    out = {}
+    for kind in sorted(kinds):
+        path = results_dir / f"{kind}.md"
+        out[path] = update_report(path.read_text(encoding="utf-8") if path.exists() else "", kind, results, results_dir)
+    return out
+
+
+def write_reports(results_dir: Path = RESULTS_DIR, check: bool = False) -> list[Path]:
+    """Renders every machine's report again; returns the reports that changed (with ``check``, that would change,
+    writing nothing)."""
+    changed = []
+    for path, text in machine_reports(results_dir).items():
+        if not path.exists() or path.read_text(encoding="utf-8") != text:
+            changed.append(path)
+            if not check:
+                path.write_text(text, encoding="utf-8")
+    return changed
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -673,7 +779,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("results", nargs="?", default=str(DEFAULT_RESULTS))
     parser.add_argument("--run", help="run id (default: the newest full run)")
     parser.add_argument("--device", choices=["cpu", "cuda"], help="only runs on this device")
+    parser.add_argument("--reports", action="store_true", help="render the per-machine reports of --results-dir again")
+    parser.add_argument(
+        "--check", action="store_true", help="with --reports: write nothing, fail where one would change"
+    )
+    parser.add_argument("--figures", action="store_true", help="draw the documentation's figures into --out")
+    parser.add_argument("--results-dir", default=str(RESULTS_DIR), help="the results folder of --reports and --figures")
+    parser.add_argument("--out", help="the figures' folder (default docs/figures)")
     args = parser.parse_args(argv)
+    if args.reports or args.figures:
+        results_dir = Path(args.results_dir)
+        if args.reports:
+            changed = write_reports(results_dir, check=args.check)
+            for path in changed:
+                print(f"{'out of date' if args.check else 'rendered'}: {path}")
+            if args.check and changed:
+                return 1
+        if args.figures:
+            import figures  # matplotlib: only to draw
+
+            for path in figures.draw(load_results(results_dir), Path(args.out) if args.out else figures.FIGURES_DIR):
+                print(f"drew {path}")
+        return 0
     path = Path(args.results)
     rows = pick_run(load_runs(path), args.run, args.device)
     try:

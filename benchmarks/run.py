@@ -8,7 +8,9 @@
     python benchmarks/run.py --report PATH     also write the report (Markdown) to PATH
 
 A peer contender that is not installed (``pytorch_optimizer``) is skipped, and the run says so before the pytest
-output and under the report. Then ``python benchmarks/report.py`` renders any run again (``--run ID``).
+output and under the report. Then ``python benchmarks/report.py`` renders any run again (``--run ID``). A full run
+into ``benchmarks/results/runs.jsonl`` also renders the reports of ``benchmarks/results/`` again
+(``report.py --reports``): its machine's report gets a section with the run's tables, for its note to be written.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from report import DEFAULT_RESULTS, load_runs, render  # noqa: E402 (found through the path set just above)
+from report import DEFAULT_RESULTS, load_runs, render, write_reports  # noqa: E402 (found through the path set just above)
 
 
 def peer_notes() -> list[str]:
@@ -68,6 +70,9 @@ def main(argv: list[str] | None = None) -> int:
     print(report)
     if args.report:
         Path(args.report).write_text(report + "\n", encoding="utf-8")
+    if results == DEFAULT_RESULTS and not args.quick:  # the committed record: its machine's report follows it
+        for path in write_reports(results.parent):
+            print(f"rendered {path}")
     return 0
 
 

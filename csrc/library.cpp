@@ -1,7 +1,7 @@
 // The eleven kernels as operators of torch.library: torch.ops.gearsam_fused.<name>, with the names and keyword arguments
 // of the Triton launchers (gearsam_fused.triton_kernels), so one backend class drives both. As operators they pass
 // through the dispatcher, so torch.compile, fake tensors and functionalisation see them: each schema declares the
-// inputs it writes (Tensor(a!)), and gearsam_fused/backends/cpp_library.py registers their fake implementations
+// inputs it writes (Tensor(a!)), and gearsam_fused/backends/cpp_fakes.py registers their fake implementations
 // (shapes and the argument checks that need no data; also the Meta kernels). Formulas: gearsam.h.
 //
 // The CPU and the CUDA key both run the checked entry points of ops.cpp, which pick the implementation by the
@@ -66,7 +66,7 @@ void register_kernels(torch::Library& m) {
 TORCH_LIBRARY(gearsam_fused, m) {
   // Where the fake implementations live: torch requires this link for an operator defined in C++ whose fake is
   // registered from Python.
-  m.set_python_module("gearsam_fused.backends.cpp_library");
+  m.set_python_module("gearsam_fused.backends.cpp_fakes");
 
   // float64 [B]: e_b = sum over block b of (T g)^2, T = |w| + eta if adaptive else 1; per-tile partials are written
   // to `partials` (one per tile), then summed per block in tile order. With other (adaptive False), [2, B]: the

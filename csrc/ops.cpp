@@ -46,7 +46,7 @@ std::string describe(const at::Tensor& t) {
 }
 
 // Same rules and messages as the Triton launchers (triton_kernels/_common.py). The operators' fakes
-// (gearsam_fused/backends/cpp_library.py) repeat every check of this file that needs no data: change both together.
+// (gearsam_fused/backends/cpp_fakes.py) repeat every check of this file that needs no data: change both together.
 void check_flat(const char* name, const at::Tensor& t, int64_t tile = 0, c10::optional<at::ScalarType> dtype = {},
                 const at::Tensor* on_device_of = nullptr) {
   TORCH_CHECK_VALUE(t.defined(), name, " is undefined");

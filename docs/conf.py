@@ -20,7 +20,9 @@ version = __version__
 extensions = ["myst_parser", "sphinx.ext.autodoc", "sphinx.ext.napoleon"]
 source_suffix = {".md": "markdown", ".rst": "restructuredtext"}
 root_doc = "index"
-exclude_patterns = ["_build"]
+# docs/studies/ holds the application's outputs that the pages quote (their study.md and summary.md among them): files
+# the pages link and show, not pages of their own.
+exclude_patterns = ["_build", "studies/**"]
 
 # MyST: ```{eval-rst} blocks for autodoc, headings anchored so that pages can link to each other's sections.
 myst_enable_extensions = ["colon_fence"]

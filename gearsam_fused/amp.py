@@ -236,7 +236,7 @@ class SAMScaler:
         gradients afterwards. Returns the step's :class:`ScaledStepReport`, also kept in :attr:`last`. On a step the
         schedule skips (no second pass; its first may have overflowed) nothing more is unscaled: only the
         first pass's overflow records reach ``scaler.update()``. (After an overflow in the first pass of a SAM step,
-        gradients a second pass made anyway are unscaled and checked, and reported, as before.)"""
+        gradients a second pass made anyway are unscaled, checked and reported all the same.)"""
         if self._first is None:
             raise RuntimeError("SAMScaler.second_step() called without a preceding first_step()")
         opt = self.optimizer

@@ -54,6 +54,7 @@ import torch
 
 from . import host_checks
 from .compat import graph_may_break, step_post_hooks, step_pre_hooks
+from .compiled import mark_stepped_now
 from .flat import Bucket, FlatLayout
 
 #: The mode names of ``opt.base_step_mode``, and with "auto" the values of the optimizers' ``base_step`` argument.
@@ -138,17 +139,23 @@ def _plain(value):
 class FlatBaseStep:
     """Steps ``optimizer`` (one of :data:`FUSED_OPTIMIZERS`) over the buckets of ``layout``.
 
-    Each step, :meth:`plan` checks what the flat update needs and hands the backend one :class:`BucketUpdate` per
-    bucket, or returns None after setting :attr:`reason`; after the backend's update, :meth:`finish` advances the
-    step counts.
+    Each step, :meth:`plan` checks what the flat update needs and gives one :class:`BucketUpdate` per bucket, or None
+    after setting :attr:`reason`; :meth:`run` then runs the update as the base optimizer's ``step()`` would, between
+    its hooks, and advances the step counts.
 
     ``capturable``: every bucket keeps its step count on its device (SGD's too: it says which step starts the momentum
     buffer) and a float64 ``[2]`` of ``(lr, step)`` the kernels read, so that no step reads a value on the host and a
-    CUDA graph replays it with the current lr; the groups' ``lr`` are tensors on the device. :meth:`stage` writes
-    them before the update, and :meth:`finish` takes back the count of a step that ``found_inf`` skipped."""
+    CUDA graph replays it with the current lr; the groups' ``lr`` are tensors on the device. :meth:`run` writes them
+    before the update, and takes back the count of a step that ``found_inf`` skipped.
 
-    def __init__(self, optimizer: torch.optim.Optimizer, layout: FlatLayout, capturable: bool = False):
+    ``key``: the registry key of the sharpness-aware optimizer this step belongs to
+    (:func:`~gearsam_fused.compiled.register`), by which a step compiled whole checks, when it runs, what it planned
+    from the buckets alone (:func:`~gearsam_fused.compiled.check_settled_`)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, layout: FlatLayout, capturable: bool = False,
+                 key: int | None = None):  # fmt: skip
         self.optimizer = optimizer
+        self.key = key
         self.kind = FUSED_OPTIMIZERS[type(optimizer)]
         self.layout = layout
         self.capturable = capturable
@@ -182,6 +189,7 @@ class FlatBaseStep:
         return ""
 
     def plan(self) -> list[BucketUpdate] | None:
+        """This step's update of every bucket, or None (the base optimizer's own step) with :attr:`reason` set."""
         self.layout.sync()  # the second backward may have made new gradient tensors: the update reads the buffers
         updates = []
         for index, bucket in enumerate(self.layout.buckets):
@@ -192,7 +200,41 @@ class FlatBaseStep:
                 return None
             updates.append(update)
         self.reason = ""
+        settled = [update.bucket.grad for update in updates if update.settled]
+        if settled:  # planned from the buckets alone by a step compiled whole: checked when the compiled code runs
+            torch.ops.gearsam_fused.check_settled_(settled, self.key)
         return updates
+
+    def run(self, updates: list[BucketUpdate], backend, *, perturbed: bool = True, correction=None, found_inf=None,
+            mix=None, momentum_energy: bool = False) -> torch.Tensor | None:  # fmt: skip
+        """The planned update, run as the base optimizer's ``step()`` would run it: between its step hooks (a
+        pre-hook may hand the step a closure, which runs first; the update is then planned again), ``backend``'s
+        ``restore_and_update_`` (``perturbed``: from the saved ``w``; ``found_inf``, ``mix``) or ``update_`` of the
+        current weights (``correction``), then the step counts recorded and the base optimizer marked as stepped (an
+        LR scheduler may be attached to it). Returns the new momentum's block energies with ``momentum_energy``
+        (:meth:`~gearsam_fused.backends.base.Backend.restore_and_update_`). Where a hook or the closure fails, ``w``,
+        not ``w + eps``, is left in the model, as when torch's own ``step()`` fails."""
+        try:
+            args, kwargs = run_pre_hooks(self.optimizer)
+            closure = step_closure(self.optimizer, args, kwargs)
+            if closure is not None:
+                with torch.enable_grad():
+                    closure()
+                updates = self.plan()  # the closure may have changed the gradients
+                if updates is None:
+                    raise RuntimeError(f"the base step cannot run after a step pre-hook's closure: {self.reason}")
+        except BaseException:
+            backend.restore_()
+            raise
+        self._stage(updates)
+        if perturbed:
+            energy = backend.restore_and_update_(updates, found_inf, mix, momentum_energy)
+        else:
+            energy = backend.update_(updates, correction, momentum_energy)
+        self._finish(updates, found_inf)
+        mark_stepped_now(self.optimizer)
+        run_post_hooks(self.optimizer, args, kwargs)
+        return energy
 
     def adopt(self) -> None:
         """Take loaded state into the flat buffers now (``load_state_dict`` calls this) rather than at the next step:
@@ -215,7 +257,7 @@ class FlatBaseStep:
                 bucket.step_counts(_step_dtype())[0].fill_(0 if adoption is Adoption.FRESH else 1)
         self.reason = ""
 
-    def stage(self, updates: list[BucketUpdate]) -> None:
+    def _stage(self, updates: list[BucketUpdate]) -> None:
         """Capturable: advance every bucket's step count on the device and write ``(lr, step)`` where the kernels
         read them (device operations only). Nothing without ``capturable``."""
         for update in updates:
@@ -225,9 +267,9 @@ class FlatBaseStep:
                 update.scalars[:1].copy_(update.hyper["lr"])
                 update.scalars[1:].copy_(counts[:1])
 
-    def finish(self, updates: list[BucketUpdate], found_inf: torch.Tensor | None = None) -> None:
+    def _finish(self, updates: list[BucketUpdate], found_inf: torch.Tensor | None = None) -> None:
         """Record the step: advance Adam's per-parameter step counts (one operation per bucket); capturable, where
-        :meth:`stage` advanced them, take the count back where ``found_inf`` (0 or 1 on the device) skipped the step,
+        :meth:`_stage` advanced them, take the count back where ``found_inf`` (0 or 1 on the device) skipped the step,
         as torch's fused optimizers do."""
         for update in updates:
             if update.scalars is not None:

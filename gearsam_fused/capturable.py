@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from .checks import check_real
+from .checks import check_found_inf, check_real
 
 
 def _describe(t: torch.Tensor) -> str:
@@ -85,3 +85,16 @@ class DeviceScalars:
     def keep_ema(self, ema: torch.Tensor, skip: torch.Tensor) -> None:
         """Put back the EMA of before the step where ``skip`` is set (a device select, no read)."""
         ema.copy_(torch.where(skip.bool(), self.ema_before, ema))
+
+
+def check_found_inf_given(device: DeviceScalars | None, found_inf: torch.Tensor | None) -> None:
+    """Refuse ``found_inf`` where the optimizer keeps no device scalars (``device`` None: not ``capturable``), or
+    where it is not GradScaler's flag on their device."""
+    if found_inf is None:
+        return
+    if device is None:
+        raise ValueError(
+            "found_inf skips an overflowing step on the device, which needs capturable=True (the step counts live on "
+            "the device); without it, SAMScaler reads the overflow on the host"
+        )
+    check_found_inf(found_inf, device.device)

@@ -3,10 +3,9 @@ addresses, identities, version counters), kept in a compiled step as opaque oper
 
 Each takes the flat gradient buffers first, declared as written (``Tensor(a!)[]``), so that the compiler keeps it in
 the graph and orders it before what reads or writes them. They are registered with :class:`torch.library.Library`
-rather than :func:`torch.library.custom_op`, whose autograd and in-place layers run as Python on every call: once a
-step's streams have evicted the caches, such a call took about 130 µs on the project's 2-core AMD EPYC against about
-30 µs registered as here (probe, a call that does nothing). What the in-place layer did, this does too: it advances
-the version counters of the buffers declared written.
+rather than :func:`torch.library.custom_op`, whose autograd and in-place layers run as Python on every call, several
+times the cost of the check itself once a step's streams have evicted the caches. What the in-place layer did, this
+does too: it advances the version counters of the buffers declared written.
 """
 
 from __future__ import annotations

@@ -1,11 +1,10 @@
 """Flat buffers on transparent huge pages (CPU, Linux).
 
 Every pass of a step streams whole flat buffers, hundreds of MiB for a large model. With 4 KiB pages such a stream
-needs a new address translation every 4 KiB, and the pass that only reads (the energies) waits on them most: on the
-project's 2-core AMD EPYC a read-only stream over 2 MiB pages ran 5% to 10% faster than over 4 KiB pages, and a whole
-SAM step with SGD 1% to 4% faster (interleaved in one process; the streams that also write gained at most 2%). So the
-flat buffers of a CPU bucket are advised onto transparent huge pages (``madvise(MADV_HUGEPAGE)``) before they are
-first written, which is when the kernel gives a region its pages.
+needs a new address translation every 4 KiB, and the pass that only reads (the energies) waits on them most; a 2 MiB
+page needs one translation where 4 KiB pages need 512. So the flat buffers of a CPU bucket are advised onto
+transparent huge pages (``madvise(MADV_HUGEPAGE)``) before they are first written, which is when the kernel gives a
+region its pages.
 
 It is advice: where the kernel has no transparent huge pages, has them switched off (``never`` in
 ``/sys/kernel/mm/transparent_hugepage/enabled``) or has no free 2 MiB page at hand, the buffer gets 4 KiB pages and

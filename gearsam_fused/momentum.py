@@ -39,12 +39,16 @@ import functools
 import torch
 from torch import nn
 
+from . import gradients
 from .allocation import GEAR_RULE, RULES, SAM_RULE, check_rule
+from .arguments import check_base_optimizer
 from .backends.base import Direction
 from .base_step import FUSED, PER_TENSOR
 from .checks import check_real
-from .optim import _STATE_KEY, SharpnessAware, _check_base_optimizer, _own_graph, _split_state
+from .compiled import mark_stepped_now, own_graph, step_per_tensor
+from .optim import SharpnessAware
 from .sharding import sum_over
+from .state_dicts import STATE_KEY, split_state
 
 #: The base optimizers MomentumSAM perturbs along, and the state that holds their momentum.
 MOMENTUM_STATE: dict[type, str] = {torch.optim.SGD: "momentum_buffer", torch.optim.Adam: "exp_avg",
@@ -106,7 +110,7 @@ class MomentumSAM(SharpnessAware):
             raise ValueError(f"allocation must be one of {sorted(ALLOCATIONS)}, got {allocation!r}")
         self.rule = check_rule(ALLOCATIONS[allocation])
         self.beta = check_real("beta", beta, low=0.0, high=1.0) if self.rule == GEAR_RULE else 0.0
-        _check_base_optimizer(base_optimizer)  # an instance, ZeRO: SAM's own errors, before the momentum's
+        check_base_optimizer(base_optimizer)  # an instance, ZeRO: SAM's own errors, before the momentum's
         self.momentum_key = _momentum_key(base_optimizer)
         if partition is None:
             partition = "coarse" if isinstance(params, nn.Module) or model is not None else "global"
@@ -141,9 +145,9 @@ class MomentumSAM(SharpnessAware):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        _own_graph()
+        own_graph()
         self._one_pass_step()
-        _own_graph()
+        own_graph()
         return loss
 
     def _one_pass_step(self) -> None:
@@ -153,7 +157,7 @@ class MomentumSAM(SharpnessAware):
                 "at; call opt.train() before training (and opt.eval() before evaluating or saving)"
             )
         rho = self._rho()
-        self._check_gradients("step()")
+        gradients.check_first(self, "step()")
         self._check_momentum()
         updates = self._plan()
         if updates is None:
@@ -161,15 +165,19 @@ class MomentumSAM(SharpnessAware):
             if self.base_step == FUSED:
                 self._run.looking_ahead = False
                 raise RuntimeError(f"base_step='fused' cannot be honoured this step: {self._flat_step.reason}")
-            self._per_tensor_base_step()
+            step_per_tensor(self)
             energy = None
         else:
-            # the plain energies are summed as the update writes the momentum; ASAM's read w, so take their own pass
-            energy = self._fused_base_step(updates, perturbed=self.perturbed, momentum_energy=not self.adaptive)
+            energy = self._base_update(updates)
         self._run.last_base_step = FUSED if updates is not None else PER_TENSOR
         self._look_ahead(rho, self._direction(updates), energy)
         self._run.steps_done += 1
-        self._mark_stepped(base=False)
+        mark_stepped_now(self)
+
+    def _base_update(self, updates: list) -> torch.Tensor | None:
+        """The fused base update; returns the new momentum's block energies where it sums them as it writes the
+        momentum (the plain energies; ASAM's read the new ``w``, and take a pass of their own)."""
+        return self._flat_step.run(updates, self._backend, perturbed=self.perturbed, momentum_energy=not self.adaptive)
 
     def _look_ahead(self, rho, direction: Direction, energy: torch.Tensor | None) -> None:
         """Allocate by the direction's energies (``energy``, where the update summed them) and move the parameters to
@@ -241,7 +249,7 @@ class MomentumSAM(SharpnessAware):
         (one copy of the parameters: the model's own state dict then holds the look-ahead point), so that a resume
         in either mode is exact. Saving in eval mode keeps the checkpoint to the model's ``w`` and the state."""
         state = super().state_dict()
-        entry = state["param_groups"][0][_STATE_KEY]
+        entry = state["param_groups"][0][STATE_KEY]
         entry.update(training=self._run.training, looking_ahead=self._run.looking_ahead,
                      lookahead=self._run.lookahead.detach().cpu().clone())  # fmt: skip
         if self._run.training and self._run.looking_ahead:
@@ -256,7 +264,7 @@ class MomentumSAM(SharpnessAware):
         saved look-ahead point at once (from the saved ``w``); in eval mode they are left to the model's state dict
         (``w``) and :meth:`train` moves to the look-ahead point. A plain optimizer's state dict starts without a
         look-ahead, in the current mode."""
-        saved = _split_state(state_dict)[1]
+        saved = split_state(state_dict)[1]
         if saved is not None and saved.get("one_pass") and saved["rule"] != self.rule:
             names = {SAM_RULE: "sam", GEAR_RULE: "gear"}
             raise ValueError(
@@ -273,7 +281,7 @@ class MomentumSAM(SharpnessAware):
         self._backend.forget_()  # the loaded state replaces the weights the saved copy belongs to
         self._run.looking_ahead = False
         self._run.lookahead.zero_()
-        entry = state_dict.get("param_groups", [{}])[0].get(_STATE_KEY)
+        entry = state_dict.get("param_groups", [{}])[0].get(STATE_KEY)
         if entry is None:
             return
         self._run.lookahead.copy_(entry["lookahead"])

@@ -30,8 +30,8 @@ else:
     torch.backends.cuda.matmul.allow_tf32 = False
 
 from gearsam_fused import host_checks  # noqa: E402
-from gearsam_fused.backends.cpp_ops import cpp_built_with_cuda, cpp_installed  # noqa: E402
-from gearsam_fused.backends.triton_ops import interpreter_enabled, triton_installed  # noqa: E402
+from gearsam_fused.backends.cpp_backend import cpp_built_with_cuda, cpp_installed  # noqa: E402
+from gearsam_fused.backends.triton_backend import interpreter_enabled, triton_installed  # noqa: E402
 from gearsam_fused.models import ResNet  # noqa: E402
 
 pytest_plugins = ["tiers"]  # the default and the full tier (tests/tiers.py)
@@ -121,7 +121,7 @@ def kernel_module(backend: str):
         from gearsam_fused import triton_kernels
 
         return triton_kernels
-    from gearsam_fused.backends.cpp_ops import _load
+    from gearsam_fused.backends.cpp_backend import _load
 
     return _load()[0]  # torch.ops.gearsam_fused
 

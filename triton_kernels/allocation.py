@@ -6,7 +6,7 @@ The GEAR rule (``GEAR=True``) and the SAM rule (``GEAR=False``) are stated once,
 
 ``x - x == 0`` is the finiteness test: it fails for inf (inf - inf is NaN) and NaN alone.
 
-Device arguments (optional; a call without them launches ``_allocate_kernel`` as before, with the same bits)::
+Device arguments (optional; a call without them launches ``_allocate_kernel``, which takes none)::
 
     scalars    float64 [1] = (rho,)     rho read from it on the device (the host ``rho`` must then be 0.0)
     found_inf  float32, one element     nonzero: scale_b = r_b = 0 for every b and ``ema`` is not written

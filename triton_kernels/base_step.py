@@ -7,7 +7,7 @@ take one tensor twice when it writes it). The update and its roundings are state
 :mod:`gearsam_fused.base_step`; here every operation is written out as one Triton operation (``tl.fma`` for an fma,
 ``enable_fp_fusion=False`` so that nothing else fuses), and the square root is the correctly rounded one.
 
-Device arguments (optional tensors, after the correction's; a call without them runs today's kernels, same bits)::
+Device arguments (optional tensors, after the correction's; a call without them runs the kernels that take none)::
 
     scalars    float64 [2] = (lr, k), k the step count (1 for the first), read in the kernel instead of the host's
                lr and step (Adam) or first (SGD), which must then be lr=0.0 and step=0 / first=False:
@@ -69,7 +69,7 @@ def _rounded(x, COMPUTE: tl.constexpr):
 @triton.jit
 def _host_or_device(x32, x64, on_device, HAS_SCALARS: tl.constexpr, COMPUTE: tl.constexpr):
     """``on_device`` (a COMPUTE value derived from scalars) if HAS_SCALARS, else the host's pair as host_scalar gives it:
-    called where today's kernels call host_scalar, so that a kernel without scalars is today's to the instruction."""
+    without scalars, a kernel compiles to the very instructions of one that calls host_scalar itself."""
     if HAS_SCALARS:
         value = on_device
     else:

@@ -12,10 +12,8 @@
 // parameter larger than the stream threshold is written from a vector loop as it loads (vec.h) where the CPU has AVX2
 // and FMA, else from a scratch run, with non-temporal stores (stream.h) where the pass does not read it. The loops
 // take their constants by value: a copy that no store of theirs can reach, so the compiler keeps them in registers and
-// tests the flags once. Taken by
-// reference, they might be written by any store to a buffer of their type, so each was loaded again after every
-// store: on the benchmarks' host, while its memory was fast, a standalone copy of the SGD loop ran 20% slower that way,
-// and the SGD step past the caches up to 7% slower.
+// tests the flags once. Taken by reference, they might be written by any store to a buffer of their type, so the
+// compiler would load each of them again after every store, in every iteration.
 //
 // Asked for the new momentum's block energies (MomentumEnergy, gearsam.h), a step sums each tile's momentum by
 // tile_sum (tile_sum.h) as soon as the tile's runs have written it, while it is in cache (TileEnergy), then the

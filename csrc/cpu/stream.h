@@ -6,8 +6,8 @@
 // be out of the cache by its next read anyway: where it is larger than a core's private (level-2) cache. A SAM step
 // goes through at least three such buffers (param, grad, backup) between two reads of one of them, and the model's
 // forward and backward come between its passes. The shared last-level cache is not counted on: every core of the
-// socket, and on a server every other process, fills it too: on a Xeon whose sysfs gives a 300 MiB L3, the whole step
-// of 1M to 50M parameters took 0.52x to 0.83x its time with this threshold against one at the L3's size
+// socket, and on a server every other process, fills it too, so a buffer that fits it on paper may be gone by its
+// next read anyway, and a threshold at its size would leave such buffers to plain stores, which move every byte twice
 // (docs/performance.md, "The stream threshold").
 #pragma once
 

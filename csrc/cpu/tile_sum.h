@@ -20,7 +20,7 @@ constexpr int64_t kLanes = 8;
 constexpr int64_t kChunk = 64;
 
 // How far ahead of its loads the loop asks for the lines it will read: a pass that only reads waits on memory for
-// every line the hardware prefetcher has not fetched yet. The passes that also write gained nothing from it, so only
+// every line the hardware prefetcher has not fetched yet. The passes that also write gain nothing from it, so only
 // this one does it.
 constexpr uintptr_t kPrefetchBytes = 8192;
 

@@ -11,9 +11,9 @@
 #include <cstdint>
 
 // x86-64 CPUs without FMA exist, so the build cannot assume it, and std::fma is then a call into libm per element:
-// correct, but it stops vectorisation (6x slower than the perturbation). So the kernels' loops are compiled twice,
-// once for AVX2 + FMA (GEARSAM_FMA_CLONE), where the fma is one instruction and the loop vectorises, and the CPU picks
-// at run time. Both give the same bits: an fma rounds once either way.
+// correct, but it stops vectorisation and leaves the loop bound by the calls rather than by memory. So the kernels'
+// loops are compiled twice, once for AVX2 + FMA (GEARSAM_FMA_CLONE), where the fma is one instruction and the loop
+// vectorises, and the CPU picks at run time. Both give the same bits: an fma rounds once either way.
 #if defined(__GNUC__) && defined(__x86_64__)
 #define GEARSAM_FMA_CLONE __attribute__((target("avx2,fma")))
 namespace gearsam::cpu {

@@ -15,8 +15,7 @@ import sys
 import warnings
 from pathlib import Path
 
-from gearsam_fused import __version__
-from gearsam_fused.backends import BACKENDS
+from gearsam_fused import __version__, available_backends
 from gearsam_fused.models import MODELS
 from gearsam_fused.partition import STRATEGIES, format_partition, partition
 
@@ -39,9 +38,8 @@ from .training import (
     run_experiment,
 )
 
-# The source checkout's benchmarks/, beside the package: gearsam_fused/app/cli.py -> the checkout's root.
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-BACKEND_NAMES = ("auto", *BACKENDS)
+# The benchmark suite's runner, in a source checkout's benchmarks/ folder: the suite is not part of the package.
+RUNNER = "run.py"
 # The probe's counts (ProbeSettings fields) by the options that set them; each must be at least 1.
 PROBE_OPTIONS = {"k": "k", "batches": "probe_batches", "batch_size": "probe_batch_size", "max_iter": "max_iter",
                  "trace_samples": "trace_samples"}  # fmt: skip
@@ -98,8 +96,8 @@ def _training_options(parser: argparse.ArgumentParser, defaults: RunConfig) -> N
     add("--momentum-rho", type=float, help="one-pass momentum SAM's look-ahead radius along the momentum, >= 0")
     add("--beta", type=float, help="GEAR-SAM's EMA factor")
     add("--partition", choices=STRATEGIES, help="GEAR-SAM's blocks")
-    # no choices=: an unknown backend gets the library's own error, which lists them
-    add("--backend", help=f"{', '.join(BACKEND_NAMES[:-1])} or {BACKEND_NAMES[-1]}")
+    # no choices=: an unknown backend gets the library's own error, which lists them all
+    add("--backend", help=f"auto, or one this installation can run: {', '.join(available_backends())}")
     add("--label-noise", type=float, help="symmetric label noise rate on the training set, e.g. 0.2")
     add("--telemetry-every", type=int, help="read block statistics from the device every N steps")
     add("--threads", type=int, help="CPU threads for torch (default: torch's choice)")
@@ -149,6 +147,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--full", action="store_true", help="the full suite (CPU: about 15 minutes on 2 cores) "
                        "instead of the quick one")  # fmt: skip
     bench.add_argument("--results", help="JSONL file to append the rows to (default benchmarks/results/runs.jsonl)")
+    bench.add_argument("--benchmarks", type=Path, metavar="DIR",
+                       help="the benchmarks/ folder of a source checkout (default: the one of the checkout holding "
+                       "the current directory); the benchmarks are not part of the installed package")  # fmt: skip
     return parser
 
 
@@ -415,12 +416,32 @@ def _run(args: argparse.Namespace) -> int:
         else:
             _plot(args.run_dir, "render")
     elif args.command == "bench":
-        runner = BENCHMARKS / "run.py"
-        if not runner.is_file():
-            raise ValueError(f"gearsam bench runs the source checkout's benchmarks/, and {runner} does not exist")
+        runner = benchmark_runner(args.benchmarks)
         extra = ([] if args.full else ["--quick"]) + (["--results", args.results] if args.results else [])
         return subprocess.run([sys.executable, str(runner), *extra]).returncode
     return 0
+
+
+def benchmark_runner(folder: Path | None, start: Path | None = None) -> Path:
+    """The runner of the benchmark suite in ``folder`` (``--benchmarks``), else in the benchmarks/ folder of the
+    source checkout holding ``start`` (default: the current directory): the nearest folder, ``start`` or one above
+    it, with both ``benchmarks/run.py`` and the package's sources ``gearsam_fused/``. A ValueError saying what is
+    missing and how to get it when there is none: an installed package has no benchmarks."""
+    if folder is not None:
+        runner = folder / RUNNER
+        if not runner.is_file():
+            raise ValueError(f"--benchmarks {folder}: {runner} does not exist; pass the benchmarks/ folder of a "
+                             "source checkout of gearsam_fused")  # fmt: skip
+        return runner.resolve()
+    start = (start or Path.cwd()).resolve()
+    for root in (start, *start.parents):
+        runner = root / "benchmarks" / RUNNER
+        if runner.is_file() and (root / "gearsam_fused").is_dir():
+            return runner
+    raise ValueError(f"gearsam bench runs the benchmark suite of a source checkout (benchmarks/{RUNNER}), which the "
+                     f"installed package does not include, and neither {start} nor a folder above it is such a "
+                     "checkout; run it from within a clone of the gearsam_fused repository, or pass "
+                     "--benchmarks DIR (its benchmarks/ folder)")  # fmt: skip
 
 
 def _plot_run(run_dir: Path) -> None:

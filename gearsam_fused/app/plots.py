@@ -18,9 +18,12 @@ try:
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("plots need matplotlib: pip install matplotlib") from exc
 
-from gearsam_fused.allocation import GEAR_RULE, SAM_RULE
+from gearsam_fused import GEARSAM, SAM
 
 from .metrics import read_metrics
+
+# The rules' names, as the metrics rows call SAM and GEAR-SAM.
+SAM_RULE, GEAR_RULE = SAM.rule, GEARSAM.rule
 
 _TITLES = {"sgd": "SGD", SAM_RULE: "SAM", GEAR_RULE: "GEAR-SAM", "gsam": "GSAM", "wsam": "WSAM",
            "friendly-sam": "F-SAM", "gear-gsam": "GEAR-SAM + GSAM descent", "momentum-sam": "momentum SAM (one pass)",

@@ -22,19 +22,20 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from gearsam_fused.allocation import GEAR_RULE, SAM_RULE
 from gearsam_fused.partition import STRATEGIES
 
+from ..machine import describe_machine
 from .data import load_dataset
 from .demo import demo_config
-from .machine import describe_machine
 from .metrics import MetricsLog, read_metrics
 from .probe import ROWS, ProbeSettings, probe_run, spectrum_table
 from .training import (
     ALWAYS,
     FAMILY,
+    GEAR_RULE,
     ONE_PASS,
     RESUMABLE,
+    SAM_RULE,
     SGD,
     RunConfig,
     check_model,
@@ -352,7 +353,7 @@ def study_markdown(name: str, cfg: RunConfig, numbers: dict) -> str:
 
 
 def where_run(machine: dict) -> str:
-    """Where and when a study (or its resumption) ran, from :func:`~gearsam_fused.app.machine.describe_machine`."""
+    """Where and when a study (or its resumption) ran, from :func:`~gearsam_fused.machine.describe_machine`."""
     gpu = f", {machine['gpu']}" if machine.get("gpu") else ""
     code = f", commit {machine['commit']}" if machine.get("commit") else ""
     return f"on {machine['date']}, {machine['cpu']} ({machine['cpu_count']} cores){gpu}, torch {machine['torch']}{code}"

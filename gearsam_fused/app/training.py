@@ -23,6 +23,7 @@ import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from numbers import Real
 from pathlib import Path
 from typing import TextIO
 
@@ -34,6 +35,7 @@ from gearsam_fused import (
     GEARSAM,
     GSAM,
     OPTIMIZERS,
+    SAM,
     WSAM,
     Adaptive,
     BlockTelemetry,
@@ -48,19 +50,19 @@ from gearsam_fused import (
     frozen_bn_stats,
     timing,
 )
-from gearsam_fused.allocation import GEAR_RULE
-from gearsam_fused.backends import resolve_backend_name
-from gearsam_fused.checks import check_real
 from gearsam_fused.models import MODELS
 from gearsam_fused.partition import STRATEGIES
 from gearsam_fused.partition import partition as blocks_of
 
+from ..machine import describe_machine
 from .data import DATASETS, Dataset, add_symmetric_noise, crop_and_flip, load_dataset
-from .machine import describe_machine
 from .metrics import MetricsLog
 
 #: The baseline without SAM: the base optimizer alone.
 SGD = "sgd"
+#: SAM's and GEAR-SAM's rules: their names on the command line and in the metrics rows (the library's one name for
+#: each).
+SAM_RULE, GEAR_RULE = SAM.rule, GEARSAM.rule
 #: The SAM family by the names of ``--optimizers``: each name's library class and the keywords that set its part, at
 #: its authors' defaults (fixed: no option changes them).
 #:
@@ -119,7 +121,7 @@ ALWAYS = "always"
 #: The forms of ``--second-pass``: which steps take the second pass (see gearsam_fused.schedules).
 SECOND_PASS_FORMS = "always, every:K, looksam:K, looksam:K:ALPHA, random:P or adaptive, adaptive:C"
 AMP_MODES = ("none", "bf16")
-#: The range of each real setting, as :func:`~gearsam_fused.checks.check_real`'s bounds; each must also be finite.
+#: The range of each real setting, as :func:`check_real`'s bounds; each must also be finite.
 REAL_RANGES = {
     "lr": {"low": 0.0, "low_inclusive": False},  # at lr 0 the weights never move
     "momentum": {"low": 0.0, "high": 1.0},
@@ -159,6 +161,35 @@ def check_at_least(name: str, value, low: int) -> int:
     if value < low:
         raise ValueError(f"{name} must be at least {low}, got {value}")
     return value
+
+
+def check_real(
+    name: str, value, *, low: float, low_inclusive: bool = True, high: float | None = None, high_inclusive: bool = False
+) -> float:
+    """``float(value)`` if it is a finite real in ``[low, high)`` (``(`` when not ``low_inclusive``, ``]`` when
+    ``high_inclusive``); else a ValueError naming ``name`` and the range."""
+    if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite real number, got {value!r}")
+    value = float(value)
+    too_low = value < low if low_inclusive else value <= low
+    too_high = high is not None and (value > high if high_inclusive else value >= high)
+    if too_low or too_high:
+        upper = "inf)" if high is None else f"{high}" + ("]" if high_inclusive else ")")
+        raise ValueError(f"{name} must lie in {'[' if low_inclusive else '('}{low}, {upper}, got {value!r}")
+    return value
+
+
+def check_backend(name: str, device: torch.device) -> None:
+    """A ValueError, in the library's words, unless the library can step parameters on ``device`` with backend
+    ``name``. The library checks a backend as it builds an optimizer and has no public check of its own, so this
+    builds one over a single parameter on ``device`` and drops it."""
+    probe = nn.Parameter(torch.zeros(1, device=device))
+    try:
+        with warnings.catch_warnings():  # whatever the library says of a one-parameter model is not the run's
+            warnings.simplefilter("ignore")
+            SAM([probe], torch.optim.SGD, lr=1.0, backend=name)
+    except TypeError as exc:  # a backend that is not a string, from a hand-edited config.json
+        raise ValueError(str(exc)) from None
 
 
 def second_pass_schedule(spec: str, seed: int = 0, name: str = "--second-pass") -> Schedule | None:
@@ -256,7 +287,7 @@ class RunConfig:
         if self.channels_last and device.type == "cpu":
             # torch's CPU channels_last convolutions can corrupt the heap (stride-2 1x1 convolutions abort the process)
             raise ValueError("--channels-last is for CUDA devices; drop it on CPU")
-        resolve_backend_name(self.backend, {device})
+        check_backend(self.backend, device)
         return self
 
     def _check_choices(self, spell: Callable[[str], str]) -> None:
@@ -494,37 +525,37 @@ class Stopwatch:
 
 
 class Progress:
-    """A one-line progress bar on a terminal; elsewhere (CI logs, nohup) one line per status, i.e. per epoch, so
-    logs show a long run advancing without filling up with redraws."""
+    """A run's progress: a tqdm bar on a terminal; elsewhere (CI logs, nohup, a notebook's output), or where tqdm is
+    not installed, one line per status, i.e. per epoch, so logs show a long run advancing without filling up with
+    redraws."""
 
-    def __init__(self, label: str, total: int, stream=None, width: int = 24):
+    def __init__(self, label: str, total: int, stream: TextIO | None = None):
         self.stream = stream if stream is not None else sys.stderr
-        self.enabled = self.stream.isatty()
-        self.label, self.total, self.width = label, total, width
-        self.done, self.status = 0, ""
-        self._start = self._shown = time.perf_counter()
+        self.label = label
+        self._start = time.perf_counter()
+        self.bar = None
+        if self.stream.isatty():
+            try:
+                from tqdm import tqdm
+            except ImportError:  # tqdm is optional (pip install tqdm): without it, the lines below
+                tqdm = None
+            if tqdm is not None:
+                self.bar = tqdm(total=total, desc=label, file=self.stream, unit="step", dynamic_ncols=True)
 
     def update(self, steps: int = 1, status: str | None = None) -> None:
-        self.done += steps
-        if status is not None:
-            self.status = status
-        now = time.perf_counter()
-        if not self.enabled and status is not None:
-            self.stream.write(f"{self.label}: {status} ({now - self._start:.1f}s)\n")
-            self.stream.flush()
-        if self.enabled and (now - self._shown > 0.1 or self.done >= self.total or status is not None):
-            self._shown = now
-            filled = self.width * self.done // max(self.total, 1)
-            bar = "#" * filled + "." * (self.width - filled)
-            self.stream.write(
-                f"\r{self.label} [{bar}] {self.done}/{self.total} {now - self._start:5.1f}s {self.status}"
-            )
+        """``steps`` more steps done; ``status``, when given, is the run's news (the epoch just ended)."""
+        if self.bar is not None:
+            if steps:
+                self.bar.update(steps)
+            if status is not None:
+                self.bar.set_postfix_str(status)
+        elif status is not None:
+            self.stream.write(f"{self.label}: {status} ({time.perf_counter() - self._start:.1f}s)\n")
             self.stream.flush()
 
     def close(self) -> None:
-        if self.enabled:
-            self.stream.write("\n")
-            self.stream.flush()
+        if self.bar is not None:
+            self.bar.close()
 
 
 @dataclass

@@ -11,8 +11,8 @@ name           what does the tensor work                                        
 =============  ===============================================================  ==========================
 
 ``"auto"`` picks ``sharded`` for sharded parameters (DTensors, e.g. FSDP2's), whose storage the flat-buffer backends
-may not take over; otherwise ``triton`` when every parameter is on a CUDA device and triton is installed; otherwise
-``cpp`` when the extension is built for every device in use; otherwise ``torch``.
+may not take over; otherwise ``cpp`` when the extension is built for every device in use; otherwise ``triton`` when
+every parameter is on a CUDA device and triton is installed; otherwise ``torch``.
 """
 
 from __future__ import annotations
@@ -23,12 +23,12 @@ import torch
 
 from ..partition import Block
 from .base import Backend
-from .cpp_ops import CppBackend
+from .cpp_backend import CppBackend
 from .flat_buffer import FlatBufferBackend
 from .reference import ReferenceBackend
 from .sharded import ShardedBackend
-from .torch_ops import TorchBackend
-from .triton_ops import TritonBackend
+from .torch_backend import TorchBackend
+from .triton_backend import TritonBackend
 
 #: Every backend of the library, by name (see :func:`available_backends` for those this installation can run).
 BACKENDS: dict[str, type[Backend]] = {
@@ -66,9 +66,9 @@ def resolve_backend_name(name: str, devices: set[torch.device], sharded: bool = 
             f"(or one of {list(IN_PLACE_BACKENDS)})"
         )
     if name == "auto":
-        # cpp first on CUDA too: its eager step took 0.4x to 0.9x of triton's on an H200 up to 86.6M parameters
-        # (torch.library's Python dispatch and Triton's launcher cost more host time per launch), and 1.08x to 1.11x
-        # at 354.8M (benchmarks/results/gpu-h200-2026-11-26.md and -26b.md)
+        # cpp first on CUDA too: an eager step launches a few kernels per bucket, and torch.library's Python
+        # dispatch and Triton's launcher cost more host time per launch than the compiled operators; that difference
+        # outweighs the one between the kernels themselves at all but the largest models (benchmarks/results/)
         if _usable("cpp", devices):
             return "cpp"
         if all(d.type == "cuda" for d in devices) and TritonBackend.installed():

@@ -318,7 +318,7 @@ _CHUNK = 1 << 20
 
 def _on_device(**tensors: torch.Tensor | None) -> dict:
     """The kernels' optional device arguments that are given (``scalars``, ``found_inf``): a call without them is
-    today's call."""
+    the call that takes neither."""
     return {name: t for name, t in tensors.items() if t is not None}
 
 

@@ -566,19 +566,22 @@ def test_help_shows_the_defaults():
     assert "default: None" not in train + demo
 
 
-def test_progress_bar_on_a_terminal_a_line_per_epoch_elsewhere():
-    class Terminal(io.StringIO):
-        def isatty(self):
-            return True
+class Terminal(io.StringIO):
+    """A stream that says it is a terminal."""
 
+    def isatty(self):
+        return True
+
+
+def test_progress_bar_on_a_terminal_a_line_per_epoch_elsewhere():
     screen = Terminal()
-    bar = Progress("sam seed 0", total=4, stream=screen, width=8)
+    bar = Progress("sam seed 0", total=4, stream=screen)
     for _ in range(4):
         bar.update()
     bar.update(0, "epoch 1/1")
     bar.close()
-    last = screen.getvalue().rstrip("\n").split("\r")[-1]
-    assert last.startswith("sam seed 0 [########] 4/4") and last.endswith("epoch 1/1")
+    last = screen.getvalue().rstrip("\n").split("\r")[-1]  # the bar as last drawn
+    assert last.startswith("sam seed 0: 100%") and " 4/4 " in last and "epoch 1/1" in last, last
     log = io.StringIO()
     bar = Progress("sgd seed 0", total=4, stream=log)
     bar.update(4)
@@ -586,6 +589,16 @@ def test_progress_bar_on_a_terminal_a_line_per_epoch_elsewhere():
     bar.update(0, "epoch 1/1")
     bar.close()
     assert log.getvalue().startswith("sgd seed 0: epoch 1/1 (") and log.getvalue().count("\n") == 1
+
+
+def test_without_tqdm_a_terminal_gets_a_line_per_epoch(monkeypatch):
+    monkeypatch.setitem(sys.modules, "tqdm", None)  # as if it were not installed: importing it fails
+    screen = Terminal()
+    bar = Progress("sam seed 0", total=4, stream=screen)
+    bar.update(4)
+    bar.update(0, "epoch 1/1")
+    bar.close()
+    assert screen.getvalue().startswith("sam seed 0: epoch 1/1 (") and screen.getvalue().count("\n") == 1
 
 
 # A model whose real build (not the settings check on the meta device) waits for a file "go": the run is known to be
@@ -796,22 +809,61 @@ def test_top_level_help_version_and_plot_help():
     assert "a run directory (curves.png, block_shares.png) or a study directory" in " ".join(helped.split())
 
 
+# This checkout, whose benchmarks/ a `gearsam bench` run within it finds.
+CHECKOUT = Path(__file__).resolve().parents[2]
+
+
 def test_bench_runs_the_checkouts_benchmark_runner_quick_unless_full(tmp_path, monkeypatch):
-    """What ``gearsam bench`` runs (the runner itself: tests/benchmarks/test_bench_suite.py) and that it passes the
-    runner's exit status on."""
+    """What ``gearsam bench`` runs within a checkout (the runner itself: tests/benchmarks/test_bench_suite.py) and
+    that it passes the runner's exit status on."""
     from gearsam_fused.app import cli
 
     ran = []
     monkeypatch.setattr(
         cli.subprocess, "run", lambda command: ran.append(command) or subprocess.CompletedProcess(command, 3)
     )
-    assert gearsam("bench", "--results", tmp_path / "runs.jsonl").returncode == 3
-    assert gearsam("bench", "--full").returncode == 3
-    runner = str(Path(cli.__file__).resolve().parents[2] / "benchmarks" / "run.py")
+    assert gearsam("bench", "--results", tmp_path / "runs.jsonl", cwd=CHECKOUT / "docs").returncode == 3
+    assert gearsam("bench", "--full", cwd=CHECKOUT).returncode == 3
+    runner = str(CHECKOUT / "benchmarks" / "run.py")
     assert ran == [
         [sys.executable, runner, "--quick", "--results", str(tmp_path / "runs.jsonl")],
         [sys.executable, runner],
     ]
+
+
+def fake_checkout(root: Path) -> Path:
+    """A folder laid out as a source checkout as far as ``gearsam bench`` looks: the package's sources beside
+    benchmarks/run.py; returns the runner."""
+    (root / "gearsam_fused").mkdir(parents=True)
+    (root / "benchmarks").mkdir()
+    (root / "benchmarks" / "run.py").write_text("")
+    return root / "benchmarks" / "run.py"
+
+
+def test_bench_finds_the_checkout_above_the_current_directory_or_takes_benchmarks_dir(tmp_path, monkeypatch):
+    from gearsam_fused.app import cli
+
+    ran = []
+    monkeypatch.setattr(
+        cli.subprocess, "run", lambda command: ran.append(command[1]) or subprocess.CompletedProcess(command, 0)
+    )
+    runner = fake_checkout(tmp_path / "checkout")
+    (tmp_path / "checkout" / "docs" / "deep").mkdir(parents=True)
+    ok(gearsam("bench", cwd=tmp_path / "checkout" / "docs" / "deep"))
+    other = fake_checkout(tmp_path / "other")
+    ok(gearsam("bench", "--benchmarks", other.parent, cwd=tmp_path / "checkout"))  # the option wins
+    assert ran == [str(runner), str(other)]
+
+
+def test_bench_outside_a_checkout_says_what_is_missing_and_how_to_get_it(tmp_path):
+    (tmp_path / "benchmarks").mkdir()
+    (tmp_path / "benchmarks" / "run.py").write_text("")  # someone else's benchmarks: no gearsam_fused/ beside them
+    outside = gearsam("bench", cwd=tmp_path)
+    failed(outside, "gearsam bench runs the benchmark suite of a source checkout (benchmarks/run.py), which the "
+           f"installed package does not include, and neither {tmp_path.resolve()} nor a folder above it")  # fmt: skip
+    assert "--benchmarks DIR" in outside.stderr
+    failed(gearsam("bench", "--benchmarks", tmp_path, cwd=tmp_path),
+           f"--benchmarks {tmp_path}: {tmp_path / 'run.py'} does not exist")  # fmt: skip
 
 
 def test_exports_record_threads_units_and_version_and_one_seed_has_no_spread(tmp_path, monkeypatch):

@@ -77,7 +77,9 @@ def test_a_quick_run_of_the_sam_and_momentum_step_benchmarks_appends_its_rows_an
 
 @pytest.mark.full  # the whole quick run; the default tier keeps the SAM step's run above
 def test_quick_run_appends_rows_and_prints_the_report(tmp_path):
-    rows, stdout = quick_run(tmp_path, [sys.executable, "-m", "gearsam_fused", "bench"])  # `gearsam bench`: quick
+    rows, stdout = quick_run(
+        tmp_path, [sys.executable, "-m", "gearsam_fused", "bench", "--benchmarks", str(BENCHMARKS)]
+    )
     check_sam_steps(rows, stdout)
     check_train_steps(rows, stdout)
     check_momentum_train_step(rows, stdout)
@@ -767,7 +769,7 @@ def test_the_stream_threshold_benchmark_compares_two_thresholds_on_the_same_weig
     core's private cache) against streaming every output, each in its own process; the script fails where the two
     give different weights, and writes one row per base optimizer with both times and their ratio. No time is
     looked at."""
-    from gearsam_fused.backends.cpp_ops import cpp_stream_threshold_bytes
+    from gearsam_fused.backends.cpp_backend import cpp_stream_threshold_bytes
 
     threshold = cpp_stream_threshold_bytes()
     if threshold is None or threshold < 0:

@@ -21,7 +21,7 @@ from torch.func import functional_call
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gearsam_fused import GEARSAM, available_backends
-from gearsam_fused.backends.triton_ops import interpreter_enabled
+from gearsam_fused.backends.triton_backend import interpreter_enabled
 from gearsam_fused.distributed import sam_step
 
 from conftest import FP32_STEP_RTOL, FP64_STEP_RTOL, on_device, rel_err, tiny_resnet

@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from gearsam_fused.backends.cpp_ops import cpp_installed
-from gearsam_fused.backends.triton_ops import triton_installed
+from gearsam_fused.backends.cpp_backend import cpp_installed
+from gearsam_fused.backends.triton_backend import triton_installed
 
 from conftest import KERNELS, kernel_module
 

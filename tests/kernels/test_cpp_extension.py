@@ -20,9 +20,9 @@ import torch
 from torch import nn
 
 from gearsam_fused import GEARSAM, SAM
-from gearsam_fused.app.machine import cpu_caches
-from gearsam_fused.backends import cpp_ops, resolve_backend_name
-from gearsam_fused.backends.cpp_ops import cpp_built_with_cuda, cpp_installed
+from gearsam_fused.backends import cpp_backend, resolve_backend_name
+from gearsam_fused.backends.cpp_backend import cpp_built_with_cuda, cpp_installed
+from gearsam_fused.machine import cpu_caches
 
 from conftest import SGD_KW, correctly_rounded_sqrt, flat, stream_threshold_elements
 
@@ -35,7 +35,7 @@ def test_extension_is_built_wherever_a_compiler_is():
     compiler = os.environ.get("CXX", "c++")
     if shutil.which(compiler) is None:
         pytest.skip(f"no C++ compiler ({compiler}) on this machine")
-    assert cpp_installed(), f"a C++ compiler is here but gearsam_fused._C is missing: {cpp_ops._load()[1]}"
+    assert cpp_installed(), f"a C++ compiler is here but gearsam_fused._C is missing: {cpp_backend._load()[1]}"
 
 
 # ------------------------------------------------------------------------------------------- the C++ runtime
@@ -529,7 +529,7 @@ def test_streamed_updates_equal_the_same_update_unstreamed(dtype, name, correcte
 
 # ------------------------------------------------------------------------------------------- errors
 def test_missing_extension_says_how_to_build_it(monkeypatch):
-    monkeypatch.setattr(cpp_ops, "_load", lambda: (None, "No module named 'gearsam_fused._C'"))
+    monkeypatch.setattr(cpp_backend, "_load", lambda: (None, "No module named 'gearsam_fused._C'"))
     with pytest.raises(ValueError, match=r"not built \(No module named .*pip install --no-build-isolation -e \."):
         SAM(WideNet(), torch.optim.SGD, backend="cpp", lr=0.1)
     assert resolve_backend_name("auto", {torch.device("cpu")}) == "torch"
@@ -551,9 +551,9 @@ def test_cpu_only_build_refuses_cuda_parameters():
 
 @needs_cpp
 def test_operators_check_meta_tensors_and_refuse_tensors_they_have_no_kernel_for():
-    """Meta tensors run the fake implementation (gearsam_fused/backends/cpp_library.py): the checks, no data. A kind of
+    """Meta tensors run the fake implementation (gearsam_fused/backends/cpp_fakes.py): the checks, no data. A kind of
     tensor with neither a kernel nor a fake, such as a sparse one, is refused by the dispatcher, naming the operator."""
-    kernels = cpp_ops._load()[0]
+    kernels = cpp_backend._load()[0]
     meta = torch.empty(8, device="meta")
     kernels.restore_(meta, torch.empty(8, device="meta"), tile=8)
     with pytest.raises(ValueError, match=r"param has 8 elements, not a multiple of the tile \(3\)"):

@@ -1,5 +1,5 @@
 """The compiled kernels as torch.library operators, ``torch.ops.gearsam_fused.*`` (``csrc/library.cpp``, fakes in
-``gearsam_fused/backends/cpp_library.py``): ``torch.library.opcheck`` on each of them (schema and mutations, fake
+``gearsam_fused/backends/cpp_fakes.py``): ``torch.library.opcheck`` on each of them (schema and mutations, fake
 tensors, AOT dispatch with dynamic shapes), their results against the math they stand for, bit for bit, the fakes'
 shapes and checks, and a torch.compile'd SAM step equal to eager."""
 
@@ -8,7 +8,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from gearsam_fused.allocation import gear_allocate, sam_allocate
-from gearsam_fused.backends.cpp_ops import cpp_built_with_cuda, cpp_installed
+from gearsam_fused.backends.cpp_backend import cpp_built_with_cuda, cpp_installed
 from gearsam_fused.base_step import adam_scalars
 
 from conftest import CUDA, correctly_rounded_sqrt

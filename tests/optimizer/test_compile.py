@@ -21,7 +21,7 @@ import torch._dynamo
 from torch._dynamo.utils import counters
 
 from gearsam_fused import GEARSAM, SAM
-from gearsam_fused.backends.cpp_ops import cpp_installed
+from gearsam_fused.backends.cpp_backend import cpp_installed
 from gearsam_fused.schedules import Every
 
 from conftest import FP32_STEP_RTOL, FUSED, loss_fn, mlp, mlp_data, mse, rel_err, stream_threshold_elements, tiny_resnet

@@ -28,7 +28,7 @@ from test_capturable import set_rho
 from torch import nn
 
 from gearsam_fused import GEARSAM, SAM, Every, MomentumSAM, SurrogateGap
-from gearsam_fused.backends.cpp_ops import cpp_installed
+from gearsam_fused.backends.cpp_backend import cpp_installed
 
 from conftest import FP32_STEP_RTOL, mlp, mlp_data, mse, on_device, rel_err, stream_threshold_elements
 
@@ -287,8 +287,8 @@ class SeparateEnergy(MomentumSAM):
     """MomentumSAM taking the new momentum's energies in a pass of their own after the update (as it does for ASAM),
     not from the update that writes the momentum."""
 
-    def _fused_base_step(self, updates, *args, momentum_energy=False, **kwargs):
-        return super()._fused_base_step(updates, *args, **kwargs)
+    def _base_update(self, updates):
+        return self._flat_step.run(updates, self._backend, perturbed=self.perturbed)
 
 
 @pytest.mark.parametrize("allocation", ["sam", "gear"])

@@ -26,7 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from gearsam_fused import GEARSAM, SAM
-from gearsam_fused.backends.triton_ops import triton_installed
+from gearsam_fused.backends.triton_backend import triton_installed
 
 from conftest import ALL, batches, loss_fn, on_device, sam_step, tiny_resnet
 

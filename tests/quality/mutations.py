@@ -131,7 +131,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "torch-energy-not-squared",
         "the torch backend sums the tiles' norms into the block energy instead of their squares",
-        "gearsam_fused/backends/torch_ops.py",
+        "gearsam_fused/backends/torch_backend.py",
         'torch.segment_reduce(partials.square_(), "sum"',
         'torch.segment_reduce(partials, "sum"',
         (SAM_KERNELS,),
@@ -139,7 +139,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "torch-perturb-sign",
         "the torch backend perturbs to w - scale * g",
-        "gearsam_fused/backends/torch_ops.py",
+        "gearsam_fused/backends/torch_backend.py",
         "torch.where(skipped, w, w.addcmul(g, tile_scale), out=w)",
         "torch.where(skipped, w, w.addcmul(g, tile_scale, value=-1), out=w)",
         (SAM_KERNELS,),
@@ -147,7 +147,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "torch-sgd-dampening",
         "the torch backend's SGD dampens the momentum buffer instead of the gradient",
-        "gearsam_fused/backends/torch_ops.py",
+        "gearsam_fused/backends/torch_backend.py",
         'buf.mul_(h["momentum"]).add_(g, alpha=1 - h["dampening"])',
         'buf.mul_(h["momentum"] * (1 - h["dampening"])).add_(g)',
         (BASE_STEP,),
@@ -155,7 +155,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "torch-adam-no-bias-correction",
         "the torch backend's Adam drops the second moment's bias correction",
-        "gearsam_fused/backends/torch_ops.py",
+        "gearsam_fused/backends/torch_backend.py",
         'torch.sqrt(second, out=scratch).div_(bias_correction2_sqrt).add_(h["eps"])',
         'torch.sqrt(second, out=scratch).add_(h["eps"])',
         (BASE_STEP,),
@@ -450,7 +450,7 @@ class Workspace:
         extension from; a SystemExit unless all three lie in the copy."""
         code = (
             "import gearsam_fused, gearsam_fused.triton_kernels as t\n"
-            "from gearsam_fused.backends.cpp_ops import cpp_installed\n"
+            "from gearsam_fused.backends.cpp_backend import cpp_installed\n"
             "assert cpp_installed()\n"
             "from gearsam_fused import _C\n"
             "print(gearsam_fused.__file__, t.__file__, _C.__file__, sep='\\n')\n"

@@ -1,0 +1,78 @@
+"""A step's checks of the gradients: that the first gradient exists, and on no parameter frozen when the optimizer
+was built (:func:`check_first`); and that a gradient was computed at ``w + eps`` before ``second_step`` (without it,
+the base optimizer would step with the first gradient, or with none): the gradients ``zero_grad`` leaves after
+``first_step`` are marked (:func:`marks`), and ``second_step`` refuses to step where none is new (:func:`check`),
+putting ``w`` back first."""
+
+from __future__ import annotations
+
+import torch
+
+from .allocation import GEAR_RULE
+
+
+def check_first(opt, caller: str) -> None:
+    """Refuse a step without gradients, or with a gradient on a parameter frozen when the optimizer was built."""
+    # any() stops at the first gradient it finds, so a normal step pays O(1) here.
+    if not any(p.grad is not None for block in opt.blocks for p in block.params):
+        raise RuntimeError(f"{caller} found no gradients: call loss.backward() before {caller}")
+    for name, p in opt._outside_blocks:
+        if p.grad is not None:
+            raise RuntimeError(
+                f"parameter {name} has a gradient but was frozen when the optimizer was built, so it is in no "
+                "block and would not be perturbed; build the optimizer after changing requires_grad"
+            )
+
+
+def marks(opt) -> list[tuple[torch.Tensor, int]]:
+    """(gradient, version) of every gradient that exists: ``backward`` makes a new tensor where there was none and
+    bumps the version of one it accumulates into (a flat buffer's views share one counter)."""
+    return [(p.grad, p.grad._version) for block in opt.blocks for p in block.params if p.grad is not None]
+
+
+def check(opt) -> None:
+    """Refuse a second_step with no gradient computed at ``w + eps`` (after putting ``w`` back). Under
+    ``torch.compile``, gradients cleared in place are compared when the compiled code runs
+    (:func:`~gearsam_fused.compiled.check_second_gradient_`): their version counters are not traceable."""
+    if opt._run.cleared and torch.compiler.is_compiling():
+        if not opt.backend.fuses_base_step:
+            raise RuntimeError(
+                f"backend {opt.backend_name!r} keeps no flat gradient buffers: after zero_grad(set_to_none=False) "
+                "its compiled second_step cannot tell whether a backward ran; use zero_grad() (set_to_none=True)"
+            )
+        grads = [bucket.grad for bucket in opt.backend.layout.buckets]
+        torch.ops.gearsam_fused.check_second_gradient_(grads, opt._key)
+    elif missing(opt):
+        refuse(opt)
+
+
+def missing(opt) -> bool:
+    """Whether no gradient exists, or none changed since ``zero_grad`` cleared them after ``first_step``. O(1) after
+    ``zero_grad(set_to_none=True)``, the usual case: the first gradient found ends the search."""
+    if not opt._run.cleared:
+        return all(p.grad is None for block in opt.blocks for p in block.params)
+    current = marks(opt)
+    return len(current) == len(opt._run.cleared) and all(
+        g is h and v == w for (g, v), (h, w) in zip(current, opt._run.cleared)
+    )
+
+
+def refuse(opt) -> None:
+    """Abandon the step (:func:`abandon`) and say why."""
+    kept = abandon(opt)
+    raise RuntimeError(
+        "second_step() found no gradient computed at w + eps: after first_step(), run the second forward and "
+        f"backward before second_step(); the weights were restored to w and no step was taken{kept}"
+    )
+
+
+def abandon(opt) -> str:
+    """Put ``w`` back, and the allocation state too where the step kept it; says what was not undone."""
+    opt._run.cleared = None
+    if opt._run.undo is not None:
+        opt.cancel_step()
+        return ""
+    opt.backend.restore_()
+    if opt.rule != GEAR_RULE:
+        return ""
+    return " (GEAR-SAM's EMA keeps this step's energies: first_step(cancellable=True) would undo them too)"
