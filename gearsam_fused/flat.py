@@ -34,7 +34,7 @@ import torch
 
 from . import host_checks
 from .checks import check_dense_grad
-from .host_ops import host_op
+from .compiled import host_op
 from .memory import flat_empty, flat_zeros
 from .partition import Block
 
