@@ -1,53 +1,8 @@
-// The fused SAM step as four operations over one flat bucket (see gearsam_fused/flat.py for the layout):
-//
-//   block_energy  e_b = sum_{i in block b} (T_i g_i)^2          per-tile partials, then a fixed-order sum per block;
-//                 with other: [2, B], those energies (T = 1)   the same reduction, in the same read of g
-//                 and sum_{i in block b} g_i other_i           (the SAM family's <g, h> with ||h||^2)
-//   allocate      EMA update, radii and per-block scales        GEAR or SAM rule, float64, on the buffers' device
-//   perturb_      backup = w;  w <- w + scale[block] * T^2 g    T = |w| + eta (ASAM) or 1; with kept, kept = g too
-//   restore_      w <- backup                                   a copy of the stored bits
-//   restore_consuming_                                          SAM's restore: backup is not read again, so past
-//                 w <- backup                                   the stream threshold the CPU buffers exchange their
-//                                                               memory instead (cpu/exchange.h)
-//
-// the SAM family's descent gradient (GSAM, WSAM; gearsam_fused/family.py), in place on the second gradient g:
-//
-//   mix_gradient_        g <- fma(C(correction_scale[block]), correction, C(grad_scale[block]) * g)   C: the
-//                        compute dtype
-//   exchange_sharpness_  (g, correction) <- (correction, g - correction)   WSAM's decoupled step (h - g, then g)
-//
-// and F-SAM's ascent direction, in place on the first gradient g and its EMA m (any contiguous range of a bucket):
-//
-//   friendly_ascent_     (g, m) <- (fma(-sigma, m, g), lerp(m, g, 1 - lmbda)), or m <- g on the first step
-//   friendly_energy_     friendly_ascent_ on a whole bucket, returning block_energy of the new g: one read for both
-//
-// and, to end the step in one pass, restore_ fused with the base optimizer's update (reads backup, never param, where
-// backup is given; bit for bit what torch's own optimizer gives on the CPU after restore_):
-//
-//   sgd_step_     w <- backup - lr * d, momentum buffer         torch.optim.SGD
-//   adam_step_    w <- backup - step_size * m / denom, m, v     torch.optim.Adam / AdamW
-//
-// backup is None for a step from the current weights (no perturbation to undo): w is then read from param itself,
-// each element before it is written. Both steps optionally correct the gradient first (LookSAM):
-// g = fma(C(correction_scale[block]), correction, grad). Both optionally return the block energies of the momentum
-// they write (MomentumEnergyArgs below), each tile summed as it is written on the CPU: MomentumSAM's one pass.
-//
-// On the CPU past the stream threshold, param and backup trade their memory where each is the whole of its own
-// storage (cpu/exchange.h): perturb_ writes w + eps into backup and exchanges the two, and the base steps exchange them
-// back and update param in place, which leaves backup holding w + eps. Every value above is as stated; what moves is
-// the memory under the two tensors, and every view of them with it.
-//
-// A capturable step (CUDA graphs replay kernels with the host arguments frozen at capture) reads what changes per
-// step from device memory, through two optional tensors on the buffers' device; with neither given every operation
-// is exactly what it is without them, bit for bit:
-//
-//   scalars     float64, contiguous 1-D: (rho,) for allocate, (lr, k) for the base steps (k the step count of this
-//               update, 1 for the first, a whole number). It replaces the host rho, or lr and step (Adam) / first
-//               (SGD: first = (k == 1)), which must then be 0 (false); the constants are derived from it exactly as
-//               from the host values (the same operations, on the device for CUDA).
-//   found_inf   float32, one element (GradScaler's, 0-d or [1]). Nonzero skips the step: allocate gives scale and
-//               radius 0 and leaves ema unwritten; a base step writes param = backup (nothing where backup is None)
-//               and nothing else, and does not read grad (it may hold inf or NaN).
+// The public operations of the extension over one flat bucket (see gearsam_fused/flat.py for the layout): what each
+// computes is stated once, in csrc/README.md's table (the base steps' update in gearsam_fused/base_step.py), and
+// their schemas in library.cpp. This header declares them with the structures their optional arguments are packed
+// in (the base steps' options and constants, LookSAM's correction, the capturable step's device values, the
+// momentum's energy outputs), and the per-device implementations both devices provide.
 //
 // library.cpp registers these eleven as the operators torch.ops.gearsam_fused.<name> (schemas there). ops.cpp checks
 // the arguments and calls the implementation for the tensors' device: namespace cpu (cpu/*.cpp) or namespace cuda
@@ -144,7 +99,7 @@ struct CorrectionArgs {
   double sharpness = 0.0;
 };
 
-// A capturable step's device values as the public base steps take them (header comment): either may be absent.
+// A capturable step's device values as the public base steps take them (csrc/README.md): either may be absent.
 struct DeviceStepArgs {
   c10::optional<at::Tensor> scalars, found_inf;
 };

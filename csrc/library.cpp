@@ -2,7 +2,9 @@
 // of the Triton launchers (gearsam_fused.triton_kernels), so one backend class drives both. As operators they pass
 // through the dispatcher, so torch.compile, fake tensors and functionalisation see them: each schema declares the
 // inputs it writes (Tensor(a!)), and gearsam_fused/backends/cpp_fakes.py registers their fake implementations
-// (shapes and the argument checks that need no data; also the Meta kernels). Formulas: gearsam.h.
+// (shapes and the argument checks that need no data; also the Meta kernels). The schemas below are the contract's
+// signatures, stated here only; what each operator computes is stated once, in csrc/README.md's table (the base
+// steps' update in gearsam_fused/base_step.py).
 //
 // The CPU and the CUDA key both run the checked entry points of ops.cpp, which pick the implementation by the
 // tensors' device: a build without CUDA kernels then still refuses CUDA tensors with a message that says how to get
@@ -68,75 +70,31 @@ TORCH_LIBRARY(gearsam_fused, m) {
   // registered from Python.
   m.set_python_module("gearsam_fused.backends.cpp_fakes");
 
-  // float64 [B]: e_b = sum over block b of (T g)^2, T = |w| + eta if adaptive else 1; per-tile partials are written
-  // to `partials` (one per tile), then summed per block in tile order. With other (adaptive False), [2, B]: the
-  // energies, and the sums of g * other by the same reduction in the same read of g (partials: two per tile).
   m.def(
       "block_energy(Tensor grad, Tensor param, Tensor first_tile_of_block, Tensor(a!) partials, *, int tile, "
       "bool adaptive, float eta, Tensor? other=None) -> Tensor");
-  // (scale, radius), float64 [B], by the GEAR rule (gear=True, which updates ema in place) or the SAM rule (ema
-  // untouched; declared written all the same, as a schema cannot make that depend on gear). Capturable (gearsam.h):
-  // scalars, float64 [1], holds rho (then rho=0.0); found_inf, float32 with one element, nonzero gives scale = radius
-  // = 0 and leaves ema unwritten. Both read from device memory, so a CUDA graph replays them with their current values.
   m.def(
       "allocate(Tensor energy, Tensor(a!) ema, *, bool gear, float rho, float beta, float delta, "
       "Tensor? scalars=None, Tensor? found_inf=None) -> (Tensor, Tensor)");
-  // backup = param; param += scale[block_of_tile[tile]] * T^2 * grad, in place; with kept, kept = grad too (the SAM
-  // family's first gradient, or LookSAM's, kept in the same pass). On the CPU past the stream threshold, w + eps is
-  // written to backup and the two exchange their memory (csrc/cpu/exchange.h): the same values in the same tensors.
   m.def(
       "perturb_(Tensor(a!) param, Tensor grad, Tensor(b!) backup, Tensor scale, Tensor block_of_tile, *, int tile, "
       "bool adaptive, float eta, Tensor(c!)? kept=None) -> ()");
-  // param = backup, bit for bit.
   m.def("restore_(Tensor(a!) param, Tensor backup, *, int tile) -> ()");
-  // param = backup, bit for bit, where backup's values are not needed after: SAM's restore. Past the stream threshold
-  // the CPU buffers exchange their memory instead of copying (cpu/exchange.h), so backup is declared written.
   m.def("restore_consuming_(Tensor(a!) param, Tensor(b!) backup, *, int tile) -> ()");
-  // grad = fma(correction_scale[block], correction, grad_scale[block] * grad) in place, block = block_of_tile[tile],
-  // in float32 (float64 for float64) with the product rounded on its own: the SAM family's descent gradient.
   m.def(
       "mix_gradient_(Tensor(a!) grad, Tensor correction, Tensor grad_scale, Tensor correction_scale, "
       "Tensor block_of_tile, *, int tile) -> ()");
-  // (grad, correction) = (correction, grad - correction) in place, the difference in float32 (float64 for float64):
-  // WSAM's decoupled step takes the base step with the first gradient, then the sharpness h - g.
   m.def("exchange_sharpness_(Tensor(a!) grad, Tensor(b!) correction, *, int tile) -> ()");
-  // (grad, momentum) = (fma(-sigma, momentum, grad), lerp(momentum, grad, 1 - lmbda)) in place, in float32 (float64
-  // for float64), torch's lerp rule; with first, momentum = grad (grad unchanged): F-SAM's ascent direction and its
-  // gradient EMA. Any contiguous range of a bucket (no tiles), so that a parameter without a gradient can be left out.
   m.def("friendly_ascent_(Tensor(a!) grad, Tensor(b!) momentum, *, float sigma, float lmbda, bool first) -> ()");
-  // friendly_ascent_ on a whole bucket, then block_energy of the new grad (its partials, one per tile, in the same
-  // read): float64 [B], bit for bit the two operations one after the other.
   m.def(
       "friendly_energy_(Tensor(a!) grad, Tensor(b!) momentum, Tensor param, Tensor first_tile_of_block, "
       "Tensor(c!) partials, *, int tile, bool adaptive, float eta, float sigma, float lmbda, bool first) -> Tensor");
-  // param = backup (param's own values where backup is None) after one step of torch.optim.SGD on grad, bit for bit;
-  // momentum_buffer (given iff momentum != 0) is updated in place, or set to the step's gradient when first. With
-  // correction, correction_scale and block_of_tile (all or none) the step's gradient is
-  // fma(correction_scale[block], correction, grad_scale[block] * grad), block = block_of_tile[tile], mix_gradient_'s
-  // formula; grad_scale is only given with the other three, and stands for 1 where it is not. A nonzero sharpness
-  // (only with grad_scale) then steps param = fma(-lr * sharpness, grad - correction, param) after the update, the
-  // difference rounded on its own (WSAM's decoupled sharpness step; lr the step's). Capturable (gearsam.h): scalars,
-  // float64 [2], holds (lr, k), k the step count (first = k == 1; then lr=0.0 and first=False); found_inf, float32
-  // with one element, nonzero writes param = backup (nothing without backup) and nothing else, without reading grad.
-  // backup is written too: on the CPU past the stream threshold param and backup first exchange their memory and the
-  // step updates param in place (csrc/cpu/exchange.h), which leaves backup holding param's old values. With
-  // first_tile_of_block, partials and momentum_energy (all or none; not with found_inf), momentum_energy receives
-  // block_energy(momentum_buffer, adaptive=False) of the new buffer, bit for bit (gearsam.h, MomentumEnergyArgs).
   m.def(
       "sgd_step_(Tensor(a!) param, Tensor grad, Tensor(c!)? backup, Tensor(b!)? momentum_buffer, *, int tile, "
       "float lr, float weight_decay, float momentum, float dampening, bool nesterov, bool maximize, bool first, "
       "Tensor? correction=None, Tensor? correction_scale=None, Tensor? block_of_tile=None, Tensor? scalars=None, "
       "Tensor? found_inf=None, Tensor? grad_scale=None, float sharpness=0., Tensor? first_tile_of_block=None, "
       "Tensor(d!)? partials=None, Tensor(e!)? momentum_energy=None) -> ()");
-  // param = backup (or param's own values) after one step of torch.optim.Adam (AdamW when decoupled) on grad, bit for
-  // bit with a correctly rounded square root (gearsam_fused/base_step.py); exp_avg, exp_avg_sq and max_exp_avg_sq
-  // (given iff amsgrad) are updated in place. step is the step count k of this update (1 for the first), a SymInt so
-  // that a compiled step does not specialise on it; step_size = lr / (1 - beta1^k), bias_correction2_sqrt =
-  // (1 - beta2^k)^0.5 and decay = 1 - lr * weight_decay are derived from them as torch derives them in Python;
-  // correction, correction_scale, block_of_tile, grad_scale and sharpness as for sgd_step_. Capturable: scalars,
-  // float64 [2], holds (lr, k) (then lr=0.0 and step=0), from which the same operations derive the three; found_inf as
-  // for sgd_step_ (exp_avg, exp_avg_sq and max_exp_avg_sq keep their bits); backup as for sgd_step_; the momentum
-  // energy as for sgd_step_, of exp_avg.
   m.def(
       "adam_step_(Tensor(a!) param, Tensor grad, Tensor(e!)? backup, Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq, "
       "Tensor(d!)? max_exp_avg_sq, *, int tile, float beta1, float beta2, float eps, float weight_decay, "

@@ -9,6 +9,7 @@ import torch
 
 from .backends.base import MOMENTUM
 from .backends.flat_buffer import KernelBackend
+from .base_step import PER_TENSOR
 
 
 def first_step_parts(opt) -> tuple[bool, torch.Tensor | None]:
@@ -56,7 +57,7 @@ def _not_folded_reason(opt) -> str:
     """Why the base update does not take the descent's mix in its own pass."""
     if not opt.backend.folds_mix:
         return f"backend {opt.backend_name!r} does not fold it into its kernels"
-    if opt._flat_step is None or opt.base_step == "per-tensor":
+    if opt._flat_step is None or opt.base_step == PER_TENSOR:
         return f"base_step={opt.base_step!r}"
     return opt._flat_step.reason
 

@@ -9,6 +9,8 @@ from typing import NamedTuple
 
 import torch
 
+from .base_step import FUSED, PER_TENSOR
+
 
 class StepStatistics(NamedTuple):
     """The raw statistics of the last ``first_step``: float64 ``[B]`` tensors on the optimizer's device, and rho.
@@ -66,7 +68,7 @@ class StepState:
         zeros = torch.zeros(n_blocks, dtype=torch.float64, device=device)
         return cls(
             ema=zeros.clone(), energy=zeros.clone(), radius=zeros.clone(), orthogonal_energy=zeros.clone(),
-            last_rho=rho, last_base_step="fused" if fused else "per-tensor",
+            last_rho=rho, last_base_step=FUSED if fused else PER_TENSOR,
             schedule_state=schedule.initial_state(device) if schedule is not None else {},
         )  # fmt: skip
 

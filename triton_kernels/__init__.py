@@ -6,45 +6,33 @@ picks the grid. All of them work on the flat buffers of :mod:`gearsam_fused.flat
 ``first_tile_of_block[b]:first_tile_of_block[b+1]`` is block ``b``'s tile range (``friendly_ascent_`` alone takes any
 contiguous range of a bucket).
 
-======================  ==========================================================  =====================
-launcher                computes                                                    launches
-======================  ==========================================================  =====================
-block_energy            e_b = sum_{i in b} (T_i g_i)^2, deterministic               2 (tiles, then blocks)
-allocate                EMA update, radii and per-block scales (GEAR or SAM rule)   1 (one program)
-perturb\\_               backup = w;  w += scale[block] * T^2 g                      1
-restore\\_               w = backup, bit for bit                                     1
-restore_consuming\\_     w = backup, bit for bit; backup not read again (SAM's)      1
-mix_gradient\\_          g = fma(c[block], correction, a[block] * g)                 1
-exchange_sharpness\\_    (g, correction) = (correction, g - correction)              1
-friendly_ascent\\_       (g, m) = (fma(-sigma, m, g), lerp(m, g, 1 - lmbda))         1
-friendly_energy\\_       friendly_ascent\\_, then energies of the new g in one read   2 (tiles, then blocks)
-sgd_step\\_              w = backup, then torch's SGD step on w and its momentum     1 (2 with the momentum's
-                                                                                    energies: tiles, blocks)
-adam_step\\_             w = backup, then torch's Adam(W) step on w and its moments  1 (as sgd_step\\_)
-======================  ==========================================================  =====================
+The launchers are the kernel contract's operators, with its names and arguments: what each computes is stated once,
+in ``csrc/README.md``'s table, and the signatures in ``csrc/library.cpp``. What is Triton's own is how many kernels
+each launches:
+
+======================  =========================================================================
+launcher                launches
+======================  =========================================================================
+block_energy            2 (tiles, then blocks)
+allocate                1 (one program)
+perturb\\_               1
+restore\\_               1
+restore_consuming\\_     1
+mix_gradient\\_          1
+exchange_sharpness\\_    1
+friendly_ascent\\_       1
+friendly_energy\\_       2 (tiles, then blocks)
+sgd_step\\_              1; 2 with the momentum's energies (tiles, then blocks)
+adam_step\\_             1; 2 with the momentum's energies
+======================  =========================================================================
 
 Kernels that do arithmetic are launched with ``enable_fp_fusion=False``: no multiply-add is contracted into an FMA,
 so ``w + scale * g`` rounds exactly like the unfused formula of the reference backend, on every Triton version.
 
 Each launcher is a ``torch.library.triton_op`` of the same name in the ``gearsam_fused_triton`` namespace
 (``torch.ops.gearsam_fused_triton.perturb_``), called as the function it replaces, so that torch.compile, fake tensors
-and functionalisation see it as one operator with its mutations declared:
-
-======================  ==============================================
-op                      mutates
-======================  ==============================================
-block_energy            partials
-allocate                ema
-perturb\\_               param, backup
-restore\\_               param
-restore_consuming\\_     param
-mix_gradient\\_          grad
-exchange_sharpness\\_    grad, correction
-friendly_ascent\\_       grad, momentum
-friendly_energy\\_       grad, momentum, partials
-sgd_step\\_              param, momentum_buffer, partials, momentum_energy
-adam_step\\_             param, exp_avg, exp_avg_sq, max_exp_avg_sq, partials, momentum_energy
-======================  ==============================================
+and functionalisation see it as one operator, with the arguments it writes declared as ``csrc/library.cpp``'s schema
+of the same operator declares them (``tests/kernels/test_triton_ops.py`` holds the two to the same arguments).
 
 Its kernels are launched through ``torch.library.wrap_triton``. Functionalisation keeps each op whole
 (``_common.kept_whole``) instead of tracing into its kernels, because of the launch option above: eagerly, and in

@@ -536,7 +536,9 @@ def _device_pointers(param: torch.Tensor, corrected: tuple, scalars: torch.Tenso
 
 
 @kept_whole
-@triton_op(f"{NAMESPACE}::sgd_step_", mutates_args=("param", "momentum_buffer", "partials", "momentum_energy"))
+@triton_op(
+    f"{NAMESPACE}::sgd_step_", mutates_args=("param", "backup", "momentum_buffer", "partials", "momentum_energy")
+)
 def sgd_step_(param: torch.Tensor, grad: torch.Tensor, backup: torch.Tensor | None,
               momentum_buffer: torch.Tensor | None, correction: torch.Tensor | None = None,
               correction_scale: torch.Tensor | None = None, block_of_tile: torch.Tensor | None = None,
@@ -616,7 +618,7 @@ def _launch_sgd(kernel, param, grad, backup, momentum_buffer, corrected, level, 
 @kept_whole
 @triton_op(
     f"{NAMESPACE}::adam_step_",
-    mutates_args=("param", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "partials", "momentum_energy"),
+    mutates_args=("param", "backup", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "partials", "momentum_energy"),
 )
 def adam_step_(param: torch.Tensor, grad: torch.Tensor, backup: torch.Tensor | None, exp_avg: torch.Tensor,
                exp_avg_sq: torch.Tensor, max_exp_avg_sq: torch.Tensor | None, correction: torch.Tensor | None = None,

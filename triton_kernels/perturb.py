@@ -113,8 +113,9 @@ def restore_(param: torch.Tensor, backup: torch.Tensor, *, tile: int) -> None:
 
 
 @kept_whole
-@triton_op(f"{NAMESPACE}::restore_consuming_", mutates_args=("param",))
+@triton_op(f"{NAMESPACE}::restore_consuming_", mutates_args=("param", "backup"))
 def restore_consuming_(param: torch.Tensor, backup: torch.Tensor, *, tile: int) -> None:
-    """SAM's restore, after which ``backup`` is not read again: :func:`restore_`'s copy here (past the
-    stream threshold the C++ CPU kernels exchange the two buffers' memory instead, and declare ``backup`` written)."""
+    """SAM's restore, after which ``backup`` is not read again: :func:`restore_`'s copy here. ``backup`` is declared
+    written, as the contract lets an implementation exchange the two buffers' memory instead (the C++ CPU kernels do,
+    past the stream threshold)."""
     _launch_restore(param, backup, tile)

@@ -19,7 +19,7 @@
 // tile_sum (tile_sum.h) as soon as the tile's runs have written it, while it is in cache (TileEnergy), then the
 // blocks' sums: block_energy's bits without a read of the momentum from memory.
 //
-// Capturable arguments (gearsam.h) are CPU tensors here, read on the host before the step: scalars' (lr, k) replace
+// Capturable arguments (csrc/README.md) are CPU tensors here, read on the host before the step: scalars' (lr, k) replace
 // the options' through at_step, so the constants are those of the host call with the same lr and k; found_inf
 // nonzero turns the step into restore (param = backup, nothing where backup is param itself) and touches no state.
 

@@ -8,7 +8,7 @@
 // and scale. Each thread handles the same blocks in every pass, so the EMA it writes in the last is read by no other
 // thread.
 //
-// Capturable (gearsam.h): rho and found_inf are loaded from device memory where given (null pointers where not), so a
+// Capturable (csrc/README.md): rho and found_inf are loaded from device memory where given (null pointers where not), so a
 // CUDA graph replays the kernel with their current values. found_inf is the same for every thread, so a skipped step
 // leaves the kernel as a whole, before any barrier: scale and radius 0, the EMA neither read nor written.
 

@@ -7,7 +7,7 @@
 // _rn intrinsic, so nvcc can neither contract nor approximate anything. Grid-stride over 16-byte vectors with
 // 64-bit indices.
 //
-// Capturable (gearsam.h): scalars and found_inf are loaded in the kernel, never on the host, so a CUDA graph replays
+// Capturable (csrc/README.md): scalars and found_inf are loaded in the kernel, never on the host, so a CUDA graph replays
 // the step with their current values. Given scalars, each thread rebuilds the constants from options.at_step(lr, k),
 // the constructor the host runs (the double arithmetic the same, but for the device's pow, within 2 ulp); found_inf
 // nonzero turns the step into a copy of backup into param, the state and grad untouched.

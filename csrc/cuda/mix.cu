@@ -1,4 +1,4 @@
-// The SAM family's element-wise work on CUDA, in place on the second gradient and the kept first one (gearsam.h):
+// The SAM family's element-wise work on CUDA, in place on the second gradient and the kept first one (csrc/README.md):
 //
 //   mix:       g_i <- fma(c, correction_i, a * g_i)    a = grad_scale[block], c = correction_scale[block] of tile(i),
 //                                                      both rounded to the compute type: float32 (float64 for

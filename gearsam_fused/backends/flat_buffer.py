@@ -331,25 +331,21 @@ class KernelModule(Protocol):
     """What :class:`KernelBackend` needs of a kernel module: eleven launchers over one bucket's flat buffers, with
     these keyword signatures. Both kernel modules are namespaces of registered operators (``torch.library``), so that
     ``torch.compile`` and fake tensors see them: ``torch.ops.gearsam_fused`` (the compiled extension, ``csrc/``) and
-    ``gearsam_fused.triton_kernels`` (``torch.ops.gearsam_fused_triton``). The formulas are those of
-    :class:`~gearsam_fused.backends.base.Backend`'s methods of the same names."""
+    ``gearsam_fused.triton_kernels`` (``torch.ops.gearsam_fused_triton``). What each computes is stated once, in
+    ``csrc/README.md``'s table (the formulas are those of :class:`~gearsam_fused.backends.base.Backend`'s methods of
+    the same names; the base steps' update in :mod:`gearsam_fused.base_step`), and the schemas in
+    ``csrc/library.cpp``."""
 
-    # with other (adaptive False), [2, B]: the energies, and the inner products of grad and other per block by the
-    # same reduction, in one read (partials then holds two entries per tile)
     def block_energy(
         self, grad: torch.Tensor, param: torch.Tensor, first_tile_of_block: torch.Tensor, partials: torch.Tensor, *,
         tile: int, adaptive: bool, eta: float, other: torch.Tensor | None = None,
     ) -> torch.Tensor: ...  # fmt: skip
 
-    # scalars (float64, on the device) holds values the kernel reads there instead of the host arguments that name
-    # them, which are then 0: (rho,) here, (lr, step) for the base steps; where found_inf (float32, one element) is
-    # set, nothing is updated (see gearsam_fused.capturable)
     def allocate(
         self, energy: torch.Tensor, ema: torch.Tensor, *, gear: bool, rho: float, beta: float, delta: float,
         scalars: torch.Tensor | None = None, found_inf: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]: ...  # fmt: skip
 
-    # kept, where given, receives a copy of grad in the same pass
     def perturb_(
         self, param: torch.Tensor, grad: torch.Tensor, backup: torch.Tensor, scale: torch.Tensor,
         block_of_tile: torch.Tensor, *, tile: int, adaptive: bool, eta: float, kept: torch.Tensor | None = None,
@@ -357,36 +353,24 @@ class KernelModule(Protocol):
 
     def restore_(self, param: torch.Tensor, backup: torch.Tensor, *, tile: int) -> None: ...
 
-    # SAM's restore: restore_'s bits, backup not read again (the C++ CPU kernels may exchange the two buffers' memory)
     def restore_consuming_(self, param: torch.Tensor, backup: torch.Tensor, *, tile: int) -> None: ...
 
-    # the SAM family's descent gradient: grad <- fma(correction_scale[b], correction, grad_scale[b] * grad)
     def mix_gradient_(
         self, grad: torch.Tensor, correction: torch.Tensor, grad_scale: torch.Tensor, correction_scale: torch.Tensor,
         block_of_tile: torch.Tensor, *, tile: int,
     ) -> None: ...  # fmt: skip
 
-    # WSAM's decoupled step: (grad, correction) <- (correction, grad - correction)
     def exchange_sharpness_(self, grad: torch.Tensor, correction: torch.Tensor, *, tile: int) -> None: ...
 
-    # F-SAM's ascent on a contiguous range of a bucket: (grad, momentum) <- (fma(-sigma, momentum, grad),
-    # lerp(momentum, grad, 1 - lmbda)), or momentum <- grad when first
     def friendly_ascent_(
         self, grad: torch.Tensor, momentum: torch.Tensor, *, sigma: float, lmbda: float, first: bool
     ) -> None: ...  # fmt: skip
 
-    # friendly_ascent_ on a whole bucket, then block_energy of the new grad, in one read (the same bits)
     def friendly_energy_(
         self, grad: torch.Tensor, momentum: torch.Tensor, param: torch.Tensor, first_tile_of_block: torch.Tensor,
         partials: torch.Tensor, *, tile: int, adaptive: bool, eta: float, sigma: float, lmbda: float, first: bool,
     ) -> torch.Tensor: ...  # fmt: skip
 
-    # The base optimizer's update folded into the restore (formulas in gearsam_fused.base_step); backup None reads w
-    # from param (no perturbation to undo), correction/correction_scale/block_of_tile add LookSAM's term to grad,
-    # grad_scale beside them makes the step's gradient mix_gradient_'s, and sharpness beside grad_scale follows the
-    # update with WSAM's decoupled sharpness step, param <- fma(C(-lr * sharpness), grad - correction, param).
-    # first_tile_of_block, partials and momentum_energy (all or none) make the step write block_energy of the new
-    # momentum (momentum_buffer, exp_avg) into momentum_energy, float64 [B], bit for bit.
     def sgd_step_(
         self, param: torch.Tensor, grad: torch.Tensor, backup: torch.Tensor | None, momentum_buffer: torch.Tensor | None, *,
         tile: int, lr: float, weight_decay: float, momentum: float, dampening: float, nesterov: bool, maximize: bool,

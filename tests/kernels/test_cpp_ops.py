@@ -211,10 +211,7 @@ def test_opcheck_allocate(gear, device):
 @pytest.mark.parametrize("flags", list(SGD_FLAGS))
 @pytest.mark.parametrize("dtype", BASE_FLOATS, ids=str)
 def test_opcheck_sgd_step(dtype, flags, with_backup, corrected, device):
-    args, kw = sgd_args(dtype, device, flags, with_backup, corrected)
-    opcheck("sgd_step_", args, kw)
-    if kw["momentum"] and not corrected:  # MomentumSAM's step: the new momentum's energies summed as written
-        opcheck("sgd_step_", args, {**kw, **momentum_energy(device)})
+    opcheck("sgd_step_", *sgd_args(dtype, device, flags, with_backup, corrected))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -223,10 +220,18 @@ def test_opcheck_sgd_step(dtype, flags, with_backup, corrected, device):
 @pytest.mark.parametrize("flags", list(ADAM_FLAGS))
 @pytest.mark.parametrize("dtype", BASE_FLOATS, ids=str)
 def test_opcheck_adam_step(dtype, flags, with_backup, corrected, device):
-    args, kw = adam_args(dtype, device, flags, with_backup, corrected)
-    opcheck("adam_step_", args, kw)
-    if not corrected:  # as in test_opcheck_sgd_step
-        opcheck("adam_step_", args, {**kw, **momentum_energy(device)})
+    opcheck("adam_step_", *adam_args(dtype, device, flags, with_backup, corrected))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("with_backup", [True, False], ids=["backup", "no-backup"])
+@pytest.mark.parametrize("dtype", BASE_FLOATS, ids=str)
+def test_opcheck_base_steps_summing_the_momentum(dtype, with_backup, device):
+    """MomentumSAM's step: the new momentum's energies summed as it is written (their bits: test_base_step.py)."""
+    args, kw = sgd_args(dtype, device, "momentum", with_backup, False)
+    opcheck("sgd_step_", args, {**kw, **momentum_energy(device)})
+    args, kw = adam_args(dtype, device, "adamw-amsgrad", with_backup, False)
+    opcheck("adam_step_", args, {**kw, **momentum_energy(device)})
 
 
 # ------------------------------------------------------------------------------------------- the bits
