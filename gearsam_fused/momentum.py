@@ -53,8 +53,9 @@ from .state_dicts import STATE_KEY, split_state
 #: The base optimizers MomentumSAM perturbs along, and the state that holds their momentum.
 MOMENTUM_STATE: dict[type, str] = {torch.optim.SGD: "momentum_buffer", torch.optim.Adam: "exp_avg",
                                    torch.optim.AdamW: "exp_avg"}  # fmt: skip
-#: ``allocation=`` names: SAM's global radius, GEAR-SAM's per-block radii.
-ALLOCATIONS = {"sam": SAM_RULE, "gear": GEAR_RULE, **{rule: rule for rule in RULES}}
+#: ``allocation=`` names: SAM's global radius, GEAR-SAM's per-block radii (the rules' own names are taken too).
+_NAMES = {"sam": SAM_RULE, "gear": GEAR_RULE}
+ALLOCATIONS = {**_NAMES, **{rule: rule for rule in RULES}}
 
 
 class MomentumSAM(SharpnessAware):
@@ -208,10 +209,6 @@ class MomentumSAM(SharpnessAware):
     def second_step(self, *args, **kwargs):
         raise RuntimeError(_ONE_CALL)
 
-    def _score(self, energy: torch.Tensor, ema: torch.Tensor) -> torch.Tensor:
-        # block_stats()'s allocation score is the rule's, as SAM's and GEARSAM's: sqrt(e_b), or the EMA
-        return ema if self.rule == GEAR_RULE else energy.sqrt()
-
     # ------------------------------------------------------------------ the weights a user sees
     @property
     def training(self) -> bool:
@@ -266,7 +263,7 @@ class MomentumSAM(SharpnessAware):
         look-ahead, in the current mode."""
         saved = split_state(state_dict)[1]
         if saved is not None and saved.get("one_pass") and saved["rule"] != self.rule:
-            names = {SAM_RULE: "sam", GEAR_RULE: "gear"}
+            names = {rule: name for name, rule in _NAMES.items()}
             raise ValueError(
                 f"state dict was saved by MomentumSAM with allocation={names.get(saved['rule'], saved['rule'])!r}, "
                 f"this optimizer has allocation={names[self.rule]!r}"

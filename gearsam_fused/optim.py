@@ -410,7 +410,7 @@ class SharpnessAware(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a state dict saved by the same kind of optimizer over the same blocks, or a plain torch optimizer's
         (its state taken over, the allocation state started afresh); anything else is refused with what differs."""
-        state_dicts.load(self, state_dict)
+        state_dicts.load(self, state_dict, OPTIMIZERS)
 
     def _refuse_mid_step(self, caller: str) -> None:
         if self.perturbed:
@@ -437,11 +437,10 @@ class SharpnessAware(torch.optim.Optimizer):
     def describe_blocks(self, energy: torch.Tensor, ema: torch.Tensor, radius: torch.Tensor, rho: float) -> dict:
         """The :meth:`block_stats` dict from a step's raw energies, EMA state and radii (recorded elsewhere, e.g. by
         :class:`~gearsam_fused.telemetry.BlockTelemetry`) and its ``rho``."""
-        return describe(energy, self._score(energy, ema), radius, rho)
-
-    @staticmethod
-    def _score(energy: torch.Tensor, ema: torch.Tensor) -> torch.Tensor:
-        return ema
+        # the allocation's score: GEAR-SAM's EMA; SAM's implicit one is the block's instantaneous gradient norm
+        # (paper Eq. sam_block_radius)
+        score = ema if self.rule == GEAR_RULE else energy.sqrt()
+        return describe(energy, score, radius, rho)
 
 
 class SAM(SharpnessAware):
@@ -502,11 +501,6 @@ class SAM(SharpnessAware):
         if partition is None:
             partition = "coarse" if isinstance(params, nn.Module) or model is not None else "global"
         super().__init__(params, base_optimizer, base_kwargs=base_kwargs, **forwarded(locals()))
-
-    @staticmethod
-    def _score(energy: torch.Tensor, ema: torch.Tensor) -> torch.Tensor:
-        # SAM's implicit allocation score is the instantaneous block gradient norm (paper Eq. sam_block_radius).
-        return energy.sqrt()
 
 
 class GEARSAM(SharpnessAware):

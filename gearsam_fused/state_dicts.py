@@ -9,15 +9,13 @@ import warnings
 
 import torch
 
-from .allocation import GEAR_RULE, SAM_RULE
+from .allocation import GEAR_RULE
 from .backends.base import CORRECTION, MOMENTUM
 
 #: The key of the optimizer's own entry in the first param group.
 STATE_KEY = "gearsam"
 #: Param-group keys a plain state dict may lack: ours, and flags torch's optimizers default when loading older states.
 OPTIONAL_GROUP_KEYS = {"rho", "foreach", "maximize", "capturable", "differentiable", "fused", "decoupled_weight_decay"}
-#: The class that saves each allocation rule's state dicts, as the refusals name it.
-_SAVERS = {SAM_RULE: "SAM", GEAR_RULE: "GEARSAM"}
 
 
 def save(opt) -> dict:
@@ -108,7 +106,7 @@ def _load_schedule(opt, entry: dict | None) -> None:
             t.copy_(saved)
 
 
-def load(opt, state_dict: dict) -> None:
+def load(opt, state_dict: dict, optimizers: dict) -> None:
     opt._refuse_mid_step("load_state_dict()")
     state_dict, ours = split_state(state_dict)
     if ours is None:
@@ -121,7 +119,7 @@ def load(opt, state_dict: dict) -> None:
         )
         raise ValueError(f"state dict was saved by {saver}, cannot load it into {type(opt).__name__}")
     if rule != opt.rule:
-        saver = _SAVERS.get(rule, repr(rule))
+        saver = optimizers[rule].__name__ if rule in optimizers else repr(rule)
         raise ValueError(f"state dict was saved by {saver}, cannot load it into {type(opt).__name__}")
     if list(ours["block_names"]) != opt.block_names:
         raise ValueError(
