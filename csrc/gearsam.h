@@ -37,7 +37,7 @@ void perturb_(const at::Tensor& param, const at::Tensor& grad, const at::Tensor&
               const at::Tensor& block_of_tile, int64_t tile, bool adaptive, double eta,
               const c10::optional<at::Tensor>& kept = {});
 void restore_(const at::Tensor& param, const at::Tensor& backup, int64_t tile);
-void restore_consuming_(const at::Tensor& param, const at::Tensor& backup, int64_t tile);
+void restore_discarding_backup_(const at::Tensor& param, const at::Tensor& backup, int64_t tile);
 void mix_gradient_(const at::Tensor& grad, const at::Tensor& correction, const at::Tensor& grad_scale,
                    const at::Tensor& correction_scale, const at::Tensor& block_of_tile, int64_t tile);
 void exchange_sharpness_(const at::Tensor& grad, const at::Tensor& correction, int64_t tile);

@@ -1,14 +1,12 @@
-// The host's checks of a step in C++: gearsam_fused/host_checks.py states what each one answers and holds the same
-// checks in Python, for an install without this extension. Each runs over every tensor of a bucket at every step;
-// here a tensor costs a few pointer comparisons where Python spends a function call or two on it.
+// The sync's common case in C++ (gearsam_fused/flat.py, Bucket.owns_every_tensor): is every parameter of a bucket
+// still a view of its flat buffer and every gradient the view the bucket installed. It runs over every tensor of a
+// bucket at every sync; here a tensor costs two pointer comparisons where Python spends a function call or two on it.
 
 #include "host_checks.h"
 
 #include <torch/csrc/autograd/python_variable.h>
 
-#include <cstdint>
 #include <string>
-#include <vector>
 
 namespace gearsam::host {
 namespace {
@@ -40,34 +38,6 @@ bool is_tensor(PyObject* obj, const at::Tensor& tensor) {
          THPVariable_Unpack(obj).unsafeGetTensorImpl() == tensor.unsafeGetTensorImpl();
 }
 
-// Open addressing over object addresses, to find a dict's entries without hashing its keys again (a tensor's hash is
-// a Python function, Tensor.__hash__). Values are borrowed: the dict they came from outlives the table.
-class AddressTable {
- public:
-  explicit AddressTable(Py_ssize_t count) {
-    while (capacity_ < 2 * static_cast<size_t>(count)) capacity_ <<= 1;
-    keys_.assign(capacity_, nullptr);
-    values_.assign(capacity_, nullptr);
-  }
-  void insert(PyObject* key) { keys_[probe(key)] = key; }
-  // Where the value of `key` is held, nullptr where `key` was never inserted.
-  PyObject** value(PyObject* key) {
-    const size_t at = probe(key);
-    return keys_[at] == key ? &values_[at] : nullptr;
-  }
-
- private:
-  // the slot of `key`, or the empty slot where it would go (Fibonacci hashing of the address without its alignment)
-  size_t probe(PyObject* key) const {
-    size_t at = ((reinterpret_cast<uintptr_t>(key) >> 4) * 0x9E3779B97F4A7C15ull) & (capacity_ - 1);
-    while (keys_[at] != nullptr && keys_[at] != key) at = (at + 1) & (capacity_ - 1);
-    return at;
-  }
-  size_t capacity_ = 1;
-  std::vector<PyObject*> keys_;
-  std::vector<PyObject*> values_;
-};
-
 }  // namespace
 
 bool owns_every_tensor(py::handle params, py::handle addresses, py::handle grads) {
@@ -83,59 +53,9 @@ bool owns_every_tensor(py::handle params, py::handle addresses, py::handle grads
   return true;
 }
 
-py::list state_entries(py::handle state, py::handle params) {
-  if (!PyDict_Check(state.ptr())) {
-    throw py::type_error("state must be a dict, got " + std::string(py::str(state.get_type())));
-  }
-  const Py_ssize_t n = list_size(params, "params");
-  AddressTable entries(n);
-  for (Py_ssize_t i = 0; i < n; ++i) entries.insert(PyList_GET_ITEM(params.ptr(), i));
-  PyObject* key;
-  PyObject* entry;
-  Py_ssize_t position = 0;
-  while (PyDict_Next(state.ptr(), &position, &key, &entry)) {
-    if (PyObject** held = entries.value(key)) *held = entry;
-  }
-  py::list out(n);
-  for (Py_ssize_t i = 0; i < n; ++i) {
-    PyObject* found = *entries.value(PyList_GET_ITEM(params.ptr(), i));
-    PyObject* value = found != nullptr ? found : Py_None;
-    Py_INCREF(value);
-    PyList_SET_ITEM(out.ptr(), i, value);
-  }
-  return out;
-}
-
-bool entries_hold(py::handle entries, py::handle views) {
-  const Py_ssize_t n = list_size(entries, "entries");
-  if (!PyDict_Check(views.ptr())) {
-    throw py::type_error("views must be a dict, got " + std::string(py::str(views.get_type())));
-  }
-  for (Py_ssize_t i = 0; i < n; ++i) {
-    if (!PyDict_Check(PyList_GET_ITEM(entries.ptr(), i))) return false;
-  }
-  PyObject* key;
-  PyObject* tensors;
-  Py_ssize_t position = 0;
-  while (PyDict_Next(views.ptr(), &position, &key, &tensors)) {
-    const std::string name = "views[" + std::string(py::repr(key)) + "]";
-    list_size(tensors, name.c_str(), n);
-    for (Py_ssize_t i = 0; i < n; ++i) {
-      PyObject* held = PyDict_GetItemWithError(PyList_GET_ITEM(entries.ptr(), i), key);
-      if (held == nullptr && PyErr_Occurred()) throw py::error_already_set();
-      if (held != PyList_GET_ITEM(tensors, i)) return false;
-    }
-  }
-  return true;
-}
-
 void bind(py::module_& m) {
   m.def("owns_every_tensor", &owns_every_tensor, py::arg("params"), py::arg("addresses"), py::arg("grads"),
         "Whether params[i].data_ptr() == addresses[i] and params[i].grad is grads[i] for every i.");
-  m.def("state_entries", &state_entries, py::arg("state"), py::arg("params"),
-        "state's entry for each of params, found by identity, None where it has none.");
-  m.def("entries_hold", &entries_hold, py::arg("entries"), py::arg("views"),
-        "Whether every entry is a dict and entries[i].get(key) is views[key][i] for every key of views.");
 }
 
 }  // namespace gearsam::host

@@ -1,4 +1,4 @@
-// The host's checks of a step in C++ (host_checks.cpp); gearsam_fused/host_checks.py states what each one answers.
+// The sync's ownership check in C++ (host_checks.cpp).
 
 #pragma once
 
@@ -6,11 +6,10 @@
 
 namespace gearsam::host {
 
+// Whether params[i].data_ptr() == addresses[i] and params[i].grad is grads[i] for every i.
 bool owns_every_tensor(py::handle params, py::handle addresses, py::handle grads);
-py::list state_entries(py::handle state, py::handle params);
-bool entries_hold(py::handle entries, py::handle views);
 
-// Adds the three to the module gearsam_fused._C.
+// Adds it to the module gearsam_fused._C.
 void bind(py::module_& m);
 
 }  // namespace gearsam::host

@@ -2,9 +2,9 @@
 // of the Triton launchers (gearsam_fused.triton_kernels), so one backend class drives both. As operators they pass
 // through the dispatcher, so torch.compile, fake tensors and functionalisation see them: each schema declares the
 // inputs it writes (Tensor(a!)), and gearsam_fused/backends/cpp_fakes.py registers their fake implementations
-// (shapes and the argument checks that need no data; also the Meta kernels). The schemas below are the contract's
-// signatures, stated here only; what each operator computes is stated once, in csrc/README.md's table (the base
-// steps' update in gearsam_fused/base_step.py).
+// (output shapes, and the checks of layouts, dtypes, devices and sizes a trace needs; also the Meta kernels). The
+// schemas below are the contract's signatures, stated here only; what each operator computes is stated once, in
+// csrc/README.md's table (the base steps' update in gearsam_fused/base_step.py).
 //
 // The CPU and the CUDA key both run the checked entry points of ops.cpp, which pick the implementation by the
 // tensors' device: a build without CUDA kernels then still refuses CUDA tensors with a message that says how to get
@@ -54,7 +54,7 @@ void register_kernels(torch::Library& m) {
   m.impl("allocate", &gearsam::allocate);
   m.impl("perturb_", &gearsam::perturb_);
   m.impl("restore_", &gearsam::restore_);
-  m.impl("restore_consuming_", &gearsam::restore_consuming_);
+  m.impl("restore_discarding_backup_", &gearsam::restore_discarding_backup_);
   m.impl("mix_gradient_", &gearsam::mix_gradient_);
   m.impl("exchange_sharpness_", &gearsam::exchange_sharpness_);
   m.impl("friendly_ascent_", &gearsam::friendly_ascent_);
@@ -80,7 +80,7 @@ TORCH_LIBRARY(gearsam_fused, m) {
       "perturb_(Tensor(a!) param, Tensor grad, Tensor(b!) backup, Tensor scale, Tensor block_of_tile, *, int tile, "
       "bool adaptive, float eta, Tensor(c!)? kept=None) -> ()");
   m.def("restore_(Tensor(a!) param, Tensor backup, *, int tile) -> ()");
-  m.def("restore_consuming_(Tensor(a!) param, Tensor(b!) backup, *, int tile) -> ()");
+  m.def("restore_discarding_backup_(Tensor(a!) param, Tensor(b!) backup, *, int tile) -> ()");
   m.def(
       "mix_gradient_(Tensor(a!) grad, Tensor correction, Tensor grad_scale, Tensor correction_scale, "
       "Tensor block_of_tile, *, int tile) -> ()");

@@ -5,10 +5,7 @@
 #include <ATen/ops/empty_like.h>
 #include <c10/util/Exception.h>
 
-#include <algorithm>
-#include <charconv>
 #include <cmath>
-#include <cstdlib>
 #include <sstream>
 #include <string>
 
@@ -46,7 +43,7 @@ std::string describe(const at::Tensor& t) {
 }
 
 // Same rules and messages as the Triton launchers (triton_kernels/_common.py). The operators' fakes
-// (gearsam_fused/backends/cpp_fakes.py) repeat every check of this file that needs no data: change both together.
+// (gearsam_fused/backends/cpp_fakes.py) check what a trace needs (layouts, dtypes, devices, sizes) in their own words.
 void check_flat(const char* name, const at::Tensor& t, int64_t tile = 0, c10::optional<at::ScalarType> dtype = {},
                 const at::Tensor* on_device_of = nullptr) {
   TORCH_CHECK_VALUE(t.defined(), name, " is undefined");
@@ -124,36 +121,12 @@ void check_scales(const at::Tensor& grad_scale, const at::Tensor& correction_sca
                     " entries, grad_scale ", grad_scale.numel(), ": one per block each");
 }
 
-// A double as Python's repr writes it, so that a message quoting one reads the same from the fakes: the shortest
-// digits that round-trip, fixed notation for decimal exponents -4..15 (".0" on whole numbers), else "1.5e-05".
-std::string python_float(double x) {
-  if (!std::isfinite(x)) return std::isnan(x) ? "nan" : (x > 0 ? "inf" : "-inf");
-  char buf[32];
-  const std::string s(buf, std::to_chars(buf, buf + sizeof buf, x, std::chars_format::scientific).ptr);
-  const size_t e = s.find('e');
-  const int exp = std::atoi(s.c_str() + e + 1);
-  std::string digits = s.substr(s[0] == '-', e - (s[0] == '-'));  // "d.ddd" or "d", without the sign
-  digits.erase(std::remove(digits.begin(), digits.end(), '.'), digits.end());
-  std::string out;
-  if (exp < -4 || exp >= 16) {
-    out = digits.substr(0, 1) + (digits.size() > 1 ? "." + digits.substr(1) : "") + (exp < 0 ? "e-" : "e+") +
-          (std::abs(exp) < 10 ? "0" : "") + std::to_string(std::abs(exp));
-  } else if (exp < 0) {
-    out = "0." + std::string(-exp - 1, '0') + digits;
-  } else {
-    digits.resize(std::max<size_t>(digits.size(), exp + 2), '0');  // at least one digit after the point
-    out = digits.substr(0, exp + 1) + "." + digits.substr(exp + 1);
-  }
-  return (s[0] == '-' ? "-" : "") + out;
-}
-
 // LookSAM's correction: all three tensors or none, checked as perturb_ checks its scale and block_of_tile (same
 // messages as gearsam_fused/checks.py). Given in part, the caller's correction state is broken: refused. grad_scale
 // only beside them, sharpness (finite) only beside grad_scale.
 Correction check_correction(const CorrectionArgs& args, const at::Tensor& param, int64_t tile) {
   const bool any = given(args.correction) || given(args.correction_scale) || given(args.block_of_tile);
-  TORCH_CHECK_VALUE(std::isfinite(args.sharpness), "sharpness must be a finite real number, got ",
-                    python_float(args.sharpness));
+  TORCH_CHECK_VALUE(std::isfinite(args.sharpness), "sharpness must be a finite real number, got ", args.sharpness);
   TORCH_CHECK_VALUE(args.sharpness == 0.0 || given(args.grad_scale),
                     "sharpness steps along grad - correction after the update from a mixed gradient: give grad_scale, "
                     "correction, correction_scale and block_of_tile with it");
@@ -275,7 +248,7 @@ std::tuple<at::Tensor, at::Tensor> allocate(const at::Tensor& energy, const at::
   const DeviceStep step = check_device_step({scalars, found_inf}, "allocate", 1, "rho", energy);
   // a host rho beside the scalars would be silently ignored
   TORCH_CHECK_VALUE(!step.scalars.defined() || rho == 0.0,
-                    "rho is read from scalars when it is given; pass rho=0.0, got ", python_float(rho));
+                    "rho is read from scalars when it is given; pass rho=0.0, got ", rho);
   at::Tensor scale = at::empty_like(energy);
   at::Tensor radius = at::empty_like(energy);
   GEARSAM_ON_DEVICE_OF(energy, allocate, energy, ema, scale, radius, gear, rho, beta, delta, step);
@@ -314,7 +287,7 @@ void restore_(const at::Tensor& param, const at::Tensor& backup, int64_t tile) {
   GEARSAM_ON_DEVICE_OF(param, restore, param, backup);
 }
 
-void restore_consuming_(const at::Tensor& param, const at::Tensor& backup, int64_t tile) {
+void restore_discarding_backup_(const at::Tensor& param, const at::Tensor& backup, int64_t tile) {
   check_restore(param, backup, tile);
   // CPU buffers past the stream threshold only (exchange.h); elsewhere restore_'s copy
   if (!cpu::try_exchange_memory(param, backup)) restore_(param, backup, tile);

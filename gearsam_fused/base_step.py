@@ -40,8 +40,14 @@ rounded root; torch's CPU ``sqrt`` on x86 builds is MKL's, which misses it by on
 float32 root in six (one float64 root in seventy), moving that element's update by about one part in 1e7 (float32).
 So on the CPU the ``cpp`` backend's Adam equals torch's Adam taken with the correctly rounded root bit for bit, and
 torch's own within that unit; the ``torch`` backend runs torch's own operations, root included, and equals it bit for
-bit. (The ``cpp`` CPU kernel once called ATen's root to match torch's bits; the extra pass over each chunk kept the
-step at about two thirds of the memory's rate.)
+bit.
+
+The state is checked once and then trusted, as torch's optimizers trust theirs: once a bucket's state tensors are
+views of its flat buffers (:meth:`FlatBaseStep.adopted`), later steps do not look at them again until something that
+can change them happens: ``load_state_dict`` (:meth:`FlatBaseStep.adopt`), a step of the base optimizer's own
+(:meth:`FlatBaseStep.invalidate`), a new ``optimizer.state`` or a change in its number of entries, or new state keys
+(momentum or ``amsgrad`` switched on). A state tensor replaced by hand is not taken in by the step then;
+``state_dict()`` refuses to save it, and :func:`set_state_debug_mode` makes every step check and take it in.
 """
 
 from __future__ import annotations
@@ -52,7 +58,6 @@ from dataclasses import dataclass
 
 import torch
 
-from . import host_checks
 from .compat import graph_may_break, step_post_hooks, step_pre_hooks
 from .compiled import mark_stepped_now
 from .flat import Bucket, FlatLayout
@@ -71,12 +76,31 @@ _UNFUSED_FLAGS = {
 }
 
 
-class Adoption(enum.Enum):
-    """What making a bucket's optimizer state views of its flat buffers found (``_adopt``)."""
+_state_debug_mode = False
 
-    FRESH = "fresh"  #: no parameter had state yet: zeroed views are installed (the first step)
-    KEPT = "kept"  #: every parameter had state: it is now (or already was) a view of the flat buffers
-    DECLINED = "declined"  #: only some had: the bucket is stepped per tensor, and ``reason`` says why
+
+def set_state_debug_mode(enabled: bool) -> None:
+    """Check, at every step, that every parameter's optimizer state is still a view of the fused base step's flat
+    buffers, and take in any state tensor replaced by hand (copying it into the buffers), instead of trusting the
+    state once it was taken in. A debugging aid, as ``torch.autograd.set_detect_anomaly`` is: the check costs a few
+    Python operations per parameter and step. Off by default."""
+    global _state_debug_mode
+    if not isinstance(enabled, bool):
+        raise TypeError(f"set_state_debug_mode takes True or False, got {enabled!r}")
+    _state_debug_mode = enabled
+
+
+def get_state_debug_mode() -> bool:
+    """Whether :func:`set_state_debug_mode` is on."""
+    return _state_debug_mode
+
+
+class StateOrigin(enum.Enum):
+    """Where a bucket's optimizer state came from when :meth:`FlatBaseStep._adopt` made it views of the flat
+    buffers (None where it could not)."""
+
+    CREATED = "created"  #: no parameter had state yet: zeroed views are installed (the first step)
+    EXISTING = "existing"  #: every parameter had state: it is now (or already was) a view of the flat buffers
 
 
 @dataclass
@@ -86,7 +110,7 @@ class BucketUpdate:
     unused one), and ``step``: Adam's step count after this update (1 for the first); SGD's is 1 when its momentum
     buffer starts from this step's gradient, else 2. A capturable step (``scalars`` given) has them on the device:
     ``hyper["lr"]`` is the group's lr tensor, ``step`` is None, and the kernels read ``(lr, step)`` from ``scalars``
-    (float64 ``[2]``, written by :meth:`FlatBaseStep.stage`)."""
+    (float64 ``[2]``, written by :meth:`FlatBaseStep.run`)."""
 
     bucket: Bucket
     kind: str
@@ -94,9 +118,9 @@ class BucketUpdate:
     state: list[torch.Tensor | None]
     step: int | None
     scalars: torch.Tensor | None = None
-    #: planned from bucket-level facts alone in a compiled step (:meth:`FlatBaseStep.unsettled`), which must check
-    #: them when it runs
-    settled: bool = False
+    #: planned from the bucket alone in a step compiled whole (:meth:`FlatBaseStep.why_not_ready`), whose checks the
+    #: compiled code makes when it runs
+    checked_when_run: bool = False
 
     def kernel_arguments(self) -> dict:
         """The keyword arguments of the kernel modules' ``sgd_step_``/``adam_step_`` (besides ``tile``): the group's
@@ -150,7 +174,7 @@ class FlatBaseStep:
 
     ``key``: the registry key of the sharpness-aware optimizer this step belongs to
     (:func:`~gearsam_fused.compiled.register`), by which a step compiled whole checks, when it runs, what it planned
-    from the buckets alone (:func:`~gearsam_fused.compiled.check_settled_`)."""
+    from the buckets alone (:func:`~gearsam_fused.compiled.check_ready_`)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, layout: FlatLayout, capturable: bool = False,
                  key: int | None = None):  # fmt: skip
@@ -162,8 +186,10 @@ class FlatBaseStep:
         #: why the last :meth:`plan` declined ("" when it did not)
         self.reason = ""
         #: replaced where the state may have changed behind a compiled step's back (:meth:`adopt`,
-        #: :meth:`invalidate`): a trace that planned buckets as settled is guarded on it
+        #: :meth:`invalidate`): a trace that planned buckets as ready is guarded on it
         self.epoch = _Epoch()
+        self._adopted: dict[int, tuple[str, ...]] = {}  # id(bucket) -> the state keys adopted (see adopted())
+        self._state_seen: tuple[object, int] | None = None  # optimizer.state and its size when last adopted
         self._scalars: dict[int, torch.Tensor] = {}  # id(bucket) -> (lr, step), capturable
         self._reserve()
 
@@ -200,9 +226,9 @@ class FlatBaseStep:
                 return None
             updates.append(update)
         self.reason = ""
-        settled = [update.bucket.grad for update in updates if update.settled]
-        if settled:  # planned from the buckets alone by a step compiled whole: checked when the compiled code runs
-            torch.ops.gearsam_fused.check_settled_(settled, self.key)
+        ready = [update.bucket.grad for update in updates if update.checked_when_run]
+        if ready:  # planned from the buckets alone by a step compiled whole: checked when the compiled code runs
+            torch.ops.gearsam_fused.check_ready_(ready, self.key)
         return updates
 
     def run(self, updates: list[BucketUpdate], backend, *, perturbed: bool = True, correction=None, found_inf=None,
@@ -226,12 +252,12 @@ class FlatBaseStep:
         except BaseException:
             backend.restore_()
             raise
-        self._stage(updates)
+        self._advance_device_counts(updates)
         if perturbed:
             energy = backend.restore_and_update_(updates, found_inf, mix, momentum_energy)
         else:
             energy = backend.update_(updates, correction, momentum_energy)
-        self._finish(updates, found_inf)
+        self._record_step(updates, found_inf)
         mark_stepped_now(self.optimizer)
         run_post_hooks(self.optimizer, args, kwargs)
         return energy
@@ -248,16 +274,14 @@ class FlatBaseStep:
             hyper = self._hyper(self.optimizer.param_groups[bucket.group], bucket.group)
             if hyper is None:
                 continue
-            adoption = self._adopt(bucket, self._state_keys(hyper))
-            if adoption is Adoption.KEPT and self.kind == "adam":
-                self._adopt_counts(bucket, fresh=False)
-            elif (
-                adoption is not Adoption.DECLINED and self.capturable
-            ):  # SGD: the loaded momentum buffers start no more
-                bucket.step_counts(_step_dtype())[0].fill_(0 if adoption is Adoption.FRESH else 1)
+            origin = self._adopt(bucket, self._state_keys(hyper))
+            if origin is StateOrigin.EXISTING and self.kind == "adam":
+                self._adopt_counts(bucket, created=False)
+            elif origin is not None and self.capturable:  # SGD: the loaded momentum buffers start no more
+                bucket.step_counts(_step_dtype())[0].fill_(0 if origin is StateOrigin.CREATED else 1)
         self.reason = ""
 
-    def _stage(self, updates: list[BucketUpdate]) -> None:
+    def _advance_device_counts(self, updates: list[BucketUpdate]) -> None:
         """Capturable: advance every bucket's step count on the device and write ``(lr, step)`` where the kernels
         read them (device operations only). Nothing without ``capturable``."""
         for update in updates:
@@ -267,10 +291,10 @@ class FlatBaseStep:
                 update.scalars[:1].copy_(update.hyper["lr"])
                 update.scalars[1:].copy_(counts[:1])
 
-    def _finish(self, updates: list[BucketUpdate], found_inf: torch.Tensor | None = None) -> None:
+    def _record_step(self, updates: list[BucketUpdate], found_inf: torch.Tensor | None = None) -> None:
         """Record the step: advance Adam's per-parameter step counts (one operation per bucket); capturable, where
-        :meth:`_stage` advanced them, take the count back where ``found_inf`` (0 or 1 on the device) skipped the step,
-        as torch's fused optimizers do."""
+        :meth:`_advance_device_counts` advanced them, take the count back where ``found_inf`` (0 or 1 on the device)
+        skipped the step, as torch's fused optimizers do."""
         for update in updates:
             if update.scalars is not None:
                 if found_inf is not None:
@@ -291,61 +315,107 @@ class FlatBaseStep:
         hyper = self._hyper(group, bucket.group)
         if hyper is None:
             return None
+        keys = self._state_keys(hyper)
         # A step compiled whole (fullgraph=True, where a declined plan could not run anyway) plans a bucket it finds
-        # settled from the bucket alone, so that dynamo guards on no parameter's gradient or state: evaluating those
-        # guards took longer per call than the step's own work on small tensors. The compiled code makes the same
-        # checks, in Python, when it runs (optim.check_settled_).
-        settled = (
-            torch.compiler.is_compiling() and not graph_may_break() and _settled_when_traced(self, index, self.epoch)
-        )
-        if not settled:
+        # ready from the bucket alone, so that dynamo guards on no parameter's gradient or state: evaluating those
+        # guards took longer per call than the step's own work on small tensors. The compiled code makes the checks
+        # when it runs (compiled.check_ready_).
+        ready = torch.compiler.is_compiling() and not graph_may_break() and _ready_when_traced(self, index, self.epoch)
+        if not ready:
             # eagerly, plan's sync has just looked at every gradient; a trace looks at them itself
             reason = self._missing_gradient(bucket, synced=not torch.compiler.is_compiling())
             if reason:
                 return self._decline(reason)
-        keys = self._state_keys(hyper)
-        scalars = self._scalars.get(id(bucket))
-        entries = None if settled else self._entries(bucket)  # one lookup for the state's checks and Adam's counts
-        adoption = Adoption.KEPT if settled else self._adopt(bucket, keys, entries)
-        if adoption is Adoption.DECLINED:
+        # a trace that may break plans as an eager step without trust, as it always traced the checks
+        adopted = ready or (not torch.compiler.is_compiling() and self.adopted(bucket, keys))
+        origin = StateOrigin.EXISTING if adopted else self._adopt(bucket, keys)
+        if origin is None:
             return None
+        scalars = self._scalars.get(id(bucket))
         if self.kind == "sgd":
-            first = adoption is Adoption.FRESH
+            first = origin is StateOrigin.CREATED
             if first and scalars is not None:
                 bucket.step_counts(_step_dtype())[0].zero_()  # the device decides the first step from the count
             state = [bucket.state_buffer(keys[0])[0]] if keys else [None]
             step = None if scalars is not None else 1 if first else 2
-            return BucketUpdate(bucket, "sgd", hyper, state, step, scalars, settled)
-        if settled:
-            counts = 0 if self.capturable else bucket.counted
         else:
-            counts = self._adopt_counts(bucket, fresh=adoption is Adoption.FRESH, entries=entries)
-        if counts is None:
-            return None
-        state = [bucket.state_buffer(k)[0] for k in keys] + ([] if hyper["amsgrad"] else [None])
-        step = None if scalars is not None else counts + 1
-        return BucketUpdate(bucket, "adam", hyper, state, step, scalars, settled)
+            counts = self._adopt_counts(bucket, created=origin is StateOrigin.CREATED, adopted=adopted)
+            if counts is None:
+                return None
+            state = [bucket.state_buffer(k)[0] for k in keys] + ([] if hyper["amsgrad"] else [None])
+            step = None if scalars is not None else counts + 1
+        if not adopted and not torch.compiler.is_compiling():
+            self._trust(bucket, keys)
+        return BucketUpdate(bucket, self.kind, hyper, state, step, scalars, ready)
 
-    def unsettled(self, bucket: Bucket, synced: bool = False) -> str:
+    def adopted(self, bucket: Bucket, keys: list[str]) -> bool:
+        """Whether ``bucket``'s state of ``keys`` (and Adam's step counts) was made views of its flat buffers and
+        nothing that can change it has happened since: the step then trusts it without looking (never under
+        :func:`set_state_debug_mode`)."""
+        state = self.optimizer.state
+        seen = self._state_seen
+        return (
+            not _state_debug_mode
+            and self._adopted.get(id(bucket)) == tuple(keys)
+            and seen is not None
+            and seen[0] is state
+            and seen[1] == len(state)
+        )
+
+    def _trust(self, bucket: Bucket, keys: list[str]) -> None:
+        """Record ``bucket``'s state of ``keys`` as adopted (see :meth:`adopted`)."""
+        self._adopted[id(bucket)] = tuple(keys)
+        self._state_seen = self.optimizer.state, len(self.optimizer.state)
+
+    def why_not_ready(self, bucket: Bucket, synced: bool = False) -> str:
         """Why ``bucket``'s update cannot be planned from the bucket alone ("" when it can): a parameter without a
         gradient, a state tensor that is not a view of the bucket's buffers (before the first step, or replaced by
         hand), Adam's step counts not the bucket's views or, without ``capturable``, not known to the host.
         ``synced``: the layout's sync has just looked at every gradient
-        (:attr:`~gearsam_fused.flat.Bucket.missing_grad`)."""
+        (:attr:`~gearsam_fused.flat.Bucket.missing_grad`). Adopted state (:meth:`adopted`) is trusted."""
         reason = self._missing_gradient(bucket, synced)
         if reason:
             return reason
         keys = self._group_keys(bucket)
+        counts_known = self.kind != "adam" or (
+            bucket.counts is not None and (self.capturable or bucket.counted is not None)
+        )
+        if self.adopted(bucket, keys) and counts_known:
+            return ""
         views = {key: bucket.state_views.get(key) for key in keys}
         if self.kind == "adam":
-            counted = bucket.counts is not None and (self.capturable or bucket.counted is not None)
-            views["step"] = bucket.step_counts(_step_dtype())[1] if counted else None
+            views["step"] = bucket.step_counts(_step_dtype())[1] if counts_known else None
         name = self._foreign_state(bucket, views)
-        return f"the optimizer state of parameter {name!r} is not the one the last step left" if name else ""
+        if name:
+            return f"the optimizer state of parameter {name!r} is not the one the last step left"
+        self._trust(bucket, keys)
+        return ""
+
+    def check_state(self) -> None:
+        """Refuse state that was replaced by hand in a bucket whose state the step trusts (:meth:`adopted`): the steps
+        since did not read it. ``state_dict()`` calls this before saving."""
+        for bucket in self.layout.buckets:
+            keys = self._adopted.get(id(bucket))
+            if keys is None:
+                continue
+            views = {key: bucket.state_views[key] for key in keys}
+            if self.kind == "adam" and bucket.counts is not None:
+                views["step"] = bucket.step_counts(_step_dtype())[1]
+            name = self._foreign_state(bucket, views) if views else None  # no state to replace: SGD without momentum
+            if name:
+                raise RuntimeError(
+                    f"the optimizer state of parameter {name!r} was replaced since the fused base step took it in, "
+                    "other than through load_state_dict, and the steps since did not read it. Change the optimizer "
+                    "state through load_state_dict, or call gearsam_fused.set_state_debug_mode(True) to have every "
+                    "step take in state replaced by hand"
+                )
 
     def invalidate(self) -> None:
-        """Make compiled code that planned buckets as settled plan them again at its next call."""
+        """Forget what was adopted (the next step checks the state again) and make compiled code that planned buckets
+        as ready plan them again at its next call: the state may have changed (a load, the base optimizer's own
+        step)."""
         self.epoch = _Epoch()
+        self._adopted.clear()
 
     @staticmethod
     def _missing_gradient(bucket: Bucket, synced: bool = False) -> str:
@@ -357,23 +427,15 @@ class FlatBaseStep:
         return _no_gradient(next((slot.name for slot in bucket.slots if slot.param.grad is None), None))
 
     def _entries(self, bucket: Bucket) -> list[dict | None]:
-        """Each of ``bucket``'s parameters' state entry, None where it has none, found by identity
-        (:func:`~gearsam_fused.host_checks.state_entries`): a lookup by the tensor calls ``Tensor.__hash__``, a Python
-        function, for every parameter of every step. The methods that take ``entries`` look them up where they are
-        not given."""
+        """Each of ``bucket``'s parameters' state entry, None where it has none."""
         state = self.optimizer.state
-        if torch.compiler.is_compiling():  # a trace looks each one up by the tensor, as it traces torch's optimizers
-            return [state.get(slot.param) for slot in bucket.slots]
-        return host_checks.state_entries(state, bucket.params)
+        return [state.get(slot.param) for slot in bucket.slots]
 
     def _foreign_state(self, bucket: Bucket, views: dict[str, list[torch.Tensor] | None],
                        entries: list[dict | None] | None = None) -> str | None:  # fmt: skip
         """The name of the first parameter of ``bucket`` whose state tensor of a key of ``views`` is not its view
         there (every parameter's, where the views are None), None when there is none."""
         entries = self._entries(bucket) if entries is None else entries
-        # the common case, every state tensor already ours, costs one identity test per tensor and key
-        if None not in views.values() and host_checks.entries_hold(entries, views):
-            return None
         for i, (slot, entry) in enumerate(zip(bucket.slots, entries)):
             if entry is None or any(vs is None or entry.get(key) is not vs[i] for key, vs in views.items()):
                 return slot.name
@@ -421,59 +483,57 @@ class FlatBaseStep:
             return ["momentum_buffer"] if hyper["momentum"] != 0 else []
         return ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if hyper["amsgrad"] else [])
 
-    def _adopt(self, bucket: Bucket, keys: list[str], entries: list[dict | None] | None = None) -> Adoption:
+    def _adopt(self, bucket: Bucket, keys: list[str]) -> StateOrigin | None:
         """Make every parameter's state tensors views of the bucket's flat buffers (copying in any state that was
-        replaced, e.g. by ``load_state_dict``); see :class:`Adoption` for the outcomes."""
+        replaced, e.g. by ``load_state_dict``). None, with :attr:`reason` set, where only some parameters have
+        state."""
         views = {key: bucket.state_buffer(key)[1] for key in keys}
-        entries = self._entries(bucket) if entries is None else entries
+        entries = self._entries(bucket)
         if self._foreign_state(bucket, views, entries) is None:
-            return Adoption.KEPT
-        state = self.optimizer.state
+            return StateOrigin.EXISTING
         have = [bool(e) and all(e.get(k) is not None for k in keys) for e in entries]
         if not keys:
-            return Adoption.KEPT if any(have) else Adoption.FRESH
+            return StateOrigin.EXISTING if any(have) else StateOrigin.CREATED
         if any(have) and not all(have):
-            self._decline(
+            return self._decline(
                 f"param group {bucket.group}: some parameters have optimizer state and others none (some were "
                 "stepped without the others)"
             )
-            return Adoption.DECLINED
-        fresh = not have[0]
+        created = not have[0]
+        state = self.optimizer.state
         for i, slot in enumerate(bucket.slots):
             entry = state[slot.param]
             for key, slot_views in views.items():
                 view, current = slot_views[i], entry.get(key)
                 if current is not view:
-                    view.zero_() if fresh else view.copy_(current)
+                    view.zero_() if created else view.copy_(current)
                     entry[key] = view
-        return Adoption.FRESH if fresh else Adoption.KEPT
+        return StateOrigin.CREATED if created else StateOrigin.EXISTING
 
-    def _adopt_counts(self, bucket: Bucket, fresh: bool, entries: list[dict | None] | None = None) -> int | None:
+    def _adopt_counts(self, bucket: Bucket, created: bool, adopted: bool = False) -> int | None:
         """Adam's step count, the same for every parameter of the bucket (declined otherwise), after making each
-        ``state[p]["step"]`` a view of the bucket's CPU count vector."""
+        ``state[p]["step"]`` a view of the bucket's CPU count vector (``adopted``: they are known to be)."""
         counts, views = bucket.step_counts(_step_dtype())
-        state = self.optimizer.state
-        # given entries lack those _adopt has just made, which it makes only for a fresh start: not ours anyway
-        entries = self._entries(bucket) if entries is None else entries
-        ours = not fresh and host_checks.entries_hold(entries, {"step": views})
+        ours = adopted or (not created and self._foreign_state(bucket, {"step": views}) is None)
         if ours and self.capturable:
             return 0  # the kernels read the count on the device; the host does not know it
         if ours and bucket.counted is not None and torch.compiler.is_compiling():
             return bucket.counted  # a trace cannot read the vector; the compiled sync checks it (flat.sync_)
-        if fresh:
+        if created:
             counts.zero_()
         if not ours:
+            state = self.optimizer.state
             for slot, view in zip(bucket.slots, views):
                 entry = state[slot.param]
                 current = entry.get("step")
                 if current is not view:
-                    if current is not None and not fresh:
+                    if current is not None and not created:
                         view.copy_(current)
                     # first in the entry, as torch's Adam orders its state (and so its state dicts)
                     rest = {k: entry.pop(k) for k in list(entry) if k != "step"}
                     entry.pop("step", None)
                     entry.update(step=view, **rest)
-        if fresh:
+        if created:
             bucket.counted = None if self.capturable else 0
             return 0
         low, high = counts.aminmax()
@@ -539,7 +599,7 @@ class _Epoch:
 
 
 @torch.compiler.assume_constant_result
-def _settled_when_traced(step: FlatBaseStep, index: int, epoch: _Epoch) -> bool:
-    """Whether bucket ``index`` of ``step`` is settled (:meth:`FlatBaseStep.unsettled`), asked while dynamo traces a
+def _ready_when_traced(step: FlatBaseStep, index: int, epoch: _Epoch) -> bool:
+    """Whether bucket ``index`` of ``step`` is ready (:meth:`FlatBaseStep.why_not_ready`), asked while dynamo traces a
     step and answered by running for real: a constant of the graph, under guards on ``step`` and ``epoch`` alone."""
-    return not step.unsettled(step.layout.buckets[index])
+    return not step.why_not_ready(step.layout.buckets[index])

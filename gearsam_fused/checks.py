@@ -64,7 +64,7 @@ def check_param_dtype(p: torch.Tensor, what: str) -> None:
 
 
 # The checks of a kernel's flat buffers: a kernel given the wrong buffer fails with a message, not with garbage. The
-# Triton launchers and the fake implementations of the compiled operators run them; csrc/ops.cpp words them alike.
+# Triton launchers run them; csrc/ops.cpp words them alike, so both backends refuse a wrong call in the same words.
 def check_flat(name: str, t: torch.Tensor, tile: int | None = None, dtype: torch.dtype | None = None,
                device: torch.device | None = None) -> None:  # fmt: skip
     if device is not None and t.device != device:
@@ -209,7 +209,7 @@ DEVICE_SCALARS = {"allocate": ("rho",), "sgd_step_": ("lr", "step"), "adam_step_
 
 def check_found_inf(found_inf, device: torch.device) -> None:
     """A loss-scaling overflow flag as GradScaler keeps it: a float32 tensor of one element (0-d or not) on
-    ``device``. Reads no data: the kernels' fakes make the same check."""
+    ``device``. Reads no data."""
     if not isinstance(found_inf, torch.Tensor):
         raise TypeError(f"found_inf must be a tensor, got {type(found_inf).__name__}")
     if found_inf.device != device:

@@ -43,8 +43,14 @@ def host_op(name: str, arguments: str) -> Callable[[Callable[..., None]], Callab
 
 
 @torch.compiler.disable
-def eager_step(optimizer: torch.optim.Optimizer) -> None:
-    optimizer.step()
+def eager_step(opt) -> None:
+    _base_step(opt)
+
+
+def _base_step(opt) -> None:
+    opt.base_optimizer.step()
+    if opt._flat_step is not None:
+        opt._flat_step.invalidate()  # the step may have made new state: the next fused step checks it again
 
 
 def step_per_tensor(opt) -> None:
@@ -52,9 +58,9 @@ def step_per_tensor(opt) -> None:
     re-homed parameters it runs eagerly (a graph break, like those torch's ``step()`` makes around itself): the
     compiler refuses a step that writes parameters sharing one buffer ("non-differentiable view input mutations")."""
     if opt.backend.fuses_base_step and torch.compiler.is_compiling():
-        eager_step(opt.base_optimizer)
+        eager_step(opt)
     else:
-        opt.base_optimizer.step()
+        _base_step(opt)
 
 
 def own_graph() -> None:
@@ -110,17 +116,17 @@ def check_second_gradient_(grads: list[torch.Tensor], optimizer: int) -> None:
 
 
 # Declared as writing the gradient buffers, though it only reads them, for the same reason: before the update.
-@host_op("check_settled_", "int optimizer")
-def check_settled_(grads: list[torch.Tensor], optimizer: int) -> None:
+@host_op("check_ready_", "int optimizer")
+def check_ready_(grads: list[torch.Tensor], optimizer: int) -> None:
     """The checks that a step compiled whole left out of its plan of the buckets whose flat gradient buffers are
-    ``grads`` (:meth:`~gearsam_fused.base_step.FlatBaseStep.unsettled`), made when the compiled code runs. Where one
+    ``grads`` (:meth:`~gearsam_fused.base_step.FlatBaseStep.why_not_ready`), made when the compiled code runs. Where one
     fails, the step is abandoned with an error and the next call compiles the step again."""
     opt = _OPTIMIZERS.get(optimizer)
     if opt is None:
         raise RuntimeError("the optimizer this compiled step belongs to no longer exists")
     addresses = {g.data_ptr() for g in grads}
     for bucket in opt._flat_step.layout.buckets:
-        reason = opt._flat_step.unsettled(bucket, synced=True) if bucket.grad.data_ptr() in addresses else ""
+        reason = opt._flat_step.why_not_ready(bucket, synced=True) if bucket.grad.data_ptr() in addresses else ""
         if reason:
             opt._flat_step.invalidate()
             kept = gradients.abandon(opt)

@@ -26,13 +26,13 @@ are read and puts the values back in place (re-homing the tensor), so a kernel n
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 
-from . import host_checks
 from .checks import check_dense_grad
 from .compiled import host_op
 from .memory import flat_empty, flat_zeros
@@ -42,6 +42,18 @@ from .partition import Block
 ALIGN = 64
 #: Kernel tile in elements; block ranges are padded to a multiple of it. A power of two (Triton's ``tl.arange``).
 TILE = 2048
+
+
+@functools.cache
+def _owns_every_tensor():
+    """``gearsam_fused._C.owns_every_tensor``, None where the extension is not built: whether ``params[i].data_ptr()
+    == addresses[i]`` and ``params[i].grad is grads[i]`` for every ``i``, two pointer comparisons per tensor where
+    Python spends a call or two."""
+    try:
+        from . import _C
+    except ImportError:
+        return None
+    return getattr(_C, "owns_every_tensor", None)
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -198,12 +210,16 @@ class Bucket:
 
     def owns_every_tensor(self) -> bool:
         """Whether every parameter is still a view of :attr:`param` and every ``.grad`` the view we installed: the
-        common case of :meth:`FlatLayout.sync_now`, tested a list at a time rather than a slot at a time."""
+        common case of :meth:`FlatLayout.sync_now`, tested a bucket at a time in C++ (``csrc/host_checks.cpp``).
+        False without the extension: the sync then tests a slot at a time, as it does when this answers False."""
+        check = _owns_every_tensor()
+        if check is None:
+            return False
         shift = self.shift
         addresses = self._addresses.get(shift)
         if addresses is None:  # one list per shift seen: the exchange (csrc/cpu/exchange.h) alternates two
             addresses = self._addresses[shift] = [slot.view.data_ptr() for slot in self.slots]
-        return host_checks.owns_every_tensor(self.params, addresses, self._grad_views)
+        return check(self.params, addresses, self._grad_views)
 
     def slots_dirty(self) -> list[_Slot]:
         """The slots, with :attr:`all_dirty` moved onto each one's ``dirty`` (and cleared), for a pass that reads or

@@ -98,7 +98,7 @@ class SharpnessAware(torch.optim.Optimizer):
         if capturable:
             check_capturable(self)
             self.base_step = FUSED  # a step that cannot be fused is an error, never a per-tensor step reading the host
-        # how compiled code finds this optimizer again when it runs (check_second_gradient_, check_settled_)
+        # how compiled code finds this optimizer again when it runs (check_second_gradient_, check_ready_)
         self._key = register(self)
         self._flat_step, self._flat_step_why_not = flat_step_for(
             self.base_step, self._backend, self.backend_name, self.base_optimizer, capturable, self._key

@@ -24,6 +24,8 @@ def save(opt) -> dict:
     ``"state"`` and ``"param_groups"`` (``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict``)
     keep it too, and a plain torch optimizer that loads the dict ignores it."""
     opt._refuse_mid_step("state_dict()")
+    if opt._flat_step is not None:
+        opt._flat_step.check_state()
     state = opt.base_optimizer.state_dict()
     state["param_groups"][0][STATE_KEY] = {
         "rule": opt.rule,

@@ -29,7 +29,7 @@ else:
     torch.backends.cudnn.allow_tf32 = False
     torch.backends.cuda.matmul.allow_tf32 = False
 
-from gearsam_fused import host_checks  # noqa: E402
+from gearsam_fused import set_state_debug_mode  # noqa: E402
 from gearsam_fused.backends.cpp_backend import cpp_built_with_cuda, cpp_installed  # noqa: E402
 from gearsam_fused.backends.triton_backend import interpreter_enabled, triton_installed  # noqa: E402
 from gearsam_fused.models import ResNet  # noqa: E402
@@ -78,16 +78,12 @@ def _thread_count_restored():
     torch.set_num_threads(threads)
 
 
-@pytest.fixture(params=host_checks.IMPLEMENTATIONS)
-def host_checks_in(request):
-    """Each implementation of the host's checks in turn (``gearsam_fused.host_checks``), skipped where it is not
-    built."""
-    try:
-        host_checks.implementation(request.param)
-    except ValueError as exc:
-        pytest.skip(str(exc))
-    with host_checks.using(request.param):
-        yield request.param
+@pytest.fixture
+def state_debug_mode():
+    """``gearsam_fused.set_state_debug_mode(True)`` for one test: every step checks the optimizer state."""
+    set_state_debug_mode(True)
+    yield
+    set_state_debug_mode(False)
 
 
 def on_device(backend: str, device: str):

@@ -17,7 +17,7 @@ block_energy            2 (tiles, then blocks)
 allocate                1 (one program)
 perturb\\_               1
 restore\\_               1
-restore_consuming\\_     1
+restore_discarding_backup\\_     1
 mix_gradient\\_          1
 exchange_sharpness\\_    1
 friendly_ascent\\_       1
@@ -59,7 +59,7 @@ from .allocation import allocate
 from .base_step import adam_step_, sgd_step_
 from .energy import block_energy, friendly_energy_
 from .mix import exchange_sharpness_, friendly_ascent_, mix_gradient_
-from .perturb import perturb_, restore_, restore_consuming_
+from .perturb import perturb_, restore_, restore_discarding_backup_
 
 __all__ = [
     "adam_step_",
@@ -71,6 +71,6 @@ __all__ = [
     "mix_gradient_",
     "perturb_",
     "restore_",
-    "restore_consuming_",
+    "restore_discarding_backup_",
     "sgd_step_",
 ]

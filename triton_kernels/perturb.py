@@ -4,7 +4,7 @@
                T_i = |w_i| + eta (ASAM) or 1; arithmetic in float32 (float64 for float64 buffers), rounded once;
                with kept, kept_i = g_i as well (a copy of the stored bits, in every block)
     restore_:  w_i <- backup_i   (a copy of the stored bits: exact in every dtype)
-    restore_consuming_:  the same, as SAM's restore (backup is not read again)
+    restore_discarding_backup_:  the same, as SAM's restore (backup is not read again)
 
 One program per tile; a tile lies inside one block, so it loads its block's scale once.
 """
@@ -113,8 +113,8 @@ def restore_(param: torch.Tensor, backup: torch.Tensor, *, tile: int) -> None:
 
 
 @kept_whole
-@triton_op(f"{NAMESPACE}::restore_consuming_", mutates_args=("param", "backup"))
-def restore_consuming_(param: torch.Tensor, backup: torch.Tensor, *, tile: int) -> None:
+@triton_op(f"{NAMESPACE}::restore_discarding_backup_", mutates_args=("param", "backup"))
+def restore_discarding_backup_(param: torch.Tensor, backup: torch.Tensor, *, tile: int) -> None:
     """SAM's restore, after which ``backup`` is not read again: :func:`restore_`'s copy here. ``backup`` is declared
     written, as the contract lets an implementation exchange the two buffers' memory instead (the C++ CPU kernels do,
     past the stream threshold)."""

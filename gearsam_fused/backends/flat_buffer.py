@@ -353,7 +353,7 @@ class KernelModule(Protocol):
 
     def restore_(self, param: torch.Tensor, backup: torch.Tensor, *, tile: int) -> None: ...
 
-    def restore_consuming_(self, param: torch.Tensor, backup: torch.Tensor, *, tile: int) -> None: ...
+    def restore_discarding_backup_(self, param: torch.Tensor, backup: torch.Tensor, *, tile: int) -> None: ...
 
     def mix_gradient_(
         self, grad: torch.Tensor, correction: torch.Tensor, grad_scale: torch.Tensor, correction_scale: torch.Tensor,
@@ -525,7 +525,7 @@ class KernelBackend(FlatBufferBackend):
 
     def _bucket_restore(self, bucket: Bucket) -> None:
         with _launching_on(bucket.device):
-            self.kernels.restore_consuming_(bucket.param, bucket.backup, tile=bucket.tile)
+            self.kernels.restore_discarding_backup_(bucket.param, bucket.backup, tile=bucket.tile)
 
     def _bucket_restore_and_update(self, update: BucketUpdate, found_inf: torch.Tensor | None, mix,
                                    momentum_energy: bool = False) -> torch.Tensor | None:  # fmt: skip

@@ -789,22 +789,25 @@ def test_the_stream_threshold_benchmark_compares_two_thresholds_on_the_same_weig
 
 
 @pytest.mark.full  # a build or a benchmark run beyond the representative one the default tier keeps
-def test_the_host_checks_benchmark_compares_the_two_implementations_on_the_same_weights(tmp_path):
-    """``bench_host_checks.py --quick``: the whole step with the host's checks in C++, in Python and in C++ again (a
-    control), alternated in one process; the script fails where the copies leave different weights, and writes one
-    row per base optimizer with the three times, two ratios and the difference per tensor. No time is looked at."""
-    from gearsam_fused import host_checks
+def test_the_host_checks_benchmark_compares_the_trusted_state_with_the_checked_one_and_another_checkout(tmp_path):
+    """``bench_host_checks.py --quick --against .``: the whole step with the state trusted, checked every step, and
+    stepped by worker processes importing this checkout and another (this one again), alternated; the script fails
+    where the copies leave different weights, and writes one row per base optimizer with four times and two ratios. No
+    time is looked at."""
+    from gearsam_fused.backends import available_backends
 
-    try:
-        host_checks.implementation("cpp")
-    except ValueError as exc:
-        pytest.skip(str(exc))
-    out = tmp_path / "table.md"
+    if "cpp" not in available_backends():
+        pytest.skip("the cpp backend is not built")
+    out, rows_file = tmp_path / "table.md", tmp_path / "rows.json"
     done = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "bench_host_checks.py"), "--quick", "--report", str(out)],
+        [sys.executable, str(BENCHMARKS / "bench_host_checks.py"), "--quick", "--against", str(BENCHMARKS.parent),
+         "--report", str(out), "--rows", str(rows_file)],
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     rows = [line for line in out.read_text().splitlines() if line.startswith("| 2048 small tensors")]
     assert [row.split(" | ")[2] for row in rows] == ["SGD", "AdamW"]
     assert all(len(row.strip("|").split("|")) == 9 and " | 2048 | " in row for row in rows), rows
+    data = json.loads(rows_file.read_text())
+    ratios = ["checked every step / trusted", "other checkout / this checkout, own process"]
+    assert [list(row["ratio"]) for row in data] == [ratios] * 2

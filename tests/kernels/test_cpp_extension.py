@@ -326,7 +326,7 @@ def test_past_the_stream_threshold_param_and_backup_exchange_their_memory_instea
     """Past ``cpu_stream_threshold_bytes()``, where param and backup are each the whole of their own storage
     (csrc/cpu/exchange.h): ``perturb_`` writes w + eps into the backup and exchanges the two storages' memory, so param
     holds w + eps and backup w, and every view of param follows; ``sgd_step_`` and ``adam_step_`` exchange them back
-    and update param in place, and SAM's restore ``restore_consuming_`` exchanges them back alone, which leaves backup
+    and update param in place, and SAM's restore ``restore_discarding_backup_`` exchanges them back alone, which leaves backup
     holding w + eps and param at its first address. The same bits as the copying path, which a parameter that is only
     part of its storage still takes, and within the cache nothing is exchanged."""
     kernels = torch.ops.gearsam_fused
@@ -346,7 +346,7 @@ def test_past_the_stream_threshold_param_and_backup_exchange_their_memory_instea
     for name, update in (
         ("sgd", lambda p, b, st: kernels.sgd_step_(p, grad, b, st[0], tile=tile, **sgd)),
         ("adam", lambda p, b, st: kernels.adam_step_(p, grad, b, *st, None, tile=tile, **adam)),
-        ("restore", lambda p, b, st: kernels.restore_consuming_(p, b, tile=tile)),
+        ("restore", lambda p, b, st: kernels.restore_discarding_backup_(p, b, tile=tile)),
     ):
         # the copying path: a parameter that starts one tile into its storage
         storage = torch.cat([torch.zeros(tile, dtype=dtype), w0])
@@ -377,12 +377,12 @@ def test_past_the_stream_threshold_param_and_backup_exchange_their_memory_instea
     kernels.perturb_(param, small, backup, scales[:1], torch.zeros(4, dtype=torch.int32), tile=tile, adaptive=False,
                      eta=0.0)  # fmt: skip
     assert param.data_ptr() == here and torch.equal(backup, small)
-    kernels.restore_consuming_(param, backup, tile=tile)
+    kernels.restore_discarding_backup_(param, backup, tile=tile)
     assert param.data_ptr() == here and torch.equal(param, small) and torch.equal(backup, small)
 
 
 @needs_cpp
-def test_past_the_stream_threshold_the_sync_passes_over_a_bucket_whose_memory_was_exchanged(host_checks_in):
+def test_past_the_stream_threshold_the_sync_passes_over_a_bucket_whose_memory_was_exchanged():
     """The sync's common case (``Bucket.owns_every_tensor``) follows the parameters into the backup's memory: between
     the perturbation, which exchanged the buffers' memory, and the fused AdamW step, with the gradients in place, it
     holds, and a parameter replaced there still fails it and is re-homed by the per-parameter path."""
@@ -413,7 +413,7 @@ def test_past_the_stream_threshold_the_sync_passes_over_a_bucket_whose_memory_wa
 @pytest.mark.parametrize("base", ["rmsprop", "sgd-per-tensor"])
 def test_past_the_stream_threshold_sams_restore_exchanges_the_memory_back_where_the_base_step_is_not_fused(base):
     """Where the base step is the base optimizer's own (RMSprop, which is never fused; SGD with
-    ``base_step="per-tensor"``) and in ``cancel_step``, SAM's restore (``restore_consuming_``) exchanges the buffers'
+    ``base_step="per-tensor"``) and in ``cancel_step``, SAM's restore (``restore_discarding_backup_``) exchanges the buffers'
     memory back instead of copying w: every parameter is at its own address again after the step, and the steps give
     the bits of the ``torch`` backend, which copies (the same gradients given to both, so that the energies' order of
     summation, which differs, reaches only the perturbed weights)."""
@@ -551,12 +551,13 @@ def test_cpu_only_build_refuses_cuda_parameters():
 
 @needs_cpp
 def test_operators_check_meta_tensors_and_refuse_tensors_they_have_no_kernel_for():
-    """Meta tensors run the fake implementation (gearsam_fused/backends/cpp_fakes.py): the checks, no data. A kind of
-    tensor with neither a kernel nor a fake, such as a sparse one, is refused by the dispatcher, naming the operator."""
+    """Meta tensors run the fake implementation (gearsam_fused/backends/cpp_fakes.py): its checks (torch._check's
+    RuntimeError), no data. A kind of tensor with neither a kernel nor a fake, such as a sparse one, is refused by the
+    dispatcher, naming the operator."""
     kernels = cpp_backend._load()[0]
     meta = torch.empty(8, device="meta")
     kernels.restore_(meta, torch.empty(8, device="meta"), tile=8)
-    with pytest.raises(ValueError, match=r"param has 8 elements, not a multiple of the tile \(3\)"):
+    with pytest.raises(RuntimeError, match=r"param has 8 elements, not a multiple of the tile \(3\)"):
         kernels.restore_(meta, torch.empty(8, device="meta"), tile=3)
     sparse = torch.zeros(8).to_sparse()
     with pytest.raises(NotImplementedError, match="Could not run 'gearsam_fused::restore_' with arguments from the "

@@ -119,7 +119,7 @@ def test_stale_or_replaced_gradients_are_never_read(backend, device):
 
 
 @pytest.mark.parametrize("backend,device", FUSED)
-def test_the_sync_passes_over_a_bucket_at_once_exactly_when_every_tensor_is_ours(backend, device, host_checks_in):
+def test_the_sync_passes_over_a_bucket_at_once_exactly_when_every_tensor_is_ours(backend, device):
     """The sync's common case (``Bucket.owns_every_tensor``) holds after a step with gradients in place and fails for
     each thing the per-parameter path mends: a replaced ``.data``, a ``.grad`` of None or another tensor."""
     model = tiny_resnet(device=device)

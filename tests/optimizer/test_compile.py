@@ -102,7 +102,7 @@ def test_a_bucket_whose_memory_the_kernels_exchange_compiles_to_the_eager_step(b
     (csrc/cpu/exchange.h): between ``first_step`` and ``second_step`` the parameters live in the backup's first memory,
     holding ``w + eps``, and between steps where they started. Compiled and eager steps agree bit for bit, and with the
     ``torch`` backend, which copies, within ``FP32_STEP_RTOL`` a step (the same gradients given to each, so that no
-    difference grows through a model); a step cancelled in between (SAM's restore, ``restore_consuming_``, exchanges
+    difference grows through a model); a step cancelled in between (SAM's restore, ``restore_discarding_backup_``, exchanges
     the memory back too) leaves every parameter where it was."""
     # a square linear layer whose weight alone is past the threshold
     features = math.isqrt(stream_threshold_elements(torch.float32)) + 64
@@ -274,10 +274,11 @@ def assert_refused_with_w_put_back(model, xy, first, second, spoil, match: str):
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
 
 
-def test_state_replaced_by_hand_is_refused_by_the_compiled_step_then_taken_in_at_its_next_call():
+def test_state_replaced_by_hand_is_refused_by_the_compiled_step_then_taken_in_at_its_next_call(state_debug_mode):
     """A compiled second_step plans its buckets without checking each parameter's state (dynamo then guards on none
-    of them) and checks them when it runs: a state tensor replaced other than by load_state_dict is refused with
-    the weights put back, and the next call compiles again and copies it in, as an eager step does."""
+    of them) and checks them when it runs: in the state debug mode, a state tensor replaced other than by
+    load_state_dict is refused with the weights put back, and the next call compiles again and copies it in, as an
+    eager step does."""
     batches = mlp_data(4)
     runs = []
     for compiled in (False, True):
@@ -397,7 +398,7 @@ def test_the_compiled_step_tells_lr_schedulers_it_stepped_without_setting_attrib
 
 def test_the_host_checks_declare_the_gradient_buffers_written_and_advance_their_versions():
     # declared written: the compiler keeps them in the graph, ordered before what reads or writes the buffers
-    for name in ("sync_", "check_settled_", "check_second_gradient_"):
+    for name in ("sync_", "check_ready_", "check_second_gradient_"):
         grads = getattr(torch.ops.gearsam_fused, name).default._schema.arguments[0]
         assert grads.name == "grads" and grads.alias_info is not None and grads.alias_info.is_write, name
     model = torch.nn.Linear(8, 8)

@@ -226,7 +226,7 @@ def test_launches_per_step_do_not_grow_with_the_number_of_tensors(backend, devic
         ops = counts + ["add_"] if base == "adamw" else []
         assert many.launched == kernels and many.torch_ops == ops, (many.launched, many.torch_ops)
     elif backend == "cpp":
-        restore = "restore_consuming_" if base == "none" else f"{last}_step_"
+        restore = "restore_discarding_backup_" if base == "none" else f"{last}_step_"
         launched = ["block_energy", "allocate", "perturb_", restore]
         ops = counts + ["add_"] if base == "adamw" else []
         assert many.launched == launched and many.torch_ops == ops, (many.launched, many.torch_ops)
