@@ -15,11 +15,19 @@ C++ compiler is found; its CUDA kernels are added when torch is a CUDA build and
 
     GEARSAM_BUILD_CPP    the extension as a whole
     GEARSAM_BUILD_CUDA   its CUDA kernels
+
+and:
+
+    GEARSAM_DEBUG        ``1`` keeps the debug information (``-g``, as Python's own flags ask); the default, ``0``,
+                         compiles the C++ with ``-g0`` and links with ``-Wl,--strip-debug`` on Linux (the symbol
+                         table stays, so backtraces and profiles name the functions)
     TORCH_CUDA_ARCH_LIST GPU architectures to compile for (default "8.0;9.0+PTX")
 
-Without the extension the install still works; ``backend="cpp"`` then says how to build it.
+Without the extension the install still works; ``backend="cpp"`` then says how to build it. A wheel built without it
+(skipped, or its build failed) is pure Python, tagged ``py3-none-any``.
 """
 
+import contextlib
 import glob
 import os
 import runpy
@@ -30,6 +38,14 @@ import tempfile
 import warnings
 
 from setuptools import setup
+
+try:
+    from setuptools.command.bdist_wheel import bdist_wheel  # setuptools >= 70.1
+except ImportError:
+    try:
+        from wheel.bdist_wheel import bdist_wheel
+    except ImportError:
+        bdist_wheel = None  # no wheels to tag
 
 PACKAGES = [
     "gearsam_fused", "gearsam_fused.app", "gearsam_fused.backends", "gearsam_fused.integrations",
@@ -42,12 +58,18 @@ DEFAULT_CUDA_ARCHS = "8.0;9.0+PTX"
 # the streams and locales of two versions mix, and the first error message or file read crashes. Kept private, the
 # copy is self-contained; no stream or locale object crosses into torch.
 LINUX_LINK_FLAGS = ["-Wl,--exclude-libs,ALL"]
+# Without GEARSAM_DEBUG=1: the debug information is most of the extension's size. -g0 after Python's -g drops it from
+# the C++ objects; --strip-debug drops any left (nvcc's host objects, static libraries) and keeps the symbol table.
+NO_DEBUG_CXX_FLAGS = ["-g0"]
+NO_DEBUG_LINUX_LINK_FLAGS = ["-Wl,--strip-debug"]
 
 
-def _switch(name: str) -> str:
-    value = os.environ.get(name, "auto").strip().lower()
-    if value not in ("auto", "0", "1"):
-        raise SystemExit(f"{name} must be auto, 0 or 1, got {value!r}")
+def _switch(name: str, default: str = "auto") -> str:
+    """The switch ``name``: ``auto``, ``0`` or ``1``, or, where its default is not ``auto``, ``0`` or ``1``."""
+    values = ("auto", "0", "1") if default == "auto" else ("0", "1")
+    value = os.environ.get(name, default).strip().lower()
+    if value not in values:
+        raise SystemExit(f"{name} must be {', '.join(values[:-1])} or {values[-1]}, got {value!r}")
     return value
 
 
@@ -58,42 +80,49 @@ def _skip(part: str, switch: str, why: str) -> None:
     warnings.warn(f"gearsam_fused: not building the {part}: {why}", stacklevel=2)
 
 
-def _accepts(compiler: str, flags: list[str]) -> bool:
-    """Whether ``compiler`` compiles and links an empty program with ``flags``."""
+def _probe(compiler: str, flags: list[str]) -> str:
+    """Why ``compiler`` does not compile and link an empty program with ``flags``: its first line of output, or ``""``
+    where it does."""
     with tempfile.TemporaryDirectory() as folder:
         source = os.path.join(folder, "probe.cpp")
         with open(source, "w") as fh:
             fh.write("int main() { return 0; }\n")
         command = [compiler, *flags, source, "-o", os.path.join(folder, "probe")]
         try:
-            return subprocess.run(command, capture_output=True, timeout=120).returncode == 0
-        except (OSError, subprocess.SubprocessError):
-            return False
+            done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+        except (OSError, subprocess.SubprocessError) as exc:
+            return str(exc) or type(exc).__name__
+        if done.returncode == 0:
+            return ""
+        lines = [line.strip() for line in (done.stderr + done.stdout).splitlines() if line.strip()]
+        return lines[0] if lines else f"exit status {done.returncode}"
 
 
-def _cxx_flags(compiler: str) -> list[str]:
-    """The C++ flags: -fopenmp only where the compiler accepts it (a compiler that rejects the others fails the
-    build, which then says why)."""
+def _cxx_flags(openmp: bool, debug: bool) -> list[str]:
+    """The C++ flags: -fopenmp where the compiler accepts it, -g0 unless a debug build is asked for."""
     # -ffp-contract=off: w + scale * g must round like the reference's separate multiply and add. -fno-math-errno:
     # std::sqrt need not set errno for a negative argument (its value is NaN either way), so loops with it vectorise.
     flags = ["-O3", "-ffp-contract=off", "-fno-math-errno"]
     # OpenMP threads ATen's parallel_for in the CPU kernels; without it they are correct but single-threaded.
-    if _accepts(compiler, ["-fopenmp"]):
-        return [*flags, "-fopenmp"]
-    warnings.warn(f"gearsam_fused: {compiler!r} rejects -fopenmp, so the CPU kernels run on one thread", stacklevel=2)
-    return flags
+    if openmp:
+        flags.append("-fopenmp")
+    return flags if debug else flags + NO_DEBUG_CXX_FLAGS
 
 
-def _link_flags(cxx_flags: list[str]) -> list[str]:
-    """The link flags: -fopenmp as compiled, and on Linux the symbols of any static library kept private."""
+def _link_flags(cxx_flags: list[str], debug: bool) -> list[str]:
+    """The link flags: -fopenmp as compiled, and on Linux the symbols of any static library kept private and, unless
+    a debug build is asked for, the debug information stripped."""
     flags = [f for f in cxx_flags if f == "-fopenmp"]
-    return flags + LINUX_LINK_FLAGS if sys.platform.startswith("linux") else flags
+    if not sys.platform.startswith("linux"):
+        return flags
+    return flags + LINUX_LINK_FLAGS + ([] if debug else NO_DEBUG_LINUX_LINK_FLAGS)
 
 
 def _extension_build():
     """``(ext_modules, cmdclass)`` for the C++/CUDA extension, or ``([], {})`` when it is skipped."""
     if _switch("GEARSAM_BUILD_CPP") == "0":
         return [], {}
+    debug = _switch("GEARSAM_DEBUG", default="0") == "1"
     try:
         import torch
         from torch.utils import cpp_extension
@@ -105,6 +134,17 @@ def _extension_build():
     if shutil.which(compiler) is None:
         _skip("C++ extension", "GEARSAM_BUILD_CPP", f"no C++ compiler ({compiler!r} is not on PATH)")
         return [], {}
+    # Where the probe with -fopenmp fails, one without tells a compiler that lacks OpenMP from one that cannot build
+    # anything, so the latter is reported as what it is and not as missing OpenMP.
+    openmp = not _probe(compiler, ["-fopenmp"])
+    if not openmp:
+        why = _probe(compiler, [])
+        if why:
+            why = f"no working C++ compiler ({compiler!r} does not compile and link an empty program: {why})"
+            _skip("C++ extension", "GEARSAM_BUILD_CPP", why)
+            return [], {}
+        warnings.warn(f"gearsam_fused: {compiler!r} rejects -fopenmp, so the CPU kernels run on one thread",
+                      stacklevel=2)  # fmt: skip
 
     with_cuda = False
     if _switch("GEARSAM_BUILD_CUDA") != "0":
@@ -118,9 +158,9 @@ def _extension_build():
         else:
             with_cuda = True
 
-    cxx_flags = _cxx_flags(compiler)
+    cxx_flags = _cxx_flags(openmp, debug)
     sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/cpu/*.cpp"))
-    kwargs = dict(name="gearsam_fused._C", sources=sources, extra_link_args=_link_flags(cxx_flags))
+    kwargs = dict(name="gearsam_fused._C", sources=sources, extra_link_args=_link_flags(cxx_flags, debug))
     if with_cuda:
         os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_CUDA_ARCHS)
         kwargs["sources"] += sorted(glob.glob("csrc/cuda/*.cu"))
@@ -139,9 +179,27 @@ def _extension_build():
                 super().build_extensions()
             except Exception as exc:  # a compiler error surfaces as one of several distutils exceptions
                 _skip("C++ extension", "GEARSAM_BUILD_CPP", f"the build failed ({exc})")
+                if not self.inplace:  # an earlier build's extension in build/ would otherwise go into the wheel
+                    for ext in self.extensions:
+                        with contextlib.suppress(FileNotFoundError):
+                            os.remove(self.get_ext_fullpath(ext.name))
                 self.extensions = []  # nothing to copy into the package
+                self.distribution.ext_modules = []  # the wheel is pure Python (WheelTaggedAsBuilt)
 
-    return [extension], {"build_ext": BuildOptionalExtension.with_options(use_ninja=True)}
+    cmdclass = {"build_ext": BuildOptionalExtension.with_options(use_ninja=True)}
+    if bdist_wheel is not None:
+
+        class WheelTaggedAsBuilt(bdist_wheel):
+            """A wheel whose extension failed to build is pure Python, tagged ``py3-none-any``. bdist_wheel decides
+            purity before the build; this decides it again right after, before anything is installed or tagged."""
+
+            def run_command(self, command):
+                super().run_command(command)
+                if command == "build":
+                    self.root_is_pure = not self.distribution.has_ext_modules()
+
+        cmdclass["bdist_wheel"] = WheelTaggedAsBuilt
+    return [extension], cmdclass
 
 
 ext_modules, cmdclass = _extension_build()
@@ -157,7 +215,8 @@ setup(
     package_dir={"gearsam_fused.triton_kernels": "triton_kernels"},
     install_requires=[f"torch>={ABOUT['MIN_TORCH']}", "numpy", "triton>=3.0; platform_system == 'Linux'"],
     extras_require={
-        "demo": ["scikit-learn", "matplotlib", "tqdm"],  # tqdm: the progress bar of a run on a terminal
+        # tqdm: the progress bar of a run on a terminal; pillow: the image folders of the transfer study
+        "demo": ["scikit-learn", "matplotlib", "tqdm", "pillow"],
         "transformers": ["transformers>=4.46", "accelerate>=1.0"],
         "lightning": ["lightning>=2.2"],
         "test": [
@@ -168,6 +227,7 @@ setup(
             "scikit-learn",
             "matplotlib",
             "tqdm",
+            "pillow",
             "hypothesis",
             "transformers>=4.46",
             "accelerate>=1.0",

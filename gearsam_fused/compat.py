@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from itertools import chain
+from typing import NoReturn
 
 import torch
 from torch.amp.grad_scaler import OptState  # GradScaler's per-optimizer stage: READY, UNSCALED, STEPPED
@@ -26,7 +27,7 @@ except ImportError:  # pragma: no cover - depends on the torch build
 
 __all__ = [
     "DTensor", "Shard", "BatchNormBase", "InstanceNormBase", "OptState", "scaler_records", "optimizer_record", "drop_optimizer_record",
-    "unscale_", "mark_stepped", "step_pre_hooks", "step_post_hooks", "graph_may_break", "graph_break",
+    "unscale_", "mark_stepped", "step_pre_hooks", "step_post_hooks", "graph_may_break", "graph_break", "raise_refusal",
 ]  # fmt: skip
 
 #: The base class of every norm layer with running statistics in the batch dimension (BatchNorm1d/2d/3d, their lazy
@@ -91,3 +92,20 @@ def graph_may_break() -> bool:
 def graph_break() -> None:
     """End the graph being traced here (``torch._dynamo.graph_break``)."""
     torch._dynamo.graph_break()
+
+
+def raise_refusal(message: str) -> NoReturn:
+    """Raise a RuntimeError saying ``message``. Inside a trace of ``torch.compile``, dynamo would report an exception
+    raised by traced code as its own "Observed exception", with ``message`` only in a debug line; so there it is
+    raised by a function that dynamo runs for real while tracing, as dynamo's ``UserError`` (a RuntimeError), which
+    dynamo passes on with ``message`` as what it says (checked on torch 2.13, CPU)."""
+    if torch.compiler.is_compiling():
+        _refuse_while_tracing(message)
+    raise RuntimeError(message)
+
+
+@torch._dynamo.assume_constant_result
+def _refuse_while_tracing(message: str) -> bool:
+    from torch._dynamo.exc import UserError, UserErrorType
+
+    raise UserError(UserErrorType.INVALID_INPUT, message)

@@ -10,6 +10,7 @@ import torch
 from .backends.base import MOMENTUM
 from .backends.flat_buffer import KernelBackend
 from .base_step import PER_TENSOR
+from .compat import raise_refusal
 
 
 def first_step_parts(opt) -> tuple[bool, torch.Tensor | None]:
@@ -45,7 +46,7 @@ def refuse_compiled(opt, folds: bool = True) -> None:
             kernels = set(operations) <= KernelBackend.family_operators
             where = (f" (the base step does not take the descent this step: {_not_folded_reason(opt)})"
                      if set(unregistered) & set(unfolded) else "")  # fmt: skip
-            raise RuntimeError(
+            raise_refusal(
                 f"the SAM family's part {part!r} runs {', '.join(unregistered)} on backend {opt.backend_name!r}"
                 f"{where} as torch operations, which torch.compile would apply to copies of the flat buffers; "
                 + ("use backend='cpp' or 'triton', where it is registered operators, or " if kernels else "")

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from .checks import check_dense_grad
+from .compat import raise_refusal
 from .compiled import host_op
 from .memory import flat_empty, flat_zeros
 from .partition import Block
@@ -184,7 +185,7 @@ class Bucket:
         out like ``param``: a state tensor of a parameter is a view at the parameter's place."""
         if key not in self.state and torch.compiler.is_compiling():
             # tensors made inside a compiled step and kept across steps come out wrong (torch 2.13)
-            raise RuntimeError(
+            raise_refusal(
                 f"optimizer state {key!r} does not exist yet and a step compiled with torch.compile cannot create it "
                 "(an option changed since the optimizer was built, e.g. momentum from 0); run one step without "
                 "torch.compile first"
@@ -203,7 +204,7 @@ class Bucket:
         capturable Adam keeps them) on the bucket's device, advanced without reading them."""
         if self._counts is None:
             if torch.compiler.is_compiling():
-                raise RuntimeError("a step compiled with torch.compile cannot create Adam's step counts")
+                raise_refusal("a step compiled with torch.compile cannot create Adam's step counts")
             counts = torch.zeros(len(self.slots), dtype=dtype, device=self.device if on_device else "cpu")
             self._counts = counts, list(counts.unbind())
         return self._counts
@@ -311,8 +312,8 @@ class FlatLayout:
             if bucket.owns_every_tensor():
                 bucket.all_dirty = True
                 continue
-            stale: list[torch.Tensor] = []
-            targets: list[torch.Tensor] = []
+            stale: list[_Slot] = []
+            copied: list[_Slot] = []
             sources: list[torch.Tensor] = []
             shift = bucket.shift
             for slot in bucket.slots_dirty():
@@ -326,18 +327,21 @@ class FlatLayout:
                     if bucket.missing_grad is None:
                         bucket.missing_grad = slot.name
                     if slot.dirty:
-                        stale.append(slot.grad_view)
-                        slot.dirty = False
+                        stale.append(slot)
                 else:
                     check_dense_grad(g, repr(slot.name))
-                    targets.append(slot.grad_view)
+                    copied.append(slot)
                     sources.append(g.detach())
-                    p.grad = slot.grad_view
-                    slot.dirty = True
+            # acted on once every slot passed its checks: a parameter refused above leaves every gradient as it was
             if stale:
-                torch._foreach_zero_(stale)
-            if targets:
-                torch._foreach_copy_(targets, sources)
+                torch._foreach_zero_([slot.grad_view for slot in stale])
+                for slot in stale:
+                    slot.dirty = False
+            if copied:
+                torch._foreach_copy_([slot.grad_view for slot in copied], sources)
+                for slot in copied:
+                    slot.param.grad = slot.grad_view
+                    slot.dirty = True
 
     @staticmethod
     def _rehome_param(bucket: Bucket, slot: _Slot, rehome: bool) -> None:

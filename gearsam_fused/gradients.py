@@ -9,19 +9,42 @@ from __future__ import annotations
 import torch
 
 from .allocation import GEAR_RULE
+from .compat import raise_refusal
 
 
 def check_first(opt, caller: str) -> None:
     """Refuse a step without gradients, or with a gradient on a parameter frozen when the optimizer was built."""
     # any() stops at the first gradient it finds, so a normal step pays O(1) here.
     if not any(p.grad is not None for block in opt.blocks for p in block.params):
-        raise RuntimeError(f"{caller} found no gradients: call loss.backward() before {caller}")
+        raise RuntimeError(_no_gradients(opt, caller))
     for name, p in opt._outside_blocks:
         if p.grad is not None:
             raise RuntimeError(
                 f"parameter {name} has a gradient but was frozen when the optimizer was built, so it is in no "
                 "block and would not be perturbed; build the optimizer after changing requires_grad"
             )
+
+
+def _no_gradients(opt, caller: str) -> str:
+    """Why ``opt`` found no gradient: no backward ran, or the model's parameters were replaced after the optimizer was
+    built, so the backward gave its gradients to tensors the optimizer does not hold."""
+    model = None if opt._model is None else opt._model()
+    if model is not None:
+        now = set(map(id, model.parameters()))
+        replaced = [
+            name
+            for block in opt.blocks
+            for name, p in zip(block.param_names, block.params)
+            if id(p) in opt._model_param_ids and id(p) not in now
+        ]
+        if replaced:
+            return (
+                f"{caller} found no gradients on its parameters because the model's parameters are no longer the "
+                f"ones it was built with: {len(replaced)} of them were replaced (first {replaced[0]!r}), e.g. by "
+                "model.load_state_dict(..., assign=True), model.to('meta') or to_empty(). Build the optimizer after "
+                "replacing them, or load weights with assign=False, which copies them into the parameters it holds"
+            )
+    return f"{caller} found no gradients: call loss.backward() before {caller}"
 
 
 def marks(opt) -> list[tuple[torch.Tensor, int]]:
@@ -36,7 +59,7 @@ def check(opt) -> None:
     (:func:`~gearsam_fused.compiled.check_second_gradient_`): their version counters are not traceable."""
     if opt._run.cleared and torch.compiler.is_compiling():
         if not opt.backend.fuses_base_step:
-            raise RuntimeError(
+            raise_refusal(
                 f"backend {opt.backend_name!r} keeps no flat gradient buffers: after zero_grad(set_to_none=False) "
                 "its compiled second_step cannot tell whether a backward ran; use zero_grad() (set_to_none=True)"
             )

@@ -15,6 +15,7 @@ stated there, once), then ``eps_p = scale_b * T_p**2 * g_p`` (:meth:`Backend.per
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable
 from dataclasses import fields
 
@@ -37,6 +38,7 @@ from .backends.base import Backend
 from .base_step import FUSED, PER_TENSOR
 from .capturable import DeviceScalars, check_found_inf_given
 from .checks import check_real
+from .compat import raise_refusal
 from .compiled import mark_stepped_now, own_graph, register, step_per_tensor
 from .family import Descent, FriendlyAscent, SurrogateGap, WeightedSharpness
 from .placement import flat_step_for, place, wrap_base
@@ -81,6 +83,9 @@ class SharpnessAware(torch.optim.Optimizer):
             setattr(self, field.name, getattr(options, field.name))
         check_base_optimizer(base_optimizer)
         params, model = params_and_model(params, model)
+        # to say so when the model's parameters are replaced after construction (gradients.check_first)
+        self._model = None if model is None else weakref.ref(model)
+        self._model_param_ids = frozenset(map(id, model.parameters())) if model is not None else frozenset()
         # Checked before torch reads the groups: it only warns of a parameter listed twice in one group (two flat slots
         # for one tensor would corrupt both) and names none listed in two groups.
         params = param_group_list(params)
@@ -195,7 +200,7 @@ class SharpnessAware(torch.optim.Optimizer):
         if self.perturbed:
             raise RuntimeError("first_step() called twice: call second_step() to restore the weights first")
         if self.schedule is not None and torch.compiler.is_compiling():
-            raise RuntimeError(
+            raise_refusal(
                 "a schedule decides on the host which steps take the second pass, which a step compiled with "
                 "torch.compile cannot do; compile the step without a schedule, or run it eagerly"
             )

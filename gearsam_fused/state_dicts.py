@@ -53,12 +53,25 @@ def _family_entry(opt) -> dict:
     return entry
 
 
-def _load_family(opt, ours: dict) -> None:
-    """Resume the SAM family's parts; a state saved with other parts is refused."""
+def _check_parts(opt, ours: dict) -> None:
+    """Refuse a state saved with other parts of the SAM family, or with a schedule this optimizer does not have: a
+    saved schedule's state (its statistics, LookSAM's correction) is never dropped. A state saved without a schedule
+    loads into one with a schedule, which starts afresh (a run switching to a schedule)."""
     for part in ("ascent", "descent"):
         saved, mine = ours.get(part, "None"), repr(getattr(opt, part))
         if saved != mine:
             raise ValueError(f"state dict was saved with {part}={saved}, this optimizer has {part}={mine}")
+    entry = ours.get("schedule")
+    if entry is not None and entry["schedule"] != repr(opt.schedule):
+        mine = "none" if opt.schedule is None else repr(opt.schedule)
+        raise ValueError(
+            f"state dict was saved with schedule {entry['schedule']}, this optimizer has {mine}; build it with "
+            f"schedule={entry['schedule']} to resume (a saved schedule's state is not dropped)"
+        )
+
+
+def _load_family(opt, ours: dict) -> None:
+    """Resume the SAM family's parts (:func:`_check_parts` has compared them)."""
     n_params = sum(len(block.params) for block in opt.blocks)
     # a state saved before the EMA started per parameter: every EMA had started together
     started = ours.get("ascent_started", [True] * n_params if "momentum" in ours else [])
@@ -82,8 +95,8 @@ def _schedule_entry(opt) -> dict:
 
 
 def _load_schedule(opt, entry: dict | None) -> None:
-    """Resume the schedule from a state-dict entry, or start it afresh when the state was saved without one (a
-    run that switches to a schedule); a different schedule than the one saved is refused."""
+    """Resume the schedule from a state-dict entry (:func:`_check_parts` has compared it with this optimizer's), or
+    start it afresh when the state was saved without one (a run that switches to a schedule)."""
     if opt.schedule is None:
         return
     if entry is None:
@@ -94,11 +107,6 @@ def _load_schedule(opt, entry: dict | None) -> None:
             for t in opt._backend.buffer_tensors(CORRECTION):
                 t.zero_()
         return
-    if entry["schedule"] != repr(opt.schedule):
-        raise ValueError(
-            f"state dict was saved with schedule {entry['schedule']}, this optimizer has {opt.schedule!r}; build "
-            "it with the same schedule to resume"
-        )
     opt._run.steps_done, opt._run.next_sam = int(entry["steps_done"]), bool(entry["next_sam"])
     opt._run.schedule_state = opt.schedule.initial_state(opt._run.ema.device)
     opt.schedule.load_state_dict(opt._run.schedule_state, entry["state"], opt._run.ema.device)
@@ -138,6 +146,7 @@ def load(opt, state_dict: dict, optimizers: dict) -> None:
                     f"block {block.name!r} parameter {i} ({name!r}) has shape {tuple(p.shape)}; the state was "
                     f"saved for {tuple(shape)}"
                 )
+    _check_parts(opt, ours)
     _load_base(opt, state_dict)
     for name in ("ema", "energy", "radius"):
         getattr(opt._run, name).copy_(ours[name])

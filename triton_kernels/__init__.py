@@ -49,7 +49,8 @@ Kernels that read ASAM's ``eta`` receive it twice, as ``eta32`` (a ``tl.float32`
 ``tl.float64`` one), and use the one of their compute precision, chosen at compile time. The reference adds ``eta``
 to ``|w|`` in the compute precision, so a float32 kernel must add ``eta`` rounded to float32 (a float64 ``eta`` would
 promote the sum to float64 and round differently) and a float64 kernel must add it unrounded; a Triton scalar
-argument has one type per compiled signature, so one argument cannot serve both.
+argument has one type per compiled signature, so one argument cannot serve both. (The energy of a tile whose float32
+sum overflowed is taken again in float64, with ``eta64``: :mod:`triton_kernels.energy`.)
 
 Importing this package imports triton: set ``TRITON_INTERPRET=1`` before that to run the kernels on CPU tensors
 through Triton's interpreter.

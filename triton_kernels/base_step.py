@@ -56,7 +56,7 @@ from ._common import (
     launches,
     pairs,
 )
-from .energy import _block_sums
+from .energy import _block_sums, _sum_of_products
 
 
 @triton.jit
@@ -157,10 +157,11 @@ def _sharpened(w_new, grad_ptr, corr_ptr, scalars_ptr, offsets, sharpness_step32
 
 
 @triton.jit
-def _momentum_partial(m, partial_ptr):
+def _momentum_partial(m, partial_ptr, COMPUTE: tl.constexpr):
     """partial[tile] = the tile's sum of m**2 (m as stored: the base steps compute in their buffers' type), the partial
-    block_energy's first stage takes of the stored momentum: _square_sum's operations on the same values."""
-    tl.store(partial_ptr + tl.program_id(0), tl.sum(m * m, axis=0).to(tl.float64))
+    block_energy's first stage takes of the stored momentum: _square_sum's operations on the same values (its
+    float64 sum where a float32 one overflows included)."""
+    tl.store(partial_ptr + tl.program_id(0), _sum_of_products(m, m, COMPUTE))
 
 
 @triton.jit
@@ -200,7 +201,7 @@ def _sgd_update(param_ptr, grad_ptr, backup_ptr, buf_ptr, corr_ptr, cscale_ptr, 
             )
         tl.store(buf_ptr + offsets, buf)
         if ENERGY:
-            _momentum_partial(buf, partial_ptr)
+            _momentum_partial(buf, partial_ptr, COMPUTE)
         if NESTEROV:
             g = tl.fma(momentum, buf, g)
         else:
@@ -349,7 +350,7 @@ def _adam_update(param_ptr, grad_ptr, backup_ptr, exp_avg_ptr, exp_avg_sq_ptr, m
     v = tl.fma(host_scalar(one_minus_beta2_32, one_minus_beta2_64, COMPUTE) * g, g, v)
     tl.store(exp_avg_ptr + offsets, m)
     if ENERGY:
-        _momentum_partial(m, partial_ptr)
+        _momentum_partial(m, partial_ptr, COMPUTE)
     tl.store(exp_avg_sq_ptr + offsets, v)
     second = v
     if AMSGRAD:

@@ -7,6 +7,12 @@
 With other (T = 1), in the same read of each tile, the products g_i * other_i as well, summed the same way into
 partial_{n_tiles + t} and per block into a second row of the result.
 
+Overflow: a float32 square overflows from about 1.8e19 (the square root of FLT_MAX), and a float32 sum of squares
+sooner, while the float64 energy holds up to 1.8e308. Where a tile's float32 sum is not finite, the program sums the
+tile again from the values it holds, every term formed in float64 (T with the float64 eta) and summed in float64 by
+tl.sum's fixed tree: a finite gradient gives a finite energy, and only an inf or a NaN in it (or a sum past DBL_MAX) a
+non-finite one. The common case pays one test per tile; float64 gradients have no wider type to take.
+
 friendly_energy_ takes F-SAM's ascent (triton_kernels.mix) on each tile first and sums the new gradient's squares the
 same way: the bits of friendly_ascent_ followed by block_energy, in one read.
 
@@ -42,12 +48,31 @@ _BLOCK_CHUNK = 256
 
 
 @triton.jit
+def _sum_of_products(a, b, ACC: tl.constexpr):
+    """The tile's sum of a * b (a and b in ACC) in ACC, as float64; where a float32 sum is not finite, the products
+    formed and summed in float64 instead (the module's overflow rule; ``x - x == 0`` fails for inf and NaN alone)."""
+    total = tl.sum(a * b, axis=0).to(tl.float64)
+    if ACC != tl.float64:
+        if not (total - total == 0):
+            total = tl.sum(a.to(tl.float64) * b.to(tl.float64), axis=0)
+    return total
+
+
+@triton.jit
 def _square_sum(g, second_ptr, offsets, eta32, eta64, ADAPTIVE: tl.constexpr, ACC: tl.constexpr):
-    """The tile's sum of (T * g)^2 in ACC, as float64; g in ACC, T = |w| + eta (w from second) if ADAPTIVE else 1."""
+    """The tile's sum of (T * g)^2 in ACC, as float64; g in ACC, T = |w| + eta (w from second) if ADAPTIVE else 1.
+    Where a float32 sum is not finite, T * g formed (T with eta64) and squared and summed in float64 instead."""
     if ADAPTIVE:
         w = tl.load(second_ptr + offsets).to(ACC)
-        g = (tl.abs(w) + (eta64 if ACC == tl.float64 else eta32)) * g
-    return tl.sum(g * g, axis=0).to(tl.float64)
+        t = (tl.abs(w) + (eta64 if ACC == tl.float64 else eta32)) * g
+        total = tl.sum(t * t, axis=0).to(tl.float64)
+        if ACC != tl.float64:
+            if not (total - total == 0):
+                wide = (tl.abs(w.to(tl.float64)) + eta64) * g.to(tl.float64)
+                total = tl.sum(wide * wide, axis=0)
+    else:
+        total = _sum_of_products(g, g, ACC)
+    return total
 
 
 @triton.jit
@@ -59,8 +84,8 @@ def _tile_energy_kernel(grad_ptr, second_ptr, partial_ptr, n_tiles, eta32: tl.fl
     offsets = tile * TILE + tl.arange(0, TILE)
     g = tl.load(grad_ptr + offsets).to(ACC)
     if PRODUCT:
-        products = g * tl.load(second_ptr + offsets).to(ACC)
-        tl.store(partial_ptr + n_tiles + tile, tl.sum(products, axis=0).to(tl.float64))
+        other = tl.load(second_ptr + offsets).to(ACC)
+        tl.store(partial_ptr + n_tiles + tile, _sum_of_products(g, other, ACC))
     tl.store(partial_ptr + tile, _square_sum(g, second_ptr, offsets, eta32, eta64, ADAPTIVE, ACC))
 
 

@@ -144,7 +144,7 @@ struct TileEnergy {
   void operator()(int64_t t) const {
     if (!partials) return;
     const scalar_t* m = momentum + t * tile;
-    partials[t] = tile_sum_here<Term::kSquare>(avx2, m, m, tile, at::opmath_type<scalar_t>(0));
+    partials[t] = tile_sum_here<Term::kSquare>(avx2, m, m, tile, 0.0);
   }
 };
 

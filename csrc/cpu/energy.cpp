@@ -2,7 +2,9 @@
 //
 //   partial_t = sum_{i in tile t} (T_i g_i)^2     T_i = |w_i| + eta (ASAM) or 1; squares in float32 (float64 for
 //                                                 float64 buffers), summed 8 at a time in 8 lanes, each lane's short
-//                                                 sums added in float64, the lanes combined pairwise
+//                                                 sums added in float64, the lanes combined pairwise; where that sum
+//                                                 of float32 terms is not finite, the same sum with every term formed
+//                                                 and summed in float64 (tile_sum.h: no finite gradient overflows)
 //   e_b       = sum_{t = first_tile_of_block[b]}^{first_tile_of_block[b+1]-1} partial_t     float64, in tile order
 //
 // With other (T = 1), in the same read of each tile: the energies as above in partials[0, n_tiles), and the products
@@ -35,17 +37,15 @@ namespace {
 template <Term kTerm, typename scalar_t>
 void tile_sums(const at::Tensor& grad, const at::Tensor& second, const at::Tensor& other, const at::Tensor& partials,
                int64_t tile, double eta) {
-  using compute_t = at::opmath_type<scalar_t>;
   const scalar_t* g = grad.const_data_ptr<scalar_t>();
   const scalar_t* s = second.const_data_ptr<scalar_t>();
   const scalar_t* o = other.defined() ? other.const_data_ptr<scalar_t>() : nullptr;
   double* out = partials.mutable_data_ptr<double>();
   const int64_t n_tiles = grad.numel() / tile;
-  const compute_t eta_c = static_cast<compute_t>(eta);
   const bool avx2 = cpu_has_fma();
   for_each_tile(n_tiles, tile, [&](int64_t t) {
-    out[t] = tile_sum_here<kTerm>(avx2, g + t * tile, s + t * tile, tile, eta_c);
-    if (o) out[n_tiles + t] = tile_sum_here<Term::kProduct>(avx2, g + t * tile, o + t * tile, tile, eta_c);
+    out[t] = tile_sum_here<kTerm>(avx2, g + t * tile, s + t * tile, tile, eta);
+    if (o) out[n_tiles + t] = tile_sum_here<Term::kProduct>(avx2, g + t * tile, o + t * tile, tile, eta);
   });
 }
 
@@ -57,12 +57,12 @@ void friendly_tile_sums(const at::Tensor& grad, const at::Tensor& momentum, cons
   scalar_t* m = momentum.mutable_data_ptr<scalar_t>();
   const scalar_t* p = param.const_data_ptr<scalar_t>();
   double* out = partials.mutable_data_ptr<double>();
-  const auto eta_c = static_cast<compute_t>(eta), s = static_cast<compute_t>(sigma);
+  const auto s = static_cast<compute_t>(sigma);
   const auto w = static_cast<compute_t>(1.0 - lmbda);
   const bool avx2 = cpu_has_fma();
   for_each_tile(grad.numel() / tile, tile, [&](int64_t t) {
     friendly::span(g + t * tile, m + t * tile, tile, s, w, first, avx2);
-    out[t] = tile_sum_here<kTerm>(avx2, g + t * tile, p + t * tile, tile, eta_c);
+    out[t] = tile_sum_here<kTerm>(avx2, g + t * tile, p + t * tile, tile, eta);
   });
 }
 

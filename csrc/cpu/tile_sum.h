@@ -1,6 +1,11 @@
 // One tile's sum of squares (or products) on the CPU, the first stage of the block energy's two-stage reduction
 // (energy.cpp), shared with the base steps (base_step.cpp), which sum the momentum they have just written by this
 // same code: the bits of block_energy's partials.
+//
+// Overflow: float32 squares (and short sums of them) overflow from about 1.8e19 (the square root of FLT_MAX) although
+// the energy, a float64, holds up to 1.8e308. A tile whose sum in float32 is not finite is summed again with every term
+// formed and summed in float64 (tile_sum_wide): a finite gradient then gives a finite energy, and only a gradient that
+// holds an inf or a NaN (or a sum past DBL_MAX) keeps a non-finite one. The common case pays one test per tile.
 
 #pragma once
 
@@ -9,6 +14,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "vec.h"
 
@@ -76,10 +82,26 @@ GEARSAM_FMA_CLONE double tile_sum_avx2(const scalar_t* grad, const scalar_t* sec
   return tile_sum_loop<kTerm>(grad, second, n, eta);
 }
 
-// One tile's sum, by the loop compiled for this CPU.
-template <Term kTerm, typename scalar_t, typename compute_t>
-double tile_sum_here(bool avx2, const scalar_t* grad, const scalar_t* second, int64_t n, compute_t eta) {
-  return avx2 ? tile_sum_avx2<kTerm>(grad, second, n, eta) : tile_sum<kTerm>(grad, second, n, eta);
+// The tile's sum with every term formed in float64 (T = |w| + eta with eta unrounded) and summed in float64, by the
+// same lanes in the same order: the rescue of a float32 sum that overflowed. Out of line: it is the rare case.
+template <Term kTerm, typename scalar_t>
+GEARSAM_COLD double tile_sum_wide(const scalar_t* grad, const scalar_t* second, int64_t n, double eta) {
+  return tile_sum_loop<kTerm, scalar_t, double>(grad, second, n, eta);
+}
+
+// One tile's sum, by the loop compiled for this CPU, in the compute type (float32, float64 for float64 buffers), eta
+// rounded to it; where a float32 sum is not finite, tile_sum_wide's instead (float64 buffers have no wider type: a
+// float64 sum that overflows is an energy past DBL_MAX).
+template <Term kTerm, typename scalar_t>
+double tile_sum_here(bool avx2, const scalar_t* grad, const scalar_t* second, int64_t n, double eta) {
+  using compute_t = at::opmath_type<scalar_t>;
+  const auto eta_c = static_cast<compute_t>(eta);
+  const double sum = avx2 ? tile_sum_avx2<kTerm>(grad, second, n, eta_c) : tile_sum<kTerm>(grad, second, n, eta_c);
+  if constexpr (!std::is_same_v<compute_t, double>) {
+    if (!std::isfinite(sum)) [[unlikely]]
+      return tile_sum_wide<kTerm>(grad, second, n, eta);
+  }
+  return sum;
 }
 
 // energy[r * n_blocks + b] = the sum of block b's tiles in row r of partials (n_tiles entries a row), in tile order.

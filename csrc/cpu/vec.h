@@ -37,6 +37,13 @@ inline bool cpu_has_fma() { return false; }
 #define GEARSAM_INLINE inline
 #endif
 
+// A function for a rare case (tile_sum_wide), kept out of line so that it adds nothing to the loops that call it.
+#if defined(__GNUC__)
+#define GEARSAM_COLD __attribute__((noinline, cold))
+#else
+#define GEARSAM_COLD
+#endif
+
 #if defined(__GNUC__) && defined(__x86_64__)
 #define GEARSAM_VEC 1
 

@@ -74,11 +74,14 @@ struct Friendly {
   }
 };
 
-// `value` combined over the thread block by `op` (an associative binary functor), valid in thread 0. The shuffle tree
-// and the warp order are fixed, so the same inputs always give the same bits. `scratch` holds kThreads / kWarp
-// entries; the block must be kThreads wide; `identity` is op's neutral element.
+// `value` combined over the thread block by `op` (an associative binary functor), valid in thread 0, or in every
+// thread where `everyone` is given (thread 0 writes it there before the last barrier; the next call writes it again
+// only after its first barrier, which every thread reaches after reading it). The shuffle tree and the warp order are
+// fixed, so the same inputs always give the same bits. `scratch` holds kThreads / kWarp entries; the block must be
+// kThreads wide; `identity` is op's neutral element.
 template <typename Op>
-__device__ __forceinline__ double block_reduce(double value, double* scratch, double identity, Op op) {
+__device__ __forceinline__ double block_reduce(double value, double* scratch, double identity, Op op,
+                                               double* everyone = nullptr) {
   for (int offset = kWarp / 2; offset > 0; offset /= 2) value = op(value, __shfl_down_sync(0xffffffffu, value, offset));
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
   if (lane == 0) scratch[warp] = value;
@@ -86,13 +89,14 @@ __device__ __forceinline__ double block_reduce(double value, double* scratch, do
   if (warp == 0) {
     value = lane < kThreads / kWarp ? scratch[lane] : identity;
     for (int offset = kWarp / 2; offset > 0; offset /= 2) value = op(value, __shfl_down_sync(0xffffffffu, value, offset));
+    if (everyone && lane == 0) *everyone = value;
   }
   __syncthreads();  // scratch may be reused right after
-  return value;
+  return everyone ? *everyone : value;
 }
 
-__device__ __forceinline__ double block_sum(double value, double* scratch) {
-  return block_reduce(value, scratch, 0.0, [](double a, double b) { return a + b; });
+__device__ __forceinline__ double block_sum(double value, double* scratch, double* everyone = nullptr) {
+  return block_reduce(value, scratch, 0.0, [](double a, double b) { return a + b; }, everyone);
 }
 
 // Data pointer of an optional tensor, null where it is undefined (not given).

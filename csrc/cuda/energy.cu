@@ -12,6 +12,13 @@
 //
 // Which thread reads which element depends only on the tile size and kThreads, so results are bitwise reproducible.
 //
+// Overflow: a float32 thread sum (bf16, fp16, float32 buffers) overflows from squares of about 1.8e19, the square
+// root of FLT_MAX, where the float64 energy does not. Every thread receives the tile's totals (block_sum's
+// `everyone`); where one is not finite, the block takes the tile again, each thread forming its terms in float64 (T
+// with the float64 eta) and summing them in float64, the same threads, vectors and tree: a finite gradient gives a
+// finite energy, and only an inf or a NaN in it (or a sum past DBL_MAX) a non-finite one. A uniform branch per tile;
+// float64 buffers have no wider type to take.
+//
 // friendly_energy: stage 1 takes F-SAM's ascent (Friendly, common.cuh) on each element first and sums the new
 // gradient's squares by the same threads, vectors and tree: the bits of friendly_ascent followed by block_energy, in
 // one read.
@@ -42,43 +49,81 @@ __device__ __forceinline__ void add_terms(const Pack<scalar_t, Vec>& g, const Pa
   }
 }
 
+// This thread's terms of the tile starting at `first`, formed and summed in compute_t (float64 for the rescue). No
+// restrict here: friendly_energy_kernel's rescue reads back what its threads have just written.
+template <Term kTerm, typename compute_t, typename scalar_t, int Vec>
+__device__ __forceinline__ void thread_sums(const scalar_t* grad, const scalar_t* second, int64_t first, int64_t tile,
+                                            compute_t eta, compute_t& sum, compute_t& products) {
+  using pack_t = Pack<scalar_t, Vec>;
+  for (int64_t i = int64_t(threadIdx.x) * Vec; i < tile; i += int64_t(kThreads) * Vec) {
+    const pack_t g = *reinterpret_cast<const pack_t*>(grad + first + i);
+    pack_t w;
+    if constexpr (kTerm != Term::kSquare) w = *reinterpret_cast<const pack_t*>(second + first + i);
+    add_terms<kTerm, scalar_t, Vec, compute_t>(g, w, eta, sum, products);
+  }
+}
+
+// The tile's totals, in every thread: float64 sums of the threads' compute_t sums; a float32 total that is not finite
+// is taken again by thread_sums in float64 (the file's overflow rule). partials[t] and, for kSquareAndProduct,
+// partials[n_tiles + t] written by thread 0.
+template <Term kTerm, typename scalar_t, int Vec>
+__device__ __forceinline__ void store_totals(const scalar_t* grad, const scalar_t* second, double* partials,
+                                             int64_t n_tiles, int64_t t, int64_t tile, double eta,
+                                             at::opmath_type<scalar_t> sum, at::opmath_type<scalar_t> products,
+                                             double* scratch, double* everyone) {
+  using compute_t = at::opmath_type<scalar_t>;
+  constexpr bool kProducts = kTerm == Term::kSquareAndProduct;
+  double total = block_sum(static_cast<double>(sum), scratch, everyone);
+  double product_total = kProducts ? block_sum(static_cast<double>(products), scratch, everyone) : 0.0;
+  if constexpr (!std::is_same_v<compute_t, double>) {
+    const bool square_over = !isfinite(total), product_over = kProducts && !isfinite(product_total);
+    if (square_over || product_over) {  // the same in every thread: the block takes the branch together
+      double wide = 0, wide_products = 0;
+      thread_sums<kTerm, double, scalar_t, Vec>(grad, second, t * tile, tile, eta, wide, wide_products);
+      const double wide_total = block_sum(wide, scratch);
+      if (square_over) total = wide_total;
+      if constexpr (kProducts) {
+        const double wide_product_total = block_sum(wide_products, scratch);
+        if (product_over) product_total = wide_product_total;
+      }
+    }
+  }
+  if (threadIdx.x == 0) {
+    partials[t] = total;
+    if constexpr (kProducts) partials[n_tiles + t] = product_total;
+  }
+}
+
 // second is param for the adaptive square, other for the products, unread for the plain square.
 template <typename scalar_t, int Vec, Term kTerm>
 __global__ void tile_energy_kernel(const scalar_t* __restrict__ grad, const scalar_t* __restrict__ second,
-                                   double* __restrict__ partials, int64_t n_tiles, int64_t tile,
-                                   at::opmath_type<scalar_t> eta) {
+                                   double* __restrict__ partials, int64_t n_tiles, int64_t tile, double eta) {
   using compute_t = at::opmath_type<scalar_t>;
-  using pack_t = Pack<scalar_t, Vec>;
   __shared__ double scratch[kThreads / kWarp];
+  __shared__ double everyone;
+  const auto eta_c = static_cast<compute_t>(eta);
   for (int64_t t = blockIdx.x; t < n_tiles; t += gridDim.x) {
-    const int64_t first = t * tile;
     compute_t sum = 0, products = 0;
-    for (int64_t i = int64_t(threadIdx.x) * Vec; i < tile; i += int64_t(kThreads) * Vec) {
-      const pack_t g = *reinterpret_cast<const pack_t*>(grad + first + i);
-      pack_t w;
-      if constexpr (kTerm != Term::kSquare) w = *reinterpret_cast<const pack_t*>(second + first + i);
-      add_terms<kTerm>(g, w, eta, sum, products);
-    }
-    const double total = block_sum(static_cast<double>(sum), scratch);
-    if (threadIdx.x == 0) partials[t] = total;
-    if constexpr (kTerm == Term::kSquareAndProduct) {
-      const double product_total = block_sum(static_cast<double>(products), scratch);
-      if (threadIdx.x == 0) partials[n_tiles + t] = product_total;
-    }
+    thread_sums<kTerm, compute_t, scalar_t, Vec>(grad, second, t * tile, tile, eta_c, sum, products);
+    store_totals<kTerm, scalar_t, Vec>(grad, second, partials, n_tiles, t, tile, eta, sum, products, scratch,
+                                       &everyone);
   }
 }
 
 // tile_energy_kernel's sums (kSquare or kAdaptiveSquare) of the gradient after F-SAM's ascent, which each thread takes
-// on its vectors first (or, first, copies them into momentum).
+// on its vectors first (or, first, copies them into momentum). The rescue reads back the gradient each thread has
+// just written (its own elements).
 template <typename scalar_t, int Vec, Term kTerm>
 __global__ void friendly_energy_kernel(scalar_t* __restrict__ grad, scalar_t* __restrict__ momentum,
                                        const scalar_t* __restrict__ param, double* __restrict__ partials,
-                                       int64_t n_tiles, int64_t tile, at::opmath_type<scalar_t> eta, double sigma,
-                                       double lmbda, bool first_step) {
+                                       int64_t n_tiles, int64_t tile, double eta, double sigma, double lmbda,
+                                       bool first_step) {
   using compute_t = at::opmath_type<scalar_t>;
   using pack_t = Pack<scalar_t, Vec>;
   __shared__ double scratch[kThreads / kWarp];
+  __shared__ double everyone;
   const Friendly<compute_t> ascent(sigma, lmbda);
+  const auto eta_c = static_cast<compute_t>(eta);
   for (int64_t t = blockIdx.x; t < n_tiles; t += gridDim.x) {
     const int64_t first = t * tile;
     compute_t sum = 0, unused = 0;
@@ -95,10 +140,9 @@ __global__ void friendly_energy_kernel(scalar_t* __restrict__ grad, scalar_t* __
       }
       pack_t w;
       if constexpr (kTerm == Term::kAdaptiveSquare) w = *reinterpret_cast<const pack_t*>(param + first + i);
-      add_terms<kTerm>(g, w, eta, sum, unused);
+      add_terms<kTerm>(g, w, eta_c, sum, unused);
     }
-    const double total = block_sum(static_cast<double>(sum), scratch);
-    if (threadIdx.x == 0) partials[t] = total;
+    store_totals<kTerm, scalar_t, Vec>(grad, param, partials, n_tiles, t, tile, eta, sum, unused, scratch, &everyone);
   }
 }
 
@@ -123,7 +167,7 @@ void launch_tile_energy(const at::Tensor& grad, const at::Tensor& second, const 
   const int64_t n_tiles = grad.numel() / tile;
   tile_energy_kernel<scalar_t, Vec, kTerm><<<grid_for(n_tiles, grad.get_device()), kThreads, 0, stream>>>(
       grad.const_data_ptr<scalar_t>(), second.const_data_ptr<scalar_t>(), partials.mutable_data_ptr<double>(), n_tiles,
-      tile, static_cast<at::opmath_type<scalar_t>>(eta));
+      tile, eta);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -144,8 +188,7 @@ void launch_friendly_energy(const at::Tensor& grad, const at::Tensor& momentum, 
   const int64_t n_tiles = grad.numel() / tile;
   friendly_energy_kernel<scalar_t, Vec, kTerm><<<grid_for(n_tiles, grad.get_device()), kThreads, 0, stream>>>(
       grad.mutable_data_ptr<scalar_t>(), momentum.mutable_data_ptr<scalar_t>(), param.const_data_ptr<scalar_t>(),
-      partials.mutable_data_ptr<double>(), n_tiles, tile, static_cast<at::opmath_type<scalar_t>>(eta), sigma, lmbda,
-      first);
+      partials.mutable_data_ptr<double>(), n_tiles, tile, eta, sigma, lmbda, first);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

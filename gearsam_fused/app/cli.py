@@ -20,10 +20,11 @@ from gearsam_fused.models import MODELS
 from gearsam_fused.partition import STRATEGIES, format_partition, partition
 
 from .data import DATASETS
-from .demo import demo_config
+from .demo import demo_run_config, is_demo_run, render_demo, run_demo
 from .probe import ProbeSettings, probe_run
 from .studies import STUDIES, rebuild_study, run_study, study_config
 from .training import (
+    ALL,
     AMP_MODES,
     OPTIMIZER_NAMES,
     RESUMABLE,
@@ -55,6 +56,31 @@ def _model_arg(text: str) -> tuple[str, object]:
         return key, value  # a bare word such as act=silu
 
 
+def _optimizer_rho(text: str) -> tuple[str, float]:
+    """``--optimizer-rho``'s values: ``NAME=RHO``."""
+    name, sep, value = text.partition("=")
+    try:
+        return (name, float(value)) if sep and name else _no_rho(text)
+    except ValueError:
+        return _no_rho(text)
+
+
+def _no_rho(text: str):
+    raise argparse.ArgumentTypeError(
+        f"expected NAME=RHO (an optimizer and its radius, e.g. gear-sam=0.2), got {text!r}"
+    )
+
+
+def _per_class(text: str):
+    """``--train-per-class``'s value: ``all`` or a whole number (checked with the other settings)."""
+    if text == ALL:
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {ALL} or a whole number, got {text!r}") from None
+
+
 def _optimizer_name(text: str) -> str:
     """``--optimizers``' values: a name of :data:`OPTIMIZER_NAMES`, or a one-pass name with its radius."""
     try:
@@ -75,6 +101,8 @@ def _adder(parser: argparse.ArgumentParser, defaults: RunConfig):
             value = "on" if value else "off"
         elif isinstance(value, list):
             value = " ".join(map(str, value))
+        elif isinstance(value, dict):
+            value = " ".join(f"{k}={v}" for k, v in value.items()) or None
         parser.add_argument(flag, help=help + ("" if value is None else f" (default: {value})"), **kwargs)
 
     return add
@@ -100,7 +128,8 @@ def _training_options(parser: argparse.ArgumentParser, defaults: RunConfig) -> N
     add("--backend", help=f"auto, or one this installation can run: {', '.join(available_backends())}")
     add("--label-noise", type=float, help="symmetric label noise rate on the training set, e.g. 0.2")
     add("--telemetry-every", type=int, help="read block statistics from the device every N steps")
-    add("--threads", type=int, help="CPU threads for torch (default: torch's choice)")
+    chosen = "" if defaults.threads else " (default: torch's choice)"  # the demo's default is its own: see demo.DEMO
+    add("--threads", type=int, help=f"CPU threads for torch{chosen}")
     add("--out", type=Path, help="run directory (default: runs/COMMAND-TIMESTAMP); refused if it holds files")
     parser.add_argument("--overwrite", action="store_true",
                         help="clear --out first when it holds an earlier run or study, instead of refusing it")  # fmt: skip
@@ -109,14 +138,21 @@ def _training_options(parser: argparse.ArgumentParser, defaults: RunConfig) -> N
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="gearsam",
-        description="SAM and GEAR-SAM for PyTorch. Start with `gearsam demo`: SGD, SAM and GEAR-SAM on the digits in "
-        "about a minute on a CPU, with a table and plots.",
+        description="SAM and GEAR-SAM for PyTorch. Start with `gearsam demo`: SGD, SAM and GEAR-SAM on the digits with "
+        "40% of the training labels flipped, in about half a minute on a CPU, with a table, a reading and plots.",
     )
     parser.add_argument("--version", action="version", version=f"gearsam_fused {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    demo = sub.add_parser("demo", help="train SGD, SAM and GEAR-SAM on scikit-learn's digits and compare")
-    _training_options(demo, demo_config())
+    demo = sub.add_parser(
+        "demo",
+        help="train SGD, SAM and GEAR-SAM on scikit-learn's digits with noisy labels and compare",
+        description="SGD, SAM and GEAR-SAM on scikit-learn's digits with 40% of the training labels flipped, a cosine "
+        "learning rate and the same seeds: prints each one's test accuracy, its difference to SGD's and the "
+        "training's CPU time, then a one-line reading of the run; writes a run directory with curves.png (accuracy "
+        "panels zoomed to the run, final values labelled) and block_shares.png.",
+    )
+    _training_options(demo, demo_run_config())
 
     train = sub.add_parser("train", help="train a model on the digits, CIFAR-10/100 or synthetic data")
     _training_options(train, RunConfig())
@@ -133,8 +169,8 @@ def build_parser() -> argparse.ArgumentParser:
     part.add_argument("model", help=f"an in-repo model ({', '.join(sorted(MODELS))}) or package.module:factory")
     part.add_argument("--model-arg", type=_model_arg, action="append", default=[], metavar="KEY=VALUE",
                       help="keyword for the model factory, as in train; e.g. num_classes=10 for the head a 10-class "
-                      "dataset trains (the factory's own default otherwise: 1000 for tv_resnet18, vit_b16 and "
-                      "efficientnet_b0)")  # fmt: skip
+                      "dataset trains (the factory's own default otherwise: 1000 for tv_resnet18, resnet50, vit_b16 "
+                      "and efficientnet_b0)")  # fmt: skip
     part.add_argument("--strategy", nargs="+", default=["coarse", "fine"], choices=STRATEGIES,
                       help="one table per strategy (default: coarse fine)")  # fmt: skip
 
@@ -160,8 +196,12 @@ def _study_commands(sub) -> None:
         "study",
         choices=list(STUDIES),
         help="; ".join(f"{k}: {s.about}" for k, s in STUDIES.items())
-        + ". Defaults: the demo's, with --schedule cosine and five seeds; partition, rho, beta, efficiency and "
-        "family train on 40%% noisy labels, hessian on three seeds",
+        + ". Defaults: the clean-label digits settings the demo starts from (15 epochs, rho 0.05), with --schedule "
+        "cosine and five seeds; partition, rho, beta, efficiency and family train on 40%% noisy labels, hessian on "
+        "three seeds. transfer: the paper's fine-tuning (30 epochs, lr 0.01, SAM rho 0.05, GEAR-SAM rho 0.2, weight "
+        "decay 1e-4, 1e-5 for efficientnet_b0) of digits 5-9 in batches of 32 from a source network it pretrains on "
+        "digits 0-4; or, with --model resnet50|efficientnet_b0 --weights PATH --data-dir DIR, of your image folder "
+        "in batches of 128 from your weights",
     )
     _training_options(reproduce, study_config())
     _model_options(reproduce, study_config())
@@ -222,8 +262,10 @@ def _model_options(parser: argparse.ArgumentParser, defaults: RunConfig) -> None
         help="keyword for the model factory, e.g. width=16 or 'blocks=(1,1)'; repeatable",
     )
     add("--dataset", choices=DATASETS, help="training data: scikit-learn's digits (8x8, 1 channel), CIFAR (needs "
-        "--data-dir) or synthetic (class patterns under noise, 3x32x32)")  # fmt: skip
-    add("--data-dir", help="folder holding cifar-10-batches-py/ or cifar-100-python/")
+        "--data-dir), synthetic (class patterns under noise, 3x32x32) or imagefolder (--data-dir holding "
+        "train/CLASS/*.jpg and test/CLASS/*.jpg, read with Pillow)")  # fmt: skip
+    add("--data-dir", help="folder holding cifar-10-batches-py/ or cifar-100-python/ (a trusted one: CIFAR's files "
+        "are pickles, which can run code when read), or an image folder's train/ and test/")  # fmt: skip
     add("--synthetic-size", type=int, help="training images of --dataset synthetic")
     add("--momentum", type=float, help="SGD momentum")
     add("--weight-decay", type=float, help="SGD weight decay")
@@ -237,6 +279,18 @@ def _model_options(parser: argparse.ArgumentParser, defaults: RunConfig) -> None
     add("--amp", choices=AMP_MODES, help="bf16: forward and loss under bfloat16 autocast")
     add("--channels-last", action="store_const", const=True, help="channels_last model and inputs; CUDA only")
     add("--checkpoint-every", type=int, help="save a checkpoint every N epochs and at the end; 0: never")
+    add("--weights", metavar="PATH", help="a state dict file the network starts from (torchvision's ImageNet weights "
+        "of resnet50 or efficientnet_b0, say; nothing is downloaded), read with torch.load(weights_only=True): every "
+        "tensor but the classifier's (the last linear layer, replaced for the dataset's classes and initialised from "
+        "the seed); every layer is trained")  # fmt: skip
+    add("--classes", type=int, nargs="+", metavar="C", help="train and test on these classes of the dataset only "
+        "(numbered from 0; an image folder's in sorted order), relabelled in the order given")  # fmt: skip
+    add("--train-per-class", type=_per_class, metavar="K", help=f"K training images per class, drawn from each "
+        f"seed (all of a class that has fewer), or {ALL}")  # fmt: skip
+    add("--image-size", type=int, metavar="SIZE", help="--dataset imagefolder: the side of the square images (shorter side resized "
+        "to SIZE*256/224, centre crop)")  # fmt: skip
+    add("--optimizer-rho", type=_optimizer_rho, action="append", metavar="NAME=RHO",
+        help="the radius of optimizer NAME in place of --rho, e.g. gear-sam=0.2; repeatable")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -293,6 +347,10 @@ def _config(args: argparse.Namespace) -> tuple[RunConfig, Path, bool]:
     }
     if getattr(args, "model_arg", None):
         given["model_args"] = dict(args.model_arg)
+    if "optimizer_rho" in given:
+        given["optimizer_rho"] = dict(given["optimizer_rho"])
+    if "weights" in given:  # the file the user named, wherever the run directory is
+        given["weights"] = str(Path(given["weights"]).expanduser().resolve())
     resume = getattr(args, "resume", None)
     if args.command == "reproduce":
         return _study_config(args, given)
@@ -306,8 +364,16 @@ def _config(args: argparse.Namespace) -> tuple[RunConfig, Path, bool]:
         if changed:
             raise ValueError(f"--resume cannot change {changed}; only {sorted(RESUMABLE)}")
         return dataclasses.replace(cfg, **given), resume, True
-    cfg = RunConfig(**given) if args.command == "train" else demo_config(**given)
+    cfg = RunConfig(**given) if args.command == "train" else demo_run_config(**given)
+    _check_optimizer_rho(given, cfg.optimizers)
     return cfg, args.out, False
+
+
+def _check_optimizer_rho(given: dict, optimizers) -> None:
+    """Refuse a radius given for an optimizer the run does not train: it would be dropped."""
+    idle = [f"{name}={rho}" for name, rho in given.get("optimizer_rho", {}).items() if name not in optimizers]
+    if idle:
+        raise ValueError(f"--optimizer-rho {' '.join(idle)}: not trained here (--optimizers {' '.join(optimizers)})")
 
 
 def _study_config(args: argparse.Namespace, given: dict) -> tuple[RunConfig, Path | None, bool]:
@@ -315,7 +381,9 @@ def _study_config(args: argparse.Namespace, given: dict) -> tuple[RunConfig, Pat
     (then only how long and where it runs may change). Options the study would not use are refused."""
     if args.resume is None:
         _check_study_options(args, given)
-        return study_config(args.study, **given), args.out, False
+        cfg = study_config(args.study, **given)
+        _check_optimizer_rho(given, cfg.optimizers)
+        return cfg, args.out, False
     if args.out is not None or args.overwrite:
         raise ValueError("--resume continues in STUDY_DIR itself, keeping what it holds; drop --out and --overwrite")
     if not (args.resume / "study.json").is_file():
@@ -387,7 +455,10 @@ def _run(args: argparse.Namespace) -> int:
     if args.command in ("demo", "train"):
         cfg, out, resume = _config(args)
         with _out_dir(args, out) as run_dir:
-            run_experiment(cfg, run_dir, resume=resume, overwrite=args.overwrite)
+            if args.command == "demo":
+                run_demo(cfg, run_dir, overwrite=args.overwrite)
+            else:
+                run_experiment(cfg, run_dir, resume=resume, overwrite=args.overwrite)
         _plot_run(run_dir)
     elif args.command == "reproduce":
         cfg, out, resume = _config(args)
@@ -414,7 +485,7 @@ def _run(args: argparse.Namespace) -> int:
             print(f"wrote {args.run_dir / 'study.md'}\nwrote {args.run_dir / 'study.json'}")
             _plot(args.run_dir, "render_study")
         else:
-            _plot(args.run_dir, "render")
+            _plot_run(args.run_dir)
     elif args.command == "bench":
         runner = benchmark_runner(args.benchmarks)
         extra = ([] if args.full else ["--quick"]) + (["--results", args.results] if args.results else [])
@@ -445,17 +516,19 @@ def benchmark_runner(folder: Path | None, start: Path | None = None) -> Path:
 
 
 def _plot_run(run_dir: Path) -> None:
-    """Render the plots of a finished run, or say why there are none: the run itself never needs matplotlib."""
-    _plot(run_dir, "render")
+    """Render the plots of a run, or say why there are none: the run itself never needs matplotlib. A demo run's
+    accuracy panels are zoomed to its range (``demo.render_demo``)."""
+    _plot(run_dir, render_demo if is_demo_run(run_dir) else "render")
 
 
-def _plot(folder: Path, renderer: str) -> None:
-    """Draw ``folder``'s plots with ``plots.<renderer>`` and name them, or say why there are none."""
+def _plot(folder: Path, renderer) -> None:
+    """Draw ``folder``'s plots with ``plots.<renderer>`` (or ``renderer`` itself, a function) and name them, or say
+    why there are none."""
     try:
         from . import plots
     except ImportError as exc:
         print(f"\nno plots: {exc} (pip install matplotlib)")
         return
-    written = getattr(plots, renderer)(folder)
+    written = renderer(folder) if callable(renderer) else getattr(plots, renderer)(folder)
     for path in written if isinstance(written, list) else [written]:
         print(f"wrote {path}")

@@ -1,17 +1,25 @@
 """Datasets of the command line, as whole tensors: scikit-learn's bundled digits, CIFAR-10/100 read from the official
-python archives in ``--data-dir``, and synthetic images (class patterns under noise) for quick runs. Batches are index slices, so an epoch
-costs no data-loader processes and is reproducible from its seed alone."""
+python archives in ``--data-dir``, an image folder in ``--data-dir`` (``train/CLASS/*.jpg``, ``test/CLASS/*.jpg``,
+read with Pillow and kept as bytes), and synthetic images (class patterns under noise) for quick runs. Batches are
+index slices, so an epoch costs no data-loader processes and is reproducible from its seed alone. A run may keep some
+classes only (``--classes``, relabelled in the order given) and, per seed, a few training images per class
+(``--train-per-class``)."""
 
 from __future__ import annotations
 
+import functools
 import pickle
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-DATASETS = ("digits", "cifar10", "cifar100", "synthetic")
+DATASETS = ("digits", "cifar10", "cifar100", "synthetic", "imagefolder")
+#: The files an image folder's classes hold (the extension, in any case).
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".ppm", ".gif", ".tif", ".tiff", ".webp")
+#: The ImageNet statistics torchvision's pretrained weights expect their inputs normalised with.
+IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
 # Per-channel statistics of the CIFAR training sets (the values everyone normalises with).
 _CIFAR_MEAN = {"cifar10": (0.4914, 0.4822, 0.4465), "cifar100": (0.5071, 0.4865, 0.4409)}
@@ -37,8 +45,12 @@ class Dataset:
         return self.train[0].shape[1]
 
 
-def load_dataset(name: str, data_dir: str | None = None, synthetic_size: int = 2048, seed: int = 0) -> Dataset:
-    """One of :data:`DATASETS`; CIFAR needs ``data_dir`` holding the unpacked python version of the archive."""
+def load_dataset(
+    name: str, data_dir: str | None = None, synthetic_size: int = 2048, seed: int = 0, image_size: int = 224
+) -> Dataset:
+    """One of :data:`DATASETS`; CIFAR needs ``data_dir`` holding the unpacked python version of the archive, an image
+    folder ``data_dir`` holding ``train/`` and ``test/`` (see :func:`load_image_folder`, which ``image_size`` is
+    for)."""
     if name == "digits":
         train, test = load_digits_split(seed)
         return Dataset("digits", train, test, 10)
@@ -46,6 +58,8 @@ def load_dataset(name: str, data_dir: str | None = None, synthetic_size: int = 2
         return load_cifar(name, data_dir)
     if name == "synthetic":
         return synthetic_images(synthetic_size, seed=seed)
+    if name == "imagefolder":
+        return load_image_folder(data_dir, image_size)
     raise ValueError(f"unknown dataset {name!r}; expected one of {DATASETS}")
 
 
@@ -68,7 +82,9 @@ def load_digits_split(seed: int = 0, test_fraction: float = 0.2):
 
 def load_cifar(name: str, data_dir: str | None) -> Dataset:
     """CIFAR-10/100 from the python-pickle archive (``cifar-10-batches-py/`` or ``cifar-100-python/`` in
-    ``data_dir``), the same files torchvision downloads; torchvision itself is not needed."""
+    ``data_dir``), the same files torchvision downloads; torchvision itself is not needed. The official files are
+    pickles, read as they are: unpickling runs whatever a file says, so ``data_dir`` must be trusted (``--data-dir``
+    says so)."""
     folder, train_files, test_file, label_key = _CIFAR_LAYOUT[name]
     if data_dir is None:
         raise ValueError(f"--dataset {name} needs --data-dir DIR containing {folder}/ (or use --dataset synthetic)")
@@ -133,3 +149,125 @@ def crop_and_flip(x: torch.Tensor, generator: torch.Generator, pad: int = 4) -> 
     batch = torch.arange(n, device=x.device)[:, None, None, None]
     channel = torch.arange(c, device=x.device)[None, :, None, None]
     return padded[batch, channel, rows[:, None, :, None], cols[:, None, None, :]]
+
+
+def keep_classes(data: Dataset, classes: list[int] | None) -> Dataset:
+    """``data`` with the images of ``classes`` only (all of them for None), class ``classes[i]`` relabelled ``i``; a
+    ValueError for a class the dataset does not have."""
+    if classes is None:
+        return data
+    unknown = [c for c in classes if not 0 <= c < data.num_classes]
+    if unknown:
+        raise ValueError(f"--classes {' '.join(map(str, classes))}: {data.name} has classes 0 to "
+                         f"{data.num_classes - 1}, not {unknown}")  # fmt: skip
+    relabel = torch.full((data.num_classes,), -1, dtype=torch.int64)
+    relabel[torch.tensor(classes)] = torch.arange(len(classes))
+
+    def keep(split):
+        x, y = split
+        kept = relabel[y] >= 0
+        return x[kept], relabel[y[kept]]
+
+    return replace(data, train=keep(data.train), test=keep(data.test), num_classes=len(classes))
+
+
+def per_class(labels: torch.Tensor, count: int, num_classes: int, seed: int) -> torch.Tensor:
+    """The indices of ``count`` training images per class (all of a class that has fewer), drawn from ``seed``, in
+    the order drawn: for one seed, the images of a smaller count are among those of a larger one."""
+    order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(seed))
+    return torch.cat([order[labels[order] == c][:count] for c in range(num_classes)])
+
+
+def as_float(images: torch.Tensor) -> torch.Tensor:
+    """The network's input: float images as they are; bytes (an image folder's, kept so: a quarter of the memory)
+    scaled to [0, 1] and normalised with the ImageNet mean and std, as torchvision's pretrained weights expect."""
+    if images.dtype != torch.uint8:
+        return images
+    mean = torch.tensor(IMAGENET_MEAN, device=images.device).view(1, 3, 1, 1)
+    std = torch.tensor(IMAGENET_STD, device=images.device).view(1, 3, 1, 1)
+    return (images.float().div_(255.0) - mean) / std
+
+
+@functools.lru_cache(maxsize=1)  # a study reads the folder once, not once per run directory
+def _read_image_folder(root: Path, image_size: int, files: tuple) -> Dataset:
+    """The image folder at ``root``; ``files`` (each file's path, size and time of change) is only the cache's key:
+    a folder changed on disk is read again."""
+    classes = _class_folders(root / "train")
+    test_classes = _class_folders(root / "test")
+    if test_classes != classes:
+        only_train, only_test = sorted(set(classes) - set(test_classes)), sorted(set(test_classes) - set(classes))
+        raise ValueError(f"--data-dir {root}: train/ and test/ must hold the same class folders; only in train/: "
+                         f"{only_train[:5]}, only in test/: {only_test[:5]}")  # fmt: skip
+    return Dataset(
+        f"imagefolder {root.name}", _read_split(root / "train", classes, image_size),
+        _read_split(root / "test", classes, image_size), len(classes),
+    )  # fmt: skip
+
+
+def load_image_folder(data_dir: str | None, image_size: int = 224) -> Dataset:
+    """The images of ``data_dir/train/CLASS/`` and ``data_dir/test/CLASS/`` (torchvision's ImageFolder layout: one
+    folder per class, the same classes in both, numbered in sorted order), read with Pillow as RGB, the shorter side
+    resized to ``image_size * 256 / 224`` and the centre ``image_size`` square cropped (torchvision's evaluation
+    transform for its ImageNet weights), kept as bytes (:func:`as_float` normalises them per batch). No
+    augmentation. A ValueError naming what is missing or unreadable."""
+    if data_dir is None:
+        raise ValueError("--dataset imagefolder needs --data-dir DIR holding train/CLASS/*.jpg and test/CLASS/*.jpg")
+    root = Path(data_dir)
+    if not root.is_dir():
+        raise ValueError(f"--data-dir {root} is not a directory; expected one holding train/CLASS/*.jpg and "
+                         "test/CLASS/*.jpg")  # fmt: skip
+    root = root.resolve()
+    files = tuple((str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in sorted(root.rglob("*")) if f.is_file())
+    return _read_image_folder(root, image_size, files)
+
+
+def _class_folders(split: Path) -> list[str]:
+    """The class folders of ``split`` (``train/`` or ``test/``), sorted; a ValueError when it has none."""
+    if not split.is_dir():
+        raise ValueError(f"--data-dir {split.parent}: no {split.name}/ folder; expected train/CLASS/*.jpg and "
+                         "test/CLASS/*.jpg (one folder per class)")  # fmt: skip
+    classes = sorted(p.name for p in split.iterdir() if p.is_dir())
+    if not classes:
+        raise ValueError(f"--data-dir {split.parent}: {split} holds no class folders; expected {split.name}/CLASS/"
+                         "*.jpg, one folder per class")  # fmt: skip
+    return classes
+
+
+def _read_split(split: Path, classes: list[str], image_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One split's images as ``uint8 [N, 3, S, S]`` and their labels (the index of their class in ``classes``)."""
+    try:
+        from PIL import Image, UnidentifiedImageError
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise RuntimeError("--dataset imagefolder reads images with Pillow: pip install pillow") from exc
+    files = [(label, f) for label, name in enumerate(classes) for f in sorted((split / name).iterdir())
+             if f.is_file() and f.suffix.lower() in IMAGE_SUFFIXES]  # fmt: skip
+    empty = sorted(set(classes) - {classes[label] for label, _ in files})
+    if empty:
+        raise ValueError(f"--data-dir {split.parent}: {len(empty)} class folder(s) of {split.name}/ hold no image "
+                         f"({', '.join(empty[:5])}); an image is a file ending in {', '.join(IMAGE_SUFFIXES)}")  # fmt: skip
+    images = torch.empty(len(files), 3, image_size, image_size, dtype=torch.uint8)
+    for i, (_, path) in enumerate(files):
+        try:
+            with Image.open(path) as opened:
+                image = center_crop(opened.convert("RGB"), image_size)
+        except (OSError, UnidentifiedImageError) as exc:
+            raise ValueError(f"cannot read {path} as an image: {exc}") from None
+        pixels = torch.frombuffer(bytearray(image.tobytes()), dtype=torch.uint8)
+        images[i] = pixels.view(image_size, image_size, 3).permute(2, 0, 1)
+    return images, torch.tensor([label for label, _ in files], dtype=torch.int64)
+
+
+def center_crop(image, size: int):
+    """A Pillow RGB image as torchvision's evaluation transform for its ImageNet weights makes it: the shorter side
+    resized (bilinear, antialiased) to ``size * 256 / 224`` (256 for 224), then the centre ``size`` square."""
+    from PIL import Image
+
+    short = round(size * 256 / 224)
+    width, height = image.size
+    if width <= height:
+        width, height = short, int(short * height / width)
+    else:
+        width, height = int(short * width / height), short
+    image = image.resize((width, height), Image.Resampling.BILINEAR)
+    left, top = int(round((width - size) / 2.0)), int(round((height - size) / 2.0))
+    return image.crop((left, top, left + size, top + size))

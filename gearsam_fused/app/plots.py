@@ -177,6 +177,54 @@ def study_figure(numbers: dict, where: str = "") -> Figure:
     return fig
 
 
+def transfer_figure(numbers: dict, where: str = "") -> Figure:
+    """The transfer study: test accuracy (%) against the target's training images per class, one line per optimizer
+    (bars: ± std over seeds); beside it, the per-seed paired differences between the optimizers (each seed a dot, the
+    mean ± std a bar), which the seeds' spread does not blur."""
+    fig = Figure(figsize=(13, 4.8), layout="constrained")
+    left, right = fig.subplots(1, 2)
+    values = list(numbers["values"])
+    names = list(dict.fromkeys(row["optimizer"] for row in numbers["accuracy"]))
+    cfg = numbers.get("settings") or {}
+    for index, name in enumerate(names):
+        mine = {row["value"]: row for row in numbers["accuracy"] if row["optimizer"] == name}
+        shift = 0.08 * (index - (len(names) - 1) / 2)
+        x = [i for i, v in enumerate(values) if v in mine]
+        rho = (cfg.get("optimizer_rho") or {}).get(name, cfg.get("rho"))  # each sharpness-aware one's own radius
+        label = _TITLES.get(name, name) + ("" if name == "sgd" or rho is None else f" (ρ {rho:g})")
+        left.errorbar([i + shift for i in x], [mine[values[i]]["mean"] for i in x], marker="o", capsize=3,
+                      yerr=[_bar(mine[values[i]]["std"]) for i in x], color=color_of(name), label=label)  # fmt: skip
+    left.set_ylabel("test accuracy (%)")
+    left.set_title("accuracy after fine-tuning")
+    left.legend(loc="lower right", title="optimizer")
+    pairs = list(dict.fromkeys(row["pair"] for row in numbers["paired_differences"]))
+    for index, pair in enumerate(pairs):
+        b, _, a = pair.partition(" - ")
+        label = f"{_TITLES.get(b, b)} − {_TITLES.get(a, a)}"
+        mine = {row["value"]: row for row in numbers["paired_differences"] if row["pair"] == pair}
+        shift = 0.12 * (index - (len(pairs) - 1) / 2)
+        x = [i for i, v in enumerate(values) if v in mine]
+        # the colour of the pair's first optimizer, a marker of its own; dashed where it is not set against SGD
+        color, marker = color_of(b), "osD^v"[index % 5]
+        for i in x:
+            seeds = list(mine[values[i]]["per_seed"].values())
+            right.plot([i + shift] * len(seeds), seeds, marker, color=color, alpha=0.35, markersize=4)
+        right.errorbar([i + shift for i in x], [mine[values[i]]["mean"] for i in x], marker=marker, capsize=3,
+                       yerr=[_bar(mine[values[i]]["std"]) for i in x], color=color, label=label,
+                       linestyle="--" if a != "sgd" else "-")  # fmt: skip
+    right.axhline(0.0, color="0.3", linewidth=0.8)
+    right.set_ylabel("paired difference (accuracy points)")
+    right.set_title("same seed: differences (dots: seeds; bars: mean ± std)")
+    right.legend(loc="upper right", fontsize="small")
+    for ax in (left, right):
+        ax.set_xticks(range(len(values)), [str(v) for v in values])
+        ax.set_xlabel("training images per class of the target")
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"{numbers['about']}\n{where + ': ' if where else ''}{_settings_line(numbers)}{_ran(numbers)}",
+                 fontsize="medium")  # fmt: skip
+    return fig
+
+
 # The marker of each kind of second-pass schedule in the efficiency figure (its colour is the optimizer's), and of
 # one-pass momentum SAM, whose configurations are its radii.
 _SCHEDULE_MARKERS = {"always": "o", "every": "^", "looksam": "s", "random": "v", "adaptive": "D", "one pass": "P"}
@@ -285,6 +333,8 @@ def render_study(study_dir: str | Path) -> list[Path]:
     numbers = json.loads((study_dir / "study.json").read_text())
     if numbers.get("costs"):
         figure = efficiency_figure(numbers, study_dir.name)
+    elif numbers.get("study") == "transfer" and numbers.get("accuracy"):
+        figure = transfer_figure(numbers, study_dir.name)
     elif numbers.get("hessian"):
         rows = [row for value_rows in numbers["hessian"].values() for row in value_rows]
         figure = hessian_figure(rows, f" of {study_dir.name}")

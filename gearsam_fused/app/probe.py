@@ -20,8 +20,16 @@ import torch.nn.functional as F
 
 from gearsam_fused.analysis import hessian_spectrum, hessian_trace
 
-from .data import load_dataset
-from .training import RunConfig, SettingWarning, build_model, checkpoint_path, resolve_device
+from .data import as_float
+from .training import (
+    RunConfig,
+    SettingWarning,
+    build_model,
+    checkpoint_path,
+    load_run_data,
+    read_checkpoint,
+    resolve_device,
+)
 
 ROWS = "hessian.jsonl"
 TABLE = "hessian.md"
@@ -52,15 +60,17 @@ def probe_run(run_dir: Path, settings: ProbeSettings, log=print) -> list[dict]:
     if not checkpoints:
         raise ValueError(f"{run_dir} has no checkpoints: train with --checkpoint-every N to probe its models")
     device = resolve_device(cfg.device)
-    data = load_dataset(cfg.dataset, cfg.data_dir, cfg.synthetic_size)
+    data = load_run_data(cfg)
     images, labels = (t.to(device) for t in data.test)
     size = settings.batch_size
     batches = [(images[i : i + size], labels[i : i + size]) for i in range(0, size * settings.batches, size)]
     batches = [b for b in batches if len(b[1])]
+    # every checkpoint read (or refused) before the first probe: weights only, nothing in a file runs
+    weights = [read_checkpoint(path, keys=("model",))["model"] for _, _, path in checkpoints]
     rows = []
-    for name, seed, path in checkpoints:
+    for (name, seed, _), state in zip(checkpoints, weights):
         model = build_model(cfg, data).to(device)
-        model.load_state_dict(torch.load(path, map_location=device, weights_only=False)["model"])
+        model.load_state_dict(state)
         rows.append({"optimizer": name, "seed": seed, **_spectrum(model, batches, settings)})
         log(f"  {name:<9} seed {seed}: max eigenvalue {rows[-1]['max_eigenvalue']:.4g}, trace {rows[-1]['trace']:.4g}")
     (run_dir / ROWS).write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -99,7 +109,7 @@ def convergence_table(rows: list[dict]) -> str:
 
 
 def _cross_entropy(model, batch) -> torch.Tensor:
-    return F.cross_entropy(model(batch[0]), batch[1])
+    return F.cross_entropy(model(as_float(batch[0])), batch[1])
 
 
 def _spectrum(model, batches, settings: ProbeSettings) -> dict:

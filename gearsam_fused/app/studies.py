@@ -10,7 +10,10 @@ The ``hessian`` study trains each optimizer once, keeps the final weights and pr
 steps that took the second pass and the training time against SGD's, trained once, at the reference value, as is
 one-pass momentum SAM at each of its radii. The
 ``family`` study trains the SAM family's variants (:data:`~.training.FAMILY`) beside SGD, SAM and GEAR-SAM at one
-label noise.
+label noise. The ``transfer`` study fine-tunes a pretrained network on a new task with SGD, SAM and GEAR-SAM, from a
+few training images per class to all of them: from ``--weights`` (torchvision's ImageNet weights, say), or, without
+them, from a source network it pretrains itself, once per seed, on the dataset's other classes (``source/``, a run
+directory of its own that every optimizer and target size starts from).
 """
 
 from __future__ import annotations
@@ -25,11 +28,11 @@ from pathlib import Path
 from gearsam_fused.partition import STRATEGIES
 
 from ..machine import describe_machine
-from .data import load_dataset
 from .demo import demo_config
 from .metrics import MetricsLog, read_metrics
 from .probe import ROWS, ProbeSettings, probe_run, spectrum_table
 from .training import (
+    ALL,
     ALWAYS,
     FAMILY,
     GEAR_RULE,
@@ -40,11 +43,15 @@ from .training import (
     RunConfig,
     check_model,
     check_out,
+    check_run_weights,
+    checkpoint_path,
     clear_dir,
+    load_run_data,
     one_pass,
     plural,
     run_experiment,
 )
+from .weights import SEED
 
 SUMMARY = "study.md"
 NUMBERS = "study.json"
@@ -84,6 +91,24 @@ _NOISY = (("label_noise", 0.4),)
 #: The efficiency study's look-ahead radii of one-pass momentum SAM.
 MOMENTUM_RHOS = ("0.1", "0.3", "1", "3")
 
+#: The transfer study's fine-tuning, the paper's: 30 epochs at lr 0.01 with cosine decay, SGD (momentum 0.9) as the
+#: base optimizer, SAM at rho 0.05 and GEAR-SAM at rho 0.2 with beta 0.9, no augmentation, every layer trained, the
+#: classifier replaced. Without --weights, on the digits: the target is digits 5-9, in batches of 32 (the paper's 128
+#: is more than a few-image target holds), weight decay 1e-4 (the paper's for ResNet-50: the digits network is a
+#: ResNet).
+_TRANSFER = (("epochs", 30), ("lr", 0.01), ("batch_size", 32), ("momentum", 0.9), ("weight_decay", 1e-4),
+             ("rho", 0.05), ("optimizer_rho", {GEAR_RULE: 0.2}), ("beta", 0.9), ("classes", [5, 6, 7, 8, 9]))  # fmt: skip
+#: The paper's weight decay by backbone (1e-4 for every other, ResNet-50's).
+TRANSFER_WEIGHT_DECAY = {"efficientnet_b0": 1e-5}
+#: With --weights: the paper's batch of 128 and every class of the target dataset.
+_FROM_WEIGHTS = {"batch_size": 128, "classes": None}
+#: The transfer study's source network, pretrained by the study itself when it is given no --weights: SGD alone on
+#: the dataset's classes outside the target's, with the digits studies' settings (the same model, seeds, device and
+#: threads as the fine-tuning), one network per seed, in the study's run directory ``source/``.
+SOURCE = "source"
+SOURCE_SETTINGS = {"epochs": 15, "lr": 0.05, "batch_size": 64, "momentum": 0.9, "weight_decay": 5e-4,
+                   "schedule": "cosine"}  # fmt: skip
+
 STUDIES = {
     "label-noise": Study("label_noise", (0.0, 0.2, 0.4, 0.6, 0.8), (SGD, SAM_RULE, GEAR_RULE),
                          "symmetric label noise on the training set (paper: Robustness to Label Noise)"),
@@ -108,14 +133,69 @@ STUDIES = {
     "family": Study("label_noise", (0.4,), (SGD, SAM_RULE, GEAR_RULE, *FAMILY),
                     "the SAM family (GSAM, WSAM, F-SAM, GEAR-SAM with GSAM's descent) next to SGD, SAM and GEAR-SAM",
                     _NOISY),
+    # the target's training images per class, a few to all; with --weights, all of them unless --values says more
+    "transfer": Study("train_per_class", (2, 5, 10, 20, 50, ALL), (SGD, SAM_RULE, GEAR_RULE),
+                      "fine-tuning a pretrained network on a new task, from a few training images per class to all "
+                      "(paper: Transfer Learning)", _TRANSFER),
 }  # fmt: skip
 
 
 def study_config(name: str | None = None, **given) -> RunConfig:
     """The settings of study ``name`` (of every study when None): the demo's, :data:`DEFAULTS`, the study's own
-    (its optimizers among them: the demo trains only SGD, SAM and GEAR-SAM), then ``given``."""
+    (its optimizers among them: the demo trains only SGD, SAM and GEAR-SAM), then ``given``. The transfer study's
+    own depend on what is given (:func:`transfer_defaults`)."""
     base = {"optimizers": list(STUDIES[name].optimizers), **dict(STUDIES[name].base)} if name else {}
+    if name == "transfer":
+        base, given = transfer_defaults(base, given)
     return demo_config(**{"command": f"reproduce {name or ''}".strip(), **DEFAULTS, **base, **given})
+
+
+def transfer_defaults(base: dict, given: dict) -> tuple[dict, dict]:
+    """The transfer study's defaults and the settings given, for what is given: the paper's weight decay for the
+    backbone (:data:`TRANSFER_WEIGHT_DECAY`); with ``weights``, the paper's batch, every class, and an image folder
+    when a ``data_dir`` is given without a dataset; radii given per optimizer added to the study's."""
+    base = {**base, "weight_decay": TRANSFER_WEIGHT_DECAY.get(given.get("model"), base["weight_decay"])}
+    if given.get("weights") is not None:
+        base.update(_FROM_WEIGHTS)
+        if given.get("data_dir") is not None and "dataset" not in given:
+            base["dataset"] = "imagefolder"
+    if "optimizer_rho" in given:
+        given = {**given, "optimizer_rho": {**base["optimizer_rho"], **given["optimizer_rho"]}}
+    return base, given
+
+
+def source_config(cfg: RunConfig, num_classes: int) -> RunConfig:
+    """The transfer study's source run (:data:`SOURCE_SETTINGS`): SGD alone on the ``num_classes`` classes of the
+    dataset outside ``cfg.classes``, every training image, clean labels, a checkpoint at the end at least (the
+    fine-tuning starts from it)."""
+    classes = [c for c in range(num_classes) if c not in cfg.classes]
+    return dataclasses.replace(
+        cfg, optimizers=[SGD], classes=classes, train_per_class=ALL, weights=None, label_noise=0.0,
+        second_pass=ALWAYS, optimizer_rho={}, **SOURCE_SETTINGS,
+        checkpoint_every=cfg.checkpoint_every or SOURCE_SETTINGS["epochs"],
+    )  # fmt: skip
+
+
+#: Where a fine-tuning run of the transfer study finds its seed's source network: relative to its run directory.
+SOURCE_WEIGHTS = str(Path("..") / SOURCE / checkpoint_path(Path(), SGD, SEED))
+
+
+def _transfer_source(cfg: RunConfig, model) -> RunConfig | None:
+    """The transfer study's source run for ``cfg``, None when it starts from ``--weights``; a ValueError, before
+    anything is written, for weights that do not fit ``model`` (built with ``cfg``, on the meta device) and for a
+    study that has neither weights nor target classes with others to pretrain on."""
+    if cfg.weights is not None:
+        check_run_weights(cfg, model)
+        return None
+    data = load_run_data(dataclasses.replace(cfg, classes=None))
+    if cfg.classes is None or data.num_classes - len(set(cfg.classes)) < 2:
+        raise ValueError(f"the transfer study fine-tunes the network of --weights PATH (a state dict you have, "
+                         f"torchvision's ImageNet weights say) or, without it, a source network it pretrains on the "
+                         f"dataset's classes outside the target's --classes; {data.name} has {data.num_classes} "
+                         f"classes and --classes names {cfg.classes}, which leaves fewer than 2 to pretrain on")  # fmt: skip
+    source = source_config(cfg, data.num_classes).validate()
+    check_model(source, load_run_data(source))
+    return source
 
 
 def run_study(name: str, cfg: RunConfig, study_dir: Path, *, values=None, probe: ProbeSettings | None = None,
@@ -125,6 +205,8 @@ def run_study(name: str, cfg: RunConfig, study_dir: Path, *, values=None, probe:
     settings are checked first; ``study_dir`` must be empty, or is cleared with ``overwrite``. With ``resume``, the
     runs already in ``study_dir`` go on from their checkpoints and finished runs are kept, not trained again."""
     study = STUDIES[name]
+    if not values and name == "transfer" and cfg.weights is not None:
+        values = (ALL,)  # the paper's table: every training image of the target
     values = tuple(values) if values else study.values or (getattr(cfg, study.setting),)
     optimizers = tuple(o for o in study.optimizers if o in cfg.optimizers) or study.optimizers
     grid = _grid(name, cfg, values, optimizers)
@@ -135,7 +217,8 @@ def run_study(name: str, cfg: RunConfig, study_dir: Path, *, values=None, probe:
     machines = saved.get("machines", [])
     hint = f", --resume {study_dir} to continue it" if (study_dir / NUMBERS).is_file() else ""
     stale = not resume and check_out(study_dir, overwrite=overwrite, hint=hint)
-    check_model(cfg, load_dataset(cfg.dataset, cfg.data_dir, cfg.synthetic_size))  # before anything is written
+    model = check_model(cfg, load_run_data(cfg))  # before anything is written
+    source = _transfer_source(cfg, model) if name == "transfer" else None
     if stale:
         clear_dir(study_dir)
     study_dir.mkdir(parents=True, exist_ok=True)
@@ -143,7 +226,15 @@ def run_study(name: str, cfg: RunConfig, study_dir: Path, *, values=None, probe:
     header = {"study": name, "settings": dataclasses.asdict(cfg), "values": list(values),
               "optimizers": list(optimizers), "probe": dataclasses.asdict(probe), "complete": False,
               "machines": [*machines, describe_machine(cfg.device)]}  # fmt: skip
+    if source is not None:
+        header["source_settings"] = dataclasses.asdict(source)
     (study_dir / NUMBERS).write_text(json.dumps(header, indent=2) + "\n")
+    if source is not None:  # one network per seed, which every optimizer and every target size starts from
+        log(f"\n== the source network: {source.dataset} classes {source.classes}")
+        again = resume and (study_dir / SOURCE / "config.json").is_file()
+        if again:
+            _check_same_run(study_dir / SOURCE, source)
+        run_experiment(source, study_dir / SOURCE, resume=again, log=log)
     for value, run_cfg in grid:
         run_dir = study_dir / run_name(study.setting, value)
         log(f"\n== {'training for the Hessian probe' if name == 'hessian' else f'{study.setting} = {value}'}")
@@ -165,6 +256,8 @@ def _grid(name: str, cfg: RunConfig, values: tuple, optimizers: tuple) -> list[t
     for value in values:
         trained = list(study.trained_at(value, optimizers))
         run_cfg = dataclasses.replace(cfg, command=f"reproduce {name}", optimizers=trained, **{study.setting: value})
+        if name == "transfer" and cfg.weights is None:  # each seed's source network, pretrained by the study
+            run_cfg = dataclasses.replace(run_cfg, weights=SOURCE_WEIGHTS)
         if name == "hessian":  # the probe needs the final weights
             run_cfg = dataclasses.replace(run_cfg, checkpoint_every=run_cfg.checkpoint_every or run_cfg.epochs)
         try:  # named as the study names it (its run directories, its tables), not as an option
@@ -211,13 +304,20 @@ def rebuild_study(study_dir: Path) -> dict:
             spectra[value] = read_metrics(run_dir / ROWS)
     numbers = summarize_study(study, values, optimizers, results)
     expected = sum(len(study.trained_at(value, optimizers)) for value in values) * len(cfg.seeds)
+    complete = sum(map(len, results.values())) == expected and (name != "hessian" or len(spectra) == len(values))
+    if header.get("source_settings"):  # the transfer study's own source networks: accuracy on the source classes
+        source = RunConfig(**header["source_settings"])
+        rows = MetricsLog(study_dir / SOURCE / "metrics.jsonl").rows()
+        done = {r["seed"]: r["test_acc"] for r in rows if r["kind"] == "result" and r["epochs"] == source.epochs}
+        numbers.update(source_settings=header["source_settings"], source=_stats(done) if done else None)
+        complete = complete and len(done) == len(source.seeds)
     numbers.update(
         {k: header[k] for k in ("study", "settings", "values", "optimizers", "probe")},
         machines=header.get("machines", []),
-        complete=sum(map(len, results.values())) == expected and (name != "hessian" or len(spectra) == len(values)),
+        complete=complete,
         unit="test accuracy in % of the test images",
     )
-    text = study_markdown(name, cfg, numbers)
+    text = transfer_markdown(cfg, numbers) if name == "transfer" else study_markdown(name, cfg, numbers)
     if spectra:
         numbers["hessian"] = {str(value): rows for value, rows in spectra.items()}
         text = _with_spectra(text, spectra, ProbeSettings(**header["probe"]))
@@ -322,7 +422,7 @@ def study_markdown(name: str, cfg: RunConfig, numbers: dict) -> str:
         f"# gearsam reproduce {name}: {numbers['about']}",
         "",
         f"{cfg.dataset}, model {cfg.model}, {cfg.epochs} epoch{'s' * (cfg.epochs != 1)}, seeds {list(cfg.seeds)}, "
-        f"lr {cfg.lr} ({cfg.schedule}), batch {cfg.batch_size}, rho {cfg.rho}, beta {cfg.beta}, partition "
+        f"lr {cfg.lr} ({cfg.schedule}), batch {cfg.batch_size}, rho {cfg.radii()}, beta {cfg.beta}, partition "
         f"{cfg.partition}, label noise {cfg.label_noise}{varied}. Each run directory has its own summary.md with the "
         "machine and date.",
     ]
@@ -350,6 +450,93 @@ def study_markdown(name: str, cfg: RunConfig, numbers: dict) -> str:
             seeds = ", ".join(f"{v:+.2f}" for v in row["per_seed"].values())
             lines.append(f"| {row['value']} | {row['pair']} | {row['mean']:+.2f} ± {spread(row['std'])} | {seeds} |")
     return "\n".join(lines) + "\n"
+
+
+def signed(value: float) -> str:
+    """A difference to two decimals with its sign, ``+0.00`` for one that rounds to zero (not ``-0.00``)."""
+    return f"{round(value, 2) or 0.0:+.2f}"
+
+
+#: How the transfer study's table names the optimizers.
+_NAMES = {SGD: "SGD", SAM_RULE: "SAM", GEAR_RULE: "GEAR-SAM"}
+
+
+def transfer_markdown(cfg: RunConfig, numbers: dict) -> str:
+    """The transfer study's ``study.md``: what was fine-tuned from what, then one table, per target size: each
+    optimizer's accuracy and the per-seed paired differences between them (with the seeds where the first was
+    ahead); the per-seed numbers folded away below it."""
+
+    def title(name: str) -> str:
+        return _NAMES.get(name, name)
+
+    optimizers, values = numbers["optimizers"], numbers["values"]
+    seeds = len(cfg.seeds)
+    source = numbers.get("source_settings")
+    if source:
+        src = RunConfig(**source)
+        start = (f"the seed's source network (below), every layer trained, the classifier replaced by one for the "
+                 f"{len(cfg.classes or [])} target classes and initialised from the seed")  # fmt: skip
+    else:
+        start = f"--weights {cfg.weights}, every layer trained, the classifier replaced and initialised from the seed"
+    classes = (
+        "every class" if cfg.classes is None else f"classes {cfg.classes} (relabelled 0 to {len(cfg.classes) - 1})"
+    )
+    lines = [
+        f"# gearsam reproduce transfer: {numbers['about']}",
+        "",
+        f"Target: {cfg.dataset}, {classes}; each seed draws its training images per class from the training split "
+        f"(a smaller draw inside a larger one; `all`: the whole split) and tests on the whole test split. Model "
+        f"{cfg.model}, fine-tuned from {start}: {plural(cfg.epochs, 'epoch')}, lr {cfg.lr} ({cfg.schedule}), batch "
+        f"{cfg.batch_size}, SGD momentum {cfg.momentum}, weight decay {cfg.weight_decay:g}, rho {cfg.radii()}, beta "
+        f"{cfg.beta}, partition {cfg.partition}, label noise {cfg.label_noise}, no augmentation; seeds "
+        f"{list(cfg.seeds)}.",
+    ]
+    if source:
+        accuracy = numbers.get("source")
+        reached = ("not finished yet" if accuracy is None else
+                   f"test accuracy on its own classes {accuracy['mean']:.2f} ± {spread(accuracy['std'])}")  # fmt: skip
+        lines += ["", f"Source: {src.dataset} classes {src.classes}, SGD, {plural(src.epochs, 'epoch')}, lr {src.lr} "
+                  f"({src.schedule}), batch {src.batch_size}, weight decay {src.weight_decay:g}, one network per seed "
+                  f"(`{SOURCE}/`): {reached}."]  # fmt: skip
+    if numbers.get("machines"):
+        lines += ["", "Run " + "; resumed ".join(map(where_run, numbers["machines"])) + "."]
+    if not numbers.get("complete", True):
+        lines += ["", "**Incomplete**: not every run has finished; `gearsam reproduce transfer --resume STUDY_DIR` "
+                  "continues the study."]  # fmt: skip
+    accuracy = {(r["value"], r["optimizer"]): r for r in numbers["accuracy"]}
+    pairs = {(r["value"], r["pair"]): r for r in numbers["paired_differences"]}
+    compared = [(b, a) for a, b in itertools.combinations(optimizers, 2)]
+    header = [*map(title, optimizers), *(f"{title(b)} − {title(a)}" for b, a in compared)]
+    lines += ["", f"| {numbers['setting']} | " + " | ".join(header) + " |", "|---" + "|---:" * len(header) + "|"]
+    for value in values:
+        cells = [f"{r['mean']:.2f} ± {spread(r['std'])}" if (r := accuracy.get((value, o))) else "–"
+                 for o in optimizers]  # fmt: skip
+        for b, a in compared:
+            row = pairs.get((value, f"{b} - {a}"))
+            ahead = "" if row is None else sum(d > 0 for d in row["per_seed"].values())
+            cells.append("–" if row is None else f"{signed(row['mean'])} ± {spread(row['std'])} "
+                         f"({ahead}/{len(row['per_seed'])})")  # fmt: skip
+        lines.append(f"| {value} | " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        f"Test accuracy (%) at the end of fine-tuning, mean ± std over {plural(seeds, 'seed')}. The differences are "
+        "per-seed paired differences in accuracy points, mean ± std over seeds, and (in brackets) the seeds on which "
+        "the first was ahead: a seed gives every optimizer the same source network, training images, classifier "
+        "initialisation and batches.",
+        "",
+        "<details><summary>Per seed</summary>",
+        "",
+        f"| {numbers['setting']} | run | per seed |",
+        "|---|---|---|",
+    ]
+    for row in numbers["accuracy"]:
+        lines.append(f"| {row['value']} | {title(row['optimizer'])} | "
+                     f"{', '.join(f'{v:.2f}' for v in row['per_seed'].values())} |")  # fmt: skip
+    for row in numbers["paired_differences"]:
+        b, _, a = row["pair"].partition(" - ")
+        lines.append(f"| {row['value']} | {title(b)} − {title(a)} | "
+                     f"{', '.join(f'{v:+.2f}' for v in row['per_seed'].values())} |")  # fmt: skip
+    return "\n".join([*lines, "", "</details>"]) + "\n"
 
 
 def where_run(machine: dict) -> str:

@@ -16,11 +16,14 @@ import inspect
 import json
 import math
 import os
+import pickle
+import re
 import shutil
 import statistics
 import sys
 import time
 import warnings
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from numbers import Real
@@ -55,8 +58,9 @@ from gearsam_fused.partition import STRATEGIES
 from gearsam_fused.partition import partition as blocks_of
 
 from ..machine import describe_machine
-from .data import DATASETS, Dataset, add_symmetric_noise, crop_and_flip, load_dataset
+from .data import DATASETS, Dataset, add_symmetric_noise, as_float, crop_and_flip, keep_classes, load_dataset, per_class
 from .metrics import MetricsLog
+from .weights import check_weights, load_backbone, read_weights, weights_path
 
 #: The baseline without SAM: the base optimizer alone.
 SGD = "sgd"
@@ -133,7 +137,9 @@ REAL_RANGES = {
 }
 #: The least value of each integer setting (``threads`` may also be None: torch's choice).
 INT_MINIMA = {"epochs": 1, "batch_size": 1, "telemetry_every": 1, "synthetic_size": 1, "checkpoint_every": 0,
-              "threads": 1}  # fmt: skip
+              "threads": 1, "image_size": 1}  # fmt: skip
+#: ``--train-per-class``'s value for the whole training split.
+ALL = "all"
 
 # What --resume may change in a run or study: how long and where it runs, never what it computes.
 RESUMABLE = {"epochs", "threads", "device", "checkpoint_every", "telemetry_every"}
@@ -264,6 +270,17 @@ class RunConfig:
     partition: str = "coarse"
     backend: str = "auto"
     label_noise: float = 0.0
+    # transfer learning (see gearsam_fused.app.weights): the classes kept, relabelled in the order given (None: all);
+    # the training images per class, drawn from the seed (ALL: the whole split); the state dict the network starts
+    # from, its classifier replaced ({seed} in the path: one file per seed; a relative path is read from the run
+    # directory); the side of an image folder's square images
+    classes: list[int] | None = None
+    train_per_class: int | str = ALL
+    weights: str | None = None
+    image_size: int = 224
+    # the radius of the sharpness-aware optimizers named here, in place of rho (the paper's transfer learning: SAM at
+    # 0.05, GEAR-SAM at 0.2)
+    optimizer_rho: dict = field(default_factory=dict)
     device: str = "cpu"
     amp: str = "none"
     channels_last: bool = False
@@ -282,6 +299,7 @@ class RunConfig:
         for name, bounds in REAL_RANGES.items():
             check_real(spell(name), getattr(self, name), **bounds)
         self._check_second_pass(spell)
+        self._check_transfer(spell)
         load_factory(self.model)
         device = resolve_device(self.device)
         if self.channels_last and device.type == "cpu":
@@ -336,6 +354,41 @@ class RunConfig:
         if schedule.corrects and self.adaptive:
             raise ValueError(f"{spell('second_pass')} {self.second_pass}: LookSAM's correction is defined for plain "
                              f"gradients, not ASAM's; drop {spell('adaptive')} or use every:K")  # fmt: skip
+
+    def _check_transfer(self, spell: Callable[[str], str]) -> None:
+        """The settings of transfer learning: classes, training images per class, weights, and the radii per
+        optimizer."""
+        if self.classes is not None:
+            if not self.classes or any(isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in self.classes):
+                raise ValueError(f"{spell('classes')} must name classes by their numbers (0, 1, ...), got "
+                                 f"{self.classes!r}")  # fmt: skip
+            twice = sorted({c for c in self.classes if self.classes.count(c) > 1})
+            if twice:
+                raise ValueError(f"{spell('classes')} names {twice} more than once")
+        if self.train_per_class != ALL:
+            try:
+                check_at_least(spell("train_per_class"), self.train_per_class, 1)
+            except ValueError:
+                raise ValueError(f"{spell('train_per_class')} must be {ALL!r} or an integer of at least 1 (training "
+                                 f"images per class), got {self.train_per_class!r}") from None  # fmt: skip
+        if self.weights is not None and (not isinstance(self.weights, str) or not self.weights):
+            raise ValueError(f"{spell('weights')} must be a file path, got {self.weights!r}")
+        if not isinstance(self.optimizer_rho, dict):
+            raise ValueError(f"{spell('optimizer_rho')} must map optimizer names to radii, got {self.optimizer_rho!r}")
+        for name, rho in self.optimizer_rho.items():
+            if name not in BUILDS:
+                raise ValueError(f"{spell('optimizer_rho')} {name}={rho}: {name} is not a two-pass sharpness-aware "
+                                 f"optimizer; expected one of {tuple(BUILDS)}")  # fmt: skip
+            check_real(f"{spell('optimizer_rho')} {name}", rho, **REAL_RANGES["rho"])
+
+    def rho_of(self, name: str) -> float:
+        """The radius optimizer ``name`` trains at: its own in ``optimizer_rho``, else ``rho``."""
+        return self.optimizer_rho.get(name, self.rho)
+
+    def radii(self) -> str:
+        """``rho`` as the reports write it, with the radii of ``optimizer_rho``: ``0.05 (gear-sam 0.2)``."""
+        own = ", ".join(f"{name} {rho}" for name, rho in self.optimizer_rho.items() if name in self.optimizers)
+        return f"{self.rho}" + (f" ({own})" if own else "")
 
     def describe(self, name: str) -> str:
         """Optimizer ``name`` as run summaries show it: with its second-pass schedule where it has one."""
@@ -399,6 +452,13 @@ def call_factory(spec: str, **kwargs) -> nn.Module:
     return model
 
 
+def load_run_data(cfg: RunConfig) -> Dataset:
+    """The dataset of a run: ``cfg.dataset`` (an image folder at ``cfg.image_size``) with ``cfg.classes`` only. The
+    training images per class (``cfg.train_per_class``) are drawn per seed, as each run starts."""
+    data = load_dataset(cfg.dataset, cfg.data_dir, cfg.synthetic_size, image_size=cfg.image_size)
+    return keep_classes(data, cfg.classes)
+
+
 def build_model(cfg: RunConfig, data: Dataset) -> nn.Module:
     """``cfg.model`` built with ``cfg.model_args`` and, where not given there, the dataset's ``num_classes`` and
     ``in_channels``. Every in-repo factory takes both; a user's factory gets them only where its signature takes
@@ -423,6 +483,15 @@ def check_model(cfg: RunConfig, data: Dataset) -> nn.Module:
             return build_model(cfg, data)
     except (TypeError, RuntimeError) as exc:
         raise ValueError(f"cannot build {cfg.model!r} with {cfg.model_args}: {exc}") from None
+
+
+def check_run_weights(cfg: RunConfig, model: nn.Module, run_dir: Path | None = None) -> None:
+    """A ValueError unless each seed's ``cfg.weights`` file is a state dict of ``model`` (built with the run's
+    settings, on the meta device) but its classifier: read and checked before anything is written or trained."""
+    if cfg.weights is None:
+        return
+    for path in dict.fromkeys(weights_path(cfg.weights, seed, run_dir) for seed in cfg.seeds):
+        check_weights(model, read_weights(path), path, cfg.model)
 
 
 def warn_single_block(cfg: RunConfig, model: nn.Module) -> None:
@@ -489,7 +558,7 @@ def make_optimizer(name: str, model: nn.Module, cfg: RunConfig, seed: int = 0) -
         hyper.update(beta=cfg.beta, adaptive=cfg.adaptive, backend=cfg.backend, **base)
     elif name in BUILDS:
         cls, part = BUILDS[name]
-        hyper = dict(rho=cfg.rho, adaptive=cfg.adaptive, backend=cfg.backend, **part, **base)
+        hyper = dict(rho=cfg.rho_of(name), adaptive=cfg.adaptive, backend=cfg.backend, **part, **base)
         hyper["schedule"] = second_pass_schedule(cfg.second_pass, seed)
         if "beta" in inspect.signature(cls).parameters:  # an EMA-based rule (GEAR-SAM); SAM refuses a beta
             hyper["beta"] = cfg.beta
@@ -625,8 +694,10 @@ class TrainingRun:
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, cfg: RunConfig, batch: int = 1024):
-    """Mean loss and accuracy (%) as device tensors (no synchronisation)."""
+def evaluate(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, cfg: RunConfig, batch: int | None = None):
+    """Mean loss and accuracy (%) as device tensors (no synchronisation), ``batch`` images at a time (default: 1024
+    images up to 64x64 pixels, 128 larger ones, whose activations would fill a GPU's memory)."""
+    batch = batch or (1024 if images[0].numel() <= 3 * 64 * 64 else 128)
     model.eval()
     loss = torch.zeros((), device=images.device)
     correct = torch.zeros((), dtype=torch.int64, device=images.device)
@@ -639,7 +710,9 @@ def evaluate(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, cfg: 
 
 
 def _forward(model: nn.Module, x: torch.Tensor, y: torch.Tensor, cfg: RunConfig):
-    """``model``'s logits for ``x`` and their mean cross-entropy against ``y``, under the run's layout and autocast."""
+    """``model``'s logits for ``x`` and their mean cross-entropy against ``y``, under the run's layout and autocast
+    (an image folder's bytes normalised first: see :func:`~.data.as_float`)."""
+    x = as_float(x)
     if cfg.channels_last:
         x = x.contiguous(memory_format=torch.channels_last)
     with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=cfg.amp == "bf16"):
@@ -672,10 +745,12 @@ def run_experiment(
         clear_dir(run_dir)
     metrics = _open_run_dir(cfg, run_dir, resume)
     experiment = Experiment(cfg, data, device, run_dir, metrics, resume=resume, stream=stream)
+    subset = "" if cfg.train_per_class == ALL else f" ({cfg.train_per_class} per class for each seed)"
+    start = "" if cfg.weights is None else f", from --weights {cfg.weights} (classifier replaced)"
     log(
-        f"{data.name}: {len(data.train[1])} train / {len(data.test[1])} test images, model {cfg.model}, "
-        f"{plural(cfg.epochs, 'epoch')}, seeds {list(cfg.seeds)}, rho={cfg.rho}, label noise={cfg.label_noise:.0%}, "
-        f"device {device}, run directory {run_dir}"
+        f"{data.name}: {len(data.train[1])} train{subset} / {len(data.test[1])} test images, model {cfg.model}"
+        f"{start}, {plural(cfg.epochs, 'epoch')}, seeds {list(cfg.seeds)}, rho={cfg.radii()}, "
+        f"label noise={cfg.label_noise:.0%}, device {device}, run directory {run_dir}"
         + ("" if cfg.second_pass == ALWAYS else f"; second pass: {cfg.second_pass}")
     )
     results = []
@@ -702,10 +777,16 @@ def _check_run(cfg: RunConfig, run_dir: Path, resume: bool, overwrite: bool) -> 
     resumable = cfg.command == "train" and (run_dir / "config.json").is_file()
     hint = f", --resume {run_dir} to continue its runs" if resumable else ""
     stale = not resume and check_out(run_dir, overwrite=overwrite, hint=hint)
-    data = load_dataset(cfg.dataset, cfg.data_dir, cfg.synthetic_size)
-    warn_single_block(cfg, check_model(cfg, data))
+    data = load_run_data(cfg)
+    model = check_model(cfg, data)
+    check_run_weights(cfg, model, run_dir)
+    warn_single_block(cfg, model)
     if resume:
         _check_extension(cfg, run_dir)
+        for name in cfg.optimizers:  # a checkpoint refused now, before a run resumes and writes
+            for seed in cfg.seeds:
+                if checkpoint_path(run_dir, name, seed).exists():
+                    read_checkpoint(checkpoint_path(run_dir, name, seed))
     return data, stale
 
 
@@ -751,6 +832,61 @@ def checkpoint_path(run_dir: Path, name: str, seed: int) -> Path:
     return Path(run_dir) / "checkpoints" / f"{name.replace(':', '-rho')}-seed{seed}.pt"
 
 
+#: What a checkpoint holds (:func:`_save_checkpoint`); ``--resume`` reads all of it, the Hessian probe the model.
+CHECKPOINT_KEYS = ("epoch", "step", "seconds", "sam_seconds", "cpu_seconds", "sam_steps", "model", "optimizer",
+                   "scheduler", "cosine", "config")  # fmt: skip
+#: The types a checkpoint is made of, besides tensors: what ``torch.load(weights_only=True)`` builds without calling
+#: anything the file names.
+PLAIN_TYPES = (dict, OrderedDict, list, tuple, str, int, float, bool, type(None))
+
+
+def read_checkpoint(path: Path, map_location="cpu", keys=CHECKPOINT_KEYS) -> dict:
+    """The checkpoint at ``path``, read with ``torch.load(weights_only=True)``: tensors and plain containers only, so
+    nothing in the file runs. A file that needs more (a pickle that names a function or class to call, which could
+    run any code) is refused with a ValueError, never loaded the unsafe way; so is a file torch cannot read or one
+    that lacks ``keys``."""
+    try:
+        saved = torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as exc:
+        named = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(exc))
+        what = (
+            f"Its pickle asks to call {named[1]}, so loading it would execute code from the file"
+            if named
+            else "It holds more than tensors and plain containers, so loading it could execute code from the file"
+        )
+        raise ValueError(
+            f"refusing {path}: it is not a checkpoint gearsam wrote. {what}; gearsam reads checkpoints with "
+            "torch.load(weights_only=True) only. Resume or probe a run directory that gearsam wrote"
+        ) from exc
+    except (RuntimeError, EOFError, KeyError) as exc:  # not torch's format, truncated, or not a pickle at all
+        reason = f": {str(exc).splitlines()[0]}" if str(exc) else " (the file ends early)"
+        raise ValueError(f"cannot read {path} as a gearsam checkpoint: {type(exc).__name__}{reason}") from exc
+    missing = [k for k in keys if k not in saved] if isinstance(saved, dict) else list(keys)
+    if missing:
+        raise ValueError(f"{path} is not a checkpoint gearsam wrote: it lacks {missing}")
+    return saved
+
+
+def check_plain(value, where: str = "checkpoint") -> None:
+    """A TypeError naming the first entry of ``value`` (``where``) that is neither a tensor nor of
+    :data:`PLAIN_TYPES`: a checkpoint holding it could not be read back by :func:`read_checkpoint`."""
+    if type(value) in (torch.Tensor, nn.Parameter):
+        return
+    if type(value) not in PLAIN_TYPES:
+        raise TypeError(
+            f"{where} is a {type(value).__module__}.{type(value).__qualname__}: a checkpoint holds tensors and plain "
+            "containers (dict, list, tuple, str, int, float, bool, None) only, which torch.load(weights_only=True) "
+            "reads; convert it where the checkpoint is saved"
+        )
+    if isinstance(value, dict):
+        for key, item in value.items():
+            check_plain(key, f"{where} key {key!r}")
+            check_plain(item, f"{where}[{key!r}]")
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            check_plain(item, f"{where}[{i}]")
+
+
 def cosine_factor(step: int, start: int, phase: float, total: int) -> float:
     """The cosine schedule's lr factor at ``step``: half a cosine whose phase runs linearly from ``phase`` at step
     ``start`` to 1 (lr 0) at step ``total``; a fresh run has ``start = phase = 0``."""
@@ -794,12 +930,18 @@ def _new_run(experiment: Experiment, name: str, seed: int) -> TrainingRun:
     seed), the model initialised from the seed, the optimizer and the lr schedule."""
     cfg, data, device = experiment.cfg, experiment.data, experiment.device
     x_train, y_train = data.train
+    if cfg.train_per_class != ALL:
+        kept = per_class(y_train, cfg.train_per_class, data.num_classes, seed)
+        x_train, y_train = x_train[kept], y_train[kept]
     if cfg.label_noise:
         y_train = add_symmetric_noise(y_train, cfg.label_noise, data.num_classes, seed)
     train = (x_train.to(device), y_train.to(device))
     test = tuple(t.to(device) for t in data.test)
     torch.manual_seed(seed)
-    model = build_model(cfg, data).to(device)
+    model = build_model(cfg, data)
+    if cfg.weights is not None:  # every tensor but the classifier's, which keeps its fresh weights from the seed
+        load_backbone(model, read_weights(weights_path(cfg.weights, seed, experiment.run_dir)))
+    model = model.to(device)
     if cfg.channels_last:
         model = model.to(memory_format=torch.channels_last)
     optimizer = make_optimizer(name, model, cfg, seed)
@@ -820,7 +962,7 @@ def _restore_checkpoint(run: TrainingRun) -> None:
     the cosine schedule stretched to the run's (possibly new) length."""
     if not run.checkpoint.exists():
         return
-    saved = torch.load(run.checkpoint, map_location=run.device, weights_only=False)
+    saved = read_checkpoint(run.checkpoint, map_location=run.device)
     run.model.load_state_dict(saved["model"])
     run.optimizer.load_state_dict(saved["optimizer"])
     if run.one_pass:
@@ -972,7 +1114,9 @@ def _at_w(run: TrainingRun):
 
 def _save_checkpoint(run: TrainingRun) -> None:
     """Write what a resumed run needs to continue exactly: weights, optimizer and scheduler state, counters, the
-    cosine schedule and the settings."""
+    cosine schedule and the settings (:data:`CHECKPOINT_KEYS`), as tensors and plain containers only (no random
+    state: an epoch's batches are drawn from the seed and the epoch, a ``random:P`` schedule's generator state is a
+    tensor in the optimizer's state dict)."""
     run.checkpoint.parent.mkdir(parents=True, exist_ok=True)
     partial = run.checkpoint.with_suffix(".tmp")
     # a one-pass run saves w and its optimizer's eval-mode state, which train() resumes from; saved inside, since the
@@ -984,6 +1128,7 @@ def _save_checkpoint(run: TrainingRun) -> None:
             "optimizer": run.optimizer.state_dict(), "scheduler": run.scheduler.state_dict(),
             "cosine": dict(run.cosine), "config": dataclasses.asdict(run.cfg),
         }  # fmt: skip
+        check_plain(state)  # read back with weights_only=True: nothing in a checkpoint runs when it is loaded
         torch.save(state, partial)
     partial.replace(run.checkpoint)  # a crash while saving never leaves a truncated checkpoint behind
 

@@ -13,6 +13,12 @@ name           what does the tensor work                                        
 ``"auto"`` picks ``sharded`` for sharded parameters (DTensors, e.g. FSDP2's), whose storage the flat-buffer backends
 may not take over; otherwise ``cpp`` when the extension is built for every device in use; otherwise ``triton`` when
 every parameter is on a CUDA device and triton is installed; otherwise ``torch``.
+
+``cpp`` before ``triton`` on CUDA rests on steps timed one at a time, each followed by a synchronisation: on an H200
+``cpp``'s eager whole step took 0.4x to 0.9x ``triton``'s time up to 86.6M parameters (Triton's launcher and the
+Python dispatch of ``torch.library`` operators cost more host time per launch). Queued back to back, as in a loop that
+reads nothing back, ``triton`` was 3% to 10% faster at 86.6M (ViT-B/16's size), and at 354.8M it was faster either
+way (``benchmarks/results/gpu-h200.md``).
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ from .sharded import ShardedBackend
 from .torch_backend import TorchBackend
 from .triton_backend import TritonBackend
 
-#: Every backend of the library, by name (see :func:`available_backends` for those this installation can run).
+#: Every backend of the library, by name (see :func:`available_backends` for those that can run here).
 BACKENDS: dict[str, type[Backend]] = {
     "reference": ReferenceBackend, "torch": TorchBackend, "triton": TritonBackend, "cpp": CppBackend,
     "sharded": ShardedBackend,
@@ -40,8 +46,15 @@ IN_PLACE_BACKENDS = tuple(name for name, cls in BACKENDS.items() if not issubcla
 
 
 def available_backends() -> list[str]:
-    """Backends this installation can run: ``triton`` needs the triton package, ``cpp`` the compiled extension."""
-    return [name for name, cls in BACKENDS.items() if cls.installed()]
+    """The backends that can run here, in :data:`BACKENDS`' order: those that ``backend=`` accepts for parameters on
+    at least one device of this machine (the CPU, and CUDA where torch sees a CUDA device), as each backend's
+    ``check_usable`` decides. ``cpp`` needs the compiled extension; ``triton`` needs the triton package and either a
+    CUDA device or, for CPU tensors, ``TRITON_INTERPRET=1`` (Triton's interpreter; read from the environment at each
+    call, it takes effect only where it was set before triton was imported). The others run everywhere. A name listed
+    may still be refused for parameters on a particular device (``triton`` for CPU parameters without the interpreter,
+    ``cpp`` for CUDA parameters where the extension has no CUDA kernels)."""
+    devices = [torch.device("cpu")] + ([torch.device("cuda", 0)] if torch.cuda.is_available() else [])
+    return [name for name in BACKENDS if any(_usable(name, {device}) for device in devices)]
 
 
 def _usable(name: str, devices: set[torch.device]) -> bool:
@@ -67,8 +80,9 @@ def resolve_backend_name(name: str, devices: set[torch.device], sharded: bool = 
         )
     if name == "auto":
         # cpp first on CUDA too: an eager step launches a few kernels per bucket, and torch.library's Python
-        # dispatch and Triton's launcher cost more host time per launch than the compiled operators; that difference
-        # outweighs the one between the kernels themselves at all but the largest models (benchmarks/results/)
+        # dispatch and Triton's launcher cost more host time per launch than the compiled operators; timed step by
+        # step, that outweighs the difference between the kernels up to 86.6M parameters, though queued steps, whose
+        # host work overlaps the GPU's, favour triton from about that size (module docstring)
         if _usable("cpp", devices):
             return "cpp"
         if all(d.type == "cuda" for d in devices) and TritonBackend.installed():

@@ -8,6 +8,7 @@ parameter tensors the model has. :class:`KernelBackend` supplies it from a modul
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -182,15 +183,23 @@ class FlatBufferBackend(Backend):
 
     def _bucket_dot(self, bucket: Bucket) -> torch.Tensor:
         """Per tile, the products in the compute dtype summed in float64; per block, the tiles' sums in order. A
-        bounded number of tiles at a time, so the products never take more than a few MB."""
+        bounded number of tiles at a time, so the products never take more than a few MB. A float32 product past
+        FLT_MAX is taken again in float64 (:func:`retake_overflowed_tiles`)."""
         a = self._tiles_of(self._flat_correction(bucket), bucket)
         b = self._tiles_of(bucket.grad, bucket)
         dtype = compute_dtype(a)
         rows = max(1, (1 << 20) // bucket.tile)
+        sums = bucket.energy_partials
         for start in range(0, bucket.n_tiles, rows):
             products = a[start : start + rows].to(dtype) * b[start : start + rows].to(dtype)
-            torch.sum(products, dim=1, dtype=torch.float64, out=bucket.energy_partials[start : start + rows])
-        return torch.segment_reduce(bucket.energy_partials, "sum", lengths=bucket.tile_count_of_block, unsafe=True)
+            torch.sum(products, dim=1, dtype=torch.float64, out=sums[start : start + rows])
+        if dtype != torch.float64 and a.dtype != torch.float16:  # float16 products stay below 4.3e9
+
+            def wide(index: torch.Tensor) -> torch.Tensor:  # the tiles' products formed and summed in float64
+                return torch.linalg.vecdot(a.index_select(0, index).double(), b.index_select(0, index).double())
+
+            retake_overflowed_tiles(sums, wide, signed=True)
+        return torch.segment_reduce(sums, "sum", lengths=bucket.tile_count_of_block, unsafe=True)
 
     @torch.no_grad()
     def orthogonalize_(self, coefficient: torch.Tensor) -> torch.Tensor:
@@ -314,6 +323,28 @@ def _slot_view(flat: torch.Tensor, slot) -> torch.Tensor:
 
 #: Elements per piece of a pass that needs a temporary: the temporary stays a few MB whatever the bucket's size.
 _CHUNK = 1 << 20
+
+#: How many tiles of a bucket :func:`retake_overflowed_tiles` can take again per call.
+RETAKEN_TILES = 4
+
+
+def retake_overflowed_tiles(sums: torch.Tensor, wide, signed: bool = False) -> None:
+    """The ``torch`` backend's rescue of float32 sums that overflowed: ``sums`` (float64, one per tile, each from
+    float32 terms or a float32 sum) keeps every finite entry, and a non-finite one becomes ``wide(index)``, the same
+    tiles' sums with every term formed and summed in float64 (``index``: int64 tile indices), finite wherever the
+    tiles' values are. A float32 square overflows from about 1.8e19 (the square root of FLT_MAX), the float64 energy
+    only past 1.8e308; the kernels (``csrc/README.md``) take every such tile again.
+
+    Torch operations cannot pick the overflowed tiles without reading a value back to the host (a synchronisation on
+    a GPU), so the same operations run every call, on the ``RETAKEN_TILES`` tiles of largest ``sums`` (of largest
+    ``|sums|`` where ``signed``; NaN ranks first, then inf), which are the non-finite ones where there are any. A
+    bucket with more non-finite tiles than that keeps the rest as they are: an energy that overflowed there stays
+    infinite, and its block counts as non-finite, as it did before this rescue. The cost, every call: those tiles
+    read again and a handful of small operations."""
+    k = min(RETAKEN_TILES, sums.numel())
+    largest, index = torch.topk(sums.abs() if signed else sums, k, sorted=False)
+    current = sums.index_select(0, index) if signed else largest
+    sums.index_copy_(0, index, torch.where(largest < math.inf, current, wide(index)))  # false for inf and NaN
 
 
 def _on_device(**tensors: torch.Tensor | None) -> dict:

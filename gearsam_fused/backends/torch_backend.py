@@ -2,7 +2,9 @@
 
 Portable (any device torch runs on) and exact to the same contract as the Triton kernels::
 
-    partial_t = ||T g||_2^2 over tile t                norm in float32 (float64 for float64), squared in float64
+    partial_t = ||T g||_2^2 over tile t                norm in float32 (float64 for float64), squared in float64;
+                                                        where the float32 sum of squares overflows (|T g| from
+                                                        about 1.8e19, or smaller ones summed), in float64 (below)
     e_b       = sum_{t in block b} partial_t             torch.segment_reduce over the block's tile range
     backup    = w;   w <- w + scale[block(i)] * T_i^2 * g_i   in float32 (float64), one addcmul; w where scale is 0
     w         <- backup
@@ -17,6 +19,12 @@ the pieces bit for bit. They read ``w`` from the backup, so the restore costs no
 intermediates into the parameter buffer, so nothing is allocated (a few passes, where the compiled kernels take one).
 A step a schedule leaves unperturbed reads ``w`` from the parameters and keeps its intermediates in the backup;
 LookSAM's corrected gradient ``g + c_b * g_v`` is one ``addcmul`` (rounded twice, where the kernels take one fma).
+
+The kernels take every tile whose float32 sum overflowed again in float64, so that a finite gradient always has a
+finite energy. Torch operations cannot choose which tiles to read without bringing a value to the host, so this
+backend takes again the few tiles of each bucket with the largest float32 norms, which are the overflowed ones where
+there are any (:func:`~gearsam_fused.backends.flat_buffer.retake_overflowed_tiles`: up to ``RETAKEN_TILES`` per
+bucket and call).
 """
 
 from __future__ import annotations
@@ -26,7 +34,7 @@ import torch
 from ..base_step import BucketUpdate, adam_scalars
 from ..flat import Bucket
 from .base import compute_dtype
-from .flat_buffer import _CHUNK, FlatBufferBackend
+from .flat_buffer import _CHUNK, FlatBufferBackend, retake_overflowed_tiles
 
 
 class TorchBackend(FlatBufferBackend):
@@ -40,13 +48,25 @@ class TorchBackend(FlatBufferBackend):
     def _bucket_energy(self, bucket: Bucket, adaptive: bool, eta: float, grad: torch.Tensor | None = None):
         g = self._tiles(bucket.grad if grad is None else grad, bucket)
         dtype = compute_dtype(g)
+        t = g
         if adaptive:
-            g = self._tiles(bucket.param, bucket).abs().to(dtype).add_(eta).mul_(g)
+            t = self._tiles(bucket.param, bucket).abs().to(dtype).add_(eta).mul_(g)
         # Tile norms in the compute dtype, squared in float64: asking vector_norm for float64 directly would first copy
         # the whole buffer to float64.
-        norms = torch.linalg.vector_norm(g, dim=1, dtype=None if g.dtype == dtype else dtype)
+        norms = torch.linalg.vector_norm(t, dim=1, dtype=None if t.dtype == dtype else dtype)
         partials = bucket.energy_partials
         partials.copy_(norms)
+        # float16 squares stay below 4.3e9 (ASAM's, with eta under 1e12, below 4.3e33): a tile's float32 sum is finite
+        if dtype != torch.float64 and not (g.dtype == torch.float16 and (not adaptive or abs(eta) < 1e12)):
+
+            def wide(index: torch.Tensor) -> torch.Tensor:  # the tiles' norms, T g formed in float64
+                v = g.index_select(0, index)
+                if not adaptive:
+                    return torch.linalg.vector_norm(v, dim=1, dtype=torch.float64)
+                w = self._tiles(bucket.param, bucket).index_select(0, index).double()
+                return torch.linalg.vector_norm(w.abs_().add_(eta).mul_(v), dim=1)
+
+            retake_overflowed_tiles(partials, wide)
         # unsafe: the lengths are ours and valid; checking them would read them back to the host
         return torch.segment_reduce(partials.square_(), "sum", lengths=bucket.tile_count_of_block, unsafe=True)
 

@@ -1,5 +1,6 @@
-"""Model definitions kept in the repository: the paper's CIFAR networks, layouts that mirror torchvision/timm, and
-the demo's small ResNet for 8x8 digits.
+"""Model definitions kept in the repository: the paper's CIFAR networks, layouts that mirror torchvision/timm (ResNet-50
+and EfficientNet-B0 to the parameter name: torchvision's ImageNet state dicts load into them), and the demo's small
+ResNet for 8x8 digits.
 
 Every factory takes size knobs (``width``, ``depth``, ...) so tests and demos can build tiny versions quickly.
 """
@@ -12,7 +13,7 @@ from torch import nn
 
 from .efficientnet import EfficientNet, efficientnet_b0
 from .pyramidnet import PyramidNet, pyramidnet110
-from .resnet import ResNet, digits_resnet, resnet18, tv_resnet18
+from .resnet import BottleneckResNet, ResNet, digits_resnet, resnet18, resnet50, tv_resnet18
 from .vit import VisionTransformer, vit_b16
 from .wideresnet import WideResNet, wrn28_10
 
@@ -21,6 +22,7 @@ MODELS: dict[str, Callable[..., nn.Module]] = {
     "wrn28_10": wrn28_10,
     "pyramidnet110": pyramidnet110,
     "tv_resnet18": tv_resnet18,
+    "resnet50": resnet50,
     "efficientnet_b0": efficientnet_b0,
     "vit_b16": vit_b16,
     "digits_resnet": digits_resnet,
@@ -37,6 +39,7 @@ def get_model(name: str, **kwargs) -> nn.Module:
 
 
 __all__ = [
-    "MODELS", "get_model", "ResNet", "WideResNet", "PyramidNet", "EfficientNet", "VisionTransformer",
-    "resnet18", "tv_resnet18", "wrn28_10", "pyramidnet110", "efficientnet_b0", "vit_b16", "digits_resnet",
+    "MODELS", "get_model", "ResNet", "BottleneckResNet", "WideResNet", "PyramidNet", "EfficientNet",
+    "VisionTransformer", "resnet18", "tv_resnet18", "resnet50", "wrn28_10", "pyramidnet110", "efficientnet_b0",
+    "vit_b16", "digits_resnet",
 ]  # fmt: skip

@@ -1,5 +1,7 @@
-"""EfficientNet-B0 with torchvision's layout: ``features.0`` stem, ``features.1..7`` MBConv stages,
-``features.8`` 1x1 head conv, ``classifier`` (dropout + linear)."""
+"""EfficientNet-B0 as torchvision builds it: ``features.0`` stem, ``features.1..7`` MBConv stages, ``features.8`` 1x1
+head conv, ``classifier`` (dropout + linear), with torchvision's parameter names and shapes, so that torchvision's
+``efficientnet_b0`` ImageNet state dict loads with ``strict=True``; and its stochastic depth (a residual branch
+dropped per image in training, with a probability growing linearly to ``stochastic_depth`` over the blocks)."""
 
 from __future__ import annotations
 
@@ -28,8 +30,24 @@ class SqueezeExcitation(nn.Module):
         return x * torch.sigmoid(self.fc2(nn.functional.silu(self.fc1(s))))
 
 
+class StochasticDepth(nn.Module):
+    """torchvision's ``StochasticDepth(p, "row")``: in training, each image's input is zeroed with probability ``p``
+    and the others scaled by ``1 / (1 - p)``; the identity in eval mode. No parameters."""
+
+    def __init__(self, p: float):
+        super().__init__()
+        self.p = p
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p == 0.0:
+            return x
+        keep = 1.0 - self.p
+        mask = x.new_empty((x.shape[0],) + (1,) * (x.ndim - 1)).bernoulli_(keep)
+        return x * mask.div_(keep) if keep > 0.0 else x * mask
+
+
 class MBConv(nn.Module):
-    def __init__(self, cin: int, cout: int, kernel: int, stride: int, expand: int):
+    def __init__(self, cin: int, cout: int, kernel: int, stride: int, expand: int, drop: float = 0.0):
         super().__init__()
         hidden = cin * expand
         layers: list[nn.Module] = []
@@ -41,11 +59,12 @@ class MBConv(nn.Module):
             ConvNormActivation(hidden, cout, 1, act=False),
         ]
         self.block = nn.Sequential(*layers)
+        self.stochastic_depth = StochasticDepth(drop)
         self.use_residual = stride == 1 and cin == cout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.block(x)
-        return out + x if self.use_residual else out
+        return self.stochastic_depth(out) + x if self.use_residual else out
 
 
 # (expand ratio, kernel, stride, channels, repeats) of EfficientNet-B0's seven stages
@@ -61,7 +80,10 @@ _B0_STAGES = [
 
 
 class EfficientNet(nn.Module):
-    def __init__(self, num_classes: int = 1000, width_mult: float = 1.0, depth_mult: float = 1.0, in_channels: int = 3):
+    def __init__(
+        self, num_classes: int = 1000, width_mult: float = 1.0, depth_mult: float = 1.0, in_channels: int = 3,
+        stochastic_depth: float = 0.2,
+    ):  # fmt: skip
         super().__init__()
 
         def ch(c: int) -> int:
@@ -70,15 +92,16 @@ class EfficientNet(nn.Module):
         stem = ch(32)
         layers: list[nn.Module] = [ConvNormActivation(in_channels, stem, 3, 2)]
         cin = stem
-        for expand, kernel, stride, cout, repeats in _B0_STAGES:
+        repeats = [max(1, math.ceil(r * depth_mult)) for *_, r in _B0_STAGES]
+        done, total = 0, sum(repeats)  # the blocks before this one, and in all: the drop probability grows with depth
+        for (expand, kernel, stride, cout, _), n in zip(_B0_STAGES, repeats):
             cout = ch(cout)
-            n = max(1, math.ceil(repeats * depth_mult))
-            layers.append(
-                nn.Sequential(
-                    *[MBConv(cin if i == 0 else cout, cout, kernel, stride if i == 0 else 1, expand) for i in range(n)]
-                )
-            )
-            cin = cout
+            stage = []
+            for i in range(n):
+                drop = stochastic_depth * (done + i) / total
+                stage.append(MBConv(cin if i == 0 else cout, cout, kernel, stride if i == 0 else 1, expand, drop))
+            layers.append(nn.Sequential(*stage))
+            cin, done = cout, done + n
         head = ch(1280)
         layers.append(ConvNormActivation(cin, head, 1))
         self.features = nn.Sequential(*layers)
@@ -90,5 +113,6 @@ class EfficientNet(nn.Module):
 
 
 def efficientnet_b0(num_classes: int = 1000, **kw) -> EfficientNet:
-    """EfficientNet-B0 (about 5.3M parameters)."""
+    """EfficientNet-B0 (about 5.3M parameters), torchvision's to the parameter name, stochastic depth 0.2 as in
+    torchvision (``stochastic_depth=0`` turns it off)."""
     return EfficientNet(num_classes, **kw)

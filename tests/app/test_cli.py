@@ -18,10 +18,15 @@ from PIL import Image
 
 from gearsam_fused.app.cli import main
 from gearsam_fused.app.data import add_symmetric_noise, crop_and_flip, load_digits_split
-from gearsam_fused.app.metrics import METRIC_KINDS
 from gearsam_fused.app.plots import block_shares_figure, curves_figure
-from gearsam_fused.app.training import Progress, RunConfig, cosine_factor, run_experiment, stretch_cosine
-from gearsam_fused.telemetry import RECORD_FIELDS
+from gearsam_fused.app.training import (
+    Progress,
+    RunConfig,
+    cosine_factor,
+    read_checkpoint,
+    run_experiment,
+    stretch_cosine,
+)
 
 EPOCH_FIELDS = {"kind", "optimizer", "seed", "epoch", "step", "lr", "train_loss", "train_acc", "test_loss", "test_acc", "train_sharpness",
                 "seconds", "sam_seconds", "epoch_seconds", "cpu_seconds", "sam_steps", "sam_fraction"}  # fmt: skip
@@ -120,79 +125,6 @@ def assert_real_plot(path) -> None:
     assert drawn[: len(drawn) // 2].any() and drawn[len(drawn) // 2 :].any()
 
 
-@pytest.fixture(scope="module")
-def demo_run(tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("demo") / "run"
-    args = ("demo", "--epochs", 2, "--seeds", 0, 1, "--threads", 1, "--telemetry-every", 7, "--out", run_dir)
-    return run_dir, ok(gearsam(*args))
-
-
-def test_demo_prints_the_comparison_table(demo_run):
-    run_dir, stdout = demo_run
-    rows = table_rows(stdout)
-    assert list(rows) == ["sgd", "sam", "gear-sam"]
-    for name, (accuracy, plus_minus, spread, seconds, machinery) in rows.items():
-        assert 50.0 < float(accuracy) <= 100.0 and plus_minus == "±" and float(spread) >= 0.0
-        assert float(seconds) > 0.0
-        assert machinery == "-" if name == "sgd" else float(machinery) > 0.0
-    summary = (run_dir / "summary.md").read_text()
-    table = stdout.splitlines()[-2 - (2 + len(rows)) : -2]  # header, rule, rows; then the two "wrote" lines
-    assert "\n".join(table) in summary and table[0].startswith("optimizer")  # the same table, with machine and date
-    assert "Measured 20" in summary and "cores" in summary
-
-
-def test_demo_writes_documented_metrics(demo_run):
-    run_dir, _ = demo_run
-    rows = metrics(run_dir)
-    assert {r["kind"] for r in rows} == set(METRIC_KINDS)
-    steps_per_epoch = math.ceil(1438 / 64)  # digits training split / batch size
-    for r in rows:
-        assert r["optimizer"] in ("sgd", "sam", "gear-sam") and r["seed"] in (0, 1)
-        if r["kind"] == "epoch":
-            assert set(r) == EPOCH_FIELDS and r["step"] == r["epoch"] * steps_per_epoch
-            assert 0.0 <= r["train_acc"] <= 100.0 and r["train_loss"] > 0 and r["seconds"] > 0
-            assert (r["train_sharpness"] is None) == (r["optimizer"] == "sgd")
-        elif r["kind"] == "result":
-            assert set(r) == RESULT_FIELDS and r["epochs"] == 2
-        else:
-            assert set(r) == {"kind", "optimizer", "seed", *RECORD_FIELDS} and r["optimizer"] != "sgd"
-            assert r["blocks"] == ["stem", "layer1", "layer2", "layer3", "classifier"]
-            assert all(len(r[k]) == 5 for k in ("energy", "score", "radius", "share"))
-            assert sum(r["share"]) == pytest.approx(1.0, abs=1e-9) and r["rho"] == 0.05
-            assert r["sharpness"] == pytest.approx(r["perturbed_loss"] - r["loss"], abs=0) and r["loss"] > 0
-    assert sum(r["kind"] == "epoch" for r in rows) == 3 * 2 * 2 and sum(r["kind"] == "result" for r in rows) == 6
-    for name in ("sam", "gear-sam"):
-        for seed in (0, 1):
-            steps = [r["step"] for r in rows if r["kind"] == "blocks" and (r["optimizer"], r["seed"]) == (name, seed)]
-            assert steps == list(range(1, 2 * steps_per_epoch + 1))  # every step once, in order
-            # the epoch's realized sharpness is the per-image mean of its steps' (batches of 64, the last of 30)
-            sizes = [64] * (steps_per_epoch - 1) + [1438 - 64 * (steps_per_epoch - 1)]
-            blocks = [r for r in rows if r["kind"] == "blocks" and (r["optimizer"], r["seed"]) == (name, seed)]
-            epoch_rows = [r for r in rows if r["kind"] == "epoch" and (r["optimizer"], r["seed"]) == (name, seed)]
-            for epoch in epoch_rows:
-                mine = blocks[(epoch["epoch"] - 1) * steps_per_epoch : epoch["epoch"] * steps_per_epoch]
-                mean = sum(size * r["sharpness"] for size, r in zip(sizes, mine)) / 1438
-                assert epoch["train_sharpness"] == pytest.approx(mean, rel=1e-4, abs=1e-7)
-    # the allocation rules are visible in the records: GEAR-SAM's score is an EMA, SAM's the block gradient norm
-    first = {r["optimizer"]: r for r in rows if r["kind"] == "blocks" and r["step"] == 1 and r["seed"] == 0}
-    assert first["sam"]["score"] == pytest.approx([math.sqrt(e) for e in first["sam"]["energy"]], rel=1e-12)
-    assert first["gear-sam"]["score"] == pytest.approx([0.1 * e for e in first["gear-sam"]["energy"]], rel=1e-12)
-    cfg = RunConfig.load(run_dir / "config.json")
-    assert cfg.command == "demo" and cfg.dataset == "digits" and cfg.seeds == [0, 1] and cfg.epochs == 2
-
-
-def test_demo_writes_plots_and_plot_renders_them_again(demo_run):
-    run_dir, stdout = demo_run
-    for name in ("curves.png", "block_shares.png"):
-        assert f"wrote {run_dir / name}" in stdout
-        assert_real_plot(run_dir / name)
-        (run_dir / name).unlink()
-    out = ok(gearsam("plot", run_dir))
-    for name in ("curves.png", "block_shares.png"):
-        assert f"wrote {run_dir / name}" in out
-        assert_real_plot(run_dir / name)
-
-
 def test_plot_rejects_a_directory_without_metrics(tmp_path):
     failed(gearsam("plot", tmp_path), f"{tmp_path} is not a run directory: it has no metrics.jsonl")
 
@@ -210,7 +142,7 @@ def test_train_resumes_from_checkpoints_exactly(tmp_path):
     out = ok(gearsam("train", "--resume", tmp_path / "resumed", "--epochs", 2, "--threads", 1))
     assert f"run directory {tmp_path / 'resumed'}" in out
     for name in ("sgd", "gear-sam"):
-        saved = torch.load(tmp_path / "resumed" / "checkpoints" / f"{name}-seed0.pt", weights_only=False)
+        saved = read_checkpoint(tmp_path / "resumed" / "checkpoints" / f"{name}-seed0.pt")
         assert saved["epoch"] == 2 and saved["step"] == 8
     straight, resumed = metrics(tmp_path / "straight"), metrics(tmp_path / "resumed")
     assert len(resumed) == len(straight) == 2 * 2 + 2 + 8  # epoch rows, results, GEAR-SAM's per-step records
@@ -272,7 +204,7 @@ def test_train_resumed_with_more_epochs_continues_the_cosine_down(tmp_path):
                     optimizers=["sgd"], schedule="cosine", checkpoint_every=1, epochs=20)  # fmt: skip
     with pytest.raises(RunCrashed):
         run_experiment(cfg, tmp_path, log=lambda *_: None, stream=CrashingLog(10))
-    stopped = torch.load(tmp_path / "checkpoints" / "sgd-seed0.pt", weights_only=False)["epoch"]
+    stopped = read_checkpoint(tmp_path / "checkpoints" / "sgd-seed0.pt")["epoch"]
     # late enough that the old schedule, stretched over 30 epochs from step 0, would put the lr back up
     assert stopped == 9
     ok(gearsam("train", "--resume", tmp_path, "--epochs", 30, "--threads", 1))
@@ -502,7 +434,7 @@ def test_a_factory_that_raises_is_a_clean_error_everywhere(capsys, user_modules)
         assert raised in err and not (user_modules / "out").exists()
     run = user_modules / "run"  # a run whose model's factory fails when the probe rebuilds it
     (run / "checkpoints").mkdir(parents=True)
-    (run / "checkpoints" / "sgd-seed0.pt").write_bytes(b"")
+    torch.save({"model": {}}, run / "checkpoints" / "sgd-seed0.pt")  # read before the probe builds the model
     (run / "config.json").write_text(json.dumps({"model": "raising_models:boom", "optimizers": ["sgd"]}))
     assert raised in refused(capsys, ["hessian", run], "cannot build 'raising_models:boom'")
     refused(capsys, ["partition", "broken_models:tiny"],
@@ -561,7 +493,10 @@ def test_help_shows_the_defaults():
     for default in ("(default: resnet18)", "(default: 0.05)", "(default: 128)", "(default: off)", "(default: 0)"):
         assert default in " ".join(train.split()), default
     demo = " ".join(ok(gearsam("demo", "--help")).split())
-    assert "(default: 15)" in demo and "(default: 0 1 2)" in demo and "(default: sgd sam gear-sam)" in demo
+    for default in ("--epochs EPOCHS epochs of each run (default: 10)", "(default: sgd sam gear-sam)",
+                    "--label-noise LABEL_NOISE symmetric label noise rate on the training set, e.g. 0.2 (default: 0.4)",
+                    "--threads THREADS CPU threads for torch (default: 1)"):  # fmt: skip
+        assert default in demo, default
     assert "(default: coarse fine)" in " ".join(ok(gearsam("partition", "--help")).split())
     assert "default: None" not in train + demo
 
@@ -770,7 +705,7 @@ def test_train_offers_the_digits(tmp_path):
     assert RunConfig.load(tmp_path / "config.json").dataset == "digits"
     for command in ("demo", "train", "reproduce"):
         helped = ok(gearsam(command, *(["label-noise"] if command == "reproduce" else []), "--help"))
-        assert "{digits,cifar10,cifar100,synthetic}" in helped or command == "demo"
+        assert "{digits,cifar10,cifar100,synthetic,imagefolder}" in helped or command == "demo"
 
 
 def test_partition_shows_the_trained_head_and_names_the_models(tmp_path):

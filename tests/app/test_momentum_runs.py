@@ -12,7 +12,7 @@ from gearsam_fused import MomentumSAM
 from gearsam_fused.app import training
 from gearsam_fused.app.cli import main
 from gearsam_fused.app.data import load_dataset
-from gearsam_fused.app.training import RunConfig, build_model, checkpoint_path, run_experiment
+from gearsam_fused.app.training import RunConfig, build_model, checkpoint_path, read_checkpoint, run_experiment
 
 # the digits at 256 images a step, one thread: a second or two a run
 CFG = RunConfig(dataset="digits", model="digits_resnet", optimizers=["momentum-gear-sam:1"], epochs=2, batch_size=256,
@@ -29,7 +29,7 @@ def _keep_threads():
 def test_evaluation_and_the_checkpoint_see_w(tmp_path):
     run_experiment(CFG, tmp_path, log=lambda *_: None)
     (result,) = [r for r in metrics(tmp_path) if r["kind"] == "result"]
-    saved = torch.load(checkpoint_path(tmp_path, CFG.optimizers[0], 0), weights_only=False)
+    saved = read_checkpoint(checkpoint_path(tmp_path, CFG.optimizers[0], 0))
     data = load_dataset(CFG.dataset, None, CFG.synthetic_size)
     model = build_model(CFG, data)
     model.load_state_dict(saved["model"])

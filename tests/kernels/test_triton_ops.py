@@ -461,7 +461,9 @@ def perturbed_copy(param, grad, backup, scale, block_of_tile, first_tile_of_bloc
 # Inductor (torch 2.13) returns the restored weights for the clone: its reinplacing reuses the clone's buffer as the
 # copy that restore_'s functionalised form writes. Any mutating custom op does it (a two-line torch.library.custom_op
 # pair shows it on CPU), aot_eager does not; a value computed from the weights, as the energy is, is not affected.
-CLONE_BETWEEN_MUTATIONS = pytest.mark.xfail(reason="Inductor drops a clone taken between two mutating custom ops")
+CLONE_BETWEEN_MUTATIONS = pytest.mark.xfail(
+    reason="Inductor drops a clone taken between two mutating custom ops", raises=AssertionError, strict=True
+)
 PASSES = [
     pytest.param(energy_at_the_perturbed_point, id="energy"),
     pytest.param(perturbed_copy, marks=CLONE_BETWEEN_MUTATIONS, id="clone"),

@@ -115,6 +115,19 @@ def test_graph_break_splits_a_graph():
     assert explained.graph_break_count == 1 and explained.graph_count == 2
 
 
+@pytest.mark.parametrize("fullgraph", [False, True])
+def test_a_refusal_says_our_message_first_eagerly_and_inside_a_trace(fullgraph):
+    def f(x):
+        compat.raise_refusal(f"refused: {x.shape[0]} elements")
+        return x
+
+    with pytest.raises(RuntimeError, match=r"^refused: 2 elements$"):
+        f(torch.zeros(2))
+    torch._dynamo.reset()
+    with pytest.raises(RuntimeError, match=r"^refused: 2 elements($|\n)"):
+        torch.compile(f, backend="eager", fullgraph=fullgraph)(torch.zeros(2))
+
+
 def test_dtensor_is_torchs_public_one_where_torch_has_it():
     public = pytest.importorskip("torch.distributed.tensor")
     assert compat.DTensor is public.DTensor and compat.Shard is public.Shard

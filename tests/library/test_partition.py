@@ -8,6 +8,7 @@ from gearsam_fused.models import MODELS, efficientnet_b0, pyramidnet110, resnet1
 TINY = {
     "resnet18": lambda: resnet18(width=4),
     "tv_resnet18": lambda: tv_resnet18(width=4),
+    "resnet50": lambda: MODELS["resnet50"](width=4, blocks=(1, 1, 1, 1), num_classes=10),
     "wrn28_10": lambda: wrn28_10(depth=16, widen_factor=1),
     "pyramidnet110": lambda: pyramidnet110(depth=20, alpha=12),
     "efficientnet_b0": lambda: efficientnet_b0(width_mult=0.25, num_classes=10),

@@ -11,9 +11,9 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from gearsam_fused import GEARSAM, SAM, available_backends
-from gearsam_fused.backends import resolve_backend_name
+from gearsam_fused.backends import BACKENDS, resolve_backend_name, triton_backend
 from gearsam_fused.backends.cpp_backend import cpp_built_with_cuda, cpp_installed
-from gearsam_fused.backends.triton_backend import triton_installed
+from gearsam_fused.backends.triton_backend import interpreter_enabled, triton_installed
 
 from conftest import (
     FP32_STEP_RTOL,
@@ -232,7 +232,8 @@ def test_launches_per_step_do_not_grow_with_the_number_of_tensors(backend, devic
         assert many.launched == launched and many.torch_ops == ops, (many.launched, many.torch_ops)
     else:  # the torch backend's allocation is torch operations: 41 per step on CPU (torch 2.13), whatever the tensors;
         # SGD's update takes 3 more (44), AdamW's and its step counts 12 more (53)
-        assert 0 < many.total <= 45 + {"none": 0, "sgd": 3, "adamw": 12}[base], many.torch_ops
+        # 45: the SAM step; 6 more on the torch backend, its energy pass taking again the tiles that overflow
+        assert 0 < many.total <= 51 + {"none": 0, "sgd": 3, "adamw": 12}[base], many.torch_ops
 
 
 def test_the_sharded_backends_operations_do_not_grow_with_the_number_of_tensors():
@@ -311,7 +312,8 @@ def test_parameters_in_two_dtypes(backend, device, strategy):
 
 # ------------------------------------------------------------------------------------------- dispatch
 def test_auto_picks_once_and_says_which():
-    expected = ["reference", "torch"] + ["triton"] * triton_installed() + ["cpp"] * cpp_installed() + ["sharded"]
+    triton_runs = triton_installed() and (torch.cuda.is_available() or interpreter_enabled())
+    expected = ["reference", "torch"] + ["triton"] * triton_runs + ["cpp"] * cpp_installed() + ["sharded"]
     assert available_backends() == expected
     on_cpu = "cpp" if cpp_installed() else "torch"  # the compiled kernels when they are built
     opt = SAM(tiny_resnet(), torch.optim.SGD, lr=0.1)
@@ -320,6 +322,31 @@ def test_auto_picks_once_and_says_which():
     on_cuda = "cpp" if cpp_built_with_cuda() else "triton" if triton_installed() else "torch"
     assert resolve_backend_name("auto", cuda) == on_cuda
     assert resolve_backend_name("auto", cuda | {torch.device("cpu")}) == "torch"
+
+
+@pytest.mark.parametrize("cuda", [False, True], ids=["no-cuda", "cuda"])
+@pytest.mark.parametrize("interpret", ["0", "1"])
+@pytest.mark.parametrize("installed", [False, True], ids=["no-triton", "triton"])
+def test_available_backends_are_those_usable_on_a_device_of_this_machine(monkeypatch, cuda, interpret, installed):
+    """``triton`` is listed where it can run: installed, and with a CUDA device or Triton's interpreter for CPU
+    tensors; a name is listed exactly where ``backend=`` accepts it for parameters on one of the machine's devices."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setenv("TRITON_INTERPRET", interpret)
+    monkeypatch.setattr(triton_backend, "triton_installed", lambda: installed)
+    names = available_backends()
+    assert ("triton" in names) == (installed and (cuda or interpret == "1"))
+    assert {"reference", "torch", "sharded"} <= set(names) and ("cpp" in names) == cpp_installed()
+    devices = [torch.device("cpu")] + [torch.device("cuda", 0)] * cuda
+    for name in BACKENDS:
+        assert (name in names) == any(_accepts(name, device) for device in devices), name
+
+
+def _accepts(name: str, device: torch.device) -> bool:
+    try:
+        resolve_backend_name(name, {device})
+    except ValueError:
+        return False
+    return True
 
 
 def test_triton_on_cpu_without_the_interpreter_is_refused(monkeypatch):

@@ -356,6 +356,27 @@ def test_partition_errors_through_the_optimizer():
     assert GEARSAM(params, torch.optim.SGD, partition="tensor", lr=0.1).block_names[0] == "param_groups[0]['params'][0]"
 
 
+@pytest.mark.parametrize("backend", ["reference", "cpp"])
+@pytest.mark.parametrize("replace", ["assign", "meta"])
+def test_parameters_replaced_after_construction_are_named_when_no_gradient_is_found(backend, replace):
+    """``model.load_state_dict(sd, assign=True)`` or ``model.to("meta")`` after the optimizer was built: the backward
+    gives its gradients to the new tensors, and the optimizer says so rather than "call loss.backward()"; built on
+    the parameters alone (no model), it cannot tell, and says the usual."""
+    model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
+    opt = SAM(model, torch.optim.SGD, rho=0.05, lr=0.1, backend=backend)
+    alone = SAM(list(model.parameters()), torch.optim.SGD, rho=0.05, lr=0.1, backend="reference")
+    if replace == "assign":
+        model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()}, assign=True)
+    else:
+        model.to("meta")
+    model(torch.randn(5, 4, device=model[0].weight.device)).sum().backward()
+    with pytest.raises(RuntimeError, match=r"model's parameters are no longer the ones it was built with: 4 of them "
+                       r"were replaced \(first '0.weight'\).*assign=False"):  # fmt: skip
+        opt.first_step()
+    with pytest.raises(RuntimeError, match=r"found no gradients: call loss.backward\(\) before first_step\(\)"):
+        alone.first_step()
+
+
 def test_sparse_gradients_raise_type_error():
     emb = nn.Embedding(10, 3, sparse=True)
     opt = SAM(emb.parameters(), torch.optim.SGD, lr=0.1)

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from gearsam_fused import GEARSAM, SAM
+from gearsam_fused import GEARSAM, SAM, FriendlySAM, MomentumSAM
 from gearsam_fused.models import ResNet
 
 from conftest import ALL, CUDA, FP32_STEP_RTOL, SGD_KW, batches, flat, loss_fn, rel_err, sam_step, tiny_resnet
@@ -109,6 +109,58 @@ def test_parameters_unfrozen_after_construction_are_reported(backend, device):
         opt.first_step()
 
 
+REPLACEMENTS = {
+    "dtype": lambda w: w.double(),
+    "shape": lambda w: w.reshape(-1).clone(),
+    "layout": lambda w: w.t().contiguous().t(),  # the same values and shape, strides (1, 3)
+    "device": lambda w: w.cpu() if w.is_cuda else w.cuda(),
+}
+CHANGES = [
+    pytest.param(change, marks=[pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")] if change == "device" else [])
+    for change in REPLACEMENTS
+]
+
+
+#: The step that meets the replaced parameter: its optimizer, and whether it is replaced between the two passes.
+REFUSING_STEPS = {
+    "first_step": (GEARSAM, False),
+    "F-SAM first_step": (FriendlySAM, False),  # the ascent rewrites the gradients: refused before it
+    "second_step": (GEARSAM, True),  # the parameters hold w + eps, and keep it
+    "MomentumSAM step": (MomentumSAM, False),  # the parameters hold the look-ahead point, and keep it
+}
+
+
+@pytest.mark.parametrize("when", list(REFUSING_STEPS))
+@pytest.mark.parametrize("change", CHANGES)
+@pytest.mark.parametrize("backend,device", ALL)
+def test_a_parameter_moved_cast_or_reshaped_after_construction_is_refused_by_name(backend, device, change, when):
+    """The reference and the flat-buffer backends refuse a parameter whose ``.data`` became a tensor of another
+    device, dtype, shape or memory layout after the optimizer was built, naming it, before the step changes a weight
+    (the reference: nor a gradient): the base optimizer's state was made for the old tensor."""
+    rule, between_passes = REFUSING_STEPS[when]
+    model = tiny_resnet(device=device)
+    opt = rule(model, torch.optim.SGD, rho=0.05, backend=backend, **SGD_KW)
+    first, second = batches(2, device=device)
+    if rule is MomentumSAM:
+        loss_fn(model, first).backward()
+        opt.step()
+        opt.zero_grad()
+    else:
+        sam_step(opt, model, first)
+    loss_fn(model, second).backward()
+    if between_passes:
+        opt.first_step(zero_grad=True)
+        loss_fn(model, second).backward()
+    model.fc.weight.data = REPLACEMENTS[change](model.fc.weight.detach())
+    weights = lambda: torch.cat([p.detach().reshape(-1).double().cpu() for p in model.parameters()])  # noqa: E731
+    before, grads = weights(), [p.grad.clone() for p in model.parameters()]
+    step = opt.step if rule is MomentumSAM else opt.second_step if between_passes else opt.first_step
+    with pytest.raises(RuntimeError, match=r"parameter 'fc.weight' was replaced by a tensor of another device, dtype"):
+        step()
+    assert torch.equal(weights(), before)
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads))
+
+
 @pytest.mark.parametrize("backend,device", ALL)
 def test_parameters_added_to_the_model_later_are_not_optimized(backend, device):
     """As with every torch optimizer, a parameter that was not passed in is not the optimizer's: not perturbed, not
@@ -142,6 +194,24 @@ def test_rho_zero_is_the_base_optimizer_exactly(rule, backend, device):
         base.zero_grad()
         assert torch.equal(flat(model), flat(base_model))
     assert opt.block_stats()["share"].eq(0).all()
+
+
+@pytest.mark.parametrize("backend,device", ALL)
+def test_rho_zero_with_the_base_optimizers_own_step_is_adamw_exactly(backend, device):
+    """Where the base optimizer steps per tensor (the reference backend; ``base_step="per-tensor"`` elsewhere), rho = 0
+    is torch's own AdamW bit for bit on every backend: the perturbation leaves every weight as it is and the restore
+    puts back the same bits. (The fused AdamW: ``kernels/test_base_step.py``.)"""
+    kw = dict(lr=1e-3, weight_decay=1e-2)
+    model, base_model = tiny_resnet(device=device), tiny_resnet(device=device)
+    opt = SAM(model, torch.optim.AdamW, rho=0.0, backend=backend, base_step="per-tensor", **kw)
+    base = torch.optim.AdamW(base_model.parameters(), **kw)
+    for xy in batches(4, device=device):
+        sam_step(opt, model, xy)
+        loss_fn(base_model, xy).backward()
+        base.step()
+        base.zero_grad()
+        assert torch.equal(flat(model), flat(base_model))
+    assert opt.base_step_mode == "per-tensor"
 
 
 @pytest.mark.parametrize("backend,device", ALL)

@@ -65,8 +65,13 @@ def check_training(namespace):
     assert torch.isfinite(torch.as_tensor(namespace["loss"]))
 
 
+def check_cli(namespace):
+    # the image-folder layouts of the transfer study's datasets: tests/app/test_transfer.py runs them on fake archives
+    assert all(callable(namespace[f]) for f in ("flowers102", "stanford_cars", "oxford_pets"))
+
+
 #: what each page's examples leave behind, beyond having run
-CHECKS = {"README.md": None, "docs/usage.md": check_usage, "docs/training.md": check_training}
+CHECKS = {"README.md": None, "docs/usage.md": check_usage, "docs/training.md": check_training, "docs/cli.md": check_cli}
 
 
 @pytest.mark.parametrize("page", [p for p in pages() if p != README], ids=name)
