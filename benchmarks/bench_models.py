@@ -19,27 +19,27 @@ model                  CUDA                                             tiny (CP
 A model whose package (torchvision, timm, transformers) is not installed is skipped, the skip saying which.
 
 Rows per model (:data:`CONTENDERS`), all around the same base optimizer: the CNNs torch's SGD (momentum 0.9, weight
-decay 5e-4, ``foreach=True``), the transformers torch's AdamW (weight decay 0.01; ``fused=True`` on CUDA,
-``foreach=True`` on CPU):
+decay 5e-4), the transformers torch's AdamW (weight decay 0.01), each contender at its best:
 
-* ``base optimizer``        one forward+backward pass and the base optimizer's step: what SAM is compared against
-* ``per-tensor loop SAM``   :class:`contenders.PerTensorLoopSAM` around the base optimizer
-* ``pytorch_optimizer``     ``pytorch_optimizer.SAM(..., foreach=True)`` (skipped with a note when it is not installed);
-  its ``foreach`` reaches the base optimizer too, so its AdamW runs ``foreach=True`` (torch refuses it together with
-  ``fused=True``)
+* ``base optimizer``, ``base optimizer (fused)``  one forward+backward pass and the base optimizer's step, with
+  ``foreach=True`` and with ``fused=True``: what SAM is compared against, the faster of the two in the same rounds
+* ``per-tensor loop SAM``   :class:`contenders.PerTensorLoopSAM` around the base optimizer with ``fused=True``
+* ``pytorch_optimizer``     ``pytorch_optimizer.SAM(..., foreach=True)`` (left out, its rows saying so, when it is not
+  installed); its ``foreach`` reaches the base optimizer too, so its base optimizer runs ``foreach=True`` (torch
+  refuses it together with ``fused=True``)
 * ``compiled foreach SAM``  ``contenders.CompiledForeachSAM(params, base, rho=0.05, rule="sam", **base_kwargs)``: a
-  ``torch.compile``-d foreach SAM step around the compiled ``step()`` of its base optimizer, which it builds with
-  ``foreach=True``; compiling happens in the warm-up, and the row records how long the calls that compiled took
-  (``compile_s``)
+  ``torch.compile``-d foreach SAM perturbation with float32 norms, and a ``torch.compile``-d function holding its
+  restore and the base optimizer's ``step()`` (built with ``foreach=True``); compiling happens in the warm-up, and the
+  row records how long the calls that compiled took (``compile_s``)
 * ``SAM``, ``GEAR-SAM``     gearsam_fused, ``backend="auto"``, ``base_step="auto"``: the base step runs fused into the
-  restore where it can (the transformers' AdamW without ``fused=True``, which the fused step does not take; the
-  row's ``base_step_mode`` says which path ran, ``base_step_reason`` why when it was not fused)
+  restore (the row's ``base_step_mode`` says which path ran, ``base_step_reason`` why when it was not fused)
 
-Every round of a SAM row times, back to back on the same batch, one forward+backward pass (on the contender's own
-model), one ``step()`` of the base optimizer as the ``base optimizer`` row runs it (on a copy of the model, its
-gradients computed once; AdamW with ``fused=True`` on CUDA, torch's fastest) and then the SAM step
-(``zero_grad``, forward+backward, ``first_step``, ``zero_grad``, forward+backward, ``second_step``), and from each
-round (:func:`report.sam_parts`, its SGD step being this round's forward+backward plus base step)
+One test per model builds every row's model (the same seed: the same weights), three more copies for the parts below,
+warms each up, then times them in turn (``conftest.step_in_turn``): a round steps every row and every part once,
+each timed alone, the order turned by one place each round. The parts of a round: one forward+backward pass (on a
+copy of its own, its gradients left to accumulate), and one ``step()`` of the base optimizer with ``foreach=True``
+and one with ``fused=True`` (each on a copy of its own, its gradients computed once). From each round of a SAM row
+(:func:`report.sam_parts`, its SGD step being this round's forward+backward plus the faster base step of the run)
 
     beyond 2 x (forward+backward) = SAM step - 2 x (forward+backward)
     SAM tax                       = SAM step - 2 x (forward+backward) - base step
@@ -47,22 +47,26 @@ round (:func:`report.sam_parts`, its SGD step being this round's forward+backwar
 ``beyond`` is everything in a SAM step that is not one of its two passes: the gradient norm, perturbation and restore,
 the base update and two ``zero_grad``. The tax is what SAM itself adds: ``beyond`` minus the base optimizer's own
 step. A row records the median and quartiles of both in ms (``beyond_ms``, ``tax_ms``), the tax's median share of
-the step in % (``tax_pct``), and the step over the same round's forward+backward plus base step (``over_plain``).
+the step in % (``tax_pct``), the step over the same round's forward+backward plus base step (``over_plain``), which
+base step that was (``base_step_path``), and, as every row, its time in each round (``round_ms``) and its ratios to
+the other rows of the same rounds, medians of per-round ratios with quartiles and range (``rows.interleaved_fields``):
+``vs`` (the per-tensor loop's, pytorch_optimizer's and the compiled foreach SAM's time over this row's) and ``over``
+(this row's time over the faster ``base optimizer`` row's).
 
 Memory (CUDA only; ``None`` on CPU, where torch has no allocator statistics to read): ``peak_mib`` is the allocator's
 peak during one step of the row after its warm-up, ``held_mib`` what stays allocated after it (model, gradients,
-optimizer state, SAM's buffers), both above what was allocated when the row started, before its model was built.
+optimizer state, SAM's buffers), both above what was allocated before its model was built (the rows are built and
+warmed up one after the other, before the parts' copies).
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
 import gc
 import importlib
 import json
 import sys
-import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -74,14 +78,21 @@ from gearsam_fused import GEARSAM, SAM
 from gearsam_fused.models import resnet18
 
 import contenders
-from conftest import DEVICE, synchronize, warm_up
-from report import quartiles, sam_parts
+from conftest import DEVICE, step_in_turn, synchronize, warm_up
+from report import MODELS_IN_TURN_NOTE, MODELS_NOTE, model_table, quartiles, sam_parts
+from rows import faster_path, interleaved_fields
 
 RHO = 0.05
-BASE = "base optimizer"
-COMPILED = "compiled foreach SAM"
-SAM_ROWS = ["per-tensor loop SAM", "pytorch_optimizer", COMPILED, "SAM", "GEAR-SAM"]
-CONTENDERS = [BASE, *SAM_ROWS]
+BASE, BASE_FUSED = "base optimizer", "base optimizer (fused)"
+LOOP, PEER, COMPILED = "per-tensor loop SAM", "pytorch_optimizer", contenders.COMPILED
+SAM_ROWS = [LOOP, PEER, COMPILED, "SAM", "GEAR-SAM"]
+CONTENDERS = [BASE, BASE_FUSED, *SAM_ROWS]
+#: the parts each round also times: one forward+backward pass, one base step with each flag
+FORWARD_BACKWARD = "forward+backward"
+BASE_STEP_PARTS = {"foreach=True": "base step (foreach)", "fused=True": "base step (fused)"}
+#: what every row is compared with in the same rounds: label -> the rows it stands for (the faster one taken)
+REFERENCES = {LOOP: (LOOP,), PEER: (PEER,), COMPILED: (COMPILED,)}
+OVER = {BASE: (BASE, BASE_FUSED)}
 MIB = 2**20
 
 
@@ -151,25 +162,23 @@ CHANNELS_LAST = {"ResNet-50", "CIFAR ResNet-18"}
 
 
 def base_optimizer(model: Model, contender: str) -> tuple[type[torch.optim.Optimizer], dict]:
-    """The base optimizer's class and arguments for ``contender``: SGD with ``foreach=True``; AdamW with ``fused=True``
-    on CUDA (``foreach=True`` on CPU), except for ours, the peer and the compiled contender, which take it with
-    ``foreach=True`` (the compiled contender adds that flag itself)."""
+    """The base optimizer's class and arguments for ``contender``: ``fused=True`` for the ``(fused)`` base optimizer
+    row and the per-tensor loop (torch's fastest step, on CPU and CUDA), ``foreach=True`` for the other base optimizer
+    row, ours and the peer (whose ``foreach`` reaches its base optimizer; torch refuses both flags together); the
+    compiled contender adds ``foreach=True`` itself."""
+    flag = {"fused": True} if contender in (BASE_FUSED, LOOP) else {"foreach": True}
     if model.base == "SGD":
-        return torch.optim.SGD, {"lr": 0.05, "momentum": 0.9, "weight_decay": 5e-4, "foreach": True}
-    fused = DEVICE == "cuda" and contender not in ("SAM", "GEAR-SAM", "pytorch_optimizer", COMPILED)
-    return torch.optim.AdamW, {"lr": 1e-4, "weight_decay": 0.01, **({"fused": True} if fused else {"foreach": True})}
+        return torch.optim.SGD, {"lr": 0.05, "momentum": 0.9, "weight_decay": 5e-4, **flag}
+    return torch.optim.AdamW, {"lr": 1e-4, "weight_decay": 0.01, **flag}
 
 
-def _not_available(model: Model, contender: str) -> str:
-    """Why this row cannot run here ("" when it can)."""
+def _not_available(model: Model) -> str:
+    """Why this model cannot run here ("" when it can)."""
     if model.package is not None:
         try:
             importlib.import_module(model.package)
         except ImportError:
             return f"{model.package} is not installed: {model.name} is skipped"
-    missing = contenders.not_installed()
-    if contender in missing:
-        return missing[contender]
     return ""
 
 
@@ -196,7 +205,7 @@ def _problem(model: Model, quick: bool):
 def _contender_step(name: str, model: Model, module, forward_backward):
     """The step to time for row ``name``, with ``.optimizer`` (None for the base optimizer's row)."""
     base_cls, base_kwargs = base_optimizer(model, name)
-    if name == BASE:
+    if name in (BASE, BASE_FUSED):
         opt = base_cls(module.parameters(), **base_kwargs)
 
         def step():
@@ -206,28 +215,21 @@ def _contender_step(name: str, model: Model, module, forward_backward):
 
         step.optimizer = None
         return step
-    if name == "per-tensor loop SAM":
+    if name == LOOP:
         opt = contenders.PerTensorLoopSAM(module.parameters(), lambda params: base_cls(params, **base_kwargs), rho=RHO)
         holder = module  # the loop keeps no gradient buffers: the model's own gradients are zeroed
-    elif name == "pytorch_optimizer":
+    elif name == PEER:
         import pytorch_optimizer as peer
 
         opt = holder = peer.SAM(module.parameters(), base_cls, rho=RHO, **base_kwargs)  # foreach=True: its SAM too
-    elif name == COMPILED:  # it builds its base optimizer with foreach=True itself
+    elif name == COMPILED:  # it builds its base optimizer with foreach=True itself; dynamo reset by the caller
         kwargs = {k: v for k, v in base_kwargs.items() if k not in ("foreach", "fused")}
-        opt = contenders.CompiledForeachSAM(module.parameters(), base_cls, rho=RHO, rule="sam", **kwargs)
+        opt = contenders.CompiledForeachSAM(module.parameters(), base_cls, rho=RHO, rule="sam", reset=False, **kwargs)
         holder = module
     else:
         opt = holder = (SAM if name == "SAM" else GEARSAM)(module, base_cls, rho=RHO, **base_kwargs)
 
     return contenders.two_pass_step(opt, holder, forward_backward)
-
-
-def _timed(function) -> float:
-    start = time.perf_counter()
-    function()
-    synchronize()
-    return time.perf_counter() - start
 
 
 def _allocated() -> int:
@@ -237,81 +239,85 @@ def _allocated() -> int:
     return torch.cuda.memory_allocated()
 
 
-@pytest.mark.parametrize("name", CONTENDERS)
-@pytest.mark.parametrize("key", list(MODELS))
-def test_model_step(benchmark, record, quick, key, name):
-    model = MODELS[key]
-    reason = _not_available(model, name)
-    if reason:
-        pytest.skip(reason)
-    start_bytes = _allocated() if DEVICE == "cuda" else 0
-    module, forward_backward, setting = _problem(model, quick)
-    step = _contender_step(name, model, module, forward_backward)
-
-    def synchronised_step():
+def _synchronised(step):
+    def synchronised():
         step()
         synchronize()
 
-    if quick:  # a smoke run: one step warms up, two for the compiled contender, which compiles again on its second
-        warm_up(synchronised_step, min_steps=2 if name == COMPILED else 1, min_seconds=0.0)
-    else:
-        warm_up(synchronised_step)
-    memory = {"peak_mib": None, "held_mib": None}
-    if DEVICE == "cuda":  # one step of this row alone, before the parts below allocate their copy of the model
-        gc.collect()
-        torch.cuda.reset_peak_memory_stats()
-        synchronised_step()
-        memory = {"peak_mib": (torch.cuda.max_memory_allocated() - start_bytes) / MIB,
-                  "held_mib": (torch.cuda.memory_allocated() - start_bytes) / MIB}  # fmt: skip
-    base_cls, base_kwargs = base_optimizer(model, BASE)
-    extra = {"base": model.base, "base_kwargs": repr(base_optimizer(model, name)[1])}
-    parts = {"forward+backward": [], "base step": []}
-    setup = None
-    if name in SAM_ROWS:
-        reference = copy.deepcopy(module)  # the base step of each round updates a copy, leaving the contender's alone
-        reference_step = base_cls(reference.parameters(), **base_kwargs)
-        forward_backward(reference)  # its gradients, computed once
-        warm_up(reference_step.step, min_steps=1 if quick else 3, min_seconds=0.0)
+    return synchronised
 
-        def setup():  # not timed by the benchmark: the parts of this round, just before its SAM step
-            parts["forward+backward"].append(_timed(forward_backward))
-            parts["base step"].append(_timed(reference_step.step))
-            return (), {}
 
-    benchmark.group = f"model step, {model.name}{' (tiny)' if setting['tiny'] else ''}, {DEVICE}"
-    rounds = 3 if quick else (20 if DEVICE == "cuda" else 10)
-    benchmark.pedantic(synchronised_step, setup=setup, rounds=rounds, iterations=1)
-    if name in SAM_ROWS:
-        fb, base = parts["forward+backward"], parts["base step"]
-        fields = sam_parts(benchmark.stats.stats.data, fb, [f + b for f, b in zip(fb, base)])
-        fields.pop("sgd_ms")
-        fields["base_step_ms"] = 1e3 * quartiles(base)[1]
-        extra.update({k.replace("over_sgd", "over_plain"): v for k, v in fields.items()})
+@pytest.mark.parametrize("key", list(MODELS))
+def test_model_step(record_rounds, quick, leave_out, key):
+    model = MODELS[key]
+    reason = _not_available(model)
+    if reason:
+        pytest.skip(reason)
+    missing = {**contenders.not_installed(), **leave_out}
+    names = [name for name in CONTENDERS if name not in missing]
+    for note in contenders.not_installed().values():
+        warnings.warn(note, stacklevel=1)
+    if hasattr(torch, "_dynamo"):
+        torch._dynamo.reset()  # no graph of an earlier model is reused or counted
+    steps, optimizers, settings, memory, extra = {}, {}, {}, {}, {name: {} for name in names}
+    for name in names:  # each row's model, built, warmed up and (CUDA) its memory read before the next is built
+        start_bytes = _allocated() if DEVICE == "cuda" else 0
+        module, forward_backward, setting = _problem(model, quick)
+        step = _contender_step(name, model, module, forward_backward)
+        steps[name], optimizers[name], settings[name] = _synchronised(step), step.optimizer, setting
+        if quick:  # a smoke run: one step warms up, two for the compiled contender, which compiles again on its second
+            warm_up(steps[name], min_steps=2 if name == COMPILED else 1, min_seconds=0.0)
+        else:
+            warm_up(steps[name])
+        memory[name] = {"peak_mib": None, "held_mib": None}
+        if DEVICE == "cuda":  # one step of this row alone
+            gc.collect()
+            torch.cuda.reset_peak_memory_stats()
+            steps[name]()
+            memory[name] = {"peak_mib": (torch.cuda.max_memory_allocated() - start_bytes) / MIB,
+                            "held_mib": (torch.cuda.memory_allocated() - start_bytes) / MIB}  # fmt: skip
+        kwargs = base_optimizer(model, name)[1]
+        flags = "fused=True" if kwargs.get("fused") else "foreach=True" + (", compiled" if name == COMPILED else "")
+        extra[name] = {"base": model.base, "base_kwargs": repr(kwargs), "base_flags": flags}
         if hasattr(step.optimizer, "compile_s"):  # the compiled contender: the warm-up's calls that compiled
-            extra["compile_s"] = step.optimizer.compile_s
+            extra[name]["compile_s"] = step.optimizer.compile_s
         if hasattr(step.optimizer, "base_step_mode"):  # ours: whether the base step ran fused into the restore
-            extra["base_step_mode"] = step.optimizer.base_step_mode
-            extra["base_step_reason"] = step.optimizer.base_step_reason
-    fields = dict(contender=name, **setting, **extra, **memory)
-    benchmark.extra_info.update(fields)
-    record(**fields)
-    if name == COMPILED and hasattr(torch, "_dynamo"):
-        torch._dynamo.reset()  # the compiled graphs and what they hold go with the row
+            extra[name]["base_step_mode"] = step.optimizer.base_step_mode
+            extra[name]["base_step_reason"] = step.optimizer.base_step_reason
+    # the parts of each round, each on a copy of its own: one forward+backward pass, one base step with each flag
+    fb_module, fb_pass, _ = _problem(model, quick)
+    parts = {FORWARD_BACKWARD: _synchronised(lambda: fb_pass(fb_module))}
+    for flag, part in BASE_STEP_PARTS.items():
+        reference, ref_pass, _ = _problem(model, quick)
+        cls, kwargs = base_optimizer(model, BASE_FUSED if flag == "fused=True" else BASE)
+        reference_step = cls(reference.parameters(), **kwargs)
+        ref_pass(reference)  # its gradients, computed once
+        parts[part] = _synchronised(reference_step.step)
+    for part in parts.values():
+        warm_up(part, min_steps=1 if quick else 3, min_seconds=0.0)
+    rounds = 3 if quick else (20 if DEVICE == "cuda" else 10)
+    seconds, _ = step_in_turn({**steps, **parts}, rounds)
+    for name in names:
+        if "compile_s" in extra[name]:  # the compiled contender compiles in the warm-up, never in the rounds
+            assert optimizers[name].compile_s == extra[name]["compile_s"], f"{name} compiled again while it was timed"
+    ms = {name: [1e3 * t for t in seconds[name]] for name in names}
+    ratios = interleaved_fields(ms, REFERENCES, OVER)
+    fb = seconds[FORWARD_BACKWARD]
+    path = faster_path({flag: seconds[part] for flag, part in BASE_STEP_PARTS.items()}, tuple(BASE_STEP_PARTS))
+    base = seconds[BASE_STEP_PARTS[path]]
+    for name in names:
+        fields = dict(extra[name])
+        if name in SAM_ROWS:
+            parts_fields = sam_parts(seconds[name], fb, [f + b for f, b in zip(fb, base)])
+            parts_fields.pop("sgd_ms")
+            fields.update({k.replace("over_sgd", "over_plain"): v for k, v in parts_fields.items()})
+            fields.update(base_step_ms=1e3 * quartiles(base)[1], base_step_path=path)
+        record_rounds(seconds[name], contender=name, **settings[name], **fields, **ratios[name], **memory[name],
+                      stepped_in_turn=names, left_out=missing)  # fmt: skip
 
 
 def table(rows: list[dict]) -> str:
-    """The rows of one run of this benchmark as Markdown, one table per model."""
-
-    def ms(row, key):
-        value = row.get(key)
-        if value is None:
-            return ""
-        spread = (row.get(f"{key[:-3]}_q1_ms"), row.get(f"{key[:-3]}_q3_ms"))
-        return f"{value:.2f}" + (f" ({spread[0]:.2f}–{spread[1]:.2f})" if None not in spread else "")
-
-    def number(value, form="{:.1f}"):
-        return "" if value is None else form.format(value)
-
+    """The rows of one run of this benchmark as Markdown, one table per model (``report.model_table``)."""
     out = []
     for model in dict.fromkeys(r["model"] for r in rows):
         mine = sorted((r for r in rows if r["model"] == model), key=lambda r: CONTENDERS.index(r["contender"]))
@@ -320,20 +326,8 @@ def table(rows: list[dict]) -> str:
             f"{k} {first[k]}" for k in ("batch", "image", "tokens", "layers", "depth", "width") if k in first
         )
         out += [f"### {model} ({size}{', tiny' if first['tiny'] else ''}), {first['device']}, base {first['base']}",
-                "", "| contender | step ms (IQR) | fwd+bwd ms | base step ms | beyond 2 passes ms (IQR) | "
-                "SAM tax ms (IQR) | tax % | / plain | peak MiB | held MiB | base step |",
-                "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]  # fmt: skip
-        for r in mine:
-            median = f"{r['median_ms']:.2f} ({r['q1_ms']:.2f}–{r['q3_ms']:.2f})"
-            out.append(
-                f"| {r['contender']} | {median} | {number(r.get('forward_backward_ms'), '{:.2f}')} | "
-                f"{number(r.get('base_step_ms'), '{:.2f}')} | {ms(r, 'beyond_ms')} | {ms(r, 'tax_ms')} | "
-                f"{number(r.get('tax_pct'))} | {number(r.get('over_plain'), '{:.2f}x')} | "
-                f"{number(r.get('peak_mib'), '{:.0f}')} | {number(r.get('held_mib'), '{:.0f}')} | "
-                f"{r.get('base_step_mode', '')} |"
-            )
-        out.append("")
-    return "\n".join(out)
+                "", *model_table(mine), ""]  # fmt: skip
+    return "\n".join(out + ([MODELS_IN_TURN_NOTE if any("vs" in r for r in rows) else MODELS_NOTE] if rows else []))
 
 
 def main(argv: list[str]) -> int:

@@ -1,11 +1,18 @@
 """Cost of the SAM machinery itself: ``first_step`` + ``second_step`` with a base optimizer that does nothing.
 
 Every contender of :mod:`contenders` runs in the same process on the same parameter set (:mod:`param_sets`), float32,
-on CUDA when there is a GPU and on CPU otherwise; a peer that is not installed is skipped with a note saying so. Per
-step it records:
+on CUDA when there is a GPU and on CPU otherwise; a peer that is not installed is left out, its rows saying so
+(``left_out``). One test per set builds every contender, SAM's and GEAR-SAM's, each on a copy of the set of its own
+(the same weights and gradients; from :data:`bench_whole_step.SHARED_FROM` parameters pytorch_optimizer's two paths,
+which update the tensors in place, share one), warms each up and times them in turn within each round
+(``conftest.step_in_turn``: the memory floor measured once per round, then every contender's step timed alone, the
+order turned by one place each round). Per step it records:
 
 * time: median and quartiles over the rounds (each round one synchronised step; on CUDA also the median by CUDA
-  events over 50 back-to-back steps);
+  events over 50 back-to-back steps), and the step's time in each round (``round_ms``);
+* its ratios to the per-tensor loop and to pytorch_optimizer's SAM (its path faster in these rounds), each the median
+  of the per-round ratios with their quartiles and range (``vs``, ``vs_path``; ``rows.interleaved_fields``); a
+  GEAR-SAM row, which no other implementation has, against those SAM steps of the same rounds;
 * memory traffic by our count, for d parameters in float32: energy reads g (4d); perturb reads w and g and writes
   w + eps (12d, :mod:`bench_whole_step` says how); restore gives the buffers their memory back and moves nothing (0d,
   as the ``cpp`` CPU kernels do past the stream threshold; a restore that copies reads the backup and writes w, 8d):
@@ -27,8 +34,11 @@ the same moment, which the ratio of two rows' medians, minutes apart on a shared
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
+from bench_whole_step import SHARED_FROM, STEP_TEMPORARIES
 
 from gearsam_fused.allocation import RULES, SAM_RULE
 
@@ -39,31 +49,105 @@ from conftest import (
     ENERGY_BYTES,
     PERTURB_BYTES,
     PairedRounds,
+    available_memory_bytes,
     cuda_event_median_ms,
     cuda_launches,
+    fit_in_memory,
     sam_step_of,
+    step_in_turn,
     step_rounds,
     synchronize,
     warm_up,
 )
+from rows import interleaved_fields
 
 BYTES_PER_PARAM = ENERGY_BYTES + PERTURB_BYTES  # the restore: 0, an exchange of memory
 NOT_INSTALLED = contenders.not_installed()  # peers shown as skipped, with the note, instead of left out
 FAMILY_LR = 0.01
 
 
-# the set varies slowest: the contenders of a set run one after the other, minutes apart from the other sets
-@pytest.mark.parametrize("contender", contenders.available(DEVICE) + list(NOT_INSTALLED))
-@pytest.mark.parametrize("rule", RULES)
+#: the steps left out first, in this order, where a set's contenders would not fit in memory together
+#: (``conftest.fit_in_memory``): the slowest of ours, GEAR-SAM's first
+LEAVE_FIRST = ("sharded, gear-sam", "reference, gear-sam", "sharded", "reference", "torch, gear-sam")
+LOOP = "per-tensor loop"
+#: what every row is compared with in the same rounds (SAM's steps): label -> the paths it stands for
+REFERENCES = {LOOP: (LOOP,), contenders.PEER: tuple(contenders.PEER_PATHS)}
+
+
+def row_key(contender: str, rule: str) -> str:
+    """The name of a contender's step under ``rule`` among the set's: the contender's for SAM, with the rule for
+    GEAR-SAM (``"cpp, gear-sam"``)."""
+    return contender if rule == SAM_RULE else f"{contender}, {rule}"
+
+
+def sam_step_contenders(device: str) -> list[tuple[str, str]]:
+    """(contender, rule) of every step a set's rounds take here: SAM's, then GEAR-SAM's (our backends only)."""
+    usable = contenders.available(device)
+    return [(c, rule) for rule in RULES for c in usable if rule == SAM_RULE or c not in contenders.SAM_ONLY]
+
+
 @pytest.mark.parametrize("set_key", param_sets.SET_KEYS)
-def test_sam_step(benchmark, record, quick, floor, contender, rule, set_key):
-    if contender in NOT_INSTALLED:
-        pytest.skip(NOT_INSTALLED[contender])
-    if rule != SAM_RULE and contender in contenders.SAM_ONLY:
-        pytest.skip(f"{contender} implements SAM only")
-    params = param_sets.build(set_key, DEVICE, quick)
-    opt = contenders.make(contender, rule, params.model, params.partition)
-    measure(benchmark, record, quick, floor, params, opt, contender, rule=rule)
+def test_sam_step(record_rounds, quick, floor, leave_out, set_key):
+    entries = [(c, rule) for c, rule in sam_step_contenders(DEVICE) if c not in leave_out]
+    gc.collect()
+    available = available_memory_bytes()
+    first = param_sets.build(set_key, DEVICE, quick)
+    shared = first if first.numel >= SHARED_FROM else None
+
+    def held_buffers(key: str) -> int:  # its copy of the set (none where it shares one), its backup; sharded: copies
+        copy = 0 if shared is not None and key in contenders.PEER_PATHS else 2
+        return copy + (3 if key.startswith("sharded") else 1)
+
+    kept, too_many = fit_in_memory([row_key(*e) for e in entries], held_buffers, 4 * first.numel, LEAVE_FIRST,
+                                   available, STEP_TEMPORARIES + (2 if shared is not None else 0))  # fmt: skip
+    entries = [e for e in entries if row_key(*e) in kept]
+    unused = [first] if shared is None else []
+    optimizers, steps = {}, {}
+    for contender, rule in entries:
+        key = row_key(contender, rule)
+        if shared is not None and contender in contenders.PEER_PATHS:
+            params = shared  # updated in place, kept where they are
+        else:
+            params = unused.pop() if unused else param_sets.build(set_key, DEVICE, quick)
+        optimizers[key] = opt = contenders.make(contender, rule, params.model, params.partition)
+
+        def step(opt=opt):
+            opt.first_step()
+            opt.second_step()
+
+        def synchronised(step=step):
+            step()
+            synchronize()
+
+        steps[key] = synchronised
+        steps[key].unsynchronised = step
+    extra = {}
+    for (contender, _rule), key in zip(entries, steps):
+        warm_up(steps[key])  # kernel compilation, allocator, re-homing of the gradients
+        opt = optimizers[key]
+        opt.first_step()
+        extra[key] = {"held_bytes": contenders.held_bytes(contender, opt)}
+        opt.second_step()
+        if DEVICE == "cuda":
+            torch.cuda.synchronize()
+            before = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            steps[key]()
+            extra[key].update(peak_extra_bytes=torch.cuda.max_memory_allocated() - before,
+                              launches=cuda_launches(steps[key].unsynchronised),
+                              cuda_event_median_ms=cuda_event_median_ms(steps[key].unsynchronised))  # fmt: skip
+    rounds = step_rounds(first.numel, quick)
+    seconds, samples = step_in_turn(steps, rounds, floor)
+    ratios = interleaved_fields({key: [1e3 * t for t in seconds[key]] for key in steps}, REFERENCES)
+    counted, read_only = BYTES_PER_PARAM * first.numel, ENERGY_BYTES * first.numel
+    for contender, rule in entries:
+        key = row_key(contender, rule)
+        record_rounds(
+            seconds[key], set=first.name, rule=rule, contender=contender, parameters=first.numel,
+            tensors=len(first.params), bytes_counted=counted, stepped_in_turn=list(steps), left_out={**NOT_INSTALLED, **leave_out, **too_many},
+            shared_copy=shared is not None and contender in contenders.PEER_PATHS, **ratios[key], **extra[key],
+            **floor.fields(counted, seconds[key], first.numel, key, read_only, samples),
+        )  # fmt: skip
 
 
 @pytest.mark.parametrize("contender", contenders.variant_contenders(DEVICE) + list(NOT_INSTALLED))

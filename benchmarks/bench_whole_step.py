@@ -6,25 +6,45 @@ momentum and weight decay or AdamW. gearsam_fused fuses the base step with the r
 the rows show what that fusion buys against the same backend stepping the base optimizer per tensor, against the
 per-tensor implementations, and against the base optimizer's step alone.
 
-Contenders, each around the same base optimizer (every torch optimizer with ``foreach=True``):
+Contenders, each around the same base optimizer, each at its best: a per-tensor contender that steps torch's
+optimizer itself takes it with ``fused=True`` (torch's fastest step on CPU and CUDA), except where torch refuses it
+(pytorch_optimizer's ``foreach=True`` path hands ``foreach=True`` on to it) or the step is compiled (``foreach=True``,
+which inductor turns into its own loops):
 
 =============================  ====================================================================================
-``per-tensor loop``            :class:`contenders.PerTensorLoopSAM`, then the base optimizer's ``step()``
+``per-tensor loop``            :class:`contenders.PerTensorLoopSAM`, then the base optimizer's ``step()`` (fused)
 ``pytorch_optimizer``          ``pytorch_optimizer.SAM(..., foreach=True)`` (skipped with a note when not installed)
-``pytorch_optimizer, per tensor``  the same with ``foreach=False`` (its default on CPU): the report compares with the
-                               faster of its two paths and names it
-``compiled foreach SAM``       :class:`contenders.CompiledForeachSAM`: SAM in ``torch._foreach_*`` operations, its
-                               perturbation and the base optimizer's ``step()`` each under ``torch.compile``
+``pytorch_optimizer, per tensor``  the same with ``foreach=False`` (its default on CPU), its base optimizer fused: the
+                               report compares with the faster of its two paths and names it
+``compiled foreach SAM``       :class:`contenders.CompiledForeachSAM`: SAM in ``torch._foreach_*`` operations with
+                               float32 norms, its perturbation one ``torch.compile``-d function and its restore with
+                               the base optimizer's ``step()`` another
+``compiled foreach SAM, reduce-overhead``  (CUDA only, sets :data:`GRAPH_SET_KEYS`) the same under
+                               ``torch.compile(mode="reduce-overhead")``: inductor captures both in CUDA graphs
 ``torch``, ``cpp``, ``triton``  gearsam_fused's SAM on that backend with ``base_step="fused"`` (``triton``: CUDA only)
 ``BACKEND, base per tensor``   the same with ``base_step="per-tensor"``: a flat restore, then the base ``step()``
+                               (fused)
 ``BACKEND, compiled``          the fused row's optimizer (``cpp``; ``triton`` on CUDA) with ``first_step`` and
                                ``second_step`` each under ``torch.compile(fullgraph=True)``, compiled in the warm-up
 ``BACKEND, CUDA graph``        (CUDA only) the fused row's optimizer built with ``capturable=True``, three steps on a
                                side stream, one step captured in a ``torch.cuda.CUDAGraph``; the timed step is
                                ``graph.replay()`` (sets :data:`GRAPH_SET_KEYS`)
-``bare base step``             the base optimizer's ``step()`` alone, no SAM: the floor a SAM step is compared to
-``bare base step (fused)``     the same with ``fused=True`` (CUDA only)
+``bare base step``             the base optimizer's ``step()`` alone, no SAM, ``foreach=True``
+``bare base step (fused)``     the same with ``fused=True``: "/ torch's base step" is over the faster of the two in
+                               the same rounds, and the report names it
 =============================  ====================================================================================
+
+**Stepped in turn.** One test per set and base optimizer builds every contender, each on a copy of the set of its own
+(the same seed: the same weights and gradients; from :data:`SHARED_FROM` parameters, where no cache holds a set, the
+contenders that update its tensors in place, the peer's paths, torch's steps and the compiled foreach SAM, share one
+copy, so that a full run's largest sets fit in a CPU host's memory), warms each up, then times them in rounds
+(``conftest.step_in_turn``): a round measures the memory floor once, then steps every contender once, each step timed
+alone, the order turned by one place each round. A row keeps its time in each round (``round_ms``), and its ratios to
+the references of the same rounds are medians of per-round ratios with their quartiles and range
+(``rows.interleaved_fields``): ``vs`` (the reference's time over this one's: the per-tensor loop, pytorch_optimizer's
+path faster in these rounds, the compiled foreach SAM; ``vs_path`` names the path) and ``over`` (this one's time
+over torch's base step, its path faster in these rounds; ``over_path``). The ratio of two medians timed minutes apart
+on a shared machine, which the rows of runs before this layout give, moved with the machine's load between them.
 
 Counted bytes per step for d float32 parameters, the floor of a fused step: energy reads g (4d); perturb reads w and
 g and writes w + eps (12d: into the backup's buffer, which then trades its memory with the parameters', as the
@@ -69,11 +89,14 @@ plain SAM's whole step timed just before each round on a copy of the set (``over
 on one of our backends and the peer's ``foreach`` path, with SGD, only.
 
 The sets are :data:`param_sets.WHOLE_STEP_SET_KEYS`; quick mode runs :data:`QUICK_SET_KEYS` only, with a shorter
-warm-up: a smoke run, not a measurement (the compiled contenders there on :data:`COMPILED_QUICK_SET_KEYS` only).
+warm-up: a smoke run, not a measurement (the compiled contenders there on :data:`COMPILED_QUICK_SET_KEYS` only). A
+full run steps the compiled contenders on the sets of ``--compile-sets`` (default: every set); the rows of a set
+without them say so (``left_out``).
 """
 
 from __future__ import annotations
 
+import gc
 import time
 
 import pytest
@@ -89,13 +112,17 @@ from conftest import (
     ENERGY_BYTES,
     PERTURB_BYTES,
     PairedRounds,
+    available_memory_bytes,
     cuda_event_median_ms,
     cuda_launches,
+    fit_in_memory,
     sam_step_of,
+    step_in_turn,
     step_rounds,
     synchronize,
     warm_up,
 )
+from rows import interleaved_fields
 
 RHO = 0.05
 #: base optimizer name -> (class, hyperparameters) and the bytes counted per parameter for a step with it
@@ -118,8 +145,35 @@ COMPILED_QUICK_SET_KEYS = ["resnet18"]
 FP32_STEP_RTOL = 1e-6
 
 LOOP = "per-tensor loop"
-COMPILED = contenders.COMPILED
+COMPILED, COMPILED_CAPTURED = contenders.COMPILED, contenders.COMPILED_CAPTURED
 BARE, BARE_FUSED = "bare base step", "bare base step (fused)"
+#: what every row is compared with in the same rounds: label -> the paths it stands for, the faster one of the rounds
+#: taken (``vs``: the reference's time over the row's) ...
+REFERENCES = {LOOP: (LOOP,), contenders.PEER: tuple(contenders.PEER_PATHS), COMPILED: (COMPILED,)}
+#: ... and torch's own step, the faster of its two paths (``over``: the row's time over it)
+TORCH_STEP = "torch's base step"
+OVER = {TORCH_STEP: (BARE, BARE_FUSED)}
+#: the base optimizer's flags where a contender steps it per tensor: torch's fastest step, on CPU and CUDA
+FUSED_BASE = {"fused": True}
+#: parameters from which the contenders that update the set's tensors in place share one copy of it: such a set fits
+#: in no cache (so no contender finds another's tensors there), and a copy for each would not fit in a CPU host's
+#: memory (GPT-2's shapes at width 512 with AdamW: about 44 buffers of 408 MB with sharing, 53 without)
+SHARED_FROM = 50_000_000
+#: the contenders that may share a copy: they update the parameters in place and keep them where they are (the
+#: per-tensor loop re-points ``p.data``, ours re-home the tensors into their flat buffers, and the captured compiled
+#: contender's CUDA graphs read addresses of their own)
+IN_PLACE = (*contenders.PEER_PATHS, COMPILED, BARE, BARE_FUSED)
+#: buffers of the set's size the base optimizer's state holds
+STATE_BUFFERS = {"SGD": 1, "AdamW": 2}
+#: buffers of the set's size a step allocates for the time it runs (pytorch_optimizer's foreach perturbation: a list
+#: of temporaries beside its clones), one contender stepping at a time
+STEP_TEMPORARIES = 2
+#: the contenders left out first, in this order, where a set's contenders would not fit in memory together
+#: (``conftest.fit_in_memory``): the per-tensor base rows and the compiled step of ours, then the torch backend
+LEAVE_FIRST = (
+    "torch, base per tensor", "cpp, base per tensor", "triton, base per tensor", "cpp, compiled",
+    "triton, compiled", "torch",
+)  # fmt: skip
 PER_TENSOR = ", base per tensor"  # suffix of our contenders that step the base optimizer per tensor
 #: suffixes of our fused contenders under torch.compile(fullgraph=True) and captured in a CUDA graph (CUDA only)
 COMPILED_STEP, CUDA_GRAPH = ", compiled", ", CUDA graph"
@@ -141,6 +195,7 @@ def whole_step_contenders(device: str) -> list[str]:
     """The contenders that can run on ``device`` here, in the order the report lists them."""
     usable = contenders.available(device)  # leaves out triton on CPU and backends that are not built
     names = [name for name in (LOOP, *contenders.PEER_PATHS) if name in usable] + [COMPILED]
+    names += [COMPILED_CAPTURED] if device == "cuda" else []
     for backend in OUR_BACKENDS:
         if backend in usable:
             names += [backend, backend + PER_TENSOR]
@@ -148,7 +203,23 @@ def whole_step_contenders(device: str) -> list[str]:
                 names.append(backend + COMPILED_STEP)
             if backend in COMPILED_BACKENDS and device == "cuda":
                 names.append(backend + CUDA_GRAPH)
-    return [*names, BARE, *([BARE_FUSED] if device == "cuda" else [])]
+    return [*names, BARE, BARE_FUSED]
+
+
+def compiles(name: str) -> bool:
+    """Whether contender ``name`` is compiled (its warm-up compiles it)."""
+    return name in (COMPILED, COMPILED_CAPTURED) or name.endswith(COMPILED_STEP)
+
+
+def left_out(name: str, set_key: str, quick: bool, compile_sets: list[str] | None) -> str | None:
+    """Why contender ``name`` does not run on ``set_key`` (None: it does)."""
+    if compiles(name) and quick and set_key not in COMPILED_QUICK_SET_KEYS:
+        return f"quick mode compiles for {COMPILED_QUICK_SET_KEYS} only"
+    if compiles(name) and not quick and compile_sets is not None and set_key not in compile_sets:
+        return f"this run compiled for {compile_sets} only (--compile-sets)"
+    if (name.endswith(CUDA_GRAPH) or name == COMPILED_CAPTURED) and set_key not in GRAPH_SET_KEYS:
+        return f"captured for {GRAPH_SET_KEYS} only"
+    return None
 
 
 def capture(opt) -> tuple[torch.cuda.CUDAGraph, float]:
@@ -176,28 +247,43 @@ def make(name: str, base: str, model: torch.nn.Module):
     whole step of it."""
     cls, kwargs = BASES[base]
     if name in (BARE, BARE_FUSED):
-        flag = {"fused": True} if name == BARE_FUSED else {"foreach": True}
+        flag = FUSED_BASE if name == BARE_FUSED else {"foreach": True}
         opt = cls(model.parameters(), **kwargs, **flag)
         return opt, opt.step
     if name == LOOP:
-        opt = contenders.PerTensorLoopSAM(model.parameters(), cls, rho=RHO, foreach=True, **kwargs)
+        opt = contenders.PerTensorLoopSAM(model.parameters(), cls, rho=RHO, **FUSED_BASE, **kwargs)
     elif name in contenders.PEER_PATHS:
         import pytorch_optimizer
 
-        opt = pytorch_optimizer.SAM(model.parameters(), cls, rho=RHO, foreach=contenders.PEER_PATHS[name], **kwargs)
-    elif name == COMPILED:
-        opt = contenders.CompiledForeachSAM(model.parameters(), cls, rho=RHO, **kwargs)  # foreach=True inside
+        foreach = contenders.PEER_PATHS[name]  # handed on to the base optimizer: torch refuses it with fused=True
+        opt = pytorch_optimizer.SAM(model.parameters(), cls, rho=RHO, foreach=foreach,
+                                    **({} if foreach else FUSED_BASE), **kwargs)  # fmt: skip
+    elif name in (COMPILED, COMPILED_CAPTURED):
+        # foreach=True inside; dynamo was reset once for all the contenders of the rounds (make's caller)
+        mode = "reduce-overhead" if name == COMPILED_CAPTURED else None
+        opt = contenders.CompiledForeachSAM(model.parameters(), cls, rho=RHO, mode=mode, reset=False, **kwargs)
     elif name.endswith(COMPILED_STEP):
-        torch._dynamo.reset()  # no graph of an earlier row (another set, another optimizer) is reused or counted
         opt = SAM(model, cls, rho=RHO, backend=name.removesuffix(COMPILED_STEP), base_step="fused", foreach=True,
                   **kwargs)  # fmt: skip
-        first = torch.compile(opt.first_step, fullgraph=True)
-        second = torch.compile(opt.second_step, fullgraph=True)
+
+        # functions of this row's own, each compiled whole (fullgraph=True, the optimizer's calls inlined) and entered
+        # with gradients off (inference graphs, as the methods' own torch.no_grad gives): compiling the bound methods
+        # would compile the frame of torch.no_grad's wrapper, one code object for every function it decorates, whose
+        # dynamo cache entries another compiled contender of the same process may already hold
+        def first_step():
+            opt.first_step()
+
+        def second_step():
+            opt.second_step()
+
+        first = torch.compile(first_step, fullgraph=True)
+        second = torch.compile(second_step, fullgraph=True)
         timer = contenders.CompileTimer()
 
         def compiled_step():
-            timer(first)
-            timer(second)
+            with torch.no_grad():
+                timer(first)
+                timer(second)
 
         compiled_step.timer = timer
         return opt, compiled_step
@@ -213,7 +299,8 @@ def make(name: str, base: str, model: torch.nn.Module):
     else:
         backend, per_tensor, _ = name.partition(PER_TENSOR)
         mode = "per-tensor" if per_tensor else "fused"  # "fused" fails at construction when it cannot be honoured
-        opt = SAM(model, cls, rho=RHO, backend=backend, base_step=mode, foreach=True, **kwargs)
+        flag = FUSED_BASE if per_tensor else {"foreach": True}  # the fused path reads the hyperparameters only
+        opt = SAM(model, cls, rho=RHO, backend=backend, base_step=mode, **flag, **kwargs)
 
     def step():
         opt.first_step()
@@ -254,29 +341,127 @@ def pytest_generate_tests(metafunc):
         metafunc.parametrize("set_key", QUICK_SET_KEYS if quick else param_sets.WHOLE_STEP_SET_KEYS)
 
 
+def held_buffers(name: str, base: str, shared: bool) -> int:
+    """Buffers of the set's size contender ``name`` holds at most: its copy of the set (parameters and gradients; none
+    where it shares one), the base optimizer's state and, but for torch's step alone, its backup (the per-tensor loop
+    and the peer clone one at each step)."""
+    own = STATE_BUFFERS[base] + (0 if name in (BARE, BARE_FUSED) else 1)
+    return own + (0 if shared and name in IN_PLACE else 2)
+
+
+def settle(name: str, step, timer: contenders.CompileTimer) -> None:
+    """Warm up compiled row ``name``'s ``step`` until a whole step compiles nothing (the first steps recompile: step
+    counts); it must have compiled (a compiled function that dynamo left eager, as when another function's cache
+    entries answered its frame, would be timed as an eager step under the compiled row's name)."""
+    warm_up(step)
+    for _ in range(MAX_SETTLING_STEPS):
+        calls = timer.compiling_calls
+        step()
+        if timer.compiling_calls == calls:
+            break
+    else:
+        pytest.fail(f"{name} still compiled after {MAX_SETTLING_STEPS} more warm-up steps")
+    if timer.compiling_calls == 0:
+        pytest.fail(f"{name} never compiled: dynamo ran it eagerly")
+
+
+def base_flags(name: str) -> str:
+    """How contender ``name`` steps the base optimizer, for its row."""
+    if name.split(", ")[0] in OUR_BACKENDS and not name.endswith(PER_TENSOR):
+        return "fused into the restore"
+    if compiles(name):
+        return "foreach=True, compiled"
+    if name in (BARE, contenders.PEER):
+        return "foreach=True"
+    return "fused=True"
+
+
 @pytest.mark.parametrize("base", list(BASES))
-@pytest.mark.parametrize("contender", whole_step_contenders(DEVICE) + list(NOT_INSTALLED))
-def test_whole_step(benchmark, record, quick, floor, contender, base, set_key):
-    if contender in NOT_INSTALLED:
-        pytest.skip(NOT_INSTALLED[contender])
-    compiles = contender == COMPILED or contender.endswith(COMPILED_STEP)
-    if compiles and quick and set_key not in COMPILED_QUICK_SET_KEYS:
-        pytest.skip(f"{contender}: quick mode compiles it for {COMPILED_QUICK_SET_KEYS} only")
-    if contender.endswith(CUDA_GRAPH) and set_key not in GRAPH_SET_KEYS:
-        pytest.skip(f"{contender}: captured for {GRAPH_SET_KEYS} only")
-    params = param_sets.build(set_key, DEVICE, quick)
-    opt, step = make(contender, base, params.model)
-    extra = {}
-    if contender == COMPILED:  # before anything else touches the weights: the same step as ours, or no row
-        extra.update(compiled_parity(opt, params.params, set_key, base, quick))
-        assert extra["max_rel_diff"] <= FP32_STEP_RTOL, f"{contender} differs from our SAM: {extra['max_rel_diff']}"
-    timer = opt._timer if contender == COMPILED else getattr(step, "timer", None)  # the compiled rows'
-    if contender.endswith(CUDA_GRAPH):
-        extra["capture_s"] = step.capture_s
-    bare = contender in (BARE, BARE_FUSED)
-    bytes_per_param = (BARE_BYTES_PER_PARAM if bare else BYTES_PER_PARAM)[base]
-    measure(benchmark, record, quick, floor, params, opt, step, contender, base, bytes_per_param,
-            0 if bare else ENERGY_BYTES, timer, **extra)  # fmt: skip
+def test_whole_step(record_rounds, quick, floor, compile_sets, leave_out, base, set_key):
+    names, notes = [], {}
+    for name in whole_step_contenders(DEVICE):
+        reason = leave_out.get(name) or left_out(name, set_key, quick, compile_sets)
+        if reason is None:
+            names.append(name)
+        else:
+            notes[name] = reason
+    notes.update(NOT_INSTALLED)
+    torch._dynamo.reset()  # no graph of an earlier test (another set, another optimizer) is reused or counted
+    gc.collect()
+    available = available_memory_bytes()
+    first = param_sets.build(set_key, DEVICE, quick)
+    shared = first if first.numel >= SHARED_FROM else None
+    names, too_many = fit_in_memory(names, lambda name: held_buffers(name, base, shared is not None),
+                                    4 * first.numel, LEAVE_FIRST, available, STEP_TEMPORARIES + 2 * (shared is not None))  # fmt: skip
+    notes.update(too_many)
+    unused = [first] if shared is None else []  # the first copy serves the first contender that needs one
+
+    def copy_for(name: str) -> param_sets.ParamSet:
+        if shared is not None and name in IN_PLACE:
+            return shared
+        return unused.pop() if unused else param_sets.build(set_key, DEVICE, quick)
+
+    optimizers, steps, compile_timers, extra = {}, {}, {}, {name: {} for name in names}
+    # our compiled rows first, each compiled in its warm-up right after it is built, then the compiled foreach SAM,
+    # whose parity check steps it from the set's fresh weights (and builds a twin of the set, freed before the other
+    # contenders take their memory); each compiled row must have compiled in its warm-up (below)
+    for name in sorted(names, key=lambda n: (not n.endswith(COMPILED_STEP), n != COMPILED)):
+        params = copy_for(name)
+        optimizers[name], step = make(name, base, params.model)
+        if name == COMPILED:  # the same step as ours, or no rows
+            extra[name].update(compiled_parity(optimizers[name], params.params, set_key, base, quick))
+            diff = extra[name]["max_rel_diff"]
+            assert diff <= FP32_STEP_RTOL, f"{name} differs from our SAM: {diff}"
+            gc.collect()
+        if name.endswith(CUDA_GRAPH):
+            extra[name]["capture_s"] = step.capture_s
+        if compiles(name):  # the compiled rows' CompileTimer: the compiled foreach SAM's own, or our compiled step's
+            compile_timers[name] = optimizers[name]._timer if name in (COMPILED, COMPILED_CAPTURED) else step.timer
+
+        def synchronised(step=step):
+            step()
+            synchronize()
+
+        steps[name] = synchronised
+        if name.endswith(COMPILED_STEP):
+            settle(name, synchronised, compile_timers[name])
+    timers = {name: (timer, timer.compile_s) for name, timer in compile_timers.items() if name.endswith(COMPILED_STEP)}
+    for name in names:
+        if name.endswith(COMPILED_STEP):
+            continue  # warmed up and settled when it was built
+        # kernel compilation, allocator, re-homing of the gradients, the optimizer's state (a quick run only
+        # smoke-tests)
+        warm_up(steps[name])
+        if name in compile_timers:
+            settle(name, steps[name], compile_timers[name])
+            timers[name] = compile_timers[name], compile_timers[name].compile_s
+    for name in names:
+        opt = optimizers[name]
+        if isinstance(opt, SharpnessAware):  # not timing: the row must measure the path its name says
+            expected = "per-tensor" if name.endswith(PER_TENSOR) else "fused"
+            assert opt.base_step_mode == expected, f"{name}: {opt.base_step_mode} ({opt.base_step_reason})"
+            extra[name]["base_step_mode"] = opt.base_step_mode
+        if DEVICE == "cuda":
+            extra[name]["launches"] = cuda_launches(steps[name])
+            extra[name]["cuda_event_median_ms"] = cuda_event_median_ms(steps[name])
+    rounds = step_rounds(first.numel, quick)
+    seconds, samples = step_in_turn(steps, rounds, floor)
+    for name, (timer, compiled) in timers.items():
+        assert timer.compile_s == compiled, f"{name} compiled again while it was timed"
+        extra[name].update(compile_s=compiled, compile_cache_hits=timer.cache["hits"],
+                           compile_cache_misses=timer.cache["misses"])  # fmt: skip
+    ratios = interleaved_fields({name: [1e3 * t for t in seconds[name]] for name in names}, REFERENCES, OVER)
+    numel = first.numel
+    for name in names:
+        bare = name in (BARE, BARE_FUSED)
+        counted = (BARE_BYTES_PER_PARAM if bare else BYTES_PER_PARAM)[base] * numel
+        read_only = (0 if bare else ENERGY_BYTES) * numel
+        record_rounds(
+            seconds[name], set=first.name, base=base, contender=name, parameters=numel, tensors=len(first.params),
+            bytes_counted=counted, base_flags=base_flags(name), stepped_in_turn=names, left_out=notes,
+            shared_copy=shared is not None and name in IN_PLACE, **ratios[name], **extra[name],
+            **floor.fields(counted, seconds[name], numel, name, read_only, samples),
+        )  # fmt: skip
 
 
 @pytest.mark.parametrize("base", list(BASES))

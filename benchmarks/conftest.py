@@ -6,6 +6,7 @@ results file every run appends its rows to, each row saying where, when and from
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import statistics
@@ -50,11 +51,35 @@ def pytest_addoption(parser):
     group.addoption(
         "--results", default=str(DEFAULT_RESULTS), help="JSONL file the run appends its rows to ('' for none)"
     )
+    group.addoption(
+        "--leave-out", default="", metavar="NAMES",
+        help="comma-separated contenders the benchmarks that step their contenders in turn leave out (their rows say "
+        "so), e.g. 'compiled foreach SAM' for a smoke run that compiles nothing",
+    )  # fmt: skip
+    group.addoption(
+        "--compile-sets", default=None, metavar="KEYS",
+        help="comma-separated set keys on which a full run steps the compiled contenders (default: every set); on the "
+        "sets of about 2000 tensors their compiling takes minutes per row",
+    )  # fmt: skip
 
 
 @pytest.fixture(scope="session")
 def quick(request) -> bool:
     return request.config.getoption("--quick")
+
+
+@pytest.fixture(scope="session")
+def compile_sets(request) -> list[str] | None:
+    """The set keys of ``--compile-sets`` (None: every set)."""
+    keys = request.config.getoption("--compile-sets")
+    return None if keys is None else [key for key in keys.split(",") if key]
+
+
+@pytest.fixture(scope="session")
+def leave_out(request) -> dict[str, str]:
+    """The contenders of ``--leave-out``, each with the note its group's rows carry."""
+    names = [name.strip() for name in request.config.getoption("--leave-out").split(",") if name.strip()]
+    return {name: "left out by --leave-out" for name in names}
 
 
 @pytest.fixture(scope="session")
@@ -97,6 +122,76 @@ def sam_step_of(opt):
         synchronize()
 
     return step
+
+
+def step_in_turn(steps: dict, rounds: int, floor: MemoryFloor | None = None):
+    """Contenders stepped in turn within each round: per round, the memory floor measured once (``floor``; outside any
+    timing), then every step of ``steps`` (name -> a step that synchronises itself) once, each timed alone, the order
+    turned by one place each round so that no contender always follows the same one; the garbage collector is off
+    during the rounds (as pytest-benchmark's ``--benchmark-disable-gc`` for the other benchmarks). Returns the seconds
+    of each step's rounds, in round order, and the floor's measurements around the rounds (one before each, one after
+    the last; :meth:`MemoryFloor.around_rounds`), or None without ``floor``."""
+    names = list(steps)
+    seconds: dict[str, list[float]] = {name: [] for name in names}
+    measure_floor = floor.interleaved() if floor is not None else None
+    gc.collect()
+    gc.disable()
+    try:
+        for r in range(rounds):
+            if measure_floor is not None:
+                measure_floor()
+            shift = r % len(names)
+            for name in names[shift:] + names[:shift]:
+                start = time.perf_counter()
+                steps[name]()
+                seconds[name].append(time.perf_counter() - start)
+    finally:
+        gc.enable()
+    return seconds, (floor.around_rounds() if floor is not None else None)
+
+
+#: the share of the memory available at a test's start that the contenders it steps in turn may take together
+MEMORY_SHARE = 0.6
+
+
+def available_memory_bytes() -> int:
+    """Memory the contenders may still take: the GPU's free memory on CUDA, else the host's ``MemAvailable`` (Linux;
+    elsewhere the total, through ``os.sysconf``)."""
+    if DEVICE == "cuda":
+        return torch.cuda.mem_get_info()[0]
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def fit_in_memory(names: list[str], buffers_of, buffer_bytes: int, leave_first: tuple[str, ...],
+                  available: int, fixed_buffers: int = 0) -> tuple[list[str], dict[str, str]]:  # fmt: skip
+    """The contenders of ``names`` that fit together in :data:`MEMORY_SHARE` of ``available`` bytes, each holding
+    ``buffers_of(name)`` buffers of ``buffer_bytes`` (and ``fixed_buffers`` shared by them), leaving out those of
+    ``leave_first`` in that order until they fit; with a note for each one left out. Fails (``pytest.skip``) where
+    even the rest would not fit."""
+    kept, notes = list(names), {}
+
+    def need() -> int:
+        return (fixed_buffers + sum(buffers_of(name) for name in kept)) * buffer_bytes
+
+    full = need()
+    for name in leave_first:
+        if need() <= MEMORY_SHARE * available:
+            break
+        if name in kept:
+            kept.remove(name)
+            notes[name] = (f"left out to fit in memory: the contenders together would hold {full / 2**30:.1f} GiB, "
+                           f"more than {MEMORY_SHARE:.0%} of the {available / 2**30:.1f} GiB available")  # fmt: skip
+    if need() > MEMORY_SHARE * available:
+        pytest.skip(f"the contenders would hold {need() / 2**30:.1f} GiB even without {list(notes)}, more than "
+                    f"{MEMORY_SHARE:.0%} of the {available / 2**30:.1f} GiB available")  # fmt: skip
+    return kept, notes
 
 
 class PairedRounds:
@@ -397,17 +492,29 @@ def record(request, quick, benchmark):
 def record_rounds(request, quick):
     """``record_rounds(round_s, **fields)``: :func:`record` for a row the benchmark timed itself rather than through
     pytest-benchmark (several contenders stepped in turn within each round, so that their per-round ratios compare
-    the same moments): the timing fields from ``round_s``, the seconds of each of the row's rounds."""
+    the same moments): the timing fields from ``round_s``, the seconds of each of the row's rounds, which the row
+    also keeps (``round_ms``, in round order: the rows of one test share their rounds)."""
 
     def add(round_s: list[float], **fields):
         q1, median, q3 = quartiles(round_s)
         append_row(request.config.getoption("--results", default=""), {
             "benchmark": request.node.module.__name__.split(".")[-1], "test": request.node.name, "quick": quick,
             "device": DEVICE, "median_ms": median * 1e3, "q1_ms": q1 * 1e3, "q3_ms": q3 * 1e3,
-            "min_ms": min(round_s) * 1e3, "rounds": len(round_s), **fields,
+            "min_ms": min(round_s) * 1e3, "rounds": len(round_s), "round_ms": [round(1e3 * s, 6) for s in round_s],
+            **_load_average(), **fields,
         })  # fmt: skip
 
     return add
+
+
+def _load_average() -> dict[str, float]:
+    """The host's 1-minute load average when the row was written (``load_1min``; where the platform has one): on a
+    2-core host whose neighbours run, a step of parallel regions waits for a descheduled thread, and its time says more
+    about the neighbours than about the step."""
+    try:
+        return {"load_1min": os.getloadavg()[0]}
+    except (AttributeError, OSError):
+        return {}
 
 
 def append_row(path: str, row: dict) -> None:

@@ -16,9 +16,10 @@ contender                          what it is
 ``sharded``                        gearsam_fused's backend for FSDP2 shards: temporary flat copies, tensors left
                                    in place
 ``compiled foreach SAM``           :class:`CompiledForeachSAM` below: SAM (or GEAR-SAM) in a few lines of
-                                   ``torch._foreach_*`` operations, the perturbation and the base optimizer's
-                                   step each wrapped in ``torch.compile`` (the whole-step and training-step
-                                   benchmarks; not the SAM-step one)
+                                   ``torch._foreach_*`` operations, float32 norms, the perturbation one
+                                   ``torch.compile``-d function and the restore with the base optimizer's step
+                                   another (the whole-step, training-step and models benchmarks; not the
+                                   SAM-step one); on CUDA also under ``mode="reduce-overhead"``
 ``BACKEND, fused base step``       :class:`FusedBaseStep` below: our base optimizer's update alone over the flat
                                    buffers, no SAM (the MomentumSAM benchmark's yardstick)
 =================================  ===========================================================================
@@ -135,41 +136,54 @@ class CompileTimer:
 
 COMPILED = "compiled foreach SAM"
 COMPILED_GEAR = "compiled foreach GEAR-SAM"
+#: the compiled foreach SAM under ``torch.compile(mode="reduce-overhead")``: inductor captures its steps in CUDA graphs
+#: (CUDA only; on a CPU the mode compiles as the default one)
+COMPILED_CAPTURED = "compiled foreach SAM, reduce-overhead"
 
 
 class CompiledForeachSAM:
-    """SAM or GEAR-SAM the way a user writes it today: a few ``torch._foreach_*`` operations, compiled.
+    """SAM or GEAR-SAM the way a user who wants speed writes it today: a few ``torch._foreach_*`` operations, compiled.
 
     first_step (one ``torch.compile``-d function):
-        n_p   = torch._foreach_norm(g, dtype=float64)  per tensor; squared
+        n_p   = torch._foreach_norm(g)  per tensor, float32; squared
         SAM:      scale = rho / (sqrt(sum_p n_p^2) + delta)                      one scale for every tensor
         GEAR-SAM: e_b = sum_{p in b} n_p^2;  s <- beta * s + (1 - beta) * e;  t = s / max_b s_b
                   r_b = rho * t_b / ||t||;  scale_b = r_b / (sqrt(e_b) + delta)  (gearsam_fused's GEAR rule)
         backup <- w  (torch._foreach_copy_);  w += scale_b(p) * g  (torch._foreach_mul, torch._foreach_add_)
-    second_step:
-        w <- backup  (torch._foreach_copy_, eager: one operation, nothing to fuse), then
-        ``torch.compile(base_optimizer.step)()``, as torch's compiled-optimizer tutorial compiles ``opt.step``
+    second_step (one ``torch.compile``-d function):
+        w <- backup  (torch._foreach_copy_), then ``base_optimizer.step()``, as torch's compiled-optimizer tutorial
+        compiles ``opt.step`` inside a function; torch's optimizers break the graph before their update (their
+        ``_use_grad`` calls ``torch._dynamo.graph_break()``, so that the update compiles as an inference graph), so
+        the restore and the update are two graphs of the one function, not one loop
 
-    Every parameter must have a gradient (the benchmarks' sets and models give each one).
+    ``mode``: ``torch.compile``'s mode for both functions; ``"reduce-overhead"`` captures them in CUDA graphs (the
+    backups and the EMA are marked static addresses at construction, the gradients at the first step, so that a
+    replay reads them where they are instead of copying them in). Every parameter must have a gradient (the
+    benchmarks' sets and models give each one).
 
     ``params_or_blocks``: parameters (one block: what SAM needs) or a list of parameter lists, one per block (what
     GEAR-SAM allocates over; ``[b.params for b in gearsam_fused.partition(model, strategy)]`` gives ours). The base
     optimizer is ``base_optimizer(params, foreach=True, **base_kwargs)``. Hyperparameters stay Python floats, baked
     into the compiled code as constants: nothing here changes them (an LR scheduler would want 0-d tensors instead,
     as torch's compiled-optimizer tutorial says). It does not skip a block whose gradient is not finite, which ours do.
+    Its norms are float32, as torch computes them by default: on a tensor of millions of elements a float32 norm is
+    about 1e-5 off, relative, which moves the perturbation by that much against gearsam_fused's float64 sums and
+    leaves the step within the test suite's float32 tolerance.
 
     :attr:`compile_s` is the wall time of the calls that compiled (dynamo saw a new frame during the call; the first
-    ones, and a recompile when the optimizer's state appears), summed over the perturbation and the base step; those
-    calls also ran the step once, which is not subtracted. Constructing one resets dynamo's caches
-    (``torch._dynamo.reset()``), so every instance compiles afresh as in a new process, and instances for other
-    models do not exhaust the recompile limit of the shared code. Inductor's on-disk cache still applies, and it
-    decides the cost: compiling a graph it has cached is several times faster (SGD over 128 tensors on 2 CPU cores:
-    48 s cold, 7 s cached). :attr:`compile_cache` counts its hits and misses in the compiling calls: a row with
-    misses paid for code generation, one with hits only did not.
+    ones, and a recompile when the optimizer's state appears), summed over both functions; those calls also ran the
+    step once, which is not subtracted. By default (``reset=True``) constructing one resets dynamo's caches
+    (``torch._dynamo.reset()``), so every instance compiles afresh as in a new process, and instances for other models
+    do not exhaust the recompile limit of the shared code; a benchmark that steps several compiled contenders in turn
+    resets once before building them all and passes ``reset=False`` (a reset would drop the others' compiled code).
+    Inductor's on-disk cache still applies, and it decides the cost: compiling a graph it has cached is several times
+    faster (SGD over 128 tensors on 2 CPU cores: 48 s cold, 7 s cached). :attr:`compile_cache` counts its hits and
+    misses in the compiling calls: a row with misses paid for code generation, one with hits only did not.
     """
 
     def __init__(self, params_or_blocks, base_optimizer=NoStep, rho: float = 0.05, rule: str = "sam",
-                 beta: float = 0.9, delta: float = 1e-12, **base_kwargs):  # fmt: skip
+                 beta: float = 0.9, delta: float = 1e-12, mode: str | None = None, reset: bool = True,
+                 **base_kwargs):  # fmt: skip
         items = list(params_or_blocks)
         blocks = items if items and not isinstance(items[0], torch.Tensor) else [items]
         self.blocks = [b for b in ([p for p in block if p.requires_grad] for block in blocks) if b]
@@ -177,32 +191,42 @@ class CompiledForeachSAM:
         if rule not in ("sam", "gear-sam"):
             raise ValueError(f"rule must be 'sam' or 'gear-sam', got {rule!r}")
         self.rho, self.rule, self.beta, self.delta = float(rho), rule, float(beta), float(delta)
+        self.mode = mode
         device = self.params[0].device
         self.block_of = torch.tensor([b for b, block in enumerate(self.blocks) for _ in block], device=device)
-        self.ema = torch.zeros(len(self.blocks), dtype=torch.float64, device=device)
+        self.ema = torch.zeros(len(self.blocks), dtype=torch.float32, device=device)
         self.backup = [torch.empty_like(p) for p in self.params]
+        self._static = mode == "reduce-overhead"
+        if self._static:
+            for t in (*self.backup, self.ema):
+                torch._dynamo.mark_static_address(t)
         self.base_optimizer = base_optimizer(self.params, foreach=True, **base_kwargs)
-        torch._dynamo.reset()
-        self._perturb = torch.compile(self._perturb_eager)
-        self._base_step = torch.compile(self.base_optimizer.step)
+        if reset:
+            torch._dynamo.reset()
+        self._perturb = torch.compile(self._perturb_eager, mode=mode)
+        self._restore_and_update = torch.compile(self._restore_and_update_eager, mode=mode)
         self._timer = CompileTimer()
 
-    @torch.no_grad()
+    # not decorated with torch.no_grad: the decorator's wrapper is one code object for every function it decorates
+    # (gearsam_fused's steps among them), and dynamo's cache entries for it, made for these functions, then answered a
+    # later ``torch.compile`` of another decorated function in the same process, which ran eagerly without compiling.
+    # The steps below enter them with gradients off, so that they compile as inference graphs, as the decorator's do.
     def _perturb_eager(self, params, grads, backup, ema):
-        # per tensor, accumulated in float64: torch's float32 norm of a 2.4M-element tensor is 4e-5 off here (eager
-        # and compiled alike), which would move the SAM scale by that much against gearsam_fused's
-        energy = torch.stack(torch._foreach_norm(grads, dtype=torch.float64)).square()
+        energy = torch.stack(torch._foreach_norm(grads)).square()  # float32, per tensor
         if self.rule == "sam":
-            scale = (self.rho / (energy.sum().sqrt() + self.delta)).float()
-            eps = torch._foreach_mul(grads, scale)
+            eps = torch._foreach_mul(grads, self.rho / (energy.sum().sqrt() + self.delta))
         else:
             energy = torch.zeros_like(ema).index_add_(0, self.block_of, energy)  # per block
             ema.mul_(self.beta).add_(energy, alpha=1.0 - self.beta)
             t = ema / ema.max()
-            scale = (self.rho * (t / t.norm()) / (energy.sqrt() + self.delta)).float()
+            scale = self.rho * (t / t.norm()) / (energy.sqrt() + self.delta)
             eps = torch._foreach_mul(grads, list(scale[self.block_of].unbind()))
         torch._foreach_copy_(backup, params)
         torch._foreach_add_(params, eps)
+
+    def _restore_and_update_eager(self):
+        torch._foreach_copy_(self.params, self.backup)
+        self.base_optimizer.step()
 
     def _timed(self, function, *args):
         """``function(*args)``, its time added to :attr:`compile_s` when dynamo compiled during the call."""
@@ -217,12 +241,17 @@ class CompiledForeachSAM:
         return self._timer.cache
 
     def first_step(self):
-        self._timed(self._perturb, self.params, [p.grad for p in self.params], self.backup, self.ema)
+        grads = [p.grad for p in self.params]
+        if self._static:  # the gradients stay where they are (nothing sets them to None): a replay reads them there
+            for g in grads:
+                torch._dynamo.mark_static_address(g)
+            self._static = False
+        with torch.no_grad():
+            self._timed(self._perturb, self.params, grads, self.backup, self.ema)
 
-    @torch.no_grad()
     def second_step(self):
-        torch._foreach_copy_(self.params, self.backup)
-        self._timed(self._base_step)
+        with torch.no_grad():
+            self._timed(self._restore_and_update)
 
     def zero_grad(self, set_to_none: bool = True):
         self.base_optimizer.zero_grad(set_to_none=set_to_none)

@@ -37,10 +37,9 @@ class Figure:
     sources: tuple[tuple[str, tuple[str, ...]], ...]
 
 
-CPU_WHOLE_STEP = (
-    ("3e00bfec0d4e", ("ResNet-18", "WRN-28-10", "ViT-B/16", "GPT-2-medium shapes (width 512)")),
-    ("8f7683bbc986", ("2000 tensors x 4096", "2048 small tensors")),  # the compiled contender ran on these here
-)
+#: the contenders stepped in turn within each round, each ratio a median of per-round ratios (the speed-up's spread),
+#: on a quiet host
+CPU_WHOLE_STEP = (("e550606be96b", ()),)
 H200_WHOLE_STEP = (("14eacf009fbf", ()), ("87b2e3cbb337", ()), ("50011f34c1af", ()))
 
 FIGURES = (
@@ -115,37 +114,55 @@ def _log_axis(ax, top: float) -> None:
     ax.yaxis.set_minor_formatter(NullFormatter())
 
 
-def _theirs(group: dict[str, dict], contender: str) -> float | None:
-    """A contender's median on one set, pytorch_optimizer's on its faster path; None where it did not run."""
+def _speedup_of(group: dict[str, dict], contender: str) -> tuple[float, float, float] | None:
+    """Our speed-up over a contender on one set (pytorch_optimizer: its faster path), with its spread: where the
+    contenders were stepped in turn, the median of the per-round ratios and its quartiles (``vs``); in runs before,
+    the ratio of the two medians, without a spread (its quartiles the median itself). None where it did not run."""
+    ours = group[OURS]
+    if "vs" in ours:
+        stats = ours["vs"].get(contender)
+        return None if stats is None else (stats["median"], stats["q1"], stats["q3"])
     medians = {c: r["median_ms"] for c, r in group.items()}
-    return best_peer(medians)[1] if contender == "pytorch_optimizer" else medians.get(contender)
+    theirs = best_peer(medians)[1] if contender == "pytorch_optimizer" else medians.get(contender)
+    return None if theirs is None else (theirs / ours["median_ms"],) * 3
 
 
 def _speedup(figure: Figure, rows: list[dict], axes) -> None:
     groups = _whole_steps(figure, rows)
-    present = [c for c in CONTENDERS if any(_theirs(g, c) is not None for g in groups.values())]
+    present = [c for c in CONTENDERS if any(_speedup_of(g, c) is not None for g in groups.values())]
     width = 0.8 / len(present)
+    in_turn = all("vs" in g[OURS] for g in groups.values())
     for ax, base in zip(axes, BASES):
         sets = [group for (_, b), group in groups.items() if b == base]
         top = 1.0
         for i, contender in enumerate(present):
-            xs, ys = [], []
+            xs, ys, low, high = [], [], [], []
             for x, group in enumerate(sets):
-                theirs = _theirs(group, contender)
-                if theirs is not None:
+                ratio = _speedup_of(group, contender)
+                if ratio is not None:
                     xs.append(x + (i - (len(present) - 1) / 2) * width)
-                    ys.append(theirs / group[OURS]["median_ms"])
+                    ys.append(ratio[0])
+                    low.append(ratio[0] - ratio[1])
+                    high.append(ratio[2] - ratio[0])
             label = "pytorch_optimizer (faster path)" if contender == "pytorch_optimizer" else contender
-            bars = ax.bar(xs, ys, width, label=label, color=f"C{CONTENDERS.index(contender)}")
-            ax.bar_label(bars, labels=[f"{y:.2f}" for y in ys], fontsize=6.5, padding=1)
-            top = max(top, *ys)
+            spread = {"yerr": [low, high], "capsize": 2, "error_kw": {"linewidth": 0.8}} if in_turn else {}
+            bars = ax.bar(xs, ys, width, label=label, color=f"C{CONTENDERS.index(contender)}", **spread)
+            if in_turn:  # above the quartile's whisker, which the bar's own label would sit under
+                for x, y, h in zip(xs, ys, high):
+                    ax.text(x, (y + h) * 1.04, f"{y:.2f}", ha="center", va="bottom", fontsize=6.5)
+            else:
+                ax.bar_label(bars, labels=[f"{y:.2f}" for y in ys], fontsize=6.5, padding=1)
+            top = max(top, *ys, *(y + h for y, h in zip(ys, high)))
         ax.axhline(1.0, color="black", linewidth=0.8)
         _log_axis(ax, top)
         ax.set_xlim(-0.6, len(sets) - 0.4)
         ax.set_xticks(range(len(sets)), [_set_label(next(iter(g.values()))) for g in sets], fontsize=7.5)
         ax.set_title(base, fontsize=10)
         ax.grid(axis="y", alpha=0.3)
-    axes[0].set_ylabel(f"their median / `{OURS}`'s (above 1: ours is faster)")
+    if in_turn:
+        axes[0].set_ylabel(f"their time / `{OURS}`'s, same round: median, quartiles\n(above 1: ours is faster)")
+    else:
+        axes[0].set_ylabel(f"their median / `{OURS}`'s (above 1: ours is faster)")
 
 
 def _floor(figure: Figure, rows: list[dict], axes) -> None:

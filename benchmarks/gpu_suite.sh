@@ -13,19 +13,22 @@ PHASES=(info build tests sanitize bench models train)
 # (60+150+390 = 600), sanitize+train (300+240 = 540), bench and models each fit into a run of 10 minutes.
 #   build: 44-60 s on the H100s of 2026-11-23 and 2026-11-26 (16 cores), so 150.
 #   bench: run in parts only (ResNet-18's whole step without the per-tensor rows: 160 s on an H100). Its whole step
-#     also compiles our step (cpp, triton) and the compiled foreach SAM for every set x 2 base optimizers (7-60 s
-#     each on an H100 up to 292 tensors; on the two sets of about 2000 tensors 4-8 minutes each on 2 CPU cores, so a
-#     part of their own, e.g. BENCH_ARGS="-- -k 'whole_step and tensors_4096 and compiled'") and captures 8 CUDA
-#     graphs (quick to capture): if 540 s is too short, TIMEOUT_BENCH=590 or BENCH_ARGS="--quick".
+#     steps every contender of a set and base optimizer in turn within one test; it also compiles our step (cpp,
+#     triton) and the compiled foreach SAM (and its reduce-overhead form on the CUDA-graph sets) for every set x 2
+#     base optimizers (7-60 s each on an H100 up to 292 tensors; on the two sets of about 2000 tensors 4-8 minutes
+#     each on 2 CPU cores, so a part of their own, e.g. BENCH_ARGS="-- -k 'whole_step and tensors_4096'", or without
+#     the compiled rows there, BENCH_ARGS="-- --compile-sets=resnet18,wrn28_10,vit_b16,gpt2_medium") and captures
+#     10 CUDA graphs (quick to capture): if 540 s is too short, TIMEOUT_BENCH=590 or BENCH_ARGS="--quick".
 #   tests: that run took 150 s for 549 cuda-marked tests on 8 processes; on 2026-11-27 `pytest -m cuda
 #     --collect-only tests` counts 2047, so 150 x 2047 / 549 = 559 s: 390 does not finish them all, so the README
 #     splits them in two runs, PYTEST_ARGS="--part 1/2" and "--part 2/2" (tests/conftest.py), about 280 s each; -v
 #     names the tests that did not finish, and PYTEST_ARGS can also select a file or a -k word.
-#   models: bench_models.py on CUDA, 4 models x 6 rows. One forward+backward pass (f) of ResNet-50 b128, ViT-B/16 b64
-#     or GPT-2 small 8x1024 in bf16 is about 0.1-0.15 s on an H100, the CIFAR ResNet-18 about 0.01 s. A SAM row is
-#     about 76 f (3 warm-up steps of 2.3 f, one memory step, 20 rounds of 3.3 f: the SAM step, one pass and one base
-#     step), the base row about 25 f: about 410 f per model, so 41 + 53 + 53 + 5 = 152 s of steps; plus compiling the
-#     compiled contender, about 45 s per model (180 s), and imports and model set-up (30 s): about 360 s; 540 for room.
+#   models: bench_models.py on CUDA, 4 models x 7 rows, stepped in turn. One forward+backward pass (f) of ResNet-50
+#     b128, ViT-B/16 b64 or GPT-2 small 8x1024 in bf16 is about 0.1-0.15 s on an H100, the CIFAR ResNet-18 about
+#     0.01 s. A round is 13 f (5 SAM steps of 2 f, 2 base rows of 1 f, one pass of its own), 20 rounds 260 f, the
+#     warm-ups (3 steps a row) and memory steps about 50 f: about 310 f per model, so 31 + 40 + 40 + 4 = 115 s of
+#     steps; plus compiling the compiled contender, about 45 s per model (180 s), and imports and model set-up
+#     (40 s): about 340 s; 540 for room.
 declare -A LIMITS=([info]=60 [build]=150 [tests]=390 [sanitize]=300 [bench]=540 [models]=540 [train]=240)
 
 usage() {

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import statistics
 from collections import defaultdict
 from pathlib import Path
 
@@ -37,9 +36,11 @@ from rows import (
     floor_gbps,
     machine_title,
     pct_floor,
+    quartiles,
 )
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
+TORCH_STEP = "torch's base step"  # as bench_whole_step.TORCH_STEP (no torch import here)
 DEFAULT_RESULTS = RESULTS_DIR / "runs.jsonl"
 
 
@@ -63,14 +64,6 @@ def pick_run(runs: dict[str, list[dict]], run: str | None = None, device: str | 
         raise SystemExit(f"no run on {device} in the results")
     full = [rows for rows in candidates if not rows[0]["quick"]]
     return (full or candidates)[-1]
-
-
-def quartiles(values: list[float]) -> tuple[float, float, float]:
-    """(first quartile, median, third quartile) of ``values`` (``statistics.quantiles``, inclusive method)."""
-    if len(values) == 1:
-        return values[0], values[0], values[0]
-    q1, median, q3 = statistics.quantiles(values, n=4, method="inclusive")
-    return q1, median, q3
 
 
 def sam_parts(
@@ -131,6 +124,12 @@ def pct_traffic_floor(row: dict) -> str:
 def floor_note(group: list[dict]) -> str:
     """How the floor of a table's rows was measured."""
     first = group[0]
+    if "vs" in first:  # contenders stepped in turn: the floor measured once per round, shared by the rows
+        floors = sorted({round(r["floor_gbps"]) for r in group})
+        kinds = ", ".join(sorted({r["floor_row_kind"] for r in group if "floor_row_kind" in r}))
+        what = f"{first['floor_kind']}: {kinds} here" if kinds else first["floor_kind"]
+        return (f"memory floor ({what}) measured before each round and after the last, each round's rate over that "
+                f"kind's around it, {'-'.join(map(str, floors))} GB/s")  # fmt: skip
     if "floor_best_gbps" in first:  # measured between each row's rounds
         floors = sorted(r["floor_gbps"] for r in group)
         span = f"{floors[0]:.0f}-{floors[-1]:.0f} GB/s over the rows"
@@ -149,6 +148,40 @@ def _ratio(baseline: float | None, value: float) -> str:
     return f"{baseline / value:.2f}x" if baseline else "-"
 
 
+def _spread(stats: dict | None) -> str:
+    """A ratio of per-round ratios (``rows.ratio_stats``), median [quartiles]; "-" where there is none."""
+    return f"{stats['median']:.2f}x [{stats['q1']:.2f}, {stats['q3']:.2f}]" if stats else "-"
+
+
+def _vs(row: dict, label: str) -> str:
+    """The row's ratio to reference ``label`` of the same rounds (the reference's time over the row's)."""
+    return _spread(row.get("vs", {}).get(label))
+
+
+def _over(row: dict, label: str) -> str:
+    """The row's time over reference ``label``'s, in the same rounds."""
+    return _spread(row.get("over", {}).get(label))
+
+
+def _in_turn_note(group: list[dict]) -> str:
+    """For rows stepped in turn within the same rounds: how many rounds, and which path stood for each reference."""
+    first = group[0]
+    paths = {label: path for label, path in {**first.get("vs_path", {}), **first.get("over_path", {})}.items()
+             if path != label}  # fmt: skip
+    named = "".join(f"; {label} = its faster path in these rounds, `{path}`" for label, path in paths.items())
+    left = first.get("left_out") or {}
+    missing = "".join(f"; not run here: `{name}` ({why})" for name, why in left.items())
+    return f"{first['rounds']} rounds, the contenders stepped in turn within each{named}{missing}"
+
+
+IN_TURN_NOTE = (
+    "The contenders were stepped in turn within each round (the memory floor measured once per round, then each "
+    "contender's step timed alone, the order turned by one place each round), and each ratio is the median of the "
+    "per-round ratios of the same rounds, [first quartile, third quartile] after it: a ratio whose quartiles "
+    "straddle 1.00x is inside the noise of the run."
+)
+
+
 def sam_step_tables(rows: list[dict]) -> list[str]:
     groups: dict[tuple[str, str], list[dict]] = defaultdict(list)
     for row in rows:
@@ -162,6 +195,9 @@ def sam_step_tables(rows: list[dict]) -> list[str]:
         sam = {r["contender"]: r["median_ms"] for r in groups.get((name, "sam"), [])}
         loop = sam.get("per-tensor loop")
         peer_path, peer = best_peer(sam)
+        if "vs" in first:  # stepped in turn: the ratios of the same rounds
+            lines += _sam_step_in_turn(name, rule, group)
+            continue
         lines += [
             f"**{'SAM' if rule == SAM_RULE else 'GEAR-SAM'} step, {name}** ({first['parameters'] / 1e6:.1f}M parameters in "
             f"{first['tensors']} tensors; {first['bytes_counted'] // first['parameters']} bytes counted per parameter; "
@@ -178,6 +214,9 @@ def sam_step_tables(rows: list[dict]) -> list[str]:
                 f"{r['held_bytes'] / 2**20:.1f} |"
             )
         lines.append("")
+    if any("vs" in r for r in rows if r["benchmark"] == "bench_sam_step" and "variant" not in r):
+        lines += [IN_TURN_NOTE + " GEAR-SAM, which neither the per-tensor loop nor pytorch_optimizer implements, is "
+                  "compared with their SAM steps of the same rounds.", ""]  # fmt: skip
     if lines:
         lines += [
             "SAM step = `first_step` + `second_step` with a base optimizer that does nothing: energy, perturbation and "
@@ -189,6 +228,27 @@ def sam_step_tables(rows: list[dict]) -> list[str]:
             "",
         ]
     return lines
+
+
+def _sam_step_in_turn(name: str, rule: str, group: list[dict]) -> list[str]:
+    """A SAM-step table of contenders stepped in turn: each ratio the median [quartiles] of its per-round ratios."""
+    first = group[0]
+    lines = [
+        f"**{'SAM' if rule == SAM_RULE else 'GEAR-SAM'} step, {name}** ({first['parameters'] / 1e6:.1f}M parameters in "
+        f"{first['tensors']} tensors; {first['bytes_counted'] // first['parameters']} bytes counted per parameter; "
+        f"{_in_turn_note(group)}; {floor_note(group)})",
+        "",
+        "| contender | median ms | IQR ms | vs per-tensor loop SAM [IQR] | vs pytorch_optimizer SAM [IQR] | GB/s | "
+        "% of floor | % of traffic floor | launches | held MB |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in group:
+        lines.append(
+            f"| {r['contender']} | {r['median_ms']:.3f} | {r['q3_ms'] - r['q1_ms']:.3f} | {_vs(r, 'per-tensor loop')} | "
+            f"{_vs(r, 'pytorch_optimizer')} | {counted_gbps(r):.1f} | {pct_floor(r):.0f} | {pct_traffic_floor(r)} | "
+            f"{r.get('launches', '-')} | {r['held_bytes'] / 2**20:.1f} |"
+        )
+    return [*lines, ""]
 
 
 def _compiled_note(group: list[dict]) -> str:
@@ -203,6 +263,30 @@ def _seconds(value: float | None) -> str:
     return f"{value:.0f}" if value >= 10 else f"{value:.1f}"
 
 
+def _whole_step_in_turn(name: str, base: str, group: list[dict]) -> list[str]:
+    """A whole-step table of contenders stepped in turn: each ratio the median [quartiles] of its per-round ratios."""
+    first = group[0]
+    lines = [
+        f"**Whole step, {base}, {name}** ({first['parameters'] / 1e6:.1f}M parameters in {first['tensors']} "
+        f"tensors; {first['bytes_counted'] // first['parameters']} bytes counted per parameter; "
+        f"{_in_turn_note(group)}; {floor_note(group)}{_compiled_note(group)})",
+        "",
+        "| contender | base step | median ms | IQR ms | vs per-tensor loop [IQR] | vs pytorch_optimizer [IQR] | "
+        "vs compiled foreach SAM [IQR] | / torch's base step [IQR] | GB/s | % of floor | % of traffic floor | "
+        "compile s | launches |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in group:
+        compile_s = _seconds(r.get("compile_s", r.get("capture_s")))
+        lines.append(
+            f"| {r['contender']} | {r.get('base_flags', '-')} | {r['median_ms']:.3f} | {r['q3_ms'] - r['q1_ms']:.3f} | "
+            f"{_vs(r, 'per-tensor loop')} | {_vs(r, 'pytorch_optimizer')} | {_vs(r, COMPILED)} | "
+            f"{_over(r, TORCH_STEP)} | {counted_gbps(r):.1f} | {pct_floor(r):.0f} | {pct_traffic_floor(r)} | "
+            f"{compile_s} | {r.get('launches', '-')} |"
+        )
+    return [*lines, ""]
+
+
 def whole_step_tables(rows: list[dict]) -> list[str]:
     """Per (set, base optimizer): every contender's whole step (SAM and the base optimizer's update), against the
     per-tensor implementations, the compiled foreach SAM and the base optimizer's step alone."""
@@ -213,6 +297,9 @@ def whole_step_tables(rows: list[dict]) -> list[str]:
     lines = []
     for (name, base), group in groups.items():
         first = group[0]
+        if "vs" in first:  # stepped in turn: the ratios of the same rounds
+            lines += _whole_step_in_turn(name, base, group)
+            continue
         by = {r["contender"]: r["median_ms"] for r in group}
         loop, bare, compiled = by.get("per-tensor loop"), by.get("bare base step"), by.get(COMPILED)
         peer_path, peer = best_peer(by)
@@ -235,7 +322,28 @@ def whole_step_tables(rows: list[dict]) -> list[str]:
                 f"{counted_gbps(r):.1f} | {pct_floor(r):.0f} | {pct_traffic_floor(r)} | {compile_s} | {r.get('launches', '-')} |"
             )
         lines.append("")
-    if lines:
+    in_turn = [r for r in rows if r["benchmark"] == "bench_whole_step" and "variant" not in r and "vs" in r]
+    if in_turn:
+        lines += [
+            "Whole step = `first_step` + `second_step` with the base optimizer's update, each contender at its best: "
+            "the per-tensor loop, pytorch_optimizer's per-tensor path and our `base per tensor` rows step torch's "
+            "optimizer with `fused=True`, pytorch_optimizer's foreach path with `foreach=True` (it hands its flag on; "
+            "torch refuses both), the compiled foreach SAM compiles its `foreach=True` step (its perturbation one "
+            "compiled function with float32 norms, its restore and the base step another; `, reduce-overhead`: both "
+            "captured in CUDA graphs by inductor), and torch's base step alone is timed with each flag (`bare base "
+            "step`, `bare base step (fused)`). \"vs\" columns: the other's time over this one's (above 1x: this one "
+            "is faster); \"/ torch's base step\": this one's time over torch's base step alone, its faster path in "
+            "the same rounds (each table's heading names it). " + IN_TURN_NOTE + " GB/s from the counted bytes, per "
+            "parameter as each set's line says (a SAM step's floor, SGD 36, AdamW 44; torch's base step alone its own "
+            "20 and 28); % of floor: each round's rate over the memory floor measured around it (median); % of "
+            "traffic floor: the same over the floor of the row's traffic, whose energy pass (4 bytes per parameter) "
+            "only reads, those bytes at the read rate measured beside it (conftest.MemoryFloor). compile s: the "
+            "compiled contenders' calls that compiled (the first calls and the first steps' recompiles; not in their "
+            "times); for a `BACKEND, CUDA graph` row (`capturable=True`, the timed step a `graph.replay()`), its three "
+            "warm-up steps and the capture.",
+            "",
+        ]
+    if len(in_turn) < len([r for r in rows if r["benchmark"] == "bench_whole_step" and "variant" not in r]):
         lines += [
             "Whole step = `first_step` + `second_step` with the base optimizer's update. \"vs\" columns: the other's median "
             "over this one's (above 1x: this one is faster); \"/ bare base step\": this median over the base optimizer's "
@@ -625,10 +733,10 @@ def pass_bound_line(rows: list[dict]) -> list[str]:
     ]
 
 
-def models_tables(rows: list[dict]) -> list[str]:
-    """The real models' training steps (``bench_models``), one table per model: every SAM contender's step around
-    the same base optimizer, what it adds beyond its two forward+backward passes and its tax (as bench_models.table
-    renders them, without importing torch)."""
+def model_table(mine: list[dict]) -> list[str]:
+    """One model's rows of ``bench_models`` as a Markdown table (header and rows): every SAM contender's step around
+    the same base optimizer, what it adds beyond its two forward+backward passes and its tax; for rows stepped in turn
+    also the ratios to the other contenders of the same rounds."""
 
     def ms(row: dict, key: str) -> str:
         if row.get(key) is None:
@@ -639,6 +747,53 @@ def models_tables(rows: list[dict]) -> list[str]:
     def number(value: float | None, form: str = "{:.1f}") -> str:
         return "" if value is None else form.format(value)
 
+    in_turn = "vs" in mine[0]
+    extra = (
+        " vs per-tensor loop SAM [IQR] | vs pytorch_optimizer [IQR] | vs compiled foreach SAM [IQR] |"
+        if in_turn
+        else ""
+    )
+    lines = [
+        "| contender | step ms (IQR) | fwd+bwd ms | base step ms | beyond 2 passes ms (IQR) | SAM tax ms (IQR) | "
+        f"tax % | / plain |{extra} peak MiB | held MiB | base step |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" * 3 if in_turn else "") + "---:|---:|---|",
+    ]
+    for r in mine:
+        ratios = (f" {_vs(r, 'per-tensor loop SAM')} | {_vs(r, 'pytorch_optimizer')} | {_vs(r, COMPILED)} |"
+                  if in_turn else "")  # fmt: skip
+        base_step = r.get("base_step_mode") or r.get("base_flags", "")
+        lines.append(
+            f"| {r['contender']} | {r['median_ms']:.2f} ({r['q1_ms']:.2f}–{r['q3_ms']:.2f}) | "
+            f"{number(r.get('forward_backward_ms'), '{:.2f}')} | {number(r.get('base_step_ms'), '{:.2f}')} | "
+            f"{ms(r, 'beyond_ms')} | {ms(r, 'tax_ms')} | {number(r.get('tax_pct'))} | "
+            f"{number(r.get('over_plain'), '{:.2f}x')} |{ratios} {number(r.get('peak_mib'), '{:.0f}')} | "
+            f"{number(r.get('held_mib'), '{:.0f}')} | {base_step} |"
+        )
+    return lines
+
+
+MODELS_NOTE = (
+    "Each round of a SAM row times one forward+backward pass, one base step and the SAM step back to back: "
+    "beyond 2 passes = step - 2 x (forward+backward), SAM tax = that minus the base step (median and quartiles "
+    'over the rounds, ms); "/ plain": per round, the step over that round\'s forward+backward plus base step '
+    "(median); peak and held MiB (CUDA): the allocator's peak during one step and what stays allocated after "
+    "it, both above what was allocated before the row built its model."
+)
+MODELS_IN_TURN_NOTE = (
+    "Every row and part stepped in turn within each round (one forward+backward pass on a copy of its own, one base "
+    "step with `foreach=True` and one with `fused=True`, each on a copy of its own), the order turned by one place "
+    "each round: beyond 2 passes = step - 2 x (forward+backward), SAM tax = that minus the base step (the faster "
+    'flag in these rounds, `base_step_path`), per round (median and quartiles, ms); "/ plain": per round, the step '
+    "over that round's forward+backward plus base step (median); \"vs\" columns: the other's time over this one's in "
+    "the same round, median [quartiles] (a ratio whose quartiles straddle 1.00x is inside the noise); base step: "
+    "ours, whether it ran fused into the restore, the others their base optimizer's flags; peak and held MiB "
+    "(CUDA): the allocator's peak during one step and what stays allocated after it, both above what was "
+    "allocated before the row built its model."
+)
+
+
+def models_tables(rows: list[dict]) -> list[str]:
+    """The real models' training steps (``bench_models``), one table per model (:func:`model_table`)."""
     steps = [r for r in rows if r["benchmark"] == "bench_models"]
     lines = []
     for model in dict.fromkeys(r["model"] for r in steps):
@@ -648,31 +803,16 @@ def models_tables(rows: list[dict]) -> list[str]:
             f"{k} {first[k]}" for k in ("batch", "image", "tokens", "layers", "depth", "width") if k in first
         )
         autocast = f", autocast {first['autocast']}" if first.get("autocast") else ""
+        rounds = f"; {_in_turn_note(mine)}" if "vs" in first else ""
         lines += [
-            f"**Training step, {model}** ({size}{', tiny' if first['tiny'] else ''}; base {first['base']}{autocast})",
+            f"**Training step, {model}** ({size}{', tiny' if first['tiny'] else ''}; base {first['base']}{autocast}"
+            f"{rounds})",
             "",
-            "| contender | step ms (IQR) | fwd+bwd ms | base step ms | beyond 2 passes ms (IQR) | SAM tax ms (IQR) | "
-            "tax % | / plain | peak MiB | held MiB | base step |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+            *model_table(mine),
+            "",
         ]
-        for r in mine:
-            lines.append(
-                f"| {r['contender']} | {r['median_ms']:.2f} ({r['q1_ms']:.2f}–{r['q3_ms']:.2f}) | "
-                f"{number(r.get('forward_backward_ms'), '{:.2f}')} | {number(r.get('base_step_ms'), '{:.2f}')} | "
-                f"{ms(r, 'beyond_ms')} | {ms(r, 'tax_ms')} | {number(r.get('tax_pct'))} | "
-                f"{number(r.get('over_plain'), '{:.2f}x')} | {number(r.get('peak_mib'), '{:.0f}')} | "
-                f"{number(r.get('held_mib'), '{:.0f}')} | {r.get('base_step_mode', '')} |"
-            )
-        lines.append("")
     if lines:
-        lines += [
-            "Each round of a SAM row times one forward+backward pass, one base step and the SAM step back to back: "
-            "beyond 2 passes = step - 2 x (forward+backward), SAM tax = that minus the base step (median and quartiles "
-            'over the rounds, ms); "/ plain": per round, the step over that round\'s forward+backward plus base step '
-            "(median); peak and held MiB (CUDA): the allocator's peak during one step and what stays allocated after "
-            "it, both above what was allocated before the row built its model.",
-            "",
-        ]
+        lines += [MODELS_IN_TURN_NOTE if any("vs" in r for r in steps) else MODELS_NOTE, ""]
     return lines
 
 

@@ -5,6 +5,7 @@ title. No torch import: the rows are plain JSON."""
 from __future__ import annotations
 
 import re
+import statistics
 
 COMPILED = "compiled foreach SAM"  # as contenders.COMPILED (no torch import here)
 
@@ -61,3 +62,56 @@ def machine_title(row: dict) -> str:
     if row["gpu"]:
         return row["gpu"]
     return f"{re.sub(r'[(](R|TM)[)]', '', row['cpu']).replace(' Processor', '')}, {row['cpu_count']} cores"
+
+
+# ------------------------------------------------------------------------------ contenders stepped in turn
+
+
+def quartiles(values: list[float]) -> tuple[float, float, float]:
+    """(first quartile, median, third quartile) of ``values`` (``statistics.quantiles``, inclusive method)."""
+    if len(values) == 1:
+        return values[0], values[0], values[0]
+    q1, median, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return q1, median, q3
+
+
+def ratio_stats(numerator: list[float], denominator: list[float]) -> dict[str, float]:
+    """The per-round ratios ``numerator[i] / denominator[i]`` of two contenders stepped in the same rounds: their
+    median, quartiles (``q1``, ``q3``) and range (``low``, ``high``)."""
+    ratios = [a / b for a, b in zip(numerator, denominator, strict=True)]
+    q1, median, q3 = quartiles(ratios)
+    return {"median": median, "q1": q1, "q3": q3, "low": min(ratios), "high": max(ratios)}
+
+
+def faster_path(round_ms: dict[str, list[float]], paths: tuple[str, ...]) -> str | None:
+    """Of ``paths`` (one implementation's paths, e.g. pytorch_optimizer's two or torch's ``foreach`` and ``fused``
+    base steps), the one with the lowest median over the same rounds, among those that ran (None: none did)."""
+    ran = [path for path in paths if path in round_ms]
+    return min(ran, key=lambda path: statistics.median(round_ms[path])) if ran else None
+
+
+def interleaved_fields(round_ms: dict[str, list[float]], references: dict[str, tuple[str, ...]],
+                       over: dict[str, tuple[str, ...]] | None = None) -> dict[str, dict]:  # fmt: skip
+    """Each contender's ratios to the references of its rounds, for contenders stepped in turn within the same rounds
+    (``round_ms``: contender -> its time in each round, ms). ``references``: a label -> the paths it stands for (its
+    faster one in these rounds is the reference, :func:`faster_path`); ``vs[label]`` is :func:`ratio_stats` of the
+    reference's time over the contender's (above 1: the contender is faster), and ``vs_path[label]`` the path it was.
+    ``over``: the same for ``over[label]``, the contender's time over the reference's (``over_path``). Returns
+    contender -> those fields; a label none of whose paths ran is left out."""
+    chosen = {label: faster_path(round_ms, paths) for label, paths in references.items()}
+    chosen_over = {label: faster_path(round_ms, paths) for label, paths in (over or {}).items()}
+    fields = {}
+    for name, mine in round_ms.items():
+        row: dict[str, dict] = {"vs": {}, "vs_path": {}}
+        for label, path in chosen.items():
+            if path is not None:
+                row["vs"][label] = ratio_stats(round_ms[path], mine)
+                row["vs_path"][label] = path
+        if over:
+            row["over"], row["over_path"] = {}, {}
+            for label, path in chosen_over.items():
+                if path is not None:
+                    row["over"][label] = ratio_stats(mine, round_ms[path])
+                    row["over_path"][label] = path
+        fields[name] = row
+    return fields

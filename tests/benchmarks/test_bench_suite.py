@@ -4,6 +4,7 @@ tier all); the report's arithmetic on made-up rows."""
 
 import importlib.util
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -25,6 +26,7 @@ def _load(name: str):
 
 
 report = _load("report")
+rows_module = _load("rows")
 
 MACHINE_FIELDS = {
     "run", "date", "commit", "cpu", "cpu_count", "gpu", "torch", "triton", "platform", "huge_pages", "device", "quick",
@@ -107,7 +109,36 @@ def check_sam_steps(rows: list[dict], stdout: str) -> None:
         ("torch", "gear-sam"),
     } <= contenders
     assert all(r["parameters"] >= 2048 and r["tensors"] >= 62 for r in steps)
-    assert "**SAM step, ResNet-18" in stdout
+    check_stepped_in_turn(steps, ("set",), {"per-tensor loop": "per-tensor loop"})
+    # GEAR-SAM's rows, which no peer has, against the SAM steps of the same rounds
+    gear = [r for r in steps if r["rule"] == "gear-sam"]
+    assert gear and all(set(r["vs"]) == {"per-tensor loop", "pytorch_optimizer"} for r in gear)
+    assert "**SAM step, ResNet-18" in stdout and "vs per-tensor loop SAM [IQR]" in stdout
+    assert "stepped in turn within each round" in stdout
+
+
+def check_stepped_in_turn(rows: list[dict], keys: tuple[str, ...], references: dict[str, str]) -> None:
+    """Rows of contenders stepped in turn: the rows of one group (``keys``) share their test and rounds, each keeps its
+    time in each round, and each ratio to a reference of the same rounds is the median of the per-round ratios
+    (``references``: label -> the contender it must be, where there is one path)."""
+    groups: dict[tuple, list[dict]] = {}
+    for row in rows:
+        groups.setdefault(tuple(row[k] for k in keys), []).append(row)
+    for key, group in groups.items():
+        assert len({r["test"] for r in group}) == 1 and len({r["rounds"] for r in group}) == 1, key
+        times = {r["contender"] if r.get("rule", "sam") == "sam" else f"{r['contender']}, {r['rule']}": r["round_ms"]
+                 for r in group}  # fmt: skip
+        assert set(group[0]["stepped_in_turn"]) == set(times), key
+        for row in group:
+            assert len(row["round_ms"]) == row["rounds"] and all(t > 0 for t in row["round_ms"]) and "load_1min" in row
+            assert row["median_ms"] == pytest.approx(report.quartiles(row["round_ms"])[1], rel=1e-3)
+            for label, stats in row["vs"].items():
+                path = row["vs_path"][label]
+                assert path == references.get(label, path) and path in times
+                ratios = sorted(a / b for a, b in zip(times[path], row["round_ms"]))
+                assert stats["low"] == pytest.approx(ratios[0]) and stats["high"] == pytest.approx(ratios[-1])
+                assert stats["q1"] <= stats["median"] <= stats["q3"]
+                assert stats["median"] == pytest.approx(report.quartiles(ratios)[1])
 
 
 def check_train_steps(rows: list[dict], stdout: str) -> None:
@@ -195,15 +226,29 @@ def check_whole_steps(rows: list[dict], stdout: str) -> None:
     for row in wholes:
         assert MACHINE_FIELDS | TIMING_FIELDS | WHOLE_STEP_FIELDS <= row.keys(), row.keys()
         assert row["median_ms"] > 0 and row["gbps"] > 0
-        own = {"SGD": 20, "AdamW": 28} if row["contender"] == "bare base step" else BYTES_PER_PARAM
+        bare = row["contender"].startswith("bare base step")
+        own = {"SGD": 20, "AdamW": 28} if bare else BYTES_PER_PARAM
         assert row["bytes_counted"] == own[row["base"]] * row["parameters"]
+        # each contender at its best: torch's optimizer fused where a contender steps it per tensor and torch allows
+        flags = {"pytorch_optimizer": "foreach=True", "bare base step": "foreach=True", "compiled foreach SAM":
+                 "foreach=True, compiled", "cpp": "fused into the restore", "cpp, compiled": "fused into the restore",
+                 "torch": "fused into the restore"}  # fmt: skip
+        assert row["base_flags"] == flags.get(row["contender"], "fused=True"), row["contender"]
     assert {r["set"].split(" (")[0] for r in wholes} == {"ResNet-18", "2048 small tensors", "2000 tensors x 512"}
     expected = {
         "per-tensor loop", "pytorch_optimizer", "pytorch_optimizer, per tensor", "torch", "torch, base per tensor",
-        "bare base step",
+        "bare base step", "bare base step (fused)",
     }  # fmt: skip
     for key in {(r["set"], r["base"]) for r in wholes}:
-        assert expected <= {r["contender"] for r in wholes if (r["set"], r["base"]) == key}, key
+        these = [r for r in wholes if (r["set"], r["base"]) == key]
+        assert expected <= {r["contender"] for r in these}, key
+        # the compiled contenders left out of the quick run's other sets, the rows saying so
+        if not key[0].startswith("ResNet-18"):
+            assert "compiled foreach SAM" in these[0]["left_out"] and "cpp, compiled" in these[0]["left_out"]
+    check_stepped_in_turn(wholes, ("set", "base"), {"per-tensor loop": "per-tensor loop"})
+    for row in wholes:  # torch's own step: the faster of its two paths in the same rounds
+        assert set(row["over"]) == {"torch's base step"}
+        assert row["over_path"]["torch's base step"] in ("bare base step", "bare base step (fused)")
     # the compiled contender on ResNet-18 only in quick mode, within the float32 tolerance of our step
     compiled = [r for r in wholes if r["contender"] == "compiled foreach SAM"]
     assert {(r["set"].split(" (")[0], r["base"]) for r in compiled} == {("ResNet-18", "SGD"), ("ResNet-18", "AdamW")}
@@ -224,7 +269,7 @@ def check_whole_steps(rows: list[dict], stdout: str) -> None:
         r["base_step_mode"] == ("per-tensor" if r["contender"].endswith(", base per tensor") else "fused") for r in ours
     )
     assert "**Whole step, SGD, ResNet-18" in stdout and "**Whole step, AdamW, 2000 tensors x 512" in stdout
-    assert "/ bare base step" in stdout
+    assert "/ torch's base step [IQR]" in stdout and "torch's base step = its faster path in these rounds" in stdout
 
 
 def check_skipped_steps(rows: list[dict], stdout: str) -> None:
@@ -361,21 +406,132 @@ def test_the_whole_step_lists_our_compiled_and_captured_rows_next_to_the_eager_o
         usable = {"cuda": ["per-tensor loop", "torch", "triton", "cpp"], "cpu": ["per-tensor loop", "torch", "cpp"]}
         monkeypatch.setattr(whole.contenders, "available", lambda device: usable[device])
         assert whole.whole_step_contenders("cuda") == [
-            "per-tensor loop", "compiled foreach SAM", "torch", "torch, base per tensor",
+            "per-tensor loop", "compiled foreach SAM", "compiled foreach SAM, reduce-overhead",
+            "torch", "torch, base per tensor",
             "cpp", "cpp, base per tensor", "cpp, compiled", "cpp, CUDA graph",
             "triton", "triton, base per tensor", "triton, compiled", "triton, CUDA graph",
             "bare base step", "bare base step (fused)",
         ]  # fmt: skip
         assert whole.whole_step_contenders("cpu") == [
             "per-tensor loop", "compiled foreach SAM", "torch", "torch, base per tensor", "cpp",
-            "cpp, base per tensor", "cpp, compiled", "bare base step",
+            "cpp, base per tensor", "cpp, compiled", "bare base step", "bare base step (fused)",
         ]  # fmt: skip
         assert whole.GRAPH_SET_KEYS == ["resnet18", "small_tensors"]
+        # what each contender leaves out: compiling outside quick mode's set and --compile-sets, capturing outside
+        # the CUDA-graph sets
+        assert whole.left_out("cpp, compiled", "small_tensors", True, None).startswith("quick mode compiles")
+        assert whole.left_out("cpp, compiled", "resnet18", True, None) is None
+        assert whole.left_out("compiled foreach SAM", "small_tensors", False, None) is None
+        assert "--compile-sets" in whole.left_out("compiled foreach SAM", "small_tensors", False, ["resnet18"])
+        assert whole.left_out("compiled foreach SAM, reduce-overhead", "vit_b16", False, None).startswith("captured")
+        assert whole.left_out("cpp, CUDA graph", "resnet18", False, None) is None
+        assert whole.left_out("cpp", "small_tensors", True, ["resnet18"]) is None
     finally:
         for name, module in saved.items():
             sys.modules.pop(name, None)
             if module is not None:
                 sys.modules[name] = module
+
+
+def test_ratios_of_contenders_stepped_in_turn_are_medians_of_per_round_ratios():
+    """Each contender's ratio to a reference of the same rounds: the median, quartiles and range of the per-round
+    ratios, not the ratio of the medians; a reference with two paths stands for the one with the lower median."""
+    round_ms = {
+        "ours": [1.0, 2.0, 1.0, 4.0, 1.0],
+        "loop": [3.0, 4.0, 3.0, 40.0, 5.0],  # per round over ours: 3, 2, 3, 10, 5
+        "peer foreach": [9.0, 9.0, 9.0, 9.0, 9.0],
+        "peer per tensor": [2.0, 30.0, 2.0, 30.0, 2.0],  # median 2, below the foreach path's 9
+    }
+    stats = rows_module.ratio_stats(round_ms["loop"], round_ms["ours"])
+    assert stats == {"median": 3.0, "q1": 3.0, "q3": 5.0, "low": 2.0, "high": 10.0}
+    assert stats["median"] != statistics.median(round_ms["loop"]) / statistics.median(round_ms["ours"])  # 4 / 1
+    assert rows_module.faster_path(round_ms, ("peer foreach", "peer per tensor")) == "peer per tensor"
+    assert rows_module.faster_path(round_ms, ("absent",)) is None
+    fields = rows_module.interleaved_fields(
+        round_ms, {"loop": ("loop",), "peer": ("peer foreach", "peer per tensor"), "gone": ("absent",)},
+        {"slowest": ("peer foreach",)},
+    )  # fmt: skip
+    ours = fields["ours"]
+    assert set(ours["vs"]) == {"loop", "peer"} and ours["vs_path"] == {"loop": "loop", "peer": "peer per tensor"}
+    assert ours["vs"]["peer"]["median"] == 2.0 and ours["vs"]["peer"]["high"] == 15.0  # 30 / 2 in round 2
+    assert ours["over"]["slowest"]["median"] == pytest.approx(1 / 9) and ours["over_path"] == {
+        "slowest": "peer foreach"
+    }
+    assert fields["loop"]["vs"]["loop"] == {"median": 1.0, "q1": 1.0, "q3": 1.0, "low": 1.0, "high": 1.0}
+    with pytest.raises(ValueError):
+        rows_module.ratio_stats([1.0, 2.0], [1.0])
+
+
+def test_contenders_step_in_turn_the_order_turned_each_round(monkeypatch):
+    """Every step once per round, each timed alone, the order turned by one place each round, the floor measured once
+    before each round and once after the last."""
+    conftest = _load("conftest")
+    order: list[str] = []
+    steps = {name: (lambda name=name: order.append(name)) for name in ("a", "b", "c")}
+
+    class Floor:
+        def __init__(self):
+            self.measured = 0
+
+        def interleaved(self):
+            def measure():
+                self.measured += 1
+                order.append("floor")
+
+            return measure
+
+        def around_rounds(self):
+            self.measured += 1
+            return ["sample"] * self.measured
+
+    floor = Floor()
+    seconds, samples = conftest.step_in_turn(steps, 4, floor)
+    assert order == ["floor", "a", "b", "c", "floor", "b", "c", "a", "floor", "c", "a", "b", "floor", "a", "b", "c"]
+    assert {name: len(s) for name, s in seconds.items()} == {"a": 4, "b": 4, "c": 4} and len(samples) == 5
+    assert conftest.step_in_turn(steps, 2)[1] is None
+
+
+def test_contenders_that_would_not_fit_in_memory_together_are_left_out_in_order_saying_so():
+    conftest = _load("conftest")
+    buffers = {"a": 4, "b": 3, "c": 5}
+    gib = 2**30
+    # 12 buffers of 1 GiB plus 2 shared: 14 GiB; 60% of 20 GiB is 12: "c" goes first, then fits (9 GiB)
+    kept, notes = conftest.fit_in_memory(list(buffers), buffers.get, gib, ("c", "b"), 20 * gib, fixed_buffers=2)
+    assert kept == ["a", "b"] and list(notes) == ["c"]
+    assert "14.0 GiB, more than 60% of the 20.0 GiB available" in notes["c"]
+    assert conftest.fit_in_memory(list(buffers), buffers.get, gib, ("c",), 40 * gib) == (list(buffers), {})
+    with pytest.raises(pytest.skip.Exception, match="even without"):
+        conftest.fit_in_memory(list(buffers), buffers.get, gib, ("c",), 5 * gib)
+
+
+def test_the_tables_of_contenders_stepped_in_turn_give_the_ratios_of_the_same_rounds():
+    common = {"set": "ResNet-18", "parameters": 10, "tensors": 2, "device": "cpu", "floor_gbps": 40.0,
+              "floor_kind": "update", "gbps": 10.0, "pct_floor": 25.0, "rounds": 15, "left_out": {}}  # fmt: skip
+    vs = {"per-tensor loop": {"median": 2.5, "q1": 2.25, "q3": 2.75, "low": 2.0, "high": 3.0},
+          "pytorch_optimizer": {"median": 0.98, "q1": 0.9, "q3": 1.04, "low": 0.8, "high": 1.2},
+          "compiled foreach SAM": {"median": 3.0, "q1": 2.9, "q3": 3.1, "low": 2.8, "high": 3.2}}  # fmt: skip
+    paths = {"vs_path": {"per-tensor loop": "per-tensor loop", "pytorch_optimizer": "pytorch_optimizer, per tensor",
+                         "compiled foreach SAM": "compiled foreach SAM"}}  # fmt: skip
+    over = {"over": {"torch's base step": {"median": 1.5, "q1": 1.4, "q3": 1.6, "low": 1.3, "high": 1.7}},
+            "over_path": {"torch's base step": "bare base step (fused)"}}  # fmt: skip
+    whole = [_row("bench_whole_step", "cpp", 5.0, base="SGD", bytes_counted=360, base_flags="fused into the restore",
+                  vs=vs, **paths, **over, left_out={"cpp, compiled": "this run compiled for ['resnet18'] only"},
+                  **{k: v for k, v in common.items() if k != "left_out"})]  # fmt: skip
+    text = "\n".join(report.whole_step_tables(whole))
+    assert ("| cpp | fused into the restore | 5.000 | 2.000 | 2.50x [2.25, 2.75] | 0.98x [0.90, 1.04] | "
+            "3.00x [2.90, 3.10] | 1.50x [1.40, 1.60] | 10.0 | 25 | - | - | - |") in text  # fmt: skip
+    assert "15 rounds, the contenders stepped in turn within each" in text
+    assert "pytorch_optimizer = its faster path in these rounds, `pytorch_optimizer, per tensor`" in text
+    assert "torch's base step = its faster path in these rounds, `bare base step (fused)`" in text
+    assert "not run here: `cpp, compiled`" in text and "straddle 1.00x is inside the noise" in text
+    sam = [_row("bench_sam_step", "cpp", 5.0, rule="gear-sam", bytes_counted=160, held_bytes=2**20, vs=vs, **paths,
+                **common)]  # fmt: skip
+    text = "\n".join(report.sam_step_tables(sam))
+    assert (
+        "**GEAR-SAM step, ResNet-18**" in text
+        and "| cpp | 5.000 | 2.000 | 2.50x [2.25, 2.75] | 0.98x [0.90, 1.04] |" in text
+    )
+    assert "compared with their SAM steps of the same rounds" in text
 
 
 def test_rows_of_runs_before_the_floor_are_recounted():
@@ -702,6 +858,14 @@ def test_every_table_row_has_as_many_cells_as_its_header():
         _row("bench_momentum_step", "cpp, MomentumSAM", 5.0, base="SGD", bytes_counted=400, rounds=3,
              **_ratios("over_base", 2.0), **_ratios("over_allowed", 1.0), **common, **traffic),
         _row("bench_momentum_step", "bare base step", 4.0, base="SGD", bytes_counted=200, rounds=3, **common),
+    ]  # fmt: skip
+    in_turn = {"rounds": 3, "vs": {"per-tensor loop": {"median": 2.0, "q1": 1.9, "q3": 2.1, "low": 1.8, "high": 2.2}},
+               "vs_path": {"per-tensor loop": "per-tensor loop"}, "left_out": {}}  # fmt: skip
+    rows += [
+        _row("bench_sam_step", "cpp", 5.0, rule="sam", bytes_counted=160, **in_turn,
+             **{**common, "set": "WRN-28-10"}, **traffic),
+        _row("bench_whole_step", "cpp", 5.0, base="AdamW", bytes_counted=440, base_flags="fused into the restore",
+             over={}, over_path={}, **in_turn, **common, **traffic),
     ]  # fmt: skip
     tables = [report.sam_step_tables, report.whole_step_tables, report.skipped_step_tables, report.family_tables,
               report.momentum_step_tables]  # fmt: skip

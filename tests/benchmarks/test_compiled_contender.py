@@ -67,3 +67,26 @@ def test_compiled_contender_takes_our_steps(rule, base):
     assert rel_err(theirs, same) <= tolerance
     assert rel_err(theirs, other) > 10 * tolerance  # the check can fail
     assert compiled.compile_s > 0  # the first calls compiled, and were counted
+
+
+def test_the_captured_contender_takes_the_same_steps_and_keeps_the_others_compiled_code():
+    """``mode="reduce-overhead"`` (CUDA graphs on a GPU; on a CPU inductor compiles as by default): the same steps as
+    ours; built with ``reset=False`` after another instance, it leaves that instance's compiled code in place (a reset
+    would make it compile again), as the benchmarks that step several compiled contenders in turn need."""
+    cls, kwargs = BASES["SGD"]
+    models = [_model() for _ in range(3)]
+    first = contenders.CompiledForeachSAM(list(models[0].parameters()), cls, rho=0.05, **kwargs)
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(32, 12, generator=g), torch.randint(0, 3, (32,), generator=g)) for _ in range(STEPS)]
+    for x, y in batches[:2]:  # the first steps compile: the new state's step and then a settled one
+        _two_pass_step(first, models[0], x, y)
+    compiled = first.compile_s
+    captured = contenders.CompiledForeachSAM(list(models[1].parameters()), cls, rho=0.05, mode="reduce-overhead",
+                                             reset=False, **kwargs)  # fmt: skip
+    ours = SAM(models[2], cls, rho=0.05, backend="torch", foreach=True, **kwargs)
+    for x, y in batches:
+        for opt, model in ((captured, models[1]), (ours, models[2])):
+            _two_pass_step(opt, model, x, y)
+    _two_pass_step(first, models[0], *batches[2])
+    assert first.compile_s == compiled  # nothing of the first instance compiled again
+    assert rel_err(flat(models[1]), flat(models[2])) <= FP32_STEP_RTOL * STEPS and captured.compile_s > 0

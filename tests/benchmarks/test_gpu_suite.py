@@ -238,11 +238,15 @@ def test_the_command_line_refuses_a_bad_part_naming_it():
 
 @pytest.mark.full  # the script's phase run on CPU; the dry runs above and below test the script's logic
 def test_the_models_phase_runs_the_model_benchmark_and_writes_its_tables(tmp_path):
-    # quick mode on CPU, one row: the phase's two commands from the repository root, as on a GPU machine
-    done = suite(str(tmp_path), "--only", "models", MODELS_ARGS="--quick -k cifar_resnet18-SAM", timeout=300)
+    # quick mode on CPU, one model without the compiled contender (a quoted argument): the phase's two commands from
+    # the repository root, as on a GPU machine
+    done = suite(str(tmp_path), "--only", "models", MODELS_ARGS="--quick -k cifar_resnet18 '--leave-out=compiled foreach SAM'",
+                 timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "models-runs.jsonl").read_text().splitlines()]
-    assert [(r["benchmark"], r["model"], r["contender"]) for r in rows] == [("bench_models", "CIFAR ResNet-18", "SAM")]
+    assert {(r["benchmark"], r["model"]) for r in rows} == {("bench_models", "CIFAR ResNet-18")}
+    assert {"SAM", "GEAR-SAM", "base optimizer (fused)"} <= {r["contender"] for r in rows}
+    assert "compiled foreach SAM" not in {r["contender"] for r in rows}
     tables = (tmp_path / "models.md").read_text()
     assert "### CIFAR ResNet-18 (" in tables and "| SAM | " in tables
     log = (tmp_path / "models.log").read_text()
@@ -410,6 +414,18 @@ def test_the_benchmarks_skip_pytorch_optimizer_with_a_note_when_it_is_not_instal
     skipped = re.findall(r"^SKIPPED \[\d+\] (\w+)\.py:\d+: (.*)$", done.stdout, re.MULTILINE)
     assert {file for file, _ in skipped} == {"bench_sam_step", "bench_whole_step", "bench_train_step"}
     assert {reason for _, reason in skipped} == {NOTE}
+    # the benchmarks that step their contenders in turn leave the peer out of the rounds, every row saying why
+    results = tmp_path / "rows.jsonl"
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "bench_sam_step.py", "--quick",
+         f"--results={results}", f"--benchmark-storage=file://{tmp_path}/storage", "-k", "test_sam_step and small"],
+        cwd=BENCHMARKS, capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": path},
+        check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = [json.loads(line) for line in results.read_text().splitlines()]
+    assert rows and not any(r["contender"].startswith("pytorch_optimizer") for r in rows)
+    assert all(r["left_out"]["pytorch_optimizer"] == NOTE and "pytorch_optimizer" not in r["vs"] for r in rows)
 
 
 def test_contenders_and_run_say_when_pytorch_optimizer_is_not_installed(monkeypatch):

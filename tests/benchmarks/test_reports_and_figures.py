@@ -151,20 +151,38 @@ def test_report_figures_writes_every_figure_it_promises(tmp_path):
     assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in out.iterdir())
 
 
+def test_a_speed_up_of_contenders_stepped_in_turn_is_the_median_of_per_round_ratios_with_its_quartiles():
+    """Where the rows carry the ratios of the same rounds (``vs``), the figure draws those medians and quartiles; rows
+    of runs before, the ratio of two medians, without a spread."""
+    old = {c: _whole_step("aaaaaaaaaaaa", False, "set a", "SGD", c, ms)
+           for c, ms in (("cpp", 2.0), ("pytorch_optimizer", 9.0), ("pytorch_optimizer, per tensor", 6.0))}  # fmt: skip
+    assert figures._speedup_of(old, "pytorch_optimizer") == (3.0, 3.0, 3.0)  # its faster path, 6 / 2
+    assert figures._speedup_of(old, figures.COMPILED) is None
+    stats = {"median": 2.5, "q1": 2.2, "q3": 2.9, "low": 2.0, "high": 3.1}
+    new = {**old, "cpp": {**old["cpp"], "vs": {"pytorch_optimizer": stats}}}
+    assert figures._speedup_of(new, "pytorch_optimizer") == (2.5, 2.2, 2.9)
+    assert figures._speedup_of(new, "per-tensor loop") is None
+
+
 @pytest.mark.parametrize("missing", ["run", "set", "our row"])
 def test_a_figure_whose_source_rows_are_missing_stops_before_writing_any(tmp_path, missing):
     figure = figures.FIGURES[0]
-    run, sets = figure.sources[0]
-    rows = promised_rows()
+    run, _ = figure.sources[0]
+    # the first figure's run with its sets named, as a figure may name the sets it takes from a run
+    named = (figures.Figure(figure.name, figure.kind, ((run, ("set a", "set b")),)), *figures.FIGURES[1:])
+    rows = promised_rows()  # its run's rows hold "set a" and "set b"
     if missing == "run":
         rows = [r for r in rows if r["run"] != run]
     elif missing == "set":
-        rows = [r for r in rows if not (r["run"] == run and r.get("set") == sets[0])]
+        rows = [r for r in rows if not (r["run"] == run and r.get("set") == "set a")]
     else:
         rows = [r for r in rows if not (r["run"] == run and r["contender"] == figures.OURS)]
     results, out = _results(tmp_path, rows), tmp_path / "figures"
     with pytest.raises(SystemExit, match=f"figure {figure.name}: .*"):
-        report.main(["--figures", "--results-dir", str(results), "--out", str(out)])
+        figures.draw(report.load_results(results), out, named)
+    if missing != "set":  # the command draws the figures as they are named, and stops as well
+        with pytest.raises(SystemExit, match=f"figure {figure.name}: .*"):
+            report.main(["--figures", "--results-dir", str(results), "--out", str(out)])
     assert not out.exists() or not any(out.iterdir())
 
 
