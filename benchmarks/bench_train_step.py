@@ -1,7 +1,8 @@
 """End-to-end training step of a CIFAR ResNet-18 on synthetic data, and what SAM adds to it.
 
 Contenders, each a whole step (forward, backward, optimizer) on the same model, batch and base optimizer (torch's SGD
-with momentum and weight decay, ``foreach=True``, its faster path on CPU and GPU for this model):
+with momentum and weight decay, ``foreach=True``, the path torch takes by default; on a GPU its ``fused=True`` step is
+the faster one, which :mod:`bench_models` times beside it):
 
 * ``SGD``                  one forward/backward pass and the SGD step: what SAM is compared against
 * ``per-tensor loop SAM``  :class:`contenders.PerTensorLoopSAM` with SGD

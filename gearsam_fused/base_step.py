@@ -121,6 +121,8 @@ class BucketUpdate:
     #: planned from the bucket alone in a step compiled whole (:meth:`FlatBaseStep.why_not_ready`), whose checks the
     #: compiled code makes when it runs
     checked_when_run: bool = False
+    #: the plan created the bucket's state (zeroed views of its buffers): taken back where a later bucket declines
+    created: bool = False
 
     def kernel_arguments(self) -> dict:
         """The keyword arguments of the kernel modules' ``sgd_step_``/``adam_step_`` (besides ``tile``): the group's
@@ -223,6 +225,7 @@ class FlatBaseStep:
                 continue
             update = self._plan_bucket(bucket, index)
             if update is None:
+                self._take_back(updates)
                 return None
             updates.append(update)
         self.reason = ""
@@ -303,6 +306,25 @@ class FlatBaseStep:
                 update.bucket.step_counts(_step_dtype())[0].add_(1)
                 update.bucket.counted = update.step
 
+    def _take_back(self, updates: list[BucketUpdate]) -> None:
+        """Remove the state a declined plan created for its earlier buckets: torch's own step, which runs instead,
+        starts a state it finds missing from the gradient (SGD's momentum buffer without dampening), not from the
+        zeros the plan wrote."""
+        state = self.optimizer.state
+        for update in updates:
+            if not update.created:
+                continue
+            keys = self._state_keys(update.hyper) + (["step"] if update.kind == "adam" else [])
+            for slot in update.bucket.slots:
+                entry = state.get(slot.param)
+                for key in keys if entry is not None else ():
+                    entry.pop(key, None)
+                if entry == {}:
+                    del state[slot.param]
+            update.bucket.counted = None
+        if any(update.created for update in updates):
+            self.invalidate()
+
     def _decline(self, reason: str) -> None:
         self.reason = reason
         return None
@@ -346,7 +368,7 @@ class FlatBaseStep:
             step = None if scalars is not None else counts + 1
         if not adopted and not torch.compiler.is_compiling():
             self._trust(bucket, keys)
-        return BucketUpdate(bucket, self.kind, hyper, state, step, scalars, ready)
+        return BucketUpdate(bucket, self.kind, hyper, state, step, scalars, ready, origin is StateOrigin.CREATED)
 
     def adopted(self, bucket: Bucket, keys: list[str]) -> bool:
         """Whether ``bucket``'s state of ``keys`` (and Adam's step counts) was made views of its flat buffers and

@@ -410,6 +410,35 @@ def test_a_parameter_without_a_gradient_makes_the_step_per_tensor_and_is_named()
     assert "'fc.bias' has no gradient" in opt.base_step_reason
 
 
+@pytest.mark.parametrize("base", ["sgd-dampening-maximize", "adamw"])
+@pytest.mark.parametrize("backend,device", [case for case in FUSED if case.values[1] == "cpu"])
+def test_a_plan_declined_at_a_later_bucket_leaves_no_state_of_its_own(backend, device, base):
+    """The first step plans the buckets in order: a later bucket with a parameter without a gradient makes torch's
+    own step run for all of them, and the state the plan had made for the earlier buckets (zeros) is gone, so that
+    torch starts it from the gradient: SGD's dampened momentum buffer is the first gradient, not a dampened one."""
+    base_cls, kw = BASES[base]
+    runs = []
+    for base_step in ("auto", "per-tensor"):
+        torch.manual_seed(0)
+        used, unused = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)), torch.nn.Linear(4, 2)
+        groups = [{"params": list(used.parameters())}, {"params": list(unused.parameters()), "lr": 0.5 * kw["lr"]}]
+        opt = SAM(groups, base_cls, model=torch.nn.ModuleList([used, unused]), rho=0.05, backend=backend,
+                  base_step=base_step, **kw)  # fmt: skip
+        x = torch.randn(8, 4)
+        for _ in range(3):
+            used(x).pow(2).sum().backward()
+            opt.first_step(zero_grad=True)
+            used(x).pow(2).sum().backward()
+            opt.second_step(zero_grad=True)
+        assert opt.base_step_mode == "per-tensor", base_step
+        runs.append((used, opt))
+    (fused, opt), (plain, plain_opt) = runs
+    assert "'1.weight' has no gradient" in opt.base_step_reason
+    assert torch.equal(flat(fused), flat(plain))
+    for p, q in zip(fused.parameters(), plain.parameters()):
+        assert opt.state[p].keys() == plain_opt.state[q].keys()
+
+
 def test_base_step_argument_is_checked():
     with pytest.raises(ValueError, match="base_step must be one of"):
         SAM(tiny_resnet(), torch.optim.SGD, lr=0.1, base_step="fast")

@@ -329,6 +329,7 @@ RESUME_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.heavy  # a process per case; the in-process resume tests cover every backend
 @pytest.mark.parametrize("backend,device", [case for case in ALL if case.values[1] == "cpu"])
 def test_resume_in_a_fresh_process_continues_bitwise(tmp_path, backend, device):
     model = tiny_resnet()
