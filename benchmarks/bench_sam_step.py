@@ -23,13 +23,16 @@ order turned by one place each round). Per step it records:
 * memory the contender holds beyond parameters and gradients while perturbed, and on CUDA the allocator's peak
   increase during a step.
 
-The SAM family (``test_family_sam_step``): each variant of :data:`contenders.FAMILY` (GSAM, WSAM, F-SAM, GEAR-SAM with
-GSAM's descent, and SAM and GEAR-SAM as their yardsticks), ours on each backend and pytorch_optimizer's where it has
-it, on :data:`contenders.FAMILY_SET_KEY`, counted at 16d plus the bytes the variant's parts move
-(``Variant.extra_bytes``). Quick mode runs it on one of our backends and the peer's ``foreach`` path only. Each round
-of one of our variants also times, just before it, one step of our plain SAM (GEAR-SAM for a GEAR-SAM variant) on a
-second copy of the set: ``over_paired_plain`` (median, quartiles over the rounds) is the variant's cost over SAM's at
-the same moment, which the ratio of two rows' medians, minutes apart on a shared machine, is not.
+The SAM family (``test_family_sam_step``, one test per variant): each variant of :data:`contenders.FAMILY` (GSAM, WSAM,
+F-SAM, GEAR-SAM with GSAM's descent, and SAM and GEAR-SAM as their yardsticks), ours on each backend and
+pytorch_optimizer's on both its paths where it has the variant, on :data:`contenders.FAMILY_SET_KEY`, counted at 16d
+plus the bytes the variant's parts move (``Variant.extra_bytes``). A variant's contenders are stepped in turn within
+each round as above (``bench_whole_step.family_rounds``), together with the yardsticks their ratios need, which have no
+rows of their own (``contenders.family_steps``): each contender's plain variant (SAM, or GEAR-SAM for a GEAR-SAM
+variant) and, for a GEAR-SAM variant, which the peer does not have, the peer's variant under SAM's radius on both its
+paths. Each row's ratios are medians of per-round ratios with their quartiles and range (``rows.family_fields``):
+``vs`` (pytorch_optimizer's path faster in these rounds over this step) and ``over`` (``own SAM``: this step over its
+plain variant's). Quick mode runs it on one of our backends and the peer's ``foreach`` path only.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ import gc
 
 import pytest
 import torch
-from bench_whole_step import SHARED_FROM, STEP_TEMPORARIES
+from bench_whole_step import SHARED_FROM, STEP_TEMPORARIES, cuda_fields, family_rounds
 
 from gearsam_fused.allocation import RULES, SAM_RULE
 
@@ -48,12 +51,10 @@ from conftest import (
     DEVICE,
     ENERGY_BYTES,
     PERTURB_BYTES,
-    PairedRounds,
     available_memory_bytes,
     cuda_event_median_ms,
     cuda_launches,
     fit_in_memory,
-    sam_step_of,
     step_in_turn,
     step_rounds,
     synchronize,
@@ -150,70 +151,39 @@ def test_sam_step(record_rounds, quick, floor, leave_out, set_key):
         )  # fmt: skip
 
 
-@pytest.mark.parametrize("contender", contenders.variant_contenders(DEVICE) + list(NOT_INSTALLED))
 @pytest.mark.parametrize("variant", list(contenders.FAMILY))
-def test_family_sam_step(benchmark, record, quick, floor, variant, contender):
-    if contender in NOT_INSTALLED:
-        pytest.skip(NOT_INSTALLED[contender])
-    if reason := contenders.family_skip(variant, contender, DEVICE, quick):
-        pytest.skip(reason)
-    params = param_sets.build(contenders.FAMILY_SET_KEY, DEVICE, quick)
-    # lr: WSAM's decoupled step reads it from the param groups, after the base optimizer's (here empty) update
-    opt = contenders.make_variant(variant, contender, params.model, params.partition, lr=FAMILY_LR)
-    v = contenders.FAMILY[variant]
-    plain = None
-    if contender not in contenders.PEER_PATHS and variant != v.plain:  # ours: paired with our plain SAM, on a copy
-        twin = param_sets.build(contenders.FAMILY_SET_KEY, DEVICE, quick, seed=1)
-        plain = contenders.make_variant(v.plain, contender, twin.model, twin.partition, lr=FAMILY_LR)
-    measure(benchmark, record, quick, floor, params, opt, contender, extra_bytes=v.extra_bytes,
-            read_only_bytes=v.read_only_bytes, paired=plain, rule=v.rule,
-            variant=variant, peer_variant=v.peer, plain_variant=v.plain)  # fmt: skip
+def test_family_sam_step(record_rounds, quick, floor, leave_out, variant):
+    plan = contenders.family_steps(variant, DEVICE, quick, leave_out)
+
+    def build(name: str, contender: str, params: param_sets.ParamSet):
+        # lr: WSAM's decoupled step reads it from the param groups, after the base optimizer's (here empty) update
+        return contenders.make_variant(name, contender, params.model, params.partition, lr=FAMILY_LR)
+
+    done = family_rounds(plan, quick, floor, build)
+    v, numel = contenders.FAMILY[variant], done.params.numel
+    counted = (BYTES_PER_PARAM + v.extra_bytes) * numel
+    read_only = (ENERGY_BYTES + v.read_only_bytes) * numel
+    for contender in plan.rows:
+        record_rounds(
+            done.seconds[contender], set=done.params.name, variant=variant, rule=v.rule, peer_variant=v.peer,
+            plain_variant=v.plain, contender=contender, parameters=numel, tensors=len(done.params.params),
+            bytes_counted=counted, **done.fields(contender), **memory_held(contender, done.optimizers[contender]),
+            **floor.fields(counted, done.seconds[contender], numel, contender, read_only, done.samples),
+        )  # fmt: skip
 
 
-def measure(benchmark, record, quick, floor, params, opt, contender: str, extra_bytes: int = 0,
-            read_only_bytes: int = 0, paired=None, **fields):  # fmt: skip
-    """Time ``opt``'s ``first_step`` + ``second_step`` over ``params`` and record the row, with ``fields``; its
-    counted bytes are SAM's plus ``extra_bytes`` per parameter, ``read_only_bytes`` of those in passes that only read
-    (as SAM's energy pass). ``paired``: an optimizer over a copy of the set whose step is timed just before each
-    round (not in the row's time), recorded as ``paired_plain_ms`` and ``over_paired_plain`` (with its quartiles)."""
-
-    def step():
-        opt.first_step()
-        opt.second_step()
-
-    def synchronised_step():
-        step()
-        synchronize()
-
-    warm_up(synchronised_step)  # kernel compilation, allocator, re-homing of the gradients
-    rounds_of_plain = None if paired is None else PairedRounds(sam_step_of(paired))
+def memory_held(contender: str, opt) -> dict:
+    """What ``opt`` holds beyond parameters and gradients while perturbed (``held_bytes``); on CUDA also the
+    allocator's peak increase during a step, the kernels a step launches and its median by CUDA events."""
     opt.first_step()
-    held = contenders.held_bytes(contender, opt)
+    fields = {"held_bytes": contenders.held_bytes(contender, opt)}
     opt.second_step()
-    extra = {}
     if DEVICE == "cuda":
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-        synchronised_step()
-        extra = {
-            "peak_extra_bytes": torch.cuda.max_memory_allocated() - before,
-            "launches": cuda_launches(step),
-            "cuda_event_median_ms": cuda_event_median_ms(step),
-        }
-    benchmark.group = f"{fields.get('variant', fields['rule'])} step, {params.name}, {DEVICE}"
-    rounds = step_rounds(params.numel, quick)
-    setup = None if rounds_of_plain is None else rounds_of_plain.setup
-    benchmark.pedantic(synchronised_step, setup=floor.interleaved(setup), rounds=rounds, iterations=1)
-    if rounds_of_plain is not None:
-        extra.update(rounds_of_plain.fields(benchmark.stats.stats.data, "plain"))
-    counted = (BYTES_PER_PARAM + extra_bytes) * params.numel
-    fields = dict(
-        set=params.name, **fields, contender=contender, parameters=params.numel, tensors=len(params.params),
-        bytes_counted=counted,
-        **floor.fields(counted, benchmark.stats.stats.data, params.numel, contender,
-                       (ENERGY_BYTES + read_only_bytes) * params.numel),
-        held_bytes=held, **extra,
-    )  # fmt: skip
-    benchmark.extra_info.update(fields)
-    record(**fields)
+        opt.first_step()
+        opt.second_step()
+        torch.cuda.synchronize()
+        fields["peak_extra_bytes"] = torch.cuda.max_memory_allocated() - before
+    return {**fields, **cuda_fields(opt)}

@@ -80,13 +80,15 @@ the larger of the two points:
 The gradient is the same at both points (no second pass), so the point after the restore checks the base update and
 the perturbation is checked on its own.
 
-The SAM family (``test_family_whole_step``): each variant of :data:`contenders.FAMILY` (GSAM, WSAM, F-SAM, GEAR-SAM
-with GSAM's descent, and SAM and GEAR-SAM as their yardsticks), ours on each backend with ``base_step="fused"`` and
-pytorch_optimizer's on both its paths where it has the variant, on :data:`contenders.FAMILY_SET_KEY` with both base
-optimizers, counted at 36d / 44d plus the bytes the variant's parts move in a fused whole step
-(``Variant.extra_bytes - Variant.folded_bytes``), and, as in :mod:`bench_sam_step`, each of our variants over our
-plain SAM's whole step timed just before each round on a copy of the set (``over_paired_plain``). Quick mode runs it
-on one of our backends and the peer's ``foreach`` path, with SGD, only.
+The SAM family (``test_family_whole_step``, one test per variant and base optimizer): each variant of
+:data:`contenders.FAMILY` (GSAM, WSAM, F-SAM, GEAR-SAM with GSAM's descent, and SAM and GEAR-SAM as their yardsticks),
+ours on each backend with ``base_step="fused"`` and pytorch_optimizer's on both its paths where it has the variant, on
+:data:`contenders.FAMILY_SET_KEY` with both base optimizers, counted at 36d / 44d plus the bytes the variant's parts
+move in a fused whole step (``Variant.extra_bytes - Variant.folded_bytes``). As in :mod:`bench_sam_step`, a variant's
+contenders are stepped in turn within each round with the yardsticks their ratios need (:func:`family_rounds`): each
+contender's plain variant and, for a GEAR-SAM variant, the peer's variant under SAM's radius; ``vs`` and ``over``
+(``own SAM``) are medians of per-round ratios. Quick mode runs it on one of our backends and the peer's ``foreach``
+path, with SGD, only.
 
 The sets are :data:`param_sets.WHOLE_STEP_SET_KEYS`; quick mode runs :data:`QUICK_SET_KEYS` only, with a shorter
 warm-up: a smoke run, not a measurement (the compiled contenders there on :data:`COMPILED_QUICK_SET_KEYS` only). A
@@ -98,6 +100,7 @@ from __future__ import annotations
 
 import gc
 import time
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -111,7 +114,6 @@ from conftest import (
     DEVICE,
     ENERGY_BYTES,
     PERTURB_BYTES,
-    PairedRounds,
     available_memory_bytes,
     cuda_event_median_ms,
     cuda_launches,
@@ -122,7 +124,7 @@ from conftest import (
     synchronize,
     warm_up,
 )
-from rows import interleaved_fields
+from rows import family_fields, interleaved_fields
 
 RHO = 0.05
 #: base optimizer name -> (class, hyperparameters) and the bytes counted per parameter for a step with it
@@ -464,82 +466,97 @@ def test_whole_step(record_rounds, quick, floor, compile_sets, leave_out, base, 
         )  # fmt: skip
 
 
-@pytest.mark.parametrize("base", list(BASES))
-@pytest.mark.parametrize("contender", contenders.variant_contenders(DEVICE) + list(NOT_INSTALLED))
-@pytest.mark.parametrize("variant", list(contenders.FAMILY))
-def test_family_whole_step(benchmark, record, quick, floor, variant, contender, base):
-    if contender in NOT_INSTALLED:
-        pytest.skip(NOT_INSTALLED[contender])
-    if reason := contenders.family_skip(variant, contender, DEVICE, quick, base):
-        pytest.skip(reason)
-    params = param_sets.build(contenders.FAMILY_SET_KEY, DEVICE, quick)
-    cls, kwargs = BASES[base]
-    ours = {"base_step": "fused", "foreach": True}  # the peer builds its base optimizer with foreach= its path
-    opt = contenders.make_variant(variant, contender, params.model, params.partition, cls, rho=RHO, ours=ours, **kwargs)
+class FamilyRounds(NamedTuple):
+    """One SAM-family variant's steps taken in turn within each round (:func:`family_rounds`)."""
+
+    plan: contenders.FamilySteps
+    params: param_sets.ParamSet  # the set's first copy: its name and sizes
+    optimizers: dict
+    seconds: dict[str, list[float]]
+    samples: list  # the memory floor's measurements around the rounds
+    ratios: dict[str, dict]
+    shared: bool  # whether the peer's paths share one copy of the set
+
+    def fields(self, row: str) -> dict:
+        """Row ``row``'s fields of the rounds: what stepped in them, what was left out, its ratios."""
+        shared = self.shared and self.plan.steps[row][1] in contenders.PEER_PATHS
+        return {"stepped_in_turn": list(self.plan.steps), "left_out": self.plan.left_out, "shared_copy": shared,
+                **self.ratios[row]}  # fmt: skip
+
+
+def family_rounds(plan: contenders.FamilySteps, quick: bool, floor, build, state_buffers: int = 0) -> FamilyRounds:
+    """Every step of ``plan`` built by ``build(variant, contender, params)`` on a copy of the family's set of its own
+    (the same weights and gradients; from :data:`SHARED_FROM` parameters the peer's paths, which update the tensors in
+    place, share one), warmed up, then stepped in turn within each round (``conftest.step_in_turn``), with the rows'
+    ratios of the same rounds (``rows.family_fields``). ``state_buffers``: buffers of the set's size the base
+    optimizer's state holds. Every step is a row or a yardstick of one, so none is left out alone: a variant whose
+    steps would not fit in memory together is skipped (``conftest.fit_in_memory``), as one with no row here."""
+    if not plan.rows:
+        pytest.skip("; ".join(dict.fromkeys(plan.left_out.values())))
+    gc.collect()
+    available = available_memory_bytes()
+    first = param_sets.build(contenders.FAMILY_SET_KEY, DEVICE, quick)
+    shared = first if first.numel >= SHARED_FROM else None
+
+    def in_place(key: str) -> bool:
+        return shared is not None and plan.steps[key][1] in contenders.PEER_PATHS
+
+    def held_buffers(key: str) -> int:  # its copy (none where shared), its backup, up to two of the variant's, state
+        return (0 if in_place(key) else 2) + 3 + state_buffers
+
+    fit_in_memory(list(plan.steps), held_buffers, 4 * first.numel, (), available,
+                  STEP_TEMPORARIES + 2 * (shared is not None))  # fmt: skip
+    unused = [first] if shared is None else []
+    optimizers, steps = {}, {}
+    for key, (variant, contender) in plan.steps.items():
+        if in_place(key):
+            params = shared
+        else:
+            params = unused.pop() if unused else param_sets.build(contenders.FAMILY_SET_KEY, DEVICE, quick)
+        optimizers[key] = build(variant, contender, params)
+        steps[key] = sam_step_of(optimizers[key])
+        warm_up(steps[key])  # kernel compilation, allocator, re-homing of the gradients, the optimizer's state
+    seconds, samples = step_in_turn(steps, step_rounds(first.numel, quick), floor)
+    ratios = family_fields({key: [1e3 * t for t in s] for key, s in seconds.items()}, plan.own, plan.peer)
+    return FamilyRounds(plan, first, optimizers, seconds, samples, ratios, shared is not None)
+
+
+def cuda_fields(opt) -> dict:
+    """On CUDA, the kernels one whole step of ``opt`` launches and its median by CUDA events; nothing elsewhere."""
+    if DEVICE != "cuda":
+        return {}
 
     def step():
         opt.first_step()
         opt.second_step()
 
-    v = contenders.FAMILY[variant]
-    plain = None
-    if contender not in contenders.PEER_PATHS and variant != v.plain:  # ours: paired with our plain SAM, on a copy
-        twin = param_sets.build(contenders.FAMILY_SET_KEY, DEVICE, quick, seed=1)
-        plain_opt = contenders.make_variant(v.plain, contender, twin.model, twin.partition, cls, rho=RHO, ours=ours,
-                                            **kwargs)  # fmt: skip
-        plain = PairedRounds(sam_step_of(plain_opt))
-    measure(benchmark, record, quick, floor, params, opt, step, contender, base,
-            BYTES_PER_PARAM[base] + v.extra_bytes - v.folded_bytes, ENERGY_BYTES + v.read_only_bytes, paired=plain,
-            variant=variant, rule=v.rule, peer_variant=v.peer, plain_variant=v.plain)  # fmt: skip
+    return {"launches": cuda_launches(step), "cuda_event_median_ms": cuda_event_median_ms(step)}
 
 
-def measure(benchmark, record, quick, floor, params, opt, step, contender: str, base: str, bytes_per_param: int,
-            read_only_per_param: int, timer=None, paired: PairedRounds | None = None, **fields):  # fmt: skip
-    """Time ``step`` (one whole step of ``opt`` around the base optimizer ``base``, over ``params``) and record the row,
-    counted at ``bytes_per_param``, ``read_only_per_param`` of them in passes that only read, with ``fields``.
-    ``timer``: a compiled row's :class:`contenders.CompileTimer`, whose calls must compile nothing while the row is
-    timed. ``paired``: our plain SAM's whole step on a copy of the set, timed just before each round (a SAM family
-    row's ``over_paired_plain``)."""
+@pytest.mark.parametrize("base", list(BASES))
+@pytest.mark.parametrize("variant", list(contenders.FAMILY))
+def test_family_whole_step(record_rounds, quick, floor, leave_out, variant, base):
+    plan = contenders.family_steps(variant, DEVICE, quick, leave_out, base)
+    cls, kwargs = BASES[base]
+    ours = {"base_step": "fused", "foreach": True}  # the peer builds its base optimizer with foreach= its path
 
-    def synchronised_step():
-        step()
-        synchronize()
+    def build(name: str, contender: str, params: param_sets.ParamSet):
+        return contenders.make_variant(name, contender, params.model, params.partition, cls, rho=RHO, ours=ours,
+                                       **kwargs)  # fmt: skip
 
-    # kernel compilation, allocator, re-homing of the gradients, the optimizer's state (a quick run only smoke-tests)
-    warm_up(synchronised_step)
-    if timer is not None:  # the first steps recompile (step counts): warm up until a whole step compiles nothing
-        for _ in range(MAX_SETTLING_STEPS):
-            calls = timer.compiling_calls
-            synchronised_step()
-            if timer.compiling_calls == calls:
-                break
-        else:
-            pytest.fail(f"{contender} still compiled after {MAX_SETTLING_STEPS} more warm-up steps")
-    compiled = timer.compile_s if timer is not None else None  # the parity step's and the warm-up's compiling calls
-    extra = {}
-    if isinstance(opt, SharpnessAware):
-        # not timing: the row must measure the path its name says, never silently the other one
-        expected = "per-tensor" if contender.endswith(PER_TENSOR) else "fused"
-        assert opt.base_step_mode == expected, f"{contender}: {opt.base_step_mode} ({opt.base_step_reason})"
-        extra["base_step_mode"] = opt.base_step_mode
-    if DEVICE == "cuda":
-        extra["launches"] = cuda_launches(step)
-        extra["cuda_event_median_ms"] = cuda_event_median_ms(step)
-    benchmark.group = f"whole step, {base}, {params.name}, {DEVICE}"
-    rounds = step_rounds(params.numel, quick)
-    setup = None if paired is None else paired.setup
-    benchmark.pedantic(synchronised_step, setup=floor.interleaved(setup), rounds=rounds, iterations=1)
-    if paired is not None:
-        extra.update(paired.fields(benchmark.stats.stats.data, "plain"))
-    if compiled is not None:
-        assert timer.compile_s == compiled, f"{contender} compiled again while it was timed"
-        extra.update(compile_s=compiled, compile_cache_hits=timer.cache["hits"],
-                     compile_cache_misses=timer.cache["misses"])  # fmt: skip
-    counted = bytes_per_param * params.numel
-    fields = dict(
-        set=params.name, base=base, contender=contender, parameters=params.numel, tensors=len(params.params),
-        bytes_counted=counted, **fields, **extra, **floor.fields(
-            counted, benchmark.stats.stats.data, params.numel, contender, read_only_per_param * params.numel),
-    )  # fmt: skip
-    benchmark.extra_info.update(fields)
-    record(**fields)
+    done = family_rounds(plan, quick, floor, build, STATE_BUFFERS[base])
+    for key, opt in done.optimizers.items():  # the rows and their yardsticks: the path the names say
+        if isinstance(opt, SharpnessAware):
+            assert opt.base_step_mode == "fused", f"{key}: {opt.base_step_mode} ({opt.base_step_reason})"
+    v, numel = contenders.FAMILY[variant], done.params.numel
+    counted = (BYTES_PER_PARAM[base] + v.extra_bytes - v.folded_bytes) * numel
+    read_only = (ENERGY_BYTES + v.read_only_bytes) * numel
+    for contender in plan.rows:
+        opt = done.optimizers[contender]
+        mode = {"base_step_mode": opt.base_step_mode} if isinstance(opt, SharpnessAware) else {}
+        record_rounds(
+            done.seconds[contender], set=done.params.name, base=base, variant=variant, rule=v.rule,
+            peer_variant=v.peer, plain_variant=v.plain, contender=contender, parameters=numel,
+            tensors=len(done.params.params), bytes_counted=counted, **done.fields(contender), **mode, **cuda_fields(opt),
+            **floor.fields(counted, done.seconds[contender], numel, contender, read_only, done.samples),
+        )  # fmt: skip

@@ -35,7 +35,8 @@ perturbation and restore. ``bench_whole_step.py`` builds the same implementation
 The SAM family (:data:`FAMILY`, built by :func:`make_variant`): each variant ours (``torch``, ``cpp``, ``triton``) and,
 where pytorch_optimizer has it, the peer's on both its paths (the names above), with the same hyperparameters
 (:data:`FAMILY_HYPERPARAMETERS`, both libraries' defaults). pytorch_optimizer's GSAM has no ``first_step`` and
-``second_step``: :class:`PeerGSAM` drives it as its own ``step()`` does.
+``second_step``: :class:`PeerGSAM` drives it as its own ``step()`` does. :func:`family_steps` names what one variant's
+rounds step: its rows and the yardsticks their ratios are taken against in the same rounds.
 """
 
 from __future__ import annotations
@@ -497,6 +498,56 @@ def family_skip(variant: str, contender: str, device: str, quick: bool, base: st
     if quick and (contender not in in_quick or base not in (None, "SGD")):
         return f"quick mode runs the family with {in_quick} and the whole step with SGD only"
     return None
+
+
+class FamilySteps(NamedTuple):
+    """The steps one variant's rounds take (:func:`family_steps`), each named in ``steps`` with its (variant,
+    contender): a contender running the variant by the contender's name (a row), one running another variant as
+    ``"VARIANT: contender"`` (a yardstick, which has no row). ``own``: each row's step of its plain variant (SAM, or
+    GEAR-SAM for a GEAR-SAM variant; the row itself for those two); ``peer``: the steps of pytorch_optimizer's paths the
+    rows are compared with (its variant, or for a GEAR-SAM variant, which the peer does not have, the peer's variant
+    under SAM's radius); ``left_out``: the contenders without a row here, and why."""
+
+    steps: dict[str, tuple[str, str]]
+    own: dict[str, str]
+    peer: tuple[str, ...]
+    left_out: dict[str, str]
+
+    @property
+    def rows(self) -> list[str]:
+        """The contenders with a row, in the order they were added."""
+        return list(self.own)
+
+
+def family_steps(variant: str, device: str, quick: bool, leave_out: dict[str, str],
+                 base: str | None = None) -> FamilySteps:  # fmt: skip
+    """The steps of ``variant``'s rounds on ``device`` (around the base optimizer named ``base``, if any): each
+    contender of :func:`variant_contenders` that has a row (:func:`family_skip`) and is not in ``leave_out`` (name ->
+    why), and the yardsticks its ratios need, stepped in the same rounds."""
+    v = FAMILY[variant]
+    usable = variant_contenders(device)
+    steps: dict[str, tuple[str, str]] = {}
+    own, left_out = {}, dict(not_installed())
+
+    def add(name: str, contender: str) -> str:
+        key = contender if name == variant else f"{name}: {contender}"
+        steps[key] = (name, contender)
+        return key
+
+    for contender in usable:
+        if contender in PEER_PATHS and v.peer != variant:
+            continue  # the peer lacks the variant: its own variant is a yardstick below
+        reason = leave_out.get(contender) or family_skip(variant, contender, device, quick, base)
+        if reason is None:
+            row = add(variant, contender)
+            own[row] = add(v.plain, contender)
+        else:
+            left_out[contender] = reason
+    peer = tuple(
+        add(v.peer, path) for path in PEER_PATHS
+        if path in usable and path not in leave_out and family_skip(v.peer, path, device, quick, base) is None
+    )  # fmt: skip
+    return FamilySteps(steps, own, peer, left_out)
 
 
 def make_variant(variant: str, name: str, model: torch.nn.Module, partition, base_optimizer=NoStep,

@@ -30,6 +30,8 @@ from gearsam_fused.allocation import GEAR_RULE, SAM_RULE
 
 from rows import (
     COMPILED,
+    OWN_SAM,
+    PEER,
     _peers,
     best_peer,
     counted_gbps,
@@ -125,11 +127,12 @@ def floor_note(group: list[dict]) -> str:
     """How the floor of a table's rows was measured."""
     first = group[0]
     if "vs" in first:  # contenders stepped in turn: the floor measured once per round, shared by the rows
-        floors = sorted({round(r["floor_gbps"]) for r in group})
+        floors = sorted({round(r["floor_gbps"]) for r in group})  # several: the rows' kinds, or rounds of their own
+        span = "-".join(map(str, dict.fromkeys((floors[0], floors[-1]))))
         kinds = ", ".join(sorted({r["floor_row_kind"] for r in group if "floor_row_kind" in r}))
         what = f"{first['floor_kind']}: {kinds} here" if kinds else first["floor_kind"]
         return (f"memory floor ({what}) measured before each round and after the last, each round's rate over that "
-                f"kind's around it, {'-'.join(map(str, floors))} GB/s")  # fmt: skip
+                f"kind's around it, {span} GB/s")  # fmt: skip
     if "floor_best_gbps" in first:  # measured between each row's rounds
         floors = sorted(r["floor_gbps"] for r in group)
         span = f"{floors[0]:.0f}-{floors[-1]:.0f} GB/s over the rows"
@@ -169,9 +172,13 @@ def _in_turn_note(group: list[dict]) -> str:
     paths = {label: path for label, path in {**first.get("vs_path", {}), **first.get("over_path", {})}.items()
              if path != label}  # fmt: skip
     named = "".join(f"; {label} = its faster path in these rounds, `{path}`" for label, path in paths.items())
-    left = first.get("left_out") or {}
-    missing = "".join(f"; not run here: `{name}` ({why})" for name, why in left.items())
-    return f"{first['rounds']} rounds, the contenders stepped in turn within each{named}{missing}"
+    return f"{first['rounds']} rounds, the contenders stepped in turn within each{named}{_not_run(first)}"
+
+
+def _not_run(*group: dict) -> str:
+    """The contenders the rows of ``group`` say were left out of their rounds, each with why."""
+    left = {name: why for row in group for name, why in (row.get("left_out") or {}).items()}
+    return "".join(f"; not run here: `{name}` ({why})" for name, why in left.items())
 
 
 IN_TURN_NOTE = (
@@ -362,6 +369,27 @@ def whole_step_tables(rows: list[dict]) -> list[str]:
 
 
 FAMILY_STEPS = {"bench_sam_step": "SAM step", "bench_whole_step": "whole step"}
+FAMILY_WHAT = (
+    "SAM family: GSAM (alpha 0.4), WSAM (gamma 0.9, decoupled), F-SAM (sigma 1, lmbda 0.9) and GEAR-SAM with "
+    "GSAM's descent, beside SAM and GEAR-SAM, ours on the flat buffers (whole step: the base step fused into the "
+    "restore) and pytorch_optimizer's (GSAM driven as its `step()` does: `perturb_weights`, "
+    "`gradient_decompose`, `un_perturb`, the base step)."
+)
+#: what each variant's passes add to SAM's bytes (contenders.Variant)
+FAMILY_PASSES = (
+    "what the variant's passes over the flat buffers read and write, each pass counted once "
+    "(contenders.Variant): GSAM 24 (keeping g 4, written by the perturbation; <g, h> and ||h||^2 in one read "
+    "of g and h, 8, read only; the mix 12; in a whole step the fused base step takes the mix as one more read "
+    "of g, 4: 16), WSAM 32 (keeping g 4; the exchange of g and h - g 16; adding h - g after the update 12; in "
+    "a whole step the fused base step steps with g and takes the sharpness step from the h and g it has read, "
+    "one more read of g, 4: 8), F-SAM 12 (its EMA pass, g and m in and out, 16, sums the new g's energies, in "
+    "place of SAM's energy pass, 4; no pass only reads)."
+)
+#: the traffic floor of a variant's passes that only read
+FAMILY_TRAFFIC = (
+    "% of traffic floor: the rate over the floor of that traffic, the passes that only read (SAM's energy 4, "
+    "GSAM's 8 more; F-SAM none) at the read rate measured beside it."
+)
 
 
 def _same_round(row: dict) -> str:
@@ -372,68 +400,108 @@ def _same_round(row: dict) -> str:
     return f"{row['over_paired_plain']:.2f}x [{row['over_paired_plain_q1']:.2f}, {row['over_paired_plain_q3']:.2f}]"
 
 
+def _family_heading(benchmark: str, name: str, base: str | None, group: list[dict], rounds: str) -> str:
+    """A family table's heading: the step, the set, and ``rounds``, what its ratios come from."""
+    first = group[0]
+    return (f"**SAM family, {FAMILY_STEPS[benchmark]}{f', {base}' if base else ''}, {name}** "
+            f"({first['parameters'] / 1e6:.1f}M parameters in {first['tensors']} tensors; {rounds})")  # fmt: skip
+
+
+def _family_in_turn(benchmark: str, name: str, base: str | None, group: list[dict]) -> list[str]:
+    """A family table of rows stepped in turn, each variant's with its yardsticks in rounds of their own: each ratio
+    the median [quartiles] of its per-round ratios."""
+    sam_step = benchmark == "bench_sam_step"
+    paths = {r["variant"]: r["vs_path"][PEER] for r in group if PEER in r["vs_path"]}
+    faster = ", ".join(f"{variant} `{path}`" for variant, path in paths.items())
+    rounds = (f"{group[0]['rounds']} rounds, each variant's contenders stepped in turn with their yardsticks within "
+              f"each round of their own{f'; pytorch_optimizer = its faster path in those rounds: {faster}' if faster else ''}"
+              f"{_not_run(*group)}; {floor_note(group)}")  # fmt: skip
+    lines = [
+        _family_heading(benchmark, name, base, group, rounds),
+        "",
+        "| variant | contender | bytes per parameter | median ms | IQR ms | vs pytorch_optimizer [IQR] | / own SAM [IQR] "
+        f"| GB/s | % of floor | % of traffic floor |{' held MB |' if sam_step else ''}",
+        f"|---|---|---:|---:|---:|---:|---:|---:|---:|---:|{'---:|' if sam_step else ''}",
+    ]
+    for r in group:
+        held = f" {r['held_bytes'] / 2**20:.1f} |" if sam_step else ""
+        lines.append(
+            f"| {r['variant']} | {r['contender']} | {r['bytes_counted'] // r['parameters']} | {r['median_ms']:.3f} | "
+            f"{r['q3_ms'] - r['q1_ms']:.3f} | {_vs(r, PEER)} | {_over(r, OWN_SAM)} | {counted_gbps(r):.1f} | "
+            f"{pct_floor(r):.0f} | {pct_traffic_floor(r)} |{held}"
+        )
+    return [*lines, ""]
+
+
+def _family_of_medians(benchmark: str, name: str, base: str | None, group: list[dict]) -> list[str]:
+    """A family table of runs that timed each row in a test of its own: its ratios from the rows' medians."""
+    sam_step = benchmark == "bench_sam_step"
+    medians = {(r["variant"], r["contender"]): r["median_ms"] for r in group}
+    variants = dict.fromkeys(r["variant"] for r in group)  # in the order of the rows
+    peers = {v: best_peer({c: ms for (w, c), ms in medians.items() if w == v}) for v in variants}
+    faster = ", ".join(f"{v} `{path}`" for v, (path, _) in peers.items() if path is not None)
+    rounds = f"{floor_note(group)}{f'; pytorch_optimizer = its faster path here: {faster}' if faster else ''}"
+    lines = [
+        _family_heading(benchmark, name, base, group, rounds),
+        "",
+        "| variant | contender | bytes per parameter | median ms | IQR ms | vs pytorch_optimizer | / own SAM | "
+        f"/ own SAM, same round [IQR] | GB/s | % of floor | % of traffic floor |{' held MB |' if sam_step else ''}",
+        f"|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|{'---:|' if sam_step else ''}",
+    ]
+    for r in group:
+        peer = peers.get(r["peer_variant"], (None, None))[1]
+        plain = medians.get((r["plain_variant"], r["contender"]))
+        over_plain = f"{r['median_ms'] / plain:.2f}x" if plain else "-"
+        held = f" {r['held_bytes'] / 2**20:.1f} |" if sam_step else ""
+        lines.append(
+            f"| {r['variant']} | {r['contender']} | {r['bytes_counted'] // r['parameters']} | {r['median_ms']:.3f} | "
+            f"{r['q3_ms'] - r['q1_ms']:.3f} | {_ratio(peer, r['median_ms'])} | {over_plain} | "
+            f"{_same_round(r)} | {counted_gbps(r):.1f} | "
+            f"{pct_floor(r):.0f} | {pct_traffic_floor(r)} |{held}"
+        )
+    return [*lines, ""]
+
+
 def family_tables(rows: list[dict]) -> list[str]:
     """Per benchmark (SAM step, whole step), set and base optimizer: each variant of the SAM family, ours and
     pytorch_optimizer's, against the peer's faster path for the same variant and against the same contender's plain
-    SAM (GEAR-SAM for a GEAR-SAM variant) of the run."""
+    SAM (GEAR-SAM for a GEAR-SAM variant): of the same rounds where the run stepped them in turn, else of the run."""
     groups: dict[tuple[str, str, str | None], list[dict]] = defaultdict(list)
     for row in rows:
         if "variant" in row:
             groups[(row["benchmark"], row["set"], row.get("base"))].append(row)
     lines = []
     for (benchmark, name, base), group in groups.items():
-        first, sam_step = group[0], benchmark == "bench_sam_step"
-        medians = {(r["variant"], r["contender"]): r["median_ms"] for r in group}
-        variants = dict.fromkeys(r["variant"] for r in group)  # in the order of the rows
-        peers = {v: best_peer({c: ms for (w, c), ms in medians.items() if w == v}) for v in variants}
-        faster = ", ".join(f"{v} `{path}`" for v, (path, _) in peers.items() if path is not None)
+        in_turn = "vs" in group[0]
+        lines += (_family_in_turn if in_turn else _family_of_medians)(benchmark, name, base, group)
+    family = [r for r in rows if "variant" in r]
+    if any("vs" in r for r in family):
         lines += [
-            f"**SAM family, {FAMILY_STEPS[benchmark]}{f', {base}' if base else ''}, {name}** "
-            f"({first['parameters'] / 1e6:.1f}M parameters in {first['tensors']} tensors; {floor_note(group)}"
-            f"{f'; pytorch_optimizer = its faster path here: {faster}' if faster else ''})",
+            f"{FAMILY_WHAT} Each variant's contenders were stepped in turn within rounds of their own, each on a copy "
+            "of the set of its own, beside yardsticks that have no rows: each contender's plain variant (SAM; GEAR-SAM "
+            "for a GEAR-SAM variant) and, for a GEAR-SAM variant, which the peer does not have, the peer's variant "
+            "under SAM's radius. \"vs pytorch_optimizer\": the peer's faster path for the same variant (a GEAR-SAM "
+            'variant: its variant under SAM\'s radius) over this step (above 1x: this one is faster); "/ own SAM": '
+            f"this step over the same contender's plain variant, the cost of the variant's part. {IN_TURN_NOTE} Bytes "
+            "per parameter: SAM's count (SAM step 16, whole step SGD 36, AdamW 44) plus "
+            f"{FAMILY_PASSES} {FAMILY_TRAFFIC}",
             "",
-            "| variant | contender | bytes per parameter | median ms | IQR ms | vs pytorch_optimizer | / own SAM | "
-            f"/ own SAM, same round [IQR] | GB/s | % of floor | % of traffic floor |{' held MB |' if sam_step else ''}",
-            f"|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|{'---:|' if sam_step else ''}",
         ]
-        for r in group:
-            peer = peers.get(r["peer_variant"], (None, None))[1]
-            plain = medians.get((r["plain_variant"], r["contender"]))
-            over_plain = f"{r['median_ms'] / plain:.2f}x" if plain else "-"
-            held = f" {r['held_bytes'] / 2**20:.1f} |" if sam_step else ""
-            lines.append(
-                f"| {r['variant']} | {r['contender']} | {r['bytes_counted'] // r['parameters']} | {r['median_ms']:.3f} | "
-                f"{r['q3_ms'] - r['q1_ms']:.3f} | {_ratio(peer, r['median_ms'])} | {over_plain} | "
-                f"{_same_round(r)} | {counted_gbps(r):.1f} | "
-                f"{pct_floor(r):.0f} | {pct_traffic_floor(r)} |{held}"
-            )
-        lines.append("")
-    if lines:
+    if any("vs" not in r for r in family):
         lines += [
-            "SAM family: GSAM (alpha 0.4), WSAM (gamma 0.9, decoupled), F-SAM (sigma 1, lmbda 0.9) and GEAR-SAM with "
-            "GSAM's descent, beside SAM and GEAR-SAM, ours on the flat buffers (whole step: the base step fused into the "
-            "restore) and pytorch_optimizer's (GSAM driven as its `step()` does: `perturb_weights`, "
-            '`gradient_decompose`, `un_perturb`, the base step). "vs pytorch_optimizer": the peer\'s faster path for '
+            f'{FAMILY_WHAT} "vs pytorch_optimizer": the peer\'s faster path for '
             "the same variant over this median (a GEAR-SAM variant, which the peer does not have: its variant under "
             "SAM's radius); \"/ own SAM\": this median over the same contender's SAM (a GEAR-SAM variant: its GEAR-SAM) "
             'in the same run, the cost of the variant\'s part; "same round": per round, this step over our plain '
             "SAM's (GEAR-SAM's) timed just before it on a copy of the set, median [quartiles] (whole steps: in runs "
             "after `1cc6ebdbd959`). Bytes per parameter: SAM's count (SAM step 16, whole step SGD 36, AdamW 44; the "
             "SAM step 24 from commit 177df32 to commit 3c9b394, and before them 28, 40 and 48) plus "
-            "what the variant's passes over the flat buffers read and write, each pass counted once "
-            "(contenders.Variant): GSAM 24 (keeping g 4, written by the perturbation; <g, h> and ||h||^2 in one read "
-            "of g and h, 8, read only; the mix 12; in a whole step the fused base step takes the mix as one more read "
-            "of g, 4: 16), WSAM 32 (keeping g 4; the exchange of g and h - g 16; adding h - g after the update 12; in "
-            "a whole step the fused base step steps with g and takes the sharpness step from the h and g it has read, "
-            "one more read of g, 4: 8), F-SAM 12 (its EMA pass, g and m in and out, 16, sums the new g's energies, in "
-            "place of SAM's energy pass, 4; no pass only reads). Runs up to `1cc6ebdbd959` "
+            f"{FAMILY_PASSES} Runs up to `1cc6ebdbd959` "
             "counted GSAM's <g, h> and ||h||^2 as two passes (12), runs up to `d59ac9c9b7ac` WSAM's whole step at its "
             "passes' 32, runs up to `da8a41256197` keeping g as a copy pass of 8 and GSAM's mix as a pass of its own "
             "in the whole step too, runs up to `0441ecd2a291` a pass of 4 for ||g||^2 besides, and runs up to "
-            "`0078243c39f0` F-SAM's EMA pass and its energy pass apart (16, 4 of them read-only). % of traffic "
-            "floor: the rate over the floor of that traffic, the passes that only read (SAM's energy 4, GSAM's 8 more; "
-            "F-SAM none) "
-            "at the read rate measured beside it.",
+            "`0078243c39f0` F-SAM's EMA pass and its energy pass apart (16, 4 of them read-only). "
+            f"{FAMILY_TRAFFIC}",
             "",
         ]
     return lines

@@ -40,6 +40,7 @@ def pct_floor(row: dict) -> float:
     return 100 * counted_gbps(row) / floor_gbps(row)
 
 
+PEER = "pytorch_optimizer"  # as contenders.PEER (no torch import here)
 PEER_PATHS = ("pytorch_optimizer", "pytorch_optimizer, per tensor")  # as contenders.PEER_PATHS (no torch import here)
 
 
@@ -114,4 +115,20 @@ def interleaved_fields(round_ms: dict[str, list[float]], references: dict[str, t
                     row["over"][label] = ratio_stats(mine, round_ms[path])
                     row["over_path"][label] = path
         fields[name] = row
+    return fields
+
+
+#: the label of a SAM-family row's ratio to its own plain variant (SAM, or GEAR-SAM for a GEAR-SAM variant)
+OWN_SAM = "own SAM"
+
+
+def family_fields(round_ms: dict[str, list[float]], own: dict[str, str], peer: tuple[str, ...]) -> dict[str, dict]:
+    """The ratios of one SAM-family variant's rows, stepped in turn with their yardsticks within the same rounds
+    (``round_ms``: step -> its time in each round, ms; ``contenders.FamilySteps``): ``vs`` against the faster of the
+    peer's paths ``peer`` and ``over`` the row's own plain variant, the step ``own[row]`` (:func:`interleaved_fields`,
+    each row with its own reference). Returns row -> those fields."""
+    fields = {}
+    for row, plain in own.items():
+        mine = {name: round_ms[name] for name in (row, plain, *peer)}
+        fields[row] = interleaved_fields(mine, {PEER: peer}, {OWN_SAM: (plain,)})[row]
     return fields

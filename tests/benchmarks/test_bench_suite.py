@@ -308,17 +308,35 @@ def check_family(rows: list[dict], stdout: str, benchmarks: dict[str, dict]) -> 
                 assert row["set"].startswith("ResNet-18") and row["median_ms"] > 0
                 saved = folded.get(row["variant"], 0) if benchmark == "bench_whole_step" else 0
                 assert row["bytes_counted"] == (floor + extra[row["variant"]] - saved) * row["parameters"]
-                # ours, timed round by round against our plain SAM (GEAR-SAM) on a copy of the set
-                paired = row["contender"] == ours_backend and row["variant"] not in ("SAM", "GEAR-SAM")
-                assert ("over_paired_plain" in row) == paired, (benchmark, row["variant"], row["contender"])
-                assert (
-                    not paired or row["over_paired_plain_q1"] <= row["over_paired_plain"] <= row["over_paired_plain_q3"]
-                )
                 if benchmark == "bench_whole_step" and row["contender"] == ours_backend:
                     assert row["base_step_mode"] == "fused"
+            for variant in {r["variant"] for r in these}:
+                check_family_in_turn([r for r in these if r["variant"] == variant])
     assert {r.get("base") for r in family} == {base for bases in benchmarks.values() for base in bases}
-    assert "**SAM family, SAM step, ResNet-18" in stdout and "/ own SAM" in stdout
+    assert "**SAM family, SAM step, ResNet-18" in stdout and "/ own SAM [IQR]" in stdout
+    assert "each variant's contenders stepped in turn with their yardsticks" in stdout
     assert ("**SAM family, whole step, SGD" in stdout) == ("bench_whole_step" in benchmarks)
+
+
+def check_family_in_turn(group: list[dict]) -> None:
+    """One variant's rows: one test, their rounds shared with the yardsticks their ratios name (our plain variant on
+    the same backend, the peer's variant under SAM's radius for a GEAR-SAM variant); each ratio the median of its
+    per-round ratios, recomputed here where its reference has a row."""
+    assert len({r["test"] for r in group}) == 1 and len({r["rounds"] for r in group}) == 1
+    times = {r["contender"]: r["round_ms"] for r in group}
+    for row in group:
+        variant, mine = row["variant"], row["round_ms"]
+        assert len(mine) == row["rounds"] and set(times) <= set(row["stepped_in_turn"]) and "load_1min" in row
+        own = row["contender"] if row["plain_variant"] == variant else f"{row['plain_variant']}: {row['contender']}"
+        peer = "pytorch_optimizer" if row["peer_variant"] == variant else f"{row['peer_variant']}: pytorch_optimizer"
+        assert row["over_path"] == {"own SAM": own} and row["vs_path"] == {"pytorch_optimizer": peer}
+        assert {own, peer} <= set(row["stepped_in_turn"])
+        for stats, path, per_round in ((row["over"]["own SAM"], own, lambda a, b: a / b),
+                                       (row["vs"]["pytorch_optimizer"], peer, lambda a, b: b / a)):  # fmt: skip
+            assert stats["low"] <= stats["q1"] <= stats["median"] <= stats["q3"] <= stats["high"]
+            if path in times:
+                ratios = [per_round(a, b) for a, b in zip(mine, times[path])]
+                assert stats["median"] == pytest.approx(report.quartiles(ratios)[1])
 
 
 def check_trainers(rows: list[dict], stdout: str) -> None:
@@ -679,6 +697,8 @@ def test_the_peer_runs_on_the_path_its_name_says():
 
 
 def test_the_family_table_compares_each_variant_with_the_peers_and_its_own_sam():
+    """Rows of runs that timed each family row in a test of its own: the ratios of the rows' medians, rendered as
+    those runs' reports have them."""
     common = {"set": "ResNet-18", "base": "SGD", "parameters": 10, "tensors": 2, "device": "cpu", "floor_gbps": 40.0,
               "floor_kind": "update", "gbps": 10.0, "pct_floor": 25.0}  # fmt: skip
     family = {"SAM": ("sam", "SAM", "SAM", 400), "GSAM": ("sam", "GSAM", "SAM", 760),
@@ -710,6 +730,73 @@ def test_the_family_table_compares_each_variant_with_the_peers_and_its_own_sam()
     text = "\n".join(report.family_tables(sam_step))
     assert "| SAM | cpp | 40 | 5.000 | 2.000 | 4.00x | 1.00x | - | 10.0 | 25 | - | 2.0 |" in text
     assert "| GSAM | cpp | 76 | 6.000 | 2.000 | 4.00x | 1.20x | 1.25x [1.12, 1.50] | 10.0 |" in text
+
+
+def test_the_family_table_of_contenders_stepped_in_turn_gives_the_ratios_of_the_same_rounds():
+    """One variant's rows stepped in turn with their yardsticks (our SAM on the same backend, the peer's SAM for a
+    GEAR-SAM variant): "vs pytorch_optimizer" and "/ own SAM" are medians of per-round ratios (rows.family_fields),
+    which here differ from the ratios of the medians."""
+    round_ms = {
+        "cpp": [1.0, 2.0, 1.0, 4.0, 0.5],  # median 1
+        "SAM: cpp": [1.0, 1.0, 0.5, 2.0, 0.25],  # median 1; cpp over it per round: 1, 2, 2, 2, 2
+        "pytorch_optimizer": [9.0] * 5,
+        "pytorch_optimizer, per tensor": [3.0, 30.0, 3.0, 30.0, 3.0],  # median 3: the faster path
+        "SAM: pytorch_optimizer": [6.0] * 5,
+        "SAM: pytorch_optimizer, per tensor": [2.0] * 5,
+    }  # fmt: skip
+    peer = ("pytorch_optimizer", "pytorch_optimizer, per tensor")
+    own = {"cpp": "SAM: cpp", **{path: f"SAM: {path}" for path in peer}}
+    fields = rows_module.family_fields(round_ms, own, peer)
+    # over cpp per round: 3, 15, 3, 7.5, 6 -> median 6, quartiles 3 and 7.5; the ratio of the medians is 3
+    assert fields["cpp"]["vs"]["pytorch_optimizer"] == {"median": 6.0, "q1": 3.0, "q3": 7.5, "low": 3.0, "high": 15.0}
+    assert fields["cpp"]["vs_path"] == {"pytorch_optimizer": "pytorch_optimizer, per tensor"}
+    assert fields["cpp"]["over"]["own SAM"]["median"] == 2.0 and fields["cpp"]["over_path"] == {"own SAM": "SAM: cpp"}
+    # the peer has no GEAR-SAM: its GSAM, stepped in the same rounds as a yardstick (here the same times)
+    gear_peer = tuple(f"GSAM: {path}" for path in peer)
+    gear = rows_module.family_fields({"cpp": round_ms["cpp"], "GEAR-SAM: cpp": round_ms["SAM: cpp"],
+                                      **{f"GSAM: {path}": round_ms[path] for path in peer}},
+                                     {"cpp": "GEAR-SAM: cpp"}, gear_peer)  # fmt: skip
+    common = {"set": "ResNet-18", "base": "SGD", "parameters": 10, "tensors": 2, "device": "cpu", "floor_gbps": 40.0,
+              "floor_kind": "update", "floor_row_kind": "update", "gbps": 10.0, "pct_floor": 25.0, "rounds": 5,
+              "left_out": {"torch": "quick mode"}, "stepped_in_turn": list(round_ms)}  # fmt: skip
+    rows = [_row("bench_whole_step", name, statistics.median(round_ms[name]), variant="GSAM", rule="sam",
+                 peer_variant="GSAM", plain_variant="SAM", bytes_counted=760, round_ms=round_ms[name], **fields[name],
+                 **common)
+            for name in own]  # fmt: skip
+    rows.append(_row("bench_whole_step", "cpp", 1.0, variant="GEAR-SAM + GSAM", rule="gear-sam", peer_variant="GSAM",
+                     plain_variant="GEAR-SAM", bytes_counted=760, **gear["cpp"], **common))  # fmt: skip
+    text = "\n".join(report.family_tables(rows))
+    assert "| GSAM | cpp | 76 | 1.000 | 2.000 | 6.00x [3.00, 7.50] | 2.00x [2.00, 2.00] | 10.0 | 25 | - |" in text
+    assert "| GSAM | pytorch_optimizer | 76 | 9.000 | 2.000 | 0.33x [0.33, 3.33] | 1.50x [1.50, 1.50] |" in text
+    assert "| GEAR-SAM + GSAM | cpp | 76 | 1.000 | 2.000 | 6.00x [3.00, 7.50] | 2.00x [2.00, 2.00] |" in text
+    assert "**SAM family, whole step, SGD, ResNet-18** (0.0M parameters in 2 tensors; 5 rounds" in text
+    assert ("pytorch_optimizer = its faster path in those rounds: GSAM `pytorch_optimizer, per tensor`, "
+            "GEAR-SAM + GSAM `GSAM: pytorch_optimizer, per tensor`") in text  # fmt: skip
+    assert "not run here: `torch` (quick mode)" in text and "straddle 1.00x is inside the noise" in text
+    assert "/ own SAM, same round" not in text and "Runs up to" not in text  # the runs before: not rendered
+
+
+def test_each_variants_rounds_step_its_rows_and_the_yardsticks_they_are_compared_with(monkeypatch):
+    contenders = _load("contenders")
+    usable = ["per-tensor loop", "pytorch_optimizer", "pytorch_optimizer, per tensor", "torch", "cpp"]
+    monkeypatch.setattr(contenders, "available", lambda device: usable)
+    monkeypatch.setattr(contenders, "not_installed", dict)
+    peer = ("pytorch_optimizer", "pytorch_optimizer, per tensor")
+    plan = contenders.family_steps("SAM", "cpu", False, {})
+    assert plan.rows == ["torch", "cpp", *peer] and plan.own == {c: c for c in plan.rows} and plan.peer == peer
+    assert plan.steps == {c: ("SAM", c) for c in plan.rows} and plan.left_out == {}
+    plan = contenders.family_steps("GSAM", "cpu", False, {"torch": "left out by --leave-out"})
+    assert plan.own == {"cpp": "SAM: cpp", **{path: f"SAM: {path}" for path in peer}} and plan.peer == peer
+    assert set(plan.steps) == {"cpp", "SAM: cpp", *peer, *(f"SAM: {path}" for path in peer)}
+    assert plan.steps["SAM: cpp"] == ("SAM", "cpp") and plan.left_out == {"torch": "left out by --leave-out"}
+    plan = contenders.family_steps("GEAR-SAM + GSAM", "cpu", False, {})
+    assert plan.own == {"torch": "GEAR-SAM: torch", "cpp": "GEAR-SAM: cpp"}
+    assert plan.peer == ("GSAM: pytorch_optimizer", "GSAM: pytorch_optimizer, per tensor")
+    assert list(plan.steps) == ["torch", "GEAR-SAM: torch", "cpp", "GEAR-SAM: cpp", *plan.peer]
+    # quick mode: one of our backends and the peer's foreach path, the whole step with SGD only
+    plan = contenders.family_steps("GEAR-SAM", "cpu", True, {}, "SGD")
+    assert plan.own == {"cpp": "cpp"} and plan.peer == ("SAM: pytorch_optimizer",) and list(plan.left_out) == ["torch"]
+    assert contenders.family_steps("GSAM", "cpu", True, {}, "AdamW").rows == []
 
 
 def test_the_peers_family_runs_on_the_path_its_name_says():
@@ -866,6 +953,8 @@ def test_every_table_row_has_as_many_cells_as_its_header():
              **{**common, "set": "WRN-28-10"}, **traffic),
         _row("bench_whole_step", "cpp", 5.0, base="AdamW", bytes_counted=440, base_flags="fused into the restore",
              over={}, over_path={}, **in_turn, **common, **traffic),
+        _row("bench_sam_step", "cpp", 5.0, rule="sam", bytes_counted=400, variant="WSAM", peer_variant="WSAM",
+             plain_variant="SAM", over={}, over_path={}, **in_turn, **{**common, "set": "WRN-28-10"}, **traffic),
     ]  # fmt: skip
     tables = [report.sam_step_tables, report.whole_step_tables, report.skipped_step_tables, report.family_tables,
               report.momentum_step_tables]  # fmt: skip

@@ -409,16 +409,19 @@ def test_the_benchmarks_skip_pytorch_optimizer_with_a_note_when_it_is_not_instal
         check=False,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    # every pytorch_optimizer benchmark of the three files is skipped, each with the note, and nothing else ran
+    # every pytorch_optimizer benchmark of the three files is skipped, each with the note, and nothing else ran: the
+    # training step's (the SAM step's, the whole step's and the SAM family's step the peer in turn with the others)
     assert re.search(r"^\d+ skipped, \d+ deselected in ", done.stdout, re.MULTILINE), done.stdout[-2000:]
     skipped = re.findall(r"^SKIPPED \[\d+\] (\w+)\.py:\d+: (.*)$", done.stdout, re.MULTILINE)
-    assert {file for file, _ in skipped} == {"bench_sam_step", "bench_whole_step", "bench_train_step"}
+    assert {file for file, _ in skipped} == {"bench_train_step"}
     assert {reason for _, reason in skipped} == {NOTE}
-    # the benchmarks that step their contenders in turn leave the peer out of the rounds, every row saying why
+    # the benchmarks that step their contenders in turn leave the peer out of the rounds, every row saying why; the
+    # family's GEAR-SAM variants, which the peer lacks, step no yardstick of it either
     results = tmp_path / "rows.jsonl"
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "bench_sam_step.py", "--quick",
-         f"--results={results}", f"--benchmark-storage=file://{tmp_path}/storage", "-k", "test_sam_step and small"],
+         f"--results={results}", f"--benchmark-storage=file://{tmp_path}/storage", "-k",
+         "test_sam_step and small or test_family_sam_step and GEAR"],
         cwd=BENCHMARKS, capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": path},
         check=False,
     )  # fmt: skip
@@ -426,6 +429,9 @@ def test_the_benchmarks_skip_pytorch_optimizer_with_a_note_when_it_is_not_instal
     rows = [json.loads(line) for line in results.read_text().splitlines()]
     assert rows and not any(r["contender"].startswith("pytorch_optimizer") for r in rows)
     assert all(r["left_out"]["pytorch_optimizer"] == NOTE and "pytorch_optimizer" not in r["vs"] for r in rows)
+    family = [r for r in rows if "variant" in r]
+    assert {r["variant"] for r in family} == {"GEAR-SAM", "GEAR-SAM + GSAM"}
+    assert not any("pytorch_optimizer" in step for r in family for step in r["stepped_in_turn"])
 
 
 def test_contenders_and_run_say_when_pytorch_optimizer_is_not_installed(monkeypatch):
