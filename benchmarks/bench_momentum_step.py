@@ -48,9 +48,6 @@ rounds.
 
 from __future__ import annotations
 
-import gc
-import time
-
 import pytest
 import torch
 from bench_whole_step import BARE, BASES, OUR_BACKENDS, RHO
@@ -59,7 +56,7 @@ from gearsam_fused import SAM, Every, MomentumSAM
 
 import contenders
 import param_sets
-from conftest import DEVICE, ENERGY_BYTES, synchronize, warm_up
+from conftest import DEVICE, ENERGY_BYTES, step_in_turn, synchronize, warm_up
 from report import quartiles
 
 SET_KEYS = ["resnet18", "small_tensors"]
@@ -149,21 +146,7 @@ def test_momentum_step(record_rounds, quick, floor, set_key, base):
         if name != BARE:
             assert opt.base_step_mode == "fused", f"{name}: {opt.base_step_mode}"
     rounds = 3 if quick else 40
-    seconds: dict[str, list[float]] = {name: [] for name in names}
-    measure_floor = floor.interleaved()
-    gc.collect()
-    gc.disable()  # as pytest-benchmark's --benchmark-disable-gc for the other benchmarks
-    try:
-        for r in range(rounds):
-            measure_floor()
-            shift = r % len(names)
-            for name in names[shift:] + names[:shift]:
-                start = time.perf_counter()
-                steps[name]()
-                seconds[name].append(time.perf_counter() - start)
-    finally:
-        gc.enable()
-    samples = floor.around_rounds()
+    seconds, samples = step_in_turn({name: steps[name] for name in names}, rounds, floor)
     first_backend = names[0].split(", ")[0]
     for name in names:
         backend = None if name == BARE else name.split(", ")[0]
