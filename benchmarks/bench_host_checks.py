@@ -1,5 +1,5 @@
-"""The host's share of a step: the eager whole step (``first_step`` + ``second_step``, ``cpp`` backend, the base step
-fused) with the optimizer state trusted once adopted, as it runs by default, against the same step with the state
+"""The host's share of a step: the eager whole step (``first_step`` + ``second_step``, ``cpp`` backend or another
+with ``--backend``, the base step fused) with the optimizer state trusted once adopted, as it runs by default, against the same step with the state
 checked at every step (``gearsam_fused.set_state_debug_mode(True)``) and, with ``--against DIR``, against the step of
 another checkout of this repository (its extension built in place), e.g. an earlier commit, both checkouts then
 stepping in worker processes of their own so that a process's own placement in memory favours neither.
@@ -11,7 +11,7 @@ ratios of the state checked to the state trusted and of the other checkout to th
 per-round ratios, with their range. After the last round the copies' weights must be equal bit for bit (the
 checks decide nothing about the values; the script fails otherwise).
 
-    python benchmarks/bench_host_checks.py [--quick] [--rounds N] [--against DIR] [--report PATH]
+    python benchmarks/bench_host_checks.py [--quick] [--rounds N] [--backend cpp|torch] [--against DIR] [--report PATH]
 """
 
 from __future__ import annotations
@@ -36,9 +36,9 @@ RATIOS = [(CHECKED, TRUSTED), (AGAINST, THIS)]
 
 
 class Copy:
-    """One copy of a set, stepped in this process; ``debug``: with the state checked at every step."""
+    """One copy of a set, stepped in this process by ``backend``; ``debug``: with the state checked at every step."""
 
-    def __init__(self, key: str, base: str, quick: bool, debug: bool = False):
+    def __init__(self, key: str, base: str, quick: bool, backend: str, debug: bool = False):
         import torch
 
         import gearsam_fused
@@ -49,7 +49,7 @@ class Copy:
         self.built = param_sets.build(key, "cpu", quick)  # the same seed: the same weights and gradients for each
         cls = torch.optim.SGD if base == "SGD" else torch.optim.AdamW
         self.opt = gearsam_fused.SAM(
-            self.built.model, cls, rho=0.05, backend="cpp", base_step="fused", foreach=True, **BASES[base]
+            self.built.model, cls, rho=0.05, backend=backend, base_step="fused", foreach=True, **BASES[base]
         )
         self._set_debug = getattr(gearsam_fused, "set_state_debug_mode", None)
         if debug and self._set_debug is None:
@@ -78,9 +78,9 @@ class Copy:
 class Worker:
     """A copy stepped by a process that imports ``gearsam_fused`` from ``checkout``, driven one line at a time."""
 
-    def __init__(self, checkout: Path, key: str, base: str, quick: bool):
+    def __init__(self, checkout: Path, key: str, base: str, quick: bool, backend: str):
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(checkout), str(HERE)])}
-        command = [sys.executable, str(Path(__file__).resolve()), "--worker", key, base] + (
+        command = [sys.executable, str(Path(__file__).resolve()), "--worker", key, base, "--backend", backend] + (
             ["--quick"] if quick else []
         )
         self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
@@ -106,13 +106,13 @@ class Worker:
         return torch.load(path)
 
 
-def serve(key: str, base: str, quick: bool) -> None:
+def serve(key: str, base: str, quick: bool, backend: str) -> None:
     """The worker's side of :class:`Worker`: answers ``ready``, ``time N`` and ``weights PATH`` on stdout."""
     import torch
 
     import gearsam_fused
 
-    copy = Copy(key, base, quick)
+    copy = Copy(key, base, quick, backend)
     print(gearsam_fused.__file__, file=sys.stderr)
     for line in sys.stdin:
         command, *args = line.split()
@@ -128,15 +128,15 @@ def serve(key: str, base: str, quick: bool) -> None:
         print(answer, flush=True)
 
 
-def measure_set(key: str, base: str, rounds: int, warm_up: int, steps: int, quick: bool,
-                against: Path | None) -> dict:  # fmt: skip
-    """One row: {set, tensors, parameters, base, ms: {label: median}, ratio: {label: [median, low, high]}}."""
+def measure_set(key: str, base: str, rounds: int, warm_up: int, steps: int, quick: bool, against: Path | None,
+                backend: str) -> dict:  # fmt: skip
+    """One row: {set, tensors, parameters, base, backend, ms: {label: median}, ratio: {label: [median, low, high]}}."""
     import torch
 
-    contenders = {TRUSTED: Copy(key, base, quick), CHECKED: Copy(key, base, quick, debug=True)}
+    contenders = {TRUSTED: Copy(key, base, quick, backend), CHECKED: Copy(key, base, quick, backend, debug=True)}
     if against is not None:
-        contenders[THIS] = Worker(HERE.parent, key, base, quick)
-        contenders[AGAINST] = Worker(against, key, base, quick)
+        contenders[THIS] = Worker(HERE.parent, key, base, quick, backend)
+        contenders[AGAINST] = Worker(against, key, base, quick, backend)
     labels = list(contenders)
     for contender in contenders.values():
         contender.median_ms(warm_up)
@@ -158,7 +158,7 @@ def measure_set(key: str, base: str, rounds: int, warm_up: int, steps: int, quic
             ratios[f"{numerator} / {denominator}"] = [statistics.median(per_round), min(per_round), max(per_round)]
     return {
         "set": contenders[TRUSTED].built.name, "tensors": len(params), "parameters": sum(p.numel() for p in params),
-        "base": base, "ms": {label: statistics.median(values) for label, values in times.items()}, "ratio": ratios,
+        "base": base, "backend": contenders[TRUSTED].opt.backend_name, "ms": {label: statistics.median(values) for label, values in times.items()}, "ratio": ratios,
     }  # fmt: skip
 
 
@@ -171,7 +171,8 @@ def render(rows: list[dict], machine: dict, rounds: int, steps: int, against: st
     )
     lines = [
         f"Measured on CPU {machine['cpu']} ({machine['cpu_count']} cores), {machine['date']}, commit "
-        f"{machine['commit']}, torch {machine['torch']}. Eager whole step of the `cpp` backend, SAM with the base "
+        f"{machine['commit']}, torch {machine['torch']}. Eager whole step of the `{rows[0]['backend']}` backend, SAM "
+        "with the base "
         f"step fused: the state `{TRUSTED}` once adopted (the default) and `{CHECKED}` (the state debug mode).{other} "
         f"Each contender's median of {steps} steps per round, {rounds} rounds alternated in one run; a ratio is the "
         "median of the per-round ratios, [lowest, highest] after it; the weights equal after them.",
@@ -193,6 +194,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="one small set, one round of three steps: a smoke run")
     parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--backend", choices=("cpp", "torch"), default="cpp", help="the flat-buffer backend stepped")
     parser.add_argument("--against", type=Path, help="a checkout of this repository with its extension built in place")
     parser.add_argument("--report", type=Path, help="also write the table to this file")
     parser.add_argument("--rows", type=Path, help="also write the rows as JSON to this file")
@@ -200,22 +202,22 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.worker:
         sys.path.insert(0, str(HERE))
-        serve(*args.worker, args.quick)
+        serve(*args.worker, args.quick, args.backend)
         return
     sys.path.insert(0, str(HERE.parent))
     sys.path.insert(0, str(HERE))
     from gearsam_fused.backends import available_backends
     from gearsam_fused.machine import describe_machine
 
-    if "cpp" not in available_backends():
-        sys.exit("nothing to measure: the cpp backend is not built")
+    if args.backend not in available_backends():
+        sys.exit(f"nothing to measure: the {args.backend} backend cannot run here")
     if args.against is not None and not (args.against / "gearsam_fused").is_dir():
         sys.exit(f"--against {args.against}: not a checkout of this repository (no gearsam_fused folder)")
     rounds, warm_up, steps = (1, 1, 3) if args.quick else (args.rounds, 5, 20)
     rows = []
     for key in QUICK_SETS if args.quick else SETS:
         for base in BASES:
-            rows.append(measure_set(key, base, rounds, warm_up, steps, args.quick, args.against))
+            rows.append(measure_set(key, base, rounds, warm_up, steps, args.quick, args.against, args.backend))
             print(json.dumps(rows[-1]), flush=True)
     table = render(rows, describe_machine("cpu", checkout=HERE), rounds, steps, args.against)
     print(table)

@@ -1042,19 +1042,22 @@ def test_the_stream_threshold_benchmark_compares_two_thresholds_on_the_same_weig
 
 
 @pytest.mark.full  # a build or a benchmark run beyond the representative one the default tier keeps
-def test_the_host_checks_benchmark_compares_the_trusted_state_with_the_checked_one_and_another_checkout(tmp_path):
-    """``bench_host_checks.py --quick --against .``: the whole step with the state trusted, checked every step, and
-    stepped by worker processes importing this checkout and another (this one again), alternated; the script fails
-    where the copies leave different weights, and writes one row per base optimizer with four times and two ratios. No
-    time is looked at."""
+@pytest.mark.parametrize("backend", ["cpp", "torch"])
+def test_the_host_checks_benchmark_compares_the_trusted_state_with_the_checked_one_and_another_checkout(
+    tmp_path, backend
+):
+    """``bench_host_checks.py --quick --backend B --against .``: the whole step of backend B with the state trusted,
+    checked every step, and stepped by worker processes importing this checkout and another (this one again),
+    alternated; the script fails where the copies leave different weights, and writes one row per base optimizer with
+    four times and two ratios, naming the backend. No time is looked at."""
     from gearsam_fused.backends import available_backends
 
-    if "cpp" not in available_backends():
-        pytest.skip("the cpp backend is not built")
+    if backend not in available_backends():
+        pytest.skip(f"the {backend} backend cannot run here")
     out, rows_file = tmp_path / "table.md", tmp_path / "rows.json"
     done = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "bench_host_checks.py"), "--quick", "--against", str(BENCHMARKS.parent),
-         "--report", str(out), "--rows", str(rows_file)],
+        [sys.executable, str(BENCHMARKS / "bench_host_checks.py"), "--quick", "--backend", backend, "--against",
+         str(BENCHMARKS.parent), "--report", str(out), "--rows", str(rows_file)],
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -1064,3 +1067,4 @@ def test_the_host_checks_benchmark_compares_the_trusted_state_with_the_checked_o
     data = json.loads(rows_file.read_text())
     ratios = ["checked every step / trusted", "other checkout / this checkout, own process"]
     assert [list(row["ratio"]) for row in data] == [ratios] * 2
+    assert {row["backend"] for row in data} == {backend} and f"of the `{backend}` backend" in out.read_text()
