@@ -181,18 +181,22 @@ def test_parameters_added_to_the_model_later_are_not_optimized(backend, device):
     torch.testing.assert_close(energy_with_extra, ref_opt.block_stats()["energy"], rtol=1e-6, atol=0)
 
 
-@pytest.mark.parametrize("backend,device", ALL)
-@pytest.mark.parametrize("rule", [SAM, GEARSAM])
-def test_rho_zero_is_the_base_optimizer_exactly(rule, backend, device):
-    model, base_model = tiny_resnet(device=device), tiny_resnet(device=device)
-    opt = rule(model, torch.optim.SGD, rho=0.0, backend=backend, **SGD_KW)
-    base = torch.optim.SGD(base_model.parameters(), **SGD_KW)
+def assert_steps_equal(opt, model, base, base_model, device):
+    """Four steps of ``opt`` over ``model`` and of the plain ``base`` over ``base_model``: the same weights after each."""
     for xy in batches(4, device=device):
         sam_step(opt, model, xy)
         loss_fn(base_model, xy).backward()
         base.step()
         base.zero_grad()
         assert torch.equal(flat(model), flat(base_model))
+
+
+@pytest.mark.parametrize("backend,device", ALL)
+@pytest.mark.parametrize("rule", [SAM, GEARSAM])
+def test_rho_zero_is_the_base_optimizer_exactly(rule, backend, device):
+    model, base_model = tiny_resnet(device=device), tiny_resnet(device=device)
+    opt = rule(model, torch.optim.SGD, rho=0.0, backend=backend, **SGD_KW)
+    assert_steps_equal(opt, model, torch.optim.SGD(base_model.parameters(), **SGD_KW), base_model, device)
     assert opt.block_stats()["share"].eq(0).all()
 
 
@@ -204,13 +208,7 @@ def test_rho_zero_with_the_base_optimizers_own_step_is_adamw_exactly(backend, de
     kw = dict(lr=1e-3, weight_decay=1e-2)
     model, base_model = tiny_resnet(device=device), tiny_resnet(device=device)
     opt = SAM(model, torch.optim.AdamW, rho=0.0, backend=backend, base_step="per-tensor", **kw)
-    base = torch.optim.AdamW(base_model.parameters(), **kw)
-    for xy in batches(4, device=device):
-        sam_step(opt, model, xy)
-        loss_fn(base_model, xy).backward()
-        base.step()
-        base.zero_grad()
-        assert torch.equal(flat(model), flat(base_model))
+    assert_steps_equal(opt, model, torch.optim.AdamW(base_model.parameters(), **kw), base_model, device)
     assert opt.base_step_mode == "per-tensor"
 
 
