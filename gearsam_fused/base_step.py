@@ -45,8 +45,9 @@ bit.
 The state is checked once and then trusted, as torch's optimizers trust theirs: once a bucket's state tensors are
 views of its flat buffers (:meth:`FlatBaseStep.adopted`), later steps do not look at them again until something that
 can change them happens: ``load_state_dict`` (:meth:`FlatBaseStep.adopt`), a step of the base optimizer's own
-(:meth:`FlatBaseStep.invalidate`), a new ``optimizer.state`` or a change in its number of entries, or new state keys
-(momentum or ``amsgrad`` switched on). A state tensor replaced by hand is not taken in by the step then;
+(:meth:`FlatBaseStep.invalidate`), a new ``optimizer.state`` or a change in its number of entries (which every bucket
+checks again, not only the one that notices it), or new state keys (momentum switched on; ``amsgrad`` switched on
+after the first steps leaves state torch's own step cannot read, which is declined). A state tensor replaced by hand is not taken in by the step then;
 ``state_dict()`` refuses to save it, and :func:`set_state_debug_mode` makes every step check and take it in.
 """
 
@@ -160,6 +161,14 @@ def _plain(value):
             return None
         return value.item()
     return value
+
+
+def _rounded_tensor(value) -> str:
+    """The dtype of a tensor in ``value`` (a hyperparameter, or a tuple of them) narrower than float64, "" if none."""
+    for v in value if isinstance(value, tuple) else (value,):
+        if isinstance(v, torch.Tensor) and v.dtype != torch.float64:
+            return str(v.dtype).removeprefix("torch.")
+    return ""
 
 
 class FlatBaseStep:
@@ -376,13 +385,11 @@ class FlatBaseStep:
         :func:`set_state_debug_mode`)."""
         state = self.optimizer.state
         seen = self._state_seen
-        return (
-            not _state_debug_mode
-            and self._adopted.get(id(bucket)) == tuple(keys)
-            and seen is not None
-            and seen[0] is state
-            and seen[1] == len(state)
-        )
+        if seen is None or seen[0] is not state or seen[1] != len(state):
+            # every bucket's, not only this one's: the bucket that notices records the new state as seen
+            self._adopted.clear()
+            return False
+        return not _state_debug_mode and self._adopted.get(id(bucket)) == tuple(keys)
 
     def _trust(self, bucket: Bucket, keys: list[str]) -> None:
         """Record ``bucket``'s state of ``keys`` as adopted (see :meth:`adopted`)."""
@@ -480,6 +487,11 @@ class FlatBaseStep:
             if name == "lr" and self.capturable:  # the optimizer checked it is a tensor on the device
                 hyper[name] = value
                 continue
+            if self.kind == "adam" and _rounded_tensor(value):
+                return self._decline(
+                    f"param group {index}: {name} holds a {_rounded_tensor(value)} tensor, in whose precision "
+                    "torch's Adam rounds what it computes from it; a float or a float64 tensor is fused"
+                )
             value = tuple(_plain(v) for v in value) if name == "betas" else _plain(value)
             if value is None or (isinstance(value, tuple) and None in value):
                 return self._decline(
@@ -516,6 +528,13 @@ class FlatBaseStep:
         have = [bool(e) and all(e.get(k) is not None for k in keys) for e in entries]
         if not keys:
             return StateOrigin.EXISTING if any(have) else StateOrigin.CREATED
+        for slot, entry, complete in zip(bucket.slots, entries, have):
+            if entry and not complete:  # torch's own step fails on it, as it does without us
+                missing = next(k for k in keys if entry.get(k) is None)
+                return self._decline(
+                    f"param group {bucket.group}: parameter {slot.name!r} has optimizer state without {missing!r} "
+                    "(an option switched on after its first step, e.g. amsgrad)"
+                )
         if any(have) and not all(have):
             return self._decline(
                 f"param group {bucket.group}: some parameters have optimizer state and others none (some were "

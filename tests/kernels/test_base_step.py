@@ -439,6 +439,50 @@ def test_a_plan_declined_at_a_later_bucket_leaves_no_state_of_its_own(backend, d
         assert opt.state[p].keys() == plain_opt.state[q].keys()
 
 
+@pytest.mark.parametrize("backend,device", [case for case in FUSED if case.values[1] == "cpu"])
+def test_amsgrad_switched_on_after_the_first_steps_fails_as_torchs_adam_does(backend, device):
+    """The state torch's Adam made without amsgrad lacks ``max_exp_avg_sq``: torch's own step raises a KeyError. The
+    fused step declines such state (naming the parameter and the key; ``base_step="fused"`` refuses it) rather than
+    start every moment and the step count afresh, so torch's step runs and raises as it does without us."""
+    for base_step, error, match in (
+        ("auto", KeyError, "max_exp_avg_sq"),
+        ("per-tensor", KeyError, "max_exp_avg_sq"),
+        ("fused", RuntimeError, r"parameter 'conv1.weight' has optimizer state without 'max_exp_avg_sq' \(an option "
+                                "switched on after its first step"),
+    ):  # fmt: skip
+        model = tiny_resnet()
+        opt = SAM(model, torch.optim.Adam, rho=0.05, backend=backend, base_step=base_step, lr=1e-2)
+        data = batches(3)
+        for xy in data[:2]:
+            sam_step(opt, model, xy)
+        opt.param_groups[0]["amsgrad"] = True
+        with pytest.raises(error, match=match):
+            sam_step(opt, model, data[2])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("base", ["adam", "adamw"])
+def test_a_tensor_lr_gives_torchs_bits(base, dtype):
+    """torch's Adam computes its step size (and AdamW its decay factor) from a tensor lr in the tensor's precision: a
+    float32 lr steps per tensor, saying why; a float64 one is fused, with torch's bits on the ``torch`` backend."""
+    base_cls, kw = BASES[base]
+    runs = []
+    for base_step in ("auto", "per-tensor"):
+        model = tiny_resnet()
+        opt = SAM(model, base_cls, rho=0.05, backend="torch", base_step=base_step,
+                  **{**kw, "lr": torch.tensor(kw["lr"], dtype=dtype)})  # fmt: skip
+        for xy in batches(3):
+            sam_step(opt, model, xy)
+        runs.append((flat(model), opt))
+    (fused, opt), (plain, _) = runs
+    assert torch.equal(fused, plain)
+    if dtype == torch.float32:
+        assert opt.base_step_mode == "per-tensor"
+        assert "lr holds a float32 tensor, in whose precision torch's Adam rounds" in opt.base_step_reason
+    else:
+        assert opt.base_step_mode == "fused", opt.base_step_reason
+
+
 def test_base_step_argument_is_checked():
     with pytest.raises(ValueError, match="base_step must be one of"):
         SAM(tiny_resnet(), torch.optim.SGD, lr=0.1, base_step="fast")

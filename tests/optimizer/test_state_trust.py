@@ -18,11 +18,16 @@ SGD_DAMPENED = dict(lr=0.05, momentum=0.9, dampening=0.1, weight_decay=5e-4)  # 
 BACKENDS = ["torch", "cpp"]
 
 
-def build(backend: str, base_step: str, **kw):
-    """``base_step`` "fused" builds with "auto": a step whose plan declines then steps per tensor."""
+def build(backend: str, base_step: str, buckets: int = 1, **kw):
+    """``base_step`` "fused" builds with "auto": a step whose plan declines then steps per tensor. ``buckets``: 2 puts
+    the classifier in a param group (and so a flat bucket) of its own."""
     model = tiny_resnet()
     base_step = "auto" if base_step == "fused" else base_step
-    opt = SAM(model, torch.optim.SGD, rho=0.05, backend=backend, base_step=base_step, foreach=False, **kw)
+    params = model.parameters()
+    if buckets == 2:
+        head = [model.fc.weight, model.fc.bias]
+        params = [{"params": [p for p in model.parameters() if all(p is not q for q in head)]}, {"params": head}]
+    opt = SAM(params, torch.optim.SGD, model=model, rho=0.05, backend=backend, base_step=base_step, foreach=False, **kw)
     return model, opt
 
 
@@ -30,12 +35,13 @@ def replace_by_hand(opt, model, value: float = 0.5) -> None:
     opt.state[model.fc.weight]["momentum_buffer"] = torch.full_like(model.fc.weight, value)
 
 
-def runs(backend: str, between, steps: int = 4, base_steps=("fused", "per-tensor"), kw=SGD_DAMPENED) -> dict:
+def runs(backend: str, between, steps: int = 4, base_steps=("fused", "per-tensor"), kw=SGD_DAMPENED,
+         buckets: int = 1) -> dict:  # fmt: skip
     """The weights and optimizer after ``steps`` SAM steps on each base step, ``between(opt, model)`` called before
     step 2."""
     out = {}
     for base_step in base_steps:
-        model, opt = build(backend, base_step, **kw)
+        model, opt = build(backend, base_step, buckets, **kw)
         for i, xy in enumerate(batches(steps, seed=11)):
             if i == 2:
                 between(opt, model)
@@ -66,14 +72,19 @@ def test_in_debug_mode_state_replaced_by_hand_is_taken_in_as_torchs_step_reads_i
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("change", ["clear", "new-dict", "momentum-on"])
-def test_what_changes_the_state_makes_the_next_step_check_it_again(backend, change):
+@pytest.mark.parametrize("buckets", [1, 2])
+@pytest.mark.parametrize("change", ["clear", "new-dict", "momentum-on", "one-deleted"])
+def test_what_changes_the_state_makes_the_next_step_check_it_again(backend, change, buckets):
     """A cleared state or a new state mapping starts the momentum again, as torch's step does; momentum switched on
-    mid-run (from 0) gives every parameter a buffer from the next gradient. Each, on the fused step, as per tensor."""
+    mid-run (from 0) gives every parameter a buffer from the next gradient; a parameter's entry deleted starts its
+    buffer again. Each, on the fused step, as per tensor, and in every bucket: the bucket that notices the change
+    first does not vouch for the others."""
 
     def between(opt, model):
         if change == "clear":
             opt.base_optimizer.state.clear()
+        elif change == "one-deleted":
+            del opt.base_optimizer.state[model.fc.weight]  # in the last bucket
         elif change == "new-dict":
             # as many entries as before, each empty: the state's size alone does not show the change
             opt.base_optimizer.state = collections.defaultdict(dict, {p: {} for p in model.parameters()})
@@ -82,9 +93,9 @@ def test_what_changes_the_state_makes_the_next_step_check_it_again(backend, chan
                 group["momentum"], group["dampening"] = 0.8, 0.2
 
     kw = {**SGD_DAMPENED, "momentum": 0.0, "dampening": 0.0} if change == "momentum-on" else SGD_DAMPENED
-    done = runs(backend, between, kw=kw)
+    done = runs(backend, between, kw=kw, buckets=buckets)
     assert torch.equal(done["fused"][0], done["per-tensor"][0])
-    unchanged = runs(backend, lambda opt, model: None, base_steps=("fused",), kw=kw)["fused"][0]
+    unchanged = runs(backend, lambda opt, model: None, base_steps=("fused",), kw=kw, buckets=buckets)["fused"][0]
     assert not torch.equal(done["fused"][0], unchanged)
 
 
