@@ -186,7 +186,14 @@ def checked_steps(opt, model, data) -> list[tuple[str, tuple]]:
 BASES = {
     "sgd": (torch.optim.SGD, dict(lr=0.01, momentum=0.9, weight_decay=5e-4, nesterov=True)),
     "adamw": (torch.optim.AdamW, dict(lr=1e-3, weight_decay=0.01, amsgrad=True)),
-    "adam-tensor-lr": (torch.optim.Adam, dict(lr=torch.tensor(1e-3), betas=(torch.tensor(0.9), torch.tensor(0.99)))),
+    # float64: torch's Adam rounds what it computes from a narrower tensor in its dtype, and such a step is per tensor
+    "adam-tensor-lr": (
+        torch.optim.Adam,
+        dict(
+            lr=torch.tensor(1e-3, dtype=torch.float64),
+            betas=(torch.tensor(0.9, dtype=torch.float64), torch.tensor(0.99, dtype=torch.float64)),
+        ),
+    ),
 }
 CPU = [case for case in ALL if case.values[1] == "cpu"] + [on_device("sharded", "cpu")]
 
