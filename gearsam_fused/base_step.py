@@ -47,8 +47,9 @@ views of its flat buffers (:meth:`FlatBaseStep.adopted`), later steps do not loo
 can change them happens: ``load_state_dict`` (:meth:`FlatBaseStep.adopt`), a step of the base optimizer's own
 (:meth:`FlatBaseStep.invalidate`), a new ``optimizer.state`` or a change in its number of entries (which every bucket
 checks again, not only the one that notices it), or new state keys (momentum switched on; ``amsgrad`` switched on
-after the first steps leaves state torch's own step cannot read, which is declined). A state tensor replaced by hand is not taken in by the step then;
-``state_dict()`` refuses to save it, and :func:`set_state_debug_mode` makes every step check and take it in.
+after the first steps leaves state torch's own step cannot read, which is declined). A state tensor replaced by hand
+is not taken in by the step then; ``state_dict()`` refuses to save it, and :func:`set_state_debug_mode` makes every
+step check and take it in.
 """
 
 from __future__ import annotations
@@ -326,9 +327,11 @@ class FlatBaseStep:
             keys = self._state_keys(update.hyper) + (["step"] if update.kind == "adam" else [])
             for slot in update.bucket.slots:
                 entry = state.get(slot.param)
-                for key in keys if entry is not None else ():
+                if entry is None:
+                    continue
+                for key in keys:
                     entry.pop(key, None)
-                if entry == {}:
+                if not entry:
                     del state[slot.param]
             update.bucket.counted = None
         if any(update.created for update in updates):
